@@ -1,0 +1,42 @@
+# Everything a user runs: `make train` and `make test` set themselves up on a fresh machine.
+#   make train                      # the debug model on 2 CPU ranks (gloo), shipped data
+#   make train CONFIG=configs/debug.toml NPROC=4 ARGS="--training.steps=50"
+#   make test                       # the test suite
+#   TORCH_VERSION=2.11.0 make setup # another torch (e.g. the CUDA build a GPU machine has)
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_VERSION ?= 2.13.0
+NPROC ?= 2
+CONFIG ?= configs/debug.toml
+ARGS ?=
+
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(TORCH_VERSION)
+
+.PHONY: setup train test lint fmt clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	rm -f $(VENV)/.installed-* && touch $@
+
+train: setup
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node=$(NPROC) train.py --config $(CONFIG) $(ARGS)
+
+test: setup
+	$(PY) -m pytest tests
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+fmt: setup
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+clean:
+	rm -rf outputs .pytest_cache .ruff_cache

@@ -1,0 +1,117 @@
+"""Throughput, MFU, memory, and the metrics log (console, metrics.jsonl, TensorBoard)."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from config import Metrics
+
+# Dense (no sparsity) bf16 tensor-core peak, FLOP/s, by a substring of the device name.
+# Order matters: the first match wins ("H100 NVL" before "H100").
+PEAK_BF16_FLOPS: list[tuple[str, float]] = [
+    ("GB200", 2.5e15),
+    ("B200", 2.25e15),
+    ("H200", 989e12),
+    ("H100 NVL", 835e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),  # SXM
+    ("H800", 989e12),
+    ("H20", 148e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+    ("A10", 125e12),
+    ("MI300X", 1307e12),
+    ("MI325X", 1307e12),
+]
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Peak dense bf16 FLOP/s of `device`, or None when unknown (CPU, unlisted GPUs)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory of this process: CUDA reserved memory, or the peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_reserved(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # Linux: KiB
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    tps: float  # tokens per second per device
+    mfu: float | None  # percent
+    memory_gib: float
+    step_time_s: float
+
+
+class MetricsLogger:
+    """Rank 0 prints a line per logged step and appends it to <dump_folder>/metrics.jsonl."""
+
+    def __init__(self, cfg: Metrics, *, dump_folder: str, total_steps: int, enabled: bool):
+        self.total_steps = total_steps
+        self.enabled = enabled
+        self.start = time.perf_counter()
+        self.jsonl = Path(dump_folder) / "metrics.jsonl"
+        self.tb = None
+        if enabled:
+            self.jsonl.parent.mkdir(parents=True, exist_ok=True)
+            if cfg.enable_tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(Path(dump_folder) / cfg.save_tb_folder))
+
+    def log(self, m: StepMetrics, *, first_step: int) -> None:
+        if not self.enabled:
+            return
+        done = (m.step - first_step) / max(self.total_steps - first_step, 1)
+        elapsed = time.perf_counter() - self.start
+        eta = elapsed / done - elapsed if done > 0 else 0.0
+        mfu = f"{m.mfu:.1f}%" if m.mfu is not None else "n/a"
+        width = len(str(self.total_steps))
+        print(
+            f"step {m.step:>{width}}/{self.total_steps} ({100 * m.step / self.total_steps:3.0f}%)"
+            f" | loss {m.loss:7.4f} | grad_norm {m.grad_norm:7.3f} | lr {m.lr:.2e}"
+            f" | tps {m.tps:,.0f} | mfu {mfu} | mem {m.memory_gib:.2f} GiB"
+            f" | step {m.step_time_s * 1000:.0f} ms | eta {_duration(eta)}",
+            flush=True,
+        )
+        with self.jsonl.open("a") as f:
+            f.write(json.dumps(m.__dict__) + "\n")
+        if self.tb is not None:
+            for key in ("loss", "grad_norm", "lr", "tps", "mfu", "memory_gib"):
+                value = getattr(m, key)
+                if value is not None:
+                    self.tb.add_scalar(key, value, m.step)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def rank0_print(message: str, *, rank: int) -> None:
+    if rank == 0:
+        print(message, file=sys.stdout, flush=True)

@@ -1,0 +1,297 @@
+"""Llama 3 (3.0, 3.1, 3.2 text) as one plain PyTorch module.
+
+Shape legend used in the comments:
+    bs: batch size, seqlen: sequence length, dim: model width,
+    n_heads / n_kv_heads: query / key-value heads (local to the rank under TP),
+    head_dim: dim // n_heads, vocab: vocabulary size.
+
+Design rules this file keeps:
+  * The training forward is a pure function of (parameters, tokens): no KV cache and no
+    other state that a recomputation under activation checkpointing could see twice
+    (PROBLEMS.md #2).
+  * The model knows nothing about meshes or parallelism; `parallelisms/` wraps it.
+  * Build on the meta device, parallelize, `to_empty(device)`, then `init_weights()`.
+  * Layers live in a ModuleDict keyed by "0", "1", ... so parameter names stay stable
+    when a pipeline stage or a test drops some of them.
+  * RoPE uses the "rotate half" layout of Hugging Face checkpoints, so HF weights load
+    without permuting wq/wk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1 frequency-dependent RoPE scaling ("rope_type": "llama3" in HF configs)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None  # None: multi-head attention (n_kv_heads == n_heads)
+    vocab_size: int = 128256
+    multiple_of: int = 256  # SwiGLU hidden size is rounded up to a multiple of this
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling: RopeScaling | None = None
+    max_seq_len: int = 131072  # longest sequence the flavor supports (RoPE table length)
+    tie_word_embeddings: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        # Llama's SwiGLU sizing: 2/3 of 4*dim, scaled, rounded up to `multiple_of`.
+        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+
+_LLAMA31_ROPE = RopeScaling(factor=8.0)
+_LLAMA32_ROPE = RopeScaling(factor=32.0)
+
+FLAVORS: dict[str, ModelArgs] = {
+    # ~6M parameters: trains on two CPU cores in minutes with the shipped 2048-token BPE.
+    "debugmodel": ModelArgs(
+        dim=256, n_layers=6, n_heads=16, n_kv_heads=8, vocab_size=2048,
+        max_seq_len=2048, rope_scaling=_LLAMA31_ROPE,
+    ),
+    # Llama 3.2 1B / 3B: tied input and output embeddings.
+    "llama3_1b": ModelArgs(
+        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5,
+        rope_scaling=_LLAMA32_ROPE, tie_word_embeddings=True,
+    ),
+    "llama3_3b": ModelArgs(
+        dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0,
+        rope_scaling=_LLAMA32_ROPE, tie_word_embeddings=True,
+    ),
+    # Llama 3.1 8B / 70B / 405B.
+    "llama3_8b": ModelArgs(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3,
+        multiple_of=1024, rope_scaling=_LLAMA31_ROPE,
+    ),
+    "llama3_70b": ModelArgs(
+        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3,
+        multiple_of=4096, rope_scaling=_LLAMA31_ROPE,
+    ),
+    "llama3_405b": ModelArgs(
+        dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2,
+        multiple_of=4096, rope_scaling=_LLAMA31_ROPE,
+    ),
+}  # fmt: skip
+
+
+# --------------------------------------------------------------------------- RoPE
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Inverse frequencies (head_dim // 2,), with Llama 3.1 scaling when given."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is None:
+        return inv_freq.float()
+    # Long wavelengths (beyond the original context / low_freq_factor) are slowed down by
+    # `factor`, short ones (below original context / high_freq_factor) are kept, and the
+    # band in between is interpolated linearly in 1/wavelength.
+    wavelen = 2 * math.pi / inv_freq
+    ctx = scaling.original_max_position_embeddings
+    smooth = (ctx / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smooth = smooth.clamp(0.0, 1.0)
+    scaled = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    return scaled.float()
+
+
+def rope_cos_sin(args: ModelArgs, device: torch.device | None = None) -> torch.Tensor:
+    """(2, max_seq_len, head_dim) table of cos and sin in the rotate-half layout."""
+    inv_freq = rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling).to(device)
+    positions = torch.arange(args.max_seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq)  # (max_seq_len, head_dim // 2)
+    angles = torch.cat([angles, angles], dim=-1)  # (max_seq_len, head_dim)
+    return torch.stack([angles.cos(), angles.sin()])
+
+
+def apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (bs, seqlen, heads, head_dim) by the angles of its positions."""
+    seqlen = x.shape[1]
+    cos = cos_sin[0, :seqlen, None, :]  # (seqlen, 1, head_dim), broadcast over bs and heads
+    sin = cos_sin[1, :seqlen, None, :]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos + rotated * sin).type_as(x)
+
+
+# ------------------------------------------------------------------------ modules
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        bs, seqlen, _ = x.shape
+        # -1 instead of n_heads: under tensor parallelism each rank holds a slice of heads.
+        q = self.wq(x).view(bs, seqlen, -1, self.head_dim)  # (bs, seqlen, n_heads, head_dim)
+        k = self.wk(x).view(bs, seqlen, -1, self.head_dim)  # (bs, seqlen, n_kv_heads, head_dim)
+        v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        q, k = apply_rope(q, cos_sin), apply_rope(k, cos_sin)
+
+        # Expand key/value heads to match the query heads (GQA). An expand+reshape instead
+        # of SDPA's enable_gqa, which not every fused kernel supports.
+        n_rep = q.shape[2] // k.shape[2]
+        if n_rep > 1:
+            k = k.repeat_interleave(n_rep, dim=2)
+            v = v.repeat_interleave(n_rep, dim=2)
+
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (bs, heads, seqlen, head_dim)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = out.transpose(1, 2).reshape(bs, seqlen, -1)  # (bs, seqlen, n_heads * head_dim)
+        return self.wo(out)
+
+    def init_weights(self, init_std: float) -> None:
+        for linear in (self.wq, self.wk, self.wv):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)  # gate
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)  # down
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)  # up
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, init_std: float) -> None:
+        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
+        for linear in (self.w2, self.w3):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=init_std)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h))."""
+
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        # Output projections get a smaller init the deeper the layer (GPT-2/torchtitan style),
+        # so the residual stream's variance does not grow with depth.
+        self.init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
+
+    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos_sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_weights(self) -> None:
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(self.init_std)
+        self.feed_forward.init_weights(self.init_std)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        # Tied models (1B/3B) reuse the embedding matrix as the output projection. No shared
+        # Parameter object: `to_empty` and FSDP would silently untie one.
+        self.output = None if args.tie_word_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+        # Derived from args, never trained or checkpointed: recomputed by init_weights().
+        self.register_buffer("rope_cos_sin", rope_cos_sin(args), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (bs, seqlen) int64 -> logits (bs, seqlen, vocab)."""
+        h = self.tok_embeddings(tokens)  # (bs, seqlen, dim)
+        for layer in self.layers.values():
+            h = layer(h, self.rope_cos_sin)
+        h = self.norm(h)
+        if self.output is None:
+            return F.linear(h, self.tok_embeddings.weight)
+        return self.output(h)
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """Fill parameters and buffers in place; works on DTensor (sharded) parameters too."""
+        device = buffer_device or self.rope_cos_sin.device
+        self.rope_cos_sin = rope_cos_sin(self.args, device=device)
+        nn.init.normal_(self.tok_embeddings.weight)
+        for layer in self.layers.values():
+            layer.init_weights()
+        self.norm.reset_parameters()
+        if self.output is not None:
+            # Logits start at unit scale: std dim^-0.5, truncated at 3 std.
+            std = self.args.dim**-0.5
+            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+
+# ------------------------------------------------------------------ size and FLOPs
+
+
+def num_params(args: ModelArgs, *, exclude_embedding: bool = False) -> int:
+    """Parameter count from the shapes alone (no model needed: 405B is fine)."""
+    attn = args.dim * args.head_dim * (2 * args.n_heads + 2 * args.kv_heads)
+    mlp = 3 * args.dim * args.ffn_hidden_dim
+    per_layer = attn + mlp + 2 * args.dim  # + two RMSNorm weights
+    embedding = args.vocab_size * args.dim
+    output = 0 if args.tie_word_embeddings else args.vocab_size * args.dim
+    total = embedding + args.n_layers * per_layer + args.dim + output
+    return total - embedding if exclude_embedding else total
+
+
+def num_flops_per_token(args: ModelArgs, seq_len: int) -> int:
+    """Training FLOPs per token (forward + backward), the convention behind reported MFU.
+
+    6 FLOPs per matmul weight per token (2 forward, 4 backward) over every weight that takes
+    part in a matmul: all but the embedding lookup, but with the output projection even
+    when it is tied to the embedding. Plus attention scores and values: 2 matmuls of
+    seq_len x head_dim per head, times 6, i.e. 12 * n_layers * n_heads * head_dim * seq_len.
+    Like PaLM and torchtitan, the causal mask is not credited (no halving).
+    """
+    matmul_params = num_params(args, exclude_embedding=True)
+    if args.tie_word_embeddings:
+        matmul_params += args.vocab_size * args.dim
+    attention = 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+    return 6 * matmul_params + attention
+
+
+def with_seq_len(args: ModelArgs, seq_len: int) -> ModelArgs:
+    """The flavor with a RoPE table just long enough for training at `seq_len`."""
+    return dataclasses.replace(args, max_seq_len=seq_len)

@@ -1,0 +1,50 @@
+"""FSDP2 (`fully_shard`): per-block sharding, mixed precision, CPU offload, HSDP."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from models.llama3 import Transformer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def apply_fsdp(
+    model: Transformer,
+    mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    cpu_offload: bool = False,
+    reshard_after_forward: bool = True,
+) -> None:
+    """Shard the embedding, each block, and norm + output as separate units, then the root.
+
+    `mesh` is 1-D for FSDP and 2-D ("dp_replicate", "dp_shard") for HSDP: parameters are
+    sharded over the inner dimension and replicated over the outer one, so all-gathers and
+    reduce-scatters stay inside a node and only gradient shards cross nodes (PROBLEMS.md #3).
+
+    One unit per block bounds the unsharded memory to about one block at a time, which is all
+    the old `transformer_auto_wrap_policy` bought (PROBLEMS.md #5); bf16 `param_dtype` halves
+    the gathered parameters and the all-gather traffic; fp32 `reduce_dtype` keeps gradient
+    reductions exact.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # Pinned host memory needs a CUDA driver; on a CPU-only machine the default
+    # pin_memory=True fails, so pin only where CUDA exists.
+    offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    kw = dict(mesh=mesh, mp_policy=mp, offload_policy=offload)
+
+    # With tied embeddings the matrix is used first and last: keep it in the root unit,
+    # which stays gathered for the whole forward, instead of a unit of its own.
+    if not model.args.tie_word_embeddings:
+        fully_shard(model.tok_embeddings, **kw, reshard_after_forward=reshard_after_forward)
+    for block in model.layers.values():
+        fully_shard(block, **kw, reshard_after_forward=reshard_after_forward)
+    if model.output is not None:
+        # The output layer runs last; its parameters are needed again at once by backward,
+        # so resharding them after forward would only add an all-gather.
+        fully_shard([model.norm, model.output], **kw, reshard_after_forward=False)
+    fully_shard(model, **kw)

@@ -1,0 +1,95 @@
+"""Parallel degrees -> one named DeviceMesh.
+
+The mesh always has the three dimensions ("dp_replicate", "dp_shard", "tp"), size 1 where a
+technique is off, so every `apply_*` function can take the sub-mesh it needs by name:
+
+    world = dp_replicate x dp_shard x tp
+    ("dp_replicate", "dp_shard")  HSDP: replicate across the outer dim, shard the inner one
+    "dp_shard"                    FSDP alone
+    "tp"                          tensor + sequence parallel (innermost: the fastest links)
+
+A rank's data-parallel index is `dp_rank(mesh)`; TP ranks of one group share it and so read
+the same micro-batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from config import ConfigError, Parallelism
+from models.llama3 import ModelArgs
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    world_size: int
+
+    @classmethod
+    def from_config(cls, cfg: Parallelism, *, world_size: int) -> ParallelDims:
+        """Resolve data_parallel_shard_degree = -1 and check that the degrees fill the world."""
+        rep, shard, tp = (
+            cfg.data_parallel_replicate_degree,
+            cfg.data_parallel_shard_degree,
+            cfg.tensor_parallel_degree,
+        )
+        if shard == -1:
+            if world_size % (rep * tp):
+                raise ConfigError(
+                    f"parallelism: data_parallel_replicate_degree ({rep}) x tensor_parallel_degree ({tp}) "
+                    f"does not divide the world size {world_size}; change the degrees or the number of processes"
+                )
+            shard = world_size // (rep * tp)
+        if rep * shard * tp != world_size:
+            raise ConfigError(
+                f"parallelism: replicate {rep} x shard {shard} x tensor {tp} = {rep * shard * tp} ranks, "
+                f"but the world size is {world_size}; make the degrees multiply to the number of processes "
+                "(data_parallel_shard_degree = -1 takes whatever is left)"
+            )
+        return cls(dp_replicate=rep, dp_shard=shard, tp=tp, world_size=world_size)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many different micro-batches are processed at once."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp_shard > 1
+
+    @property
+    def hsdp_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    def check_model(self, args: ModelArgs, *, seq_len: int) -> None:
+        """Shapes that tensor/sequence parallel must split evenly."""
+        problems = []
+        if args.n_heads % self.tp:
+            problems.append(f"parallelism.tensor_parallel_degree: {self.tp} does not divide n_heads={args.n_heads}")
+        if args.kv_heads % self.tp:
+            problems.append(f"parallelism.tensor_parallel_degree: {self.tp} does not divide n_kv_heads={args.kv_heads}")
+        if seq_len % self.tp:
+            problems.append(
+                f"training.seq_len: {seq_len} is not divisible by tensor_parallel_degree {self.tp} (sequence parallel splits it)"
+            )
+        if problems:
+            raise ConfigError(*problems)
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        return init_device_mesh(
+            device_type,
+            (self.dp_replicate, self.dp_shard, self.tp),
+            mesh_dim_names=("dp_replicate", "dp_shard", "tp"),
+        )
+
+    def dp_rank(self, mesh: DeviceMesh) -> int:
+        """This rank's index among the dp_replicate x dp_shard data-parallel ranks."""
+        return mesh["dp_replicate"].get_local_rank() * self.dp_shard + mesh["dp_shard"].get_local_rank()
