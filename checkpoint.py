@@ -121,14 +121,10 @@ class CheckpointManager:
         return 0
 
     def _load_model(self, path: Path) -> None:
+        model_state = get_model_state_dict(self.model)
+        _check_holds(path, {f"model_and_optimizer.model.{k}": v for k, v in model_state.items()})
         state = {"model_and_optimizer": ModelAndOptimizer(self.model, None)}
-        try:
-            dcp.load(state, checkpoint_id=str(path), process_group=self.process_group)
-        except Exception as e:  # DCP wraps per-rank failures in CheckpointException
-            raise ConfigError(
-                f"checkpoint: {path} does not hold weights for this model ({type(e).__name__}); "
-                "check model.flavor or the checkpoint path"
-            ) from None
+        dcp.load(state, checkpoint_id=str(path), process_group=self.process_group)
 
     # ----------------------------------------------------------------- saving
 
@@ -196,6 +192,22 @@ class CheckpointManager:
 
     def close(self) -> None:
         self._finish_pending()
+
+
+def _check_holds(path: Path, expected: dict[str, torch.Tensor]) -> None:
+    """Fail with one line, before DCP does with a traceback per rank, if `path` lacks weights."""
+    try:
+        stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception as e:  # unpickling garbage raises anything
+        raise ConfigError(f"checkpoint: {path}/.metadata is unreadable ({type(e).__name__}); it is not a DCP checkpoint") from None
+    missing = [k for k in expected if k not in stored]
+    wrong = [k for k, v in expected.items() if k in stored and tuple(getattr(stored[k], "size", ())) != tuple(v.shape)]
+    if missing or wrong:
+        first = (missing or wrong)[0].removeprefix("model_and_optimizer.model.")
+        raise ConfigError(
+            f"checkpoint: {path} does not fit this model ({len(missing)} weights missing, {len(wrong)} of another "
+            f"shape, e.g. {first}); check model.flavor or the checkpoint path"
+        )
 
 
 def _rank() -> int:

@@ -91,8 +91,11 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
         model.init_weights(buffer_device=device)
     model.train()
 
-    # Control messages (stop requests, checkpoint coordination) go over a CPU group.
+    # Stop requests need a CPU (gloo) group under NCCL. Checkpoints get a gloo group of their
+    # own: an async save runs collectives in a background thread, and two threads issuing
+    # collectives on one group interleave them and hang.
     ctrl_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+    checkpoint_group = dist.new_group(backend="gloo")
     if cfg.checkpoint.create_seed_checkpoint:
         return save_seed_checkpoint(cfg, model, world_size=world_size)
 
@@ -104,7 +107,7 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
     checkpoint = CheckpointManager(
         cfg.checkpoint, dump_folder=cfg.job.dump_folder, model=model, optimizer=optimizer,
         stateful={"lr_scheduler": lr_scheduler, "dataloader": loader, "train_state": train_state},
-        process_group=ctrl_group,
+        process_group=checkpoint_group,
     )  # fmt: skip
     start_step = checkpoint.load()
     train_state.restore_rng()

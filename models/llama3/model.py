@@ -265,11 +265,14 @@ class Transformer(nn.Module):
 # ------------------------------------------------------------------ size and FLOPs
 
 
+def _matmul_params_per_layer(args: ModelArgs) -> int:
+    attention = args.dim * args.head_dim * (2 * args.n_heads + 2 * args.kv_heads)  # wq, wk, wv, wo
+    return attention + 3 * args.dim * args.ffn_hidden_dim  # + w1, w2, w3
+
+
 def num_params(args: ModelArgs, *, exclude_embedding: bool = False) -> int:
     """Parameter count from the shapes alone (no model needed: 405B is fine)."""
-    attn = args.dim * args.head_dim * (2 * args.n_heads + 2 * args.kv_heads)
-    mlp = 3 * args.dim * args.ffn_hidden_dim
-    per_layer = attn + mlp + 2 * args.dim  # + two RMSNorm weights
+    per_layer = _matmul_params_per_layer(args) + 2 * args.dim  # + two RMSNorm weights
     embedding = args.vocab_size * args.dim
     output = 0 if args.tie_word_embeddings else args.vocab_size * args.dim
     total = embedding + args.n_layers * per_layer + args.dim + output
@@ -280,14 +283,13 @@ def num_flops_per_token(args: ModelArgs, seq_len: int) -> int:
     """Training FLOPs per token (forward + backward), the convention behind reported MFU.
 
     6 FLOPs per matmul weight per token (2 forward, 4 backward) over every weight that takes
-    part in a matmul: all but the embedding lookup, but with the output projection even
-    when it is tied to the embedding. Plus attention scores and values: 2 matmuls of
-    seq_len x head_dim per head, times 6, i.e. 12 * n_layers * n_heads * head_dim * seq_len.
-    Like PaLM and torchtitan, the causal mask is not credited (no halving).
+    part in a matmul: the blocks' projections and the output projection, also when it is tied
+    to the embedding; not the embedding lookup or the norms. Plus attention scores and
+    values: 2 matmuls of seq_len x head_dim per head, times 6, i.e.
+    12 * n_layers * n_heads * head_dim * seq_len. Like PaLM and torchtitan, the causal mask is
+    not credited (no halving). tests/test_model.py checks this against FlopCounterMode.
     """
-    matmul_params = num_params(args, exclude_embedding=True)
-    if args.tie_word_embeddings:
-        matmul_params += args.vocab_size * args.dim
+    matmul_params = args.n_layers * _matmul_params_per_layer(args) + args.vocab_size * args.dim
     attention = 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
     return 6 * matmul_params + attention
 

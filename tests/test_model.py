@@ -1,0 +1,135 @@
+"""Model shapes, parameter counts, FLOPs formula, init, statelessness."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from models.llama3 import FLAVORS, Transformer, num_flops_per_token, num_params
+from models.llama3.model import rope_inv_freq, with_seq_len
+
+# Published sizes: Llama 3.2 1B/3B model cards and Llama 3.1 8B/70B/405B (HF configs).
+PUBLISHED = {
+    "llama3_1b": dict(params=1_235_814_400, hidden=8192, dim=2048, layers=16, heads=32, kv=8, tied=True),
+    "llama3_3b": dict(params=3_212_749_824, hidden=8192, dim=3072, layers=28, heads=24, kv=8, tied=True),
+    "llama3_8b": dict(params=8_030_261_248, hidden=14336, dim=4096, layers=32, heads=32, kv=8, tied=False),
+    "llama3_70b": dict(params=70_553_706_496, hidden=28672, dim=8192, layers=80, heads=64, kv=8, tied=False),
+    "llama3_405b": dict(params=405_853_388_800, hidden=53248, dim=16384, layers=126, heads=128, kv=8, tied=False),
+}
+
+
+@pytest.mark.parametrize("flavor", list(PUBLISHED))
+def test_published_shapes_and_parameter_counts(flavor: str) -> None:
+    args, ref = FLAVORS[flavor], PUBLISHED[flavor]
+    assert (args.dim, args.n_layers, args.n_heads, args.kv_heads) == (ref["dim"], ref["layers"], ref["heads"], ref["kv"])
+    assert args.ffn_hidden_dim == ref["hidden"]
+    assert args.vocab_size == 128256 and args.rope_theta == 500000.0
+    assert args.tie_word_embeddings == ref["tied"]
+    assert args.rope_scaling is not None
+    with torch.device("meta"):  # 405B on the meta device costs nothing
+        model = Transformer(with_seq_len(args, 16))
+    assert sum(p.numel() for p in model.parameters()) == ref["params"] == num_params(args)
+    assert list(model.layers.keys()) == [str(i) for i in range(args.n_layers)]
+
+
+def test_debugmodel_parameter_count_matches_module() -> None:
+    with torch.device("meta"):
+        model = Transformer(with_seq_len(FLAVORS["debugmodel"], 16))
+    assert sum(p.numel() for p in model.parameters()) == num_params(FLAVORS["debugmodel"])
+
+
+def tiny(**changes) -> Transformer:
+    args = dataclasses.replace(FLAVORS["debugmodel"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128)
+    return Transformer(with_seq_len(dataclasses.replace(args, **changes), 32))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_flops_formula_matches_counted_flops(tied: bool) -> None:
+    """6N + 12 * layers * heads * head_dim * seq_len equals what FlopCounterMode counts."""
+    torch.manual_seed(0)
+    model = tiny(tie_word_embeddings=tied)
+    model.init_weights()
+    bs, seq = 2, 32
+    tokens = torch.randint(0, 128, (bs, seq))
+    # The math SDPA backend runs attention as counted matmuls (the fused CPU kernel is not
+    # counted by FlopCounterMode) and, like the formula, computes the masked half too.
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        loss = F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+        loss.backward()
+    counted = counter.get_total_flops() / (bs * seq)
+    assert counted == pytest.approx(num_flops_per_token(model.args, seq), rel=1e-9)
+
+
+def test_meta_init_then_to_empty_then_init_weights() -> None:
+    with torch.device("meta"):
+        model = tiny()
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    model.init_weights()
+    for name, p in model.named_parameters():
+        assert torch.isfinite(p).all(), name
+    assert model.layers["0"].attention_norm.weight.eq(1).all()
+    assert model.tok_embeddings.weight.std().item() == pytest.approx(1.0, rel=0.05)
+    assert model.layers["0"].attention.wq.weight.std().item() == pytest.approx(0.02, rel=0.1)
+    # Deeper layers start with smaller output projections.
+    assert model.layers["1"].attention.wo.weight.std() < model.layers["0"].attention.wo.weight.std()
+    # Same seed, same weights.
+    other = tiny()
+    torch.manual_seed(0)
+    other.init_weights()
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values(), strict=True))
+
+
+def test_forward_is_stateless() -> None:
+    """No KV cache or other state: the state dict is parameters only, and reruns are identical."""
+    torch.manual_seed(0)
+    model = tiny()
+    model.init_weights()
+    assert set(model.state_dict()) == {name for name, _ in model.named_parameters()}
+    tokens = torch.randint(0, 128, (2, 32))
+    first = model(tokens)
+    assert first.shape == (2, 32, 128)
+    assert torch.equal(first, model(tokens))
+    # Causal: a token's logits do not depend on later tokens.
+    changed = tokens.clone()
+    changed[:, 20:] = (changed[:, 20:] + 1) % 128
+    assert torch.allclose(model(changed)[:, :20], first[:, :20], atol=1e-6)
+
+
+def test_tied_model_uses_the_embedding_as_output() -> None:
+    torch.manual_seed(0)
+    model = tiny(tie_word_embeddings=True)
+    model.init_weights()
+    assert model.output is None
+    tokens = torch.randint(0, 128, (1, 8))
+    loss = model(tokens).sum()
+    loss.backward()
+    assert model.tok_embeddings.weight.grad is not None
+
+
+def test_rope_llama3_scaling_matches_transformers() -> None:
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    args = FLAVORS["llama3_8b"]
+    scaling = args.rope_scaling
+    config = LlamaConfig(
+        hidden_size=args.dim,
+        num_attention_heads=args.n_heads,
+        rope_theta=args.rope_theta,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": scaling.factor,
+            "low_freq_factor": scaling.low_freq_factor,
+            "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_position_embeddings,
+        },
+    )
+    hf_inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    ours = rope_inv_freq(args.head_dim, args.rope_theta, scaling)
+    torch.testing.assert_close(ours, hf_inv_freq.float(), rtol=1e-6, atol=0)

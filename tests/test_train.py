@@ -1,0 +1,198 @@
+"""train.py end to end on CPU ranks: falling loss, metrics, checkpoints, resume, SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.launch import REPO, free_port, python, torchrun
+
+# The debug model, small enough for many launches on 2 cores.
+TINY = [
+    "--config", "configs/debug.toml", "--training.seq_len=64", "--training.local_batch_size=2",
+    "--metrics.log_freq=1", "--lr_scheduler.warmup_steps=5",
+]  # fmt: skip
+
+
+def losses(dump: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: row["loss"] for row in rows}
+
+
+def test_two_rank_run_loss_falls_and_metrics_are_logged(tmp_path: Path) -> None:
+    dump = tmp_path / "run"
+    proc = torchrun(
+        "train.py", *TINY, "--training.steps=30", "--training.local_batch_size=4", f"--job.dump_folder={dump}",
+        "--metrics.log_freq=5", "--metrics.enable_tensorboard", nproc=2,
+    )  # fmt: skip
+    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [5, 10, 15, 20, 25, 30]
+    for row in rows:
+        assert {"step", "loss", "grad_norm", "lr", "tps", "mfu", "memory_gib"} <= row.keys()
+        assert row["tps"] > 0 and row["memory_gib"] > 0 and row["mfu"] is None  # no MFU on CPU
+    assert rows[-1]["loss"] < rows[0]["loss"] - 1.0, [r["loss"] for r in rows]
+    assert "world 2 = replicate 1 x shard 2 x tp 1" in proc.stdout
+    assert proc.stdout.count("step 30/30 (100%)") == 1  # rank 0 only
+    assert any((dump / "tb").iterdir())
+
+
+@pytest.fixture(scope="module")
+def seed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One set of initial weights for every layout (sharded init differs per layout on CPU)."""
+    dump = tmp_path_factory.mktemp("seed")
+    proc = python("train.py", *TINY, f"--job.dump_folder={dump}", "--checkpoint.create_seed_checkpoint")
+    assert proc.returncode == 0, proc.stderr
+    return dump / "checkpoint" / "step-0"
+
+
+def run(dump: Path, *, nproc: int, steps: int, seed: Path, extra: tuple[str, ...] = ()) -> None:
+    """A run of `steps` steps. The LR stays flat after warmup (min_lr_factor = 1), so that a
+    10-step run is the first half of a 20-step run, as if the 20-step job was stopped."""
+    torchrun(
+        "train.py", *TINY, f"--training.steps={steps}", "--training.global_batch_size=8", "--training.deterministic",
+        "--lr_scheduler.min_lr_factor=1.0",
+        f"--job.dump_folder={dump}", "--checkpoint.enable", "--checkpoint.interval=5",
+        f"--checkpoint.initial_load_path={seed}", *extra, nproc=nproc,
+    )  # fmt: skip
+
+
+def test_resume_gives_the_losses_of_a_straight_run(tmp_path: Path, seed: Path) -> None:
+    straight, resumed, resharded = tmp_path / "straight", tmp_path / "resumed", tmp_path / "resharded"
+    run(straight, nproc=2, steps=20, seed=seed, extra=("--checkpoint.export_safetensors",))
+    # Same world size; async saves and pruning on the way.
+    run(resumed, nproc=2, steps=10, seed=seed, extra=("--checkpoint.async_mode=async", "--checkpoint.keep_latest_k=1"))
+    assert sorted(p.name for p in (resumed / "checkpoint").iterdir()) == ["step-10"]
+    run(resumed, nproc=2, steps=20, seed=seed)
+    # Saved on 4 ranks, resumed on 2: DCP reshards model and optimizer state.
+    run(resharded, nproc=4, steps=10, seed=seed)
+    run(resharded, nproc=2, steps=20, seed=seed)
+
+    ref, same, other = losses(straight), losses(resumed), losses(resharded)
+    assert sorted(same) == sorted(other) == list(range(1, 21))
+    assert ref[20] < ref[1] - 0.5
+    # Same world size, deterministic mode: bit-identical.
+    assert same == ref
+    # Another world size sums gradients in another order (4 partial sums instead of 2):
+    # float32 rounding, nothing more.
+    assert max(abs(other[s] - ref[s]) for s in ref) < 1e-5
+
+    weights = load_file(straight / "checkpoint" / "step-20" / "model.safetensors")
+    assert "tok_embeddings.weight" in weights and "layers.5.feed_forward.w2.weight" in weights
+    assert weights["tok_embeddings.weight"].shape == (2048, 256)
+
+
+def test_a_partial_checkpoint_is_never_resumed(tmp_path: Path, seed: Path) -> None:
+    dump = tmp_path / "run"
+    run(dump, nproc=2, steps=5, seed=seed)
+    # A save killed half way: a .partial folder, and a step folder without .metadata.
+    (dump / "checkpoint" / "step-10.partial").mkdir()
+    (dump / "checkpoint" / "step-15").mkdir()
+    run(dump, nproc=2, steps=7, seed=seed)
+    assert sorted(losses(dump)) == [1, 2, 3, 4, 5, 6, 7]  # resumed from step 5
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_zero(tmp_path: Path, seed: Path) -> None:
+    """SIGTERM to one rank only: all ranks agree to stop at the same step, save, exit 0."""
+    dump = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+        "train.py", *TINY, "--training.steps=100000", f"--job.dump_folder={dump}", "--checkpoint.enable",
+        "--checkpoint.interval=100000",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    launcher = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (dump / "metrics.jsonl").exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        workers = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()
+        assert len(workers) == 2
+        os.kill(int(workers[-1]), signal.SIGTERM)
+        out, err = launcher.communicate(timeout=120)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 0, err[-3000:]
+    assert "SIGTERM: saved step" in out
+    saved = [p.name for p in (dump / "checkpoint").iterdir()]
+    assert len(saved) == 1 and saved[0].startswith("step-") and (dump / "checkpoint" / saved[0] / ".metadata").exists()
+
+
+# ----------------------------------------------------------------- bad input
+
+
+def one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--training.stepz=3"], "training.stepz: unknown key"),
+        (["--training.steps=ten"], "training.steps: expected int"),
+        (["--config", "configs/missing.toml"], "configs/missing.toml not found"),
+        (["--data.path=missing.jsonl"], "data.path: missing.jsonl not found"),
+        (["--model.tokenizer_path=missing"], "model.tokenizer_path: missing not found"),
+        (["--training.seq_len=4096"], "training.seq_len: 4096 exceeds the 2048 tokens"),
+        (["--parallelism.data_parallel_shard_degree=2"], "but the world size is 1"),
+        (["--checkpoint.initial_load_path=assets"], "checkpoint.initial_load_path: assets is not a DCP checkpoint"),
+        (["--model.flavor=llama3_9b"], "did you mean 'llama3_8b'"),
+    ],
+)
+def test_bad_input_gets_one_line_and_exit_code_2(args: list[str], expected: str) -> None:
+    line = one_line_error(python("train.py", "--config", "configs/debug.toml", *args))
+    assert expected in line
+
+
+def test_empty_dataset(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    line = one_line_error(python("train.py", "--config", "configs/debug.toml", f"--data.path={empty}"))
+    assert "data.path" in line
+
+
+def test_checkpoint_folder_that_is_not_a_checkpoint(tmp_path: Path) -> None:
+    fake = tmp_path / "step-3"
+    fake.mkdir()
+    (fake / ".metadata").write_text("not a checkpoint")
+    line = one_line_error(python("train.py", *TINY, f"--checkpoint.initial_load_path={fake}"))
+    assert f"checkpoint: {fake}/.metadata is unreadable" in line
+
+
+def test_checkpoint_of_another_model_is_refused(seed: Path) -> None:
+    from checkpoint import _check_holds
+    from config import ConfigError
+
+    prefix = "model_and_optimizer.model."
+    _check_holds(seed, {prefix + "norm.weight": torch.zeros(256)})
+    with pytest.raises(ConfigError, match=r"1 weights missing, 0 of another shape, e.g. layers.99.ffn_norm.weight"):
+        _check_holds(seed, {prefix + "layers.99.ffn_norm.weight": torch.zeros(256)})
+    with pytest.raises(ConfigError, match=r"0 weights missing, 1 of another shape, e.g. norm.weight"):
+        _check_holds(seed, {prefix + "norm.weight": torch.zeros(512)})
+
+
+def test_error_under_torchrun_is_printed_once(tmp_path: Path) -> None:
+    proc = torchrun("train.py", "--config", "configs/debug.toml", "--data.path=missing.jsonl", nproc=2, check=False)
+    assert proc.returncode != 0
+    assert proc.stderr.count("error: data.path: missing.jsonl not found") == 1
+
+
+def test_help_and_print_config() -> None:
+    proc = python("train.py", "--help")
+    assert proc.returncode == 0 and "--training.local_batch_size" in proc.stdout
+    proc = python("train.py", "--config", "configs/debug.toml", "--print-config")
+    assert proc.returncode == 0
+    assert 'flavor = "debugmodel"' in proc.stdout
+    assert "# parameters: 5,770,496" in proc.stdout and "FLOPs per token" in proc.stdout
