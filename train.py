@@ -31,6 +31,7 @@ from models.llama3 import FLAVORS, Transformer, num_flops_per_token, num_params
 from models.llama3.model import with_seq_len
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import parallelize_llama
+from parallelisms.tp import loss_parallel_context
 
 T = TypeVar("T")
 
@@ -125,14 +126,16 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
             flush=True,
         )
     stop = StopSignal(ctrl_group)
+    loss_parallel = dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
     last_log_time, last_log_step = time.perf_counter(), start_step
 
     # ------------------------------------------------------------------ the loop
     for step in range(start_step + 1, t.steps + 1):
         train_state.step = step
         loss, grad_norm = train_step(
-            model, optimizer, loader.next_step(), grad_accum=loader.grad_accum, max_norm=t.max_norm, device=device
-        )
+            model, optimizer, loader.next_step(), grad_accum=loader.grad_accum, max_norm=t.max_norm,
+            loss_parallel=loss_parallel, device=device,
+        )  # fmt: skip
         lr = lr_scheduler.get_last_lr()[0]
         lr_scheduler.step()
 
@@ -173,18 +176,22 @@ def train_step(
     *,
     grad_accum: int,
     max_norm: float,
+    loss_parallel: bool,
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over `grad_accum` micro-batches; returns (loss, grad norm) tensors."""
     optimizer.zero_grad(set_to_none=True)
     total_loss = torch.zeros((), device=device)
     for inputs, labels in microbatches:
-        logits = model(inputs.to(device))  # (bs, seqlen, vocab)
-        # Cross-entropy in fp32 whatever the compute dtype; / grad_accum so that the
-        # accumulated gradient is the mean over the whole global batch.
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.to(device).flatten()) / grad_accum
-        loss.backward()
-        total_loss += loss.detach()
+        # Under loss parallel the logits stay sharded over the vocabulary (TP ranks) and
+        # cross-entropy runs on the shards; the context must cover backward too.
+        with loss_parallel_context(loss_parallel):
+            logits = model(inputs.to(device))  # (bs, seqlen, vocab)
+            # Cross-entropy in fp32 whatever the compute dtype; / grad_accum so that the
+            # accumulated gradient is the mean over the whole global batch.
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.to(device).flatten()) / grad_accum
+            loss.backward()
+        total_loss += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
     grad_norm = clip_grad_norm_(model.parameters(), max_norm)
     optimizer.step()
     return total_loss, grad_norm

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -18,7 +20,7 @@ def apply_fsdp(
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
     cpu_offload: bool = False,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: Literal["default", "always", "never"] = "default",
 ) -> None:
     """Shard the embedding, each block, and norm + output as separate units, then the root.
 
@@ -30,7 +32,23 @@ def apply_fsdp(
     the old `transformer_auto_wrap_policy` bought (PROBLEMS.md #5); bf16 `param_dtype` halves
     the gathered parameters and the all-gather traffic; fp32 `reduce_dtype` keeps gradient
     reductions exact.
+
+    reshard_after_forward (parallelism.fsdp_reshard_after_forward): "default" frees the gathered
+    parameters of the embedding and of every block after their forward, but keeps the last unit
+    (norm + output) gathered; "always" frees every unit; "never" keeps all gathered from forward
+    to backward (no second all-gather, ZeRO-2-like memory).
     """
+    match reshard_after_forward:
+        case "default":
+            reshard, reshard_last = True, False
+        case "always":
+            reshard, reshard_last = True, True
+        case "never":
+            reshard, reshard_last = False, False
+        case _:
+            raise ValueError(
+                f"reshard_after_forward: expected 'default', 'always' or 'never', got {reshard_after_forward!r}"
+            )
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     # Pinned host memory needs a CUDA driver; on a CPU-only machine the default
     # pin_memory=True fails, so pin only where CUDA exists.
@@ -40,11 +58,11 @@ def apply_fsdp(
     # With tied embeddings the matrix is used first and last: keep it in the root unit,
     # which stays gathered for the whole forward, instead of a unit of its own.
     if not model.args.tie_word_embeddings:
-        fully_shard(model.tok_embeddings, **kw, reshard_after_forward=reshard_after_forward)
+        fully_shard(model.tok_embeddings, **kw, reshard_after_forward=reshard)
     for block in model.layers.values():
-        fully_shard(block, **kw, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, **kw, reshard_after_forward=reshard)
     if model.output is not None:
         # The output layer runs last; its parameters are needed again at once by backward,
-        # so resharding them after forward would only add an all-gather.
-        fully_shard([model.norm, model.output], **kw, reshard_after_forward=False)
-    fully_shard(model, **kw)
+        # so by default resharding them after forward would only add an all-gather.
+        fully_shard([model.norm, model.output], **kw, reshard_after_forward=reshard_last)
+    fully_shard(model, **kw, reshard_after_forward=reshard_last)

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from torch.distributed.device_mesh import DeviceMesh
 
-from config import ActivationCheckpoint, Compile, ConfigError, Parallelism, Training
+from config import ActivationCheckpoint, Compile, Parallelism, Training
 from models.llama3 import Transformer
+from parallelisms.ac import apply_ac
+from parallelisms.compile import apply_compile, inductor_cache_dir
 from parallelisms.fsdp import DTYPES, apply_fsdp
 from parallelisms.parallel_dims import ParallelDims
+from parallelisms.tp import apply_tp
 
 
 def parallelize_llama(
@@ -19,17 +24,50 @@ def parallelize_llama(
     parallelism: Parallelism,
     ac: ActivationCheckpoint,
     compile: Compile,
+    inductor_cache_root: str | Path | None = None,
 ) -> Transformer:
-    """Apply, in order, TP -> activation checkpointing -> compile -> FSDP to a meta model."""
-    unsupported = []
+    """Apply, in order, TP -> activation checkpointing -> compile -> FSDP to a (meta) model.
+
+    The order is not a matter of taste:
+      1. TP first: it replaces parameters by DTensors sharded over "tp" and installs the
+         input/output redistributions; every later step must see those final parameters.
+      2. AC before compile: compile then traces the checkpointed block, so the recomputation
+         (and selective AC's save/recompute choices) is part of the compiled graph.
+      3. Compile per block before FSDP: each block's forward becomes one graph (shared by all
+         blocks); FSDP's all-gather and reshard hooks, added next on the same modules, run
+         eagerly around it at the block boundary instead of breaking the graph (checked on
+         2.13: one graph, no graph breaks, fullgraph=True).
+      4. FSDP last: it turns modules into FSDP units and shards over the data-parallel mesh
+         whatever the steps before produced (TP DTensors become 2-D (dp_shard, tp) DTensors).
+    Under loss parallel (TP on, parallelism.disable_loss_parallel false) the logits are a
+    vocabulary-sharded DTensor: compute the loss AND call backward inside
+    `parallelisms.tp.loss_parallel_context(True)`.
+
+    inductor_cache_root: parent folder of the per-recipe inductor caches (see
+    `parallelisms.compile.inductor_cache_dir`); None = TORCHINDUCTOR_CACHE_DIR or inductor's default.
+    """
     if dims.tp_enabled or parallelism.enable_async_tensor_parallel:
-        unsupported.append("parallelism.tensor_parallel_degree: tensor parallel is not available yet; set it to 1")
-    if ac.mode != "none":
-        unsupported.append("activation_checkpoint.mode: activation checkpointing is not available yet; set it to \"none\"")
+        # With tp = 1 this only refuses async TP (it needs a TP group of at least 2).
+        apply_tp(
+            model,
+            mesh["tp"],
+            loss_parallel=not parallelism.disable_loss_parallel,
+            enable_async_tp=parallelism.enable_async_tensor_parallel,
+            compile_enabled=compile.enable,
+        )
+
+    apply_ac(model, ac)
+
     if compile.enable:
-        unsupported.append("compile.enable: compile is not available yet; set it to false")
-    if unsupported:
-        raise ConfigError(*unsupported)
+        cache_dir = inductor_cache_dir(
+            async_tp=parallelism.enable_async_tensor_parallel,
+            tp_degree=dims.tp,
+            ac_mode=ac.mode,
+            ac_option=ac.selective_ac_option,
+            float8=False,  # no float8 training in this recipe yet; keep the key ready for it
+            root=inductor_cache_root,
+        )
+        apply_compile(model, cache_dir=cache_dir)
 
     if dims.dp > 1 or training.mixed_precision_param != "float32" or training.enable_cpu_offload:
         dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.hsdp_enabled else mesh["dp_shard"]
@@ -39,5 +77,6 @@ def parallelize_llama(
             param_dtype=DTYPES[training.mixed_precision_param],
             reduce_dtype=DTYPES[training.mixed_precision_reduce],
             cpu_offload=training.enable_cpu_offload,
+            reshard_after_forward=parallelism.fsdp_reshard_after_forward,
         )
     return model

@@ -26,7 +26,12 @@ PUBLISHED = {
 @pytest.mark.parametrize("flavor", list(PUBLISHED))
 def test_published_shapes_and_parameter_counts(flavor: str) -> None:
     args, ref = FLAVORS[flavor], PUBLISHED[flavor]
-    assert (args.dim, args.n_layers, args.n_heads, args.kv_heads) == (ref["dim"], ref["layers"], ref["heads"], ref["kv"])
+    assert (args.dim, args.n_layers, args.n_heads, args.kv_heads) == (
+        ref["dim"],
+        ref["layers"],
+        ref["heads"],
+        ref["kv"],
+    )
     assert args.ffn_hidden_dim == ref["hidden"]
     assert args.vocab_size == 128256 and args.rope_theta == 500000.0
     assert args.tie_word_embeddings == ref["tied"]

@@ -14,18 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.conftest import TINY, losses
 from tests.launch import REPO, free_port, python, torchrun
-
-# The debug model, small enough for many launches on 2 cores.
-TINY = [
-    "--config", "configs/debug.toml", "--training.seq_len=64", "--training.local_batch_size=2",
-    "--metrics.log_freq=1", "--lr_scheduler.warmup_steps=5",
-]  # fmt: skip
-
-
-def losses(dump: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
-    return {row["step"]: row["loss"] for row in rows}
 
 
 def test_two_rank_run_loss_falls_and_metrics_are_logged(tmp_path: Path) -> None:
@@ -43,15 +33,6 @@ def test_two_rank_run_loss_falls_and_metrics_are_logged(tmp_path: Path) -> None:
     assert "world 2 = replicate 1 x shard 2 x tp 1" in proc.stdout
     assert proc.stdout.count("step 30/30 (100%)") == 1  # rank 0 only
     assert any((dump / "tb").iterdir())
-
-
-@pytest.fixture(scope="module")
-def seed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One set of initial weights for every layout (sharded init differs per layout on CPU)."""
-    dump = tmp_path_factory.mktemp("seed")
-    proc = python("train.py", *TINY, f"--job.dump_folder={dump}", "--checkpoint.create_seed_checkpoint")
-    assert proc.returncode == 0, proc.stderr
-    return dump / "checkpoint" / "step-0"
 
 
 def run(dump: Path, *, nproc: int, steps: int, seed: Path, extra: tuple[str, ...] = ()) -> None:
@@ -149,6 +130,7 @@ def one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
         (["--parallelism.data_parallel_shard_degree=2"], "but the world size is 1"),
         (["--checkpoint.initial_load_path=assets"], "checkpoint.initial_load_path: assets is not a DCP checkpoint"),
         (["--model.flavor=llama3_9b"], "did you mean 'llama3_8b'"),
+        (["--parallelism.enable_async_tensor_parallel", "--compile.enable"], "async TP needs"),
     ],
 )
 def test_bad_input_gets_one_line_and_exit_code_2(args: list[str], expected: str) -> None:

@@ -1,0 +1,249 @@
+"""Loss parity of parallel layouts against one process, on the same weights and global batch.
+
+    torchrun --nproc_per_node=N tests/parity_worker.py RUN_DIR LAYOUT [LAYOUT ...]
+
+RUN_DIR holds `reference.pt` from `write_reference` (initial full state dict, token batch,
+the single-process losses and final parameters). For each LAYOUT (a key of LAYOUTS with
+the world size N) the worker builds the model on the meta device, parallelizes it, loads the
+reference weights, trains STEPS AdamW steps and compares; rank 0 writes RUN_DIR/LAYOUT.json.
+The name "refusals" instead records the ConfigError of each setup TP must refuse here.
+
+The module is also imported by tests/test_parallelisms.py for the shared single-process
+pieces (tiny model, train loop), so every layout runs exactly the same step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.tensor import DTensor
+
+from config import ActivationCheckpoint, Compile, ConfigError, Parallelism, Training
+from models.llama3 import FLAVORS, ModelArgs, Transformer
+from models.llama3.model import with_seq_len
+from parallelisms.parallel_dims import ParallelDims
+from parallelisms.parallelize import parallelize_llama
+from parallelisms.tp import loss_parallel_context
+
+TINY: ModelArgs = with_seq_len(
+    dataclasses.replace(FLAVORS["debugmodel"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128), 32
+)
+STEPS = 5
+GLOBAL_BATCH = 4
+SEQ_LEN = 32
+LR = 1e-3
+# Below the tiny model's gradient norm (about 1-2 at init), so clipping really scales the gradients.
+MAX_NORM = 0.5
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    loss_parallel: bool = True
+    ac: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: bool = False
+    reshard_after_forward: str = "default"
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp
+
+
+_FULL = ActivationCheckpoint(mode="full")
+_OP_SAC = ActivationCheckpoint(mode="selective", selective_ac_option="op")
+
+LAYOUTS: dict[str, Layout] = {
+    # 2 ranks
+    "fsdp2": Layout(dp_shard=2),
+    "fsdp2_full_ac_reshard_never": Layout(dp_shard=2, ac=_FULL, reshard_after_forward="never"),
+    "tp2": Layout(tp=2),
+    "tp2_no_loss_parallel": Layout(tp=2, loss_parallel=False),
+    "tp2_op_sac": Layout(tp=2, ac=_OP_SAC),
+    "fsdp2_compile_op_sac": Layout(dp_shard=2, ac=_OP_SAC, compile=True),
+    # 4 ranks
+    "hsdp2x2_reshard_always": Layout(dp_replicate=2, dp_shard=2, reshard_after_forward="always"),
+    "fsdp2_tp2": Layout(dp_shard=2, tp=2),
+    "fsdp2_tp2_op_sac": Layout(dp_shard=2, tp=2, ac=_OP_SAC),
+    "hsdp2x1_tp2": Layout(dp_replicate=2, dp_shard=1, tp=2),
+    # Also covers TP + compile's first-block input (see parallelisms.tp._wait_async_output).
+    "fsdp2_tp2_compile_op_sac": Layout(dp_shard=2, tp=2, ac=_OP_SAC, compile=True),
+}
+
+
+# ------------------------------------------------------------------- shared pieces
+
+
+def build_tiny(*, seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    model = Transformer(TINY)
+    model.init_weights()
+    return model
+
+
+def random_batch(*, seed: int = 1) -> torch.Tensor:
+    """(GLOBAL_BATCH, SEQ_LEN + 1) tokens: inputs are [:, :-1], labels [:, 1:]."""
+    return torch.randint(0, TINY.vocab_size, (GLOBAL_BATCH, SEQ_LEN + 1), generator=torch.Generator().manual_seed(seed))
+
+
+def train(
+    model: nn.Module,
+    tokens: torch.Tensor,
+    *,
+    steps: int = STEPS,
+    loss_parallel: bool = False,
+) -> tuple[list[float], list[float]]:
+    """`steps` AdamW steps on `tokens` (this rank's slice); returns (losses, seconds per step).
+
+    The loss is the mean over this rank's tokens. The returned value is its mean over all ranks
+    when a process group exists: TP ranks of a data-parallel group hold the same loss, so this is
+    the mean over the data-parallel ranks, the average FSDP takes of the gradients, and thus the
+    single-process mean over the global batch (every rank has as many tokens).
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.1, foreach=True)
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    losses, times = [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        with loss_parallel_context(loss_parallel):
+            logits = model(inputs)  # (bs, seqlen, vocab), vocabulary-sharded DTensor under loss parallel
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+            loss.backward()
+        grads = [p.grad for p in params if p.grad is not None]
+        total_norm = torch.nn.utils.get_total_norm(grads)
+        if isinstance(total_norm, DTensor):
+            total_norm = total_norm.full_tensor()  # sum of the shards' squares, over every mesh dim
+        torch.nn.utils.clip_grads_with_norm_(params, MAX_NORM, total_norm)
+        optimizer.step()
+        loss = loss.full_tensor() if isinstance(loss, DTensor) else loss.detach()
+        if dist.is_initialized():
+            loss = loss.clone()
+            dist.all_reduce(loss)  # gloo has no AVG
+            loss /= dist.get_world_size()
+        losses.append(loss.item())
+        times.append(time.perf_counter() - start)
+    return losses, times
+
+
+def write_reference(path: Path) -> dict:
+    """Single process, no parallelism: initial weights, batch, losses and final parameters."""
+    model = build_tiny()
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    tokens = random_batch()
+    losses, times = train(model, tokens)
+    ref = {"initial": initial, "tokens": tokens, "losses": losses, "times": times, "final": model.state_dict()}
+    torch.save(ref, path)
+    return ref
+
+
+def max_param_diff(state: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    assert state.keys() == ref.keys(), sorted(set(state) ^ set(ref))
+    return max((state[k].float() - ref[k].float()).abs().max().item() for k in ref)
+
+
+# --------------------------------------------------------------------- one layout
+
+
+def run_layout(name: str, layout: Layout, ref: dict) -> dict:
+    world = dist.get_world_size()
+    assert layout.world_size == world, f"{name} needs {layout.world_size} ranks, got {world}"
+    parallelism = Parallelism(
+        data_parallel_replicate_degree=layout.dp_replicate,
+        data_parallel_shard_degree=layout.dp_shard,
+        tensor_parallel_degree=layout.tp,
+        disable_loss_parallel=not layout.loss_parallel,
+        fsdp_reshard_after_forward=layout.reshard_after_forward,  # type: ignore[arg-type]
+    )
+    dims = ParallelDims.from_config(parallelism, world_size=world)
+    mesh = dims.build_mesh("cpu")
+    with torch.device("meta"):
+        model = Transformer(TINY)
+    parallelize_llama(
+        model, dims=dims, mesh=mesh, training=Training(mixed_precision_param="float32"),
+        parallelism=parallelism, ac=layout.ac, compile=Compile(enable=layout.compile),
+    )  # fmt: skip
+    model.to_empty(device="cpu")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
+        model.init_weights()  # fills the RoPE buffer; the weights come from the reference next
+    options = StateDictOptions(full_state_dict=True)
+    # A copy: set_model_state_dict replaces the dict's tensors with this layout's DTensors.
+    set_model_state_dict(model, dict(ref["initial"]), options=options)
+
+    # Each data-parallel rank takes its slice of the global batch; the TP ranks of one
+    # data-parallel group take the same slice.
+    per_rank = GLOBAL_BATCH // dims.dp
+    dp_rank = dims.dp_rank(mesh)
+    tokens = ref["tokens"][dp_rank * per_rank : (dp_rank + 1) * per_rank]
+    losses, times = train(model, tokens, loss_parallel=dims.tp_enabled and layout.loss_parallel)
+
+    final = get_model_state_dict(model, options=options)
+    return {
+        "losses": losses,
+        "max_loss_diff": max(abs(a - b) for a, b in zip(losses, ref["losses"], strict=True)),
+        "max_param_diff": max_param_diff(final, ref["final"]),
+        # Step 1 includes lazy initialization (FSDP) and compilation.
+        "step_time_s": sum(times[1:]) / len(times[1:]),
+        "param_types": sorted({type(p).__name__ for p in model.parameters()}),
+    }
+
+
+def refusals() -> dict[str, str]:
+    """The ConfigError lines for what TP on this (CPU, gloo) machine must refuse."""
+    world = dist.get_world_size()
+    messages = {}
+    cases = {
+        "async_tp_with_compile": (Parallelism(tensor_parallel_degree=world, enable_async_tensor_parallel=True), True),
+        "async_tp_without_compile": (
+            Parallelism(tensor_parallel_degree=world, enable_async_tensor_parallel=True),
+            False,
+        ),
+        "async_tp_tp1": (Parallelism(data_parallel_shard_degree=world, enable_async_tensor_parallel=True), True),
+        "tied_embeddings": (Parallelism(tensor_parallel_degree=world), False),
+    }
+    for case, (parallelism, compile_enabled) in cases.items():
+        dims = ParallelDims.from_config(parallelism, world_size=world)
+        with torch.device("meta"):
+            model = Transformer(dataclasses.replace(TINY, tie_word_embeddings=case == "tied_embeddings"))
+        try:
+            parallelize_llama(
+                model, dims=dims, mesh=dims.build_mesh("cpu"), training=Training(mixed_precision_param="float32"),
+                parallelism=parallelism, ac=ActivationCheckpoint(), compile=Compile(enable=compile_enabled),
+            )  # fmt: skip
+            messages[case] = "accepted"
+        except ConfigError as e:
+            messages[case] = str(e)
+    return messages
+
+
+def main(argv: list[str]) -> int:
+    run_dir, names = Path(argv[0]), argv[1:]
+    dist.init_process_group("gloo")
+    try:
+        ref = torch.load(run_dir / "reference.pt")
+        for name in names:
+            result = refusals() if name == "refusals" else run_layout(name, LAYOUTS[name], ref)
+            if dist.get_rank() == 0:
+                (run_dir / f"{name}.json").write_text(json.dumps(result, indent=1))
+                print(name, json.dumps(result), flush=True)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,318 @@
+"""Parallelisms: loss parity against one process, recomputation counted, refusals, cache keys.
+
+Multi-process layouts run in two torchrun launches (2 and 4 ranks, tests/parity_worker.py);
+every check of one world size shares its launch. All runs train the same tiny model from the
+same weights on the same global batch in fp32, so losses and parameters must agree to ~1e-6.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.flop_counter import FlopCounterMode
+
+from config import ActivationCheckpoint, ConfigError
+from models.llama3.model import Attention
+from parallelisms.ac import apply_ac, count_calls, count_ops, transformer_blocks
+from parallelisms.compile import apply_compile, inductor_cache_dir
+from tests.launch import REPO, torchrun
+from tests.parity_worker import LAYOUTS, TINY, build_tiny, max_param_diff, random_batch, train, write_reference
+
+TOL = 1e-5
+aten = torch.ops.aten
+WORKER = REPO / "tests" / "parity_worker.py"
+
+
+# ------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The single-process reference (weights, batch, losses, final parameters) every layout compares to."""
+    path = tmp_path_factory.mktemp("parity")
+    write_reference(path / "reference.pt")
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(run_dir: Path) -> dict:
+    return torch.load(run_dir / "reference.pt")
+
+
+def _launch(run_dir: Path, world_size: int, *extra: str) -> dict[str, dict]:
+    names = [name for name, layout in LAYOUTS.items() if layout.world_size == world_size]
+    # A fresh inductor cache under the run folder: compiled layouts compile for real, and the
+    # per-recipe folders they create can be inspected.
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(run_dir / f"inductor-{world_size}")}
+    torchrun(WORKER, str(run_dir), *names, *extra, nproc=world_size, env=env, timeout=300)
+    return {name: json.loads((run_dir / f"{name}.json").read_text()) for name in [*names, *extra]}
+
+
+@pytest.fixture(scope="module")
+def results_2(run_dir: Path) -> dict[str, dict]:
+    return _launch(run_dir, 2, "refusals")
+
+
+@pytest.fixture(scope="module")
+def results_4(run_dir: Path) -> dict[str, dict]:
+    return _launch(run_dir, 4)
+
+
+# ------------------------------------------------------------ multi-process parity
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_loss_and_parameter_parity(name: str, request: pytest.FixtureRequest) -> None:
+    """FSDP, HSDP, TP + SP + loss parallel, FSDP x TP (+ AC, + compile) == one process, 5 AdamW steps."""
+    results = request.getfixturevalue(f"results_{LAYOUTS[name].world_size}")
+    result = results[name]
+    assert result["max_loss_diff"] <= TOL, result
+    assert result["max_param_diff"] <= TOL, result
+    assert result["param_types"] == ["DTensor"]  # every parameter really is sharded or replicated by a mesh
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_compiled_layouts_use_their_recipe_cache_folder(world_size: int, request: pytest.FixtureRequest) -> None:
+    """parallelize_llama compiled into root/recipe-<hash of this recipe>, and inductor really wrote there.
+
+    The launch set TORCHINDUCTOR_CACHE_DIR to the root; finding FX graphs in the recipe folder
+    shows inductor read the variable at compile time (after `import torch`), as apply_compile assumes.
+    """
+    request.getfixturevalue(f"results_{world_size}")
+    root = request.getfixturevalue("run_dir") / f"inductor-{world_size}"
+    (compiled,) = [layout for layout in LAYOUTS.values() if layout.compile and layout.world_size == world_size]
+    expected = inductor_cache_dir(
+        async_tp=False, tp_degree=compiled.tp, ac_mode=compiled.ac.mode,
+        ac_option=compiled.ac.selective_ac_option, float8=False, root=root,
+    )  # fmt: skip
+    assert sorted(root.glob("recipe-*")) == [expected]
+    assert any((expected / "fxgraph").rglob("*")), f"no FX graph cached in {expected}"
+
+
+def test_async_tp_and_tied_tp_refused_on_cpu(results_2: dict[str, dict]) -> None:
+    messages = results_2["refusals"]
+    for case in ("async_tp_with_compile", "async_tp_without_compile", "async_tp_tp1"):
+        message = messages[case]
+        assert message.startswith("parallelism.enable_async_tensor_parallel: async TP needs compile"), message
+        assert "\n" not in message and "runs on cpu with gloo" in message and message.endswith("set it to false")
+    assert "compile.enable is false" in messages["async_tp_without_compile"]
+    assert "compile.enable is false" not in messages["async_tp_with_compile"]
+    assert "tensor_parallel_degree is 1" in messages["async_tp_tp1"]
+    assert messages["tied_embeddings"].startswith("parallelism.tensor_parallel_degree: this flavor ties")
+
+
+# ---------------------------------------------------- single process: AC, compile
+
+
+@pytest.mark.parametrize(
+    "ac",
+    [
+        ActivationCheckpoint(mode="full"),
+        ActivationCheckpoint(mode="selective", selective_ac_option="op"),
+        ActivationCheckpoint(mode="selective", selective_ac_option="2"),
+    ],
+    ids=["full", "op", "every-2nd"],
+)
+def test_activation_checkpointing_keeps_losses_and_names(ac: ActivationCheckpoint, reference: dict) -> None:
+    model = build_tiny()
+    names = [name for name, _ in model.named_parameters()]
+    apply_ac(model, ac)
+    assert [name for name, _ in model.named_parameters()] == names  # no wrapper prefix anywhere
+    assert model.state_dict().keys() == reference["final"].keys()
+    losses, _ = train(model, reference["tokens"])
+    # Recomputation replays the same kernels on the same inputs: the result is bit-identical.
+    assert losses == reference["losses"]
+    assert max_param_diff(model.state_dict(), reference["final"]) == 0.0
+
+
+@pytest.fixture
+def restore_inductor_env() -> Iterator[None]:
+    # apply_compile points the process at a cache folder through the environment (its job);
+    # put the variables back so the rest of the session is unaffected.
+    saved = {key: os.environ.get(key) for key in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def test_compiled_op_sac_matches_eager(reference: dict, tmp_path: Path, restore_inductor_env: None) -> None:
+    """Compile + selective op AC (PROBLEMS.md #4's combination) against eager without AC."""
+    ac = ActivationCheckpoint(mode="selective", selective_ac_option="op")
+    model = build_tiny()
+    apply_ac(model, ac)
+    cache = inductor_cache_dir(
+        async_tp=False, tp_degree=1, ac_mode=ac.mode, ac_option="op", float8=False, root=tmp_path
+    )
+    apply_compile(model, cache_dir=cache)
+    assert model.state_dict().keys() == reference["final"].keys()  # Module.compile: no _orig_mod. prefix
+    losses, _ = train(model, reference["tokens"])
+    # Inductor fuses and reorders reductions (RMSNorm, softmax), so fp32 rounding differs (~1e-7 relative).
+    assert max(abs(a - b) for a, b in zip(losses, reference["losses"], strict=True)) <= TOL
+    assert max_param_diff(model.state_dict(), reference["final"]) <= TOL
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(cache.resolve())
+    assert any((cache / "fxgraph").rglob("*")), "inductor did not write its FX graph cache where it was told"
+
+
+# ------------------------------------------------------------ recomputation counted
+
+
+def _one_step_counts(ac: ActivationCheckpoint) -> tuple[Counter[str], Counter, Counter, float]:
+    """Attention forward calls, forward ops, backward ops and backward FLOPs of one training step."""
+    model = build_tiny()
+    apply_ac(model, ac)
+    tokens = random_batch()
+    with count_calls(model, Attention) as calls:
+        with count_ops() as forward_ops:
+            logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        with count_ops() as backward_ops, FlopCounterMode(display=False) as flops:
+            loss.backward()
+    return calls, forward_ops, backward_ops, flops.get_total_flops()
+
+
+def test_recomputation_is_counted_not_assumed() -> None:
+    layers, tokens = TINY.n_layers, random_batch()[:, :-1].numel()
+    dim, hidden, kv_dim = TINY.dim, TINY.ffn_hidden_dim, TINY.kv_heads * TINY.head_dim
+    sdpa = aten._scaled_dot_product_flash_attention_for_cpu.default  # the attention kernel on CPU, fp32
+    mm = aten.mm.default
+
+    none = _one_step_counts(ActivationCheckpoint(mode="none"))
+    full = _one_step_counts(ActivationCheckpoint(mode="full"))
+    op = _one_step_counts(ActivationCheckpoint(mode="selective", selective_ac_option="op"))
+    every2 = _one_step_counts(ActivationCheckpoint(mode="selective", selective_ac_option="2"))
+
+    # Forward: identical work whatever the AC mode; 7 matmuls per block + the output projection.
+    for counts in (full, op, every2):
+        assert counts[1][mm] == none[1][mm] == 7 * layers + 1
+        assert counts[1][sdpa] == none[1][sdpa] == layers
+    # Attention forward calls per step: 1 per block without AC, exactly one more per checkpointed block.
+    assert none[0].total() == layers
+    assert full[0].total() == op[0].total() == 2 * layers
+    assert every2[0].total() == layers + 1  # only block 1 of blocks 0, 1
+    assert set(full[0].values()) == {2}  # each block once more, none twice more (no nesting)
+
+    # Backward: full AC reruns the attention kernel and the matmuls of every block, all but the
+    # last one (w2): its output is saved by nothing, and non-reentrant checkpointing stops the
+    # recomputation once it has what backward needs (torch.utils.checkpoint early stop) ...
+    assert full[2][mm] - none[2][mm] == 6 * layers
+    assert full[2][sdpa] - none[2][sdpa] == layers
+    # ... op SAC reruns only the 3 unsaved matmuls per block (wk, wo, w3: every 2nd) and no attention.
+    assert op[2][mm] - none[2][mm] == 3 * layers
+    assert op[2][sdpa] == none[2][sdpa] == 0
+    assert every2[2][mm] - none[2][mm] == 6
+
+    # FLOPs say which matmuls: exactly wk (dim -> kv_dim), wo (dim -> dim) and w3 (dim -> hidden);
+    # under full AC wq, wk, wv, wo, w1, w3.
+    recomputed_op = 2 * tokens * layers * (dim * kv_dim + dim * dim + dim * hidden)
+    recomputed_full = 2 * tokens * layers * (2 * dim * dim + 2 * dim * kv_dim + 2 * dim * hidden)
+    assert op[3] - none[3] == recomputed_op
+    assert full[3] - none[3] == recomputed_full
+
+
+# ---------------------------------------------------------------- nesting refused
+
+
+def _tiny_hf_llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM  # imported here: only these tests need it
+
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+def test_nested_checkpointing_refused_hf_gradient_checkpointing() -> None:
+    model = _tiny_hf_llama()
+    model.config.use_cache = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers 5 renamed it activation_checkpointing_enable
+        model.gradient_checkpointing_enable()
+    with pytest.raises(ConfigError, match=r"gradient checkpointing on.*gradient_checkpointing_disable\(\)") as e:
+        apply_ac(model, ActivationCheckpoint(mode="full"))
+    assert len(e.value.problems) == 1 and "PROBLEMS.md #1" in str(e.value)
+
+
+def test_nested_checkpointing_refused_wrapped_block() -> None:
+    model = build_tiny()
+    apply_ac(model, ActivationCheckpoint(mode="full"))
+    with pytest.raises(ConfigError, match=r"layers\.0 \(CheckpointedTransformerBlock\) is already"):
+        apply_ac(model, ActivationCheckpoint(mode="selective", selective_ac_option="op"))
+
+    model = build_tiny()
+    model.layers["1"] = checkpoint_wrapper(model.layers["1"])  # FSDP1-era wrapping, done by hand
+    with pytest.raises(ConfigError, match=r"layers\.1 \(CheckpointWrapper\) is already"):
+        apply_ac(model, ActivationCheckpoint(mode="full"))
+
+
+def test_hf_model_checkpointed_once_and_kv_cache_refused() -> None:
+    model = _tiny_hf_llama()
+    # HF turns its KV cache off only under its own checkpointing: under ours it must be off already.
+    with pytest.raises(ConfigError, match=r"use_cache is True.*PROBLEMS.md #2"):
+        apply_ac(model, ActivationCheckpoint(mode="full"))
+
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    model.config.use_cache = False
+    names = [name for name, _ in model.named_parameters()]
+    assert transformer_blocks(model) is model.model.layers
+    apply_ac(model, ActivationCheckpoint(mode="full"))
+    assert [name for name, _ in model.named_parameters()] == names
+    tokens = random_batch()
+    with count_calls(model, LlamaAttention) as calls:
+        model(input_ids=tokens, labels=tokens).loss.backward()
+    assert set(calls.values()) == {2} and len(calls) == 2  # one forward + one recompute per layer
+
+
+def test_reentrant_warns_and_op_sac_needs_non_reentrant() -> None:
+    with pytest.warns(UserWarning, match="skips the check that recomputed tensors match"):
+        apply_ac(build_tiny(), ActivationCheckpoint(mode="full", use_reentrant=True))
+    with pytest.raises(ConfigError, match="non-reentrant"):
+        apply_ac(build_tiny(), ActivationCheckpoint(mode="selective", selective_ac_option="op", use_reentrant=True))
+
+
+# --------------------------------------------------------------- inductor cache key
+
+
+def test_inductor_cache_dir_is_keyed_on_the_recipe(tmp_path: Path) -> None:
+    base = dict(async_tp=False, tp_degree=2, ac_mode="selective", ac_option="op", float8=False, root=tmp_path)
+    same = inductor_cache_dir(**base)
+    assert same == inductor_cache_dir(**base)
+    assert same.parent == tmp_path and same.name.startswith("recipe-")
+    # PROBLEMS.md #4: plain TP must never be served async TP's graphs.
+    assert inductor_cache_dir(**{**base, "async_tp": True}) != same
+    for change in (
+        {"tp_degree": 4},
+        {"ac_mode": "full"},
+        {"ac_option": "2"},
+        {"float8": True},
+        {"torch_version": "2.7"},
+    ):
+        assert inductor_cache_dir(**{**base, **change}) != same, change
+    # An AC option that selective AC does not use does not split the cache.
+    full = {**base, "ac_mode": "full"}
+    assert inductor_cache_dir(**full) == inductor_cache_dir(**{**full, "ac_option": "2"})
+
+
+def test_inductor_cache_root_defaults_to_the_users_folder(restore_inductor_env: None, tmp_path: Path) -> None:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path)
+    first = inductor_cache_dir(async_tp=False, tp_degree=1, ac_mode="none", ac_option="op", float8=False)
+    assert first.parent == tmp_path
+    # Once pointed at a recipe folder, the next recipe goes next to it, not inside it.
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(first)
+    second = inductor_cache_dir(async_tp=False, tp_degree=1, ac_mode="full", ac_option="op", float8=False)
+    assert second.parent == tmp_path and second != first
