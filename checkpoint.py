@@ -199,7 +199,9 @@ def _check_holds(path: Path, expected: dict[str, torch.Tensor]) -> None:
     try:
         stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     except Exception as e:  # unpickling garbage raises anything
-        raise ConfigError(f"checkpoint: {path}/.metadata is unreadable ({type(e).__name__}); it is not a DCP checkpoint") from None
+        raise ConfigError(
+            f"checkpoint: {path}/.metadata is unreadable ({type(e).__name__}); it is not a DCP checkpoint"
+        ) from None
     missing = [k for k in expected if k not in stored]
     wrong = [k for k, v in expected.items() if k in stored and tuple(getattr(stored[k], "size", ())) != tuple(v.shape)]
     if missing or wrong:

@@ -35,7 +35,7 @@ def test_every_field_has_a_docstring_and_appears_in_help() -> None:
 
 def test_precedence_cli_over_toml_over_defaults(tmp_path: Path) -> None:
     toml = tmp_path / "c.toml"
-    toml.write_text('[training]\nsteps = 7\nseq_len = 64\n[optimizer]\nlr = 0.5\n')
+    toml.write_text("[training]\nsteps = 7\nseq_len = 64\n[optimizer]\nlr = 0.5\n")
     cfg = load_config(["--config", str(toml), "--training.steps=5", "--optimizer.lr", "0.25"])
     assert cfg.training.steps == 5  # CLI beats TOML
     assert cfg.training.seq_len == 64  # TOML beats default
@@ -52,7 +52,7 @@ def test_cli_value_forms() -> None:
 
 
 def test_resolved_config_round_trips_through_toml(tmp_path: Path) -> None:
-    cfg = load_config(["--config", "configs/debug.toml", "--training.steps=3", "--job.description=a \"quoted\" run"])
+    cfg = load_config(["--config", "configs/debug.toml", "--training.steps=3", '--job.description=a "quoted" run'])
     out = tmp_path / "resolved.toml"
     out.write_text(to_toml(cfg))
     assert load_config(["--config", str(out)]) == cfg
@@ -76,7 +76,9 @@ def test_unknown_section_and_key_suggest_the_right_name(tmp_path: Path) -> None:
 
 def test_wrong_types_are_errors(tmp_path: Path) -> None:
     toml = tmp_path / "c.toml"
-    toml.write_text('[training]\nsteps = "ten"\ndeterministic = 1\nmax_norm = true\n[activation_checkpoint]\nmode = "ful"\n')
+    toml.write_text(
+        '[training]\nsteps = "ten"\ndeterministic = 1\nmax_norm = true\n[activation_checkpoint]\nmode = "ful"\n'
+    )
     found = problems(["--config", str(toml)])
     assert [p.split(":")[0] for p in found] == [
         "training.steps", "training.deterministic", "training.max_norm", "activation_checkpoint.mode",
