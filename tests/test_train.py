@@ -171,6 +171,15 @@ def test_error_under_torchrun_is_printed_once(tmp_path: Path) -> None:
     assert proc.stderr.count("error: data.path: missing.jsonl not found") == 1
 
 
+def test_async_tp_on_cpu_is_refused_in_one_line() -> None:
+    args = ("--config", "configs/debug_tp.toml", "--parallelism.enable_async_tensor_parallel", "--compile.enable")
+    proc = torchrun("train.py", *args, nproc=2, check=False)
+    assert proc.stderr.count("error: parallelism.enable_async_tensor_parallel: async TP needs") == 1, proc.stderr
+    assert "the TP group runs on cpu with gloo" in proc.stderr
+    assert "exitcode  : 2" in proc.stderr  # every rank exits 2; torchrun itself then exits 1
+    assert proc.stderr.count("Traceback") == 1  # torchrun's own ChildFailedError report, none from the ranks
+
+
 def test_help_and_print_config() -> None:
     proc = python("train.py", "--help")
     assert proc.returncode == 0 and "--training.local_batch_size" in proc.stdout
