@@ -1,0 +1,435 @@
+"""Communication per training step, by collective and by mesh dimension, and what crosses nodes.
+
+    python -m benchmarks.comm_volume --out outputs/bench/comm_volume.json   # starts torchrun (4 CPU ranks) itself
+    torchrun --nproc_per_node=4 -m benchmarks.comm_volume --out ...          # the same, launched by hand
+
+PROBLEMS.md #3: HYBRID_SHARD across two nodes ran at 26 s per step instead of ~0.7 s. Before
+blaming the model, look at how many bytes each layout puts on the links between nodes. The
+world is cut into "nodes" of `--ranks-per-node` consecutive ranks (default: the real nodes when
+torchrun runs on several, otherwise two pretend ones: 4 CPU ranks = nodes {0,1} and {2,3}), and
+one step of the recipe's model is measured under three data-parallel layouts built with the
+recipe's own ParallelDims and apply_fsdp:
+
+    full_shard  FSDP over all ranks          mesh dp_shard = world
+    hsdp        replicate x shard            dp_replicate = nodes, dp_shard = ranks per node
+    replicate   DDP-like, no sharding        dp_replicate = world, dp_shard = 1
+
+"replicate" is fully_shard on a (world, 1) HSDP mesh, exactly what ParallelDims builds for
+data_parallel_replicate_degree = world: every rank keeps whole parameters (the all-gathers and
+reduce-scatters run over one-rank groups and move nothing) and each gradient is all-reduced
+over all ranks, which is the traffic of DDP. torch DDP would move the same bytes in other
+bucket sizes; fully_shard keeps all three layouts on one code path with the same counter.
+
+How bytes are counted: a TorchDispatchMode around the step sees every collective as the
+dispatcher op that really runs it. FSDP2 calls c10d directly (all_gather_into_tensor ->
+`c10d::_allgather_base_`, reduce_scatter_tensor -> `c10d::_reduce_scatter_base_`, HSDP's
+all_reduce -> `c10d::allreduce_`); DTensor (the gradient norm) uses functional collectives
+(`_c10d_functional::all_reduce`, ...). Both kinds go through the dispatcher, with the real
+tensors and the real process group as arguments, so sizes are read off the tensors that are
+sent, not derived from the model. Any other collective op is recorded as "other:<name>"
+rather than skipped. (CommDebugMode sees the same ops but only counts calls.)
+
+For each collective: op, the group's ranks, its mesh dimension, and the payload S: the
+full-size buffer (the gathered output of an all-gather, the input of a reduce-scatter, the
+tensor of an all-reduce). Bytes sent per rank follow the ring algorithm over a group of n
+ranks: (n-1)/n * S for all-gather and reduce-scatter, 2(n-1)/n * S for all-reduce (a
+reduce-scatter then an all-gather). Cross-node model: the ring visits the group's ranks in
+rank order and closes back to the first; each of its n directed links carries what one rank
+sends; a link crosses nodes when its two ranks sit on different nodes. With nodes of
+consecutive ranks, a group spanning two nodes has exactly 2 such links (4 ranks 0-1-2-3-0:
+1->2 and 3->0; the pair 0,2: 0->2 and 2->0). Cross-node bytes per step = sum over every group
+of the job (counted once, not once per member) of crossing links x per-link bytes. Real NCCL
+picks rings, trees or several channels; the model is a simple, explicit yardstick that ranks
+layouts, not a prediction of one NIC's load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from models.llama3 import FLAVORS, ModelArgs, Transformer
+from models.llama3.model import with_seq_len
+from parallelisms.fsdp import DTYPES, apply_fsdp
+from parallelisms.parallel_dims import ParallelDims
+
+REPO = Path(__file__).resolve().parents[1]
+LAYOUTS = ("full_shard", "hsdp", "replicate")
+MiB = 2**20
+
+c10d = torch.ops.c10d
+funcol = torch.ops._c10d_functional
+# op packet -> (kind, name of the argument holding the full-size payload S, multiply by group size)
+_COLLECTIVES: dict[Any, tuple[str, str, bool]] = {
+    c10d._allgather_base_: ("all_gather", "output_tensor", False),
+    c10d.allgather_into_tensor_coalesced_: ("all_gather", "outputs", False),
+    c10d.allgather_: ("all_gather", "output_tensors", False),
+    c10d._reduce_scatter_base_: ("reduce_scatter", "input_tensor", False),
+    c10d.reduce_scatter_tensor_coalesced_: ("reduce_scatter", "inputs", False),
+    c10d.reduce_scatter_: ("reduce_scatter", "input_tensors", False),
+    c10d.allreduce_: ("all_reduce", "tensors", False),
+    c10d.allreduce_coalesced_: ("all_reduce", "tensors", False),
+    funcol.all_reduce: ("all_reduce", "input", False),
+    funcol.all_reduce_: ("all_reduce", "input", False),
+    funcol.all_reduce_coalesced: ("all_reduce", "inputs", False),
+    funcol.all_reduce_coalesced_: ("all_reduce", "inputs", False),
+    funcol.all_gather_into_tensor: ("all_gather", "input", True),
+    funcol.all_gather_into_tensor_out: ("all_gather", "input", True),
+    funcol.all_gather_into_tensor_coalesced: ("all_gather", "inputs", True),
+    funcol.reduce_scatter_tensor: ("reduce_scatter", "input", False),
+    funcol.reduce_scatter_tensor_coalesced: ("reduce_scatter", "inputs", False),
+}
+_GROUP_ARGS = ("process_group", "group_name")
+
+
+# ----------------------------------------------------------------- the counter
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    op: str  # all_gather | reduce_scatter | all_reduce | other:<name>
+    dim: str  # mesh dimension of the group ("dp_shard", "dp_replicate", ...) or "other"
+    ranks: tuple[int, ...]  # the group's global ranks, in group-rank order
+    payload_bytes: int  # S: gathered output / reduce-scatter input / all-reduced tensor
+
+    @property
+    def sent_per_rank(self) -> int:
+        """Bytes each rank sends (= bytes on each directed ring link)."""
+        n = len(self.ranks)
+        if self.op == "all_reduce":
+            return 2 * (n - 1) * self.payload_bytes // n
+        if self.op in ("all_gather", "reduce_scatter"):
+            return (n - 1) * self.payload_bytes // n
+        return 0
+
+    def crossing_links(self, ranks_per_node: int) -> int:
+        """Directed links of the rank-ordered ring whose two ends sit on different nodes."""
+        if len(self.ranks) == 1:
+            return 0
+        ring = zip(self.ranks, self.ranks[1:] + self.ranks[:1], strict=True)
+        return sum(a // ranks_per_node != b // ranks_per_node for a, b in ring)
+
+
+def _process_group(arg: Any) -> ProcessGroup:
+    # c10d ops receive the group boxed as a TorchScript object, functional collectives its name
+    # (or the group itself). Both ways back to the ProcessGroup are private torch APIs (2.13).
+    if isinstance(arg, ProcessGroup):
+        return arg
+    if isinstance(arg, str):
+        return dist.distributed_c10d._resolve_process_group(arg)
+    return ProcessGroup.unbox(arg)
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    return sum(_nbytes(v) for v in value)  # lists (of lists) of tensors
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Records every collective dispatched while active, with its group and payload size."""
+
+    def __init__(self, group_dims: dict[str, str]):
+        super().__init__()
+        self.group_dims = group_dims  # process-group name -> mesh dimension name
+        self.records: list[Collective] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        # Let DTensor lower itself first (like CommDebugMode): its collectives come back here
+        # as functional ops on plain tensors.
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        # A collective is a c10d op with a process group; wait_tensor and friends have none.
+        if func.namespace in ("c10d", "_c10d_functional"):
+            # strict=False: trailing arguments with defaults may be left out of `args`.
+            bound = {a.name: v for a, v in zip(func._schema.arguments, args, strict=False)} | kwargs
+            if any(bound.get(name) is not None for name in _GROUP_ARGS):
+                self.records.append(self._record(func, bound))
+        return func(*args, **kwargs)
+
+    def _record(self, func, bound: dict[str, Any]) -> Collective:
+        group = _process_group(next(bound[name] for name in _GROUP_ARGS if bound.get(name) is not None))
+        ranks = tuple(dist.get_process_group_ranks(group))
+        dim = self.group_dims.get(group.group_name, "other")
+        if func._overloadpacket not in _COLLECTIVES:
+            return Collective(f"other:{func._opname}", dim, ranks, 0)
+        kind, payload_arg, times_group = _COLLECTIVES[func._overloadpacket]
+        payload = _nbytes(bound[payload_arg]) * (len(ranks) if times_group else 1)
+        return Collective(kind, dim, ranks, payload)
+
+
+# ------------------------------------------------------------------ one layout
+
+
+def layout_dims(layout: str, *, world_size: int, ranks_per_node: int) -> ParallelDims:
+    nodes = world_size // ranks_per_node
+    match layout:
+        case "full_shard":
+            replicate, shard = 1, world_size
+        case "hsdp":
+            replicate, shard = nodes, ranks_per_node
+        case "replicate":
+            replicate, shard = world_size, 1
+        case _:
+            raise ValueError(f"layout: expected one of {', '.join(LAYOUTS)}, got {layout!r}")
+    return ParallelDims(dp_replicate=replicate, dp_shard=shard, tp=1, world_size=world_size)
+
+
+def unit_params(args: ModelArgs) -> dict[str, int]:
+    """Parameters of each FSDP unit apply_fsdp creates (counted on the meta device)."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    count = lambda *mods: sum(p.numel() for m in mods if m is not None for p in m.parameters())  # noqa: E731
+    return {
+        "tok_embeddings": count(model.tok_embeddings),
+        "layers": count(*model.layers.values()),
+        "norm_output": count(model.norm, model.output),
+    }
+
+
+def _train_step(model: Transformer, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> None:
+    """What train.train_step does for one micro-batch: forward, loss, backward, clip, AdamW."""
+    optimizer.zero_grad(set_to_none=True)
+    logits = model(tokens[:, :-1])  # (bs, seqlen, vocab)
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+    loss.backward()
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, 1.0, norm, foreach=True)
+    optimizer.step()
+
+
+def measure(
+    layout: str,
+    *,
+    model_args: ModelArgs,
+    ranks_per_node: int,
+    param_dtype: torch.dtype = torch.float32,
+    reduce_dtype: torch.dtype = torch.float32,
+    reshard_after_forward: str = "default",
+    batch_size: int = 2,
+    seq_len: int = 64,
+    device: torch.device | None = None,
+) -> dict[str, Any]:
+    """Count the collectives of one training step (after a warm-up step) under `layout`.
+
+    Called on every rank of an initialized process group; returns the same job-wide summary
+    on every rank.
+    """
+    device = device or torch.device("cpu")
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    if world_size % ranks_per_node or world_size // ranks_per_node < 2:
+        raise ValueError(f"ranks_per_node={ranks_per_node} must split the {world_size} ranks into 2 or more nodes")
+    dims = layout_dims(layout, world_size=world_size, ranks_per_node=ranks_per_node)
+    mesh = dims.build_mesh(device.type)
+    # As parallelize_llama does: a 2-D mesh for HSDP, the shard dimension alone for FSDP.
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.hsdp_enabled else mesh["dp_shard"]
+    group_dims = {mesh.get_group(name).group_name: name for name in mesh.mesh_dim_names}
+
+    with torch.device("meta"):
+        model = Transformer(model_args)
+    apply_fsdp(
+        model, dp_mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype, reshard_after_forward=reshard_after_forward
+    )
+    model.to_empty(device=device)
+    model.init_weights()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    generator = torch.Generator().manual_seed(rank)
+    tokens = torch.randint(0, model_args.vocab_size, (batch_size, seq_len + 1), generator=generator).to(device)
+
+    _train_step(model, optimizer, tokens)  # warm-up: lazy init, optimizer state
+    counter = CollectiveCounter(group_dims)
+    dist.barrier()
+    start = time.perf_counter()
+    with counter:
+        _train_step(model, optimizer, tokens)
+    seconds = time.perf_counter() - start
+
+    everyone: list[list[Collective]] = [[] for _ in range(world_size)]
+    dist.all_gather_object(everyone, counter.records)
+    return summarize(
+        layout, everyone, dims=dims, ranks_per_node=ranks_per_node, seconds=seconds,
+        meta={
+            "param_dtype": str(param_dtype).removeprefix("torch."),
+            "reduce_dtype": str(reduce_dtype).removeprefix("torch."),
+            "reshard_after_forward": reshard_after_forward,
+            "unit_params": unit_params(model_args),
+            "model_args": dataclasses.asdict(model_args),
+        },
+    )  # fmt: skip
+
+
+def summarize(
+    layout: str,
+    everyone: list[list[Collective]],
+    *,
+    dims: ParallelDims,
+    ranks_per_node: int,
+    seconds: float,
+    meta: dict[str, Any],
+) -> dict[str, Any]:
+    """Per-rank bytes (rank 0's view) and job-wide bytes (each group counted once, by its first rank)."""
+
+    def per_rank(records: list[Collective]) -> dict[str, Any]:
+        by_op: dict[str, dict[str, int]] = defaultdict(lambda: {"calls": 0, "payload_bytes": 0, "sent_bytes": 0})
+        by_dim: dict[str, int] = defaultdict(int)
+        for c in records:
+            by_op[c.op]["calls"] += 1
+            by_op[c.op]["payload_bytes"] += c.payload_bytes
+            by_op[c.op]["sent_bytes"] += c.sent_per_rank
+            by_dim[c.dim] += c.sent_per_rank
+        return {"by_op": dict(by_op), "sent_bytes_by_dim": dict(by_dim), "sent_bytes": sum(by_dim.values())}
+
+    groups: dict[tuple, dict[str, Any]] = {}
+    cross = intra = 0
+    for rank, records in enumerate(everyone):
+        for c in records:
+            if c.ranks[0] != rank:  # every member saw it; count it once
+                continue
+            links = c.crossing_links(ranks_per_node)
+            row = groups.setdefault(
+                (c.op, c.dim, c.ranks),
+                {"op": c.op, "dim": c.dim, "ranks": list(c.ranks), "spans_nodes": links > 0,
+                 "calls": 0, "payload_bytes": 0, "sent_bytes_per_rank": 0, "cross_node_bytes": 0},
+            )  # fmt: skip
+            row["calls"] += 1
+            row["payload_bytes"] += c.payload_bytes
+            row["sent_bytes_per_rank"] += c.sent_per_rank
+            row["cross_node_bytes"] += links * c.sent_per_rank
+            cross += links * c.sent_per_rank
+            intra += (len(c.ranks) - links) * c.sent_per_rank
+    return {
+        "layout": layout,
+        "mesh": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard},
+        "world_size": dims.world_size,
+        "ranks_per_node": ranks_per_node,
+        "nodes": dims.world_size // ranks_per_node,
+        **meta,
+        "rank0": per_rank(everyone[0]),
+        "sent_bytes_per_rank": [per_rank(records)["sent_bytes"] for records in everyone],
+        "groups": list(groups.values()),
+        "cross_node_bytes": cross,
+        "intra_node_bytes": intra,
+        "step_seconds": seconds,
+    }
+
+
+# ------------------------------------------------------------------- reporting
+
+
+def table(results: dict[str, dict[str, Any]]) -> str:
+    """Bytes per step: sent by rank 0 by op and mesh dim (ring model), job-wide cross-node bytes."""
+    base = results.get("full_shard", {}).get("cross_node_bytes")
+    head = (
+        f"{'layout':<11} {'rep x shard':>11} | {'all_gather':>10} {'red_scat':>10} {'all_reduce':>10} | "
+        f"{'dp_shard':>10} {'dp_repl':>10} | {'cross-node':>10} {'vs full':>8}"
+    )
+    lines = [
+        "MiB per step; op and dim columns: sent by rank 0; cross-node: whole job, ring model",
+        head,
+        "-" * len(head),
+    ]
+    for name, r in results.items():
+        by_op, by_dim = r["rank0"]["by_op"], r["rank0"]["sent_bytes_by_dim"]
+        sent = {
+            op: by_op.get(op, {}).get("sent_bytes", 0) / MiB for op in ("all_gather", "reduce_scatter", "all_reduce")
+        }
+        ratio = f"{r['cross_node_bytes'] / base:.3f}x" if base else "n/a"
+        lines.append(
+            f"{name:<11} {r['mesh']['dp_replicate']:>5} x {r['mesh']['dp_shard']:<3} | "
+            f"{sent['all_gather']:>10.2f} {sent['reduce_scatter']:>10.2f} {sent['all_reduce']:>10.2f} | "
+            f"{by_dim.get('dp_shard', 0) / MiB:>10.2f} {by_dim.get('dp_replicate', 0) / MiB:>10.2f} | "
+            f"{r['cross_node_bytes'] / MiB:>10.2f} {ratio:>8}"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", type=Path, default=REPO / "outputs" / "bench" / "comm_volume.json", help="JSON result")
+    p.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
+    p.add_argument("--nproc", type=int, default=4, help="ranks to start when not already under torchrun")
+    p.add_argument("--ranks-per-node", type=int, default=None, help="default: real nodes if several, else world // 2")
+    p.add_argument("--flavor", default="debugmodel", choices=sorted(FLAVORS))
+    p.add_argument("--n-layers", type=int, default=None, help="override the flavor's layer count (smaller, faster)")
+    p.add_argument("--param-dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--reduce-dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--reshard-after-forward", default="default", choices=["default", "always", "never"])
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=2)
+    return p.parse_args(argv)
+
+
+def _launch_self(args: argparse.Namespace, argv: list[str]) -> int:
+    """Not under torchrun: start `torchrun --nproc_per_node=N -m benchmarks.comm_volume ...` from the repo root."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+           "-m", "benchmarks.comm_volume", *argv]  # fmt: skip
+    env = {"OMP_NUM_THREADS": "1", **os.environ}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return subprocess.run(cmd, cwd=REPO, env=env).returncode
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if "RANK" not in os.environ:
+        return _launch_self(args, argv)
+
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    world_size = dist.get_world_size()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    ranks_per_node = args.ranks_per_node or (local if local < world_size else world_size // 2)
+
+    model_args = with_seq_len(FLAVORS[args.flavor], args.seq_len)
+    if args.n_layers is not None:
+        model_args = dataclasses.replace(model_args, n_layers=args.n_layers)
+    results = {}
+    try:
+        for layout in args.layouts:
+            results[layout] = measure(
+                layout,
+                model_args=model_args,
+                ranks_per_node=ranks_per_node,
+                param_dtype=DTYPES[args.param_dtype],
+                reduce_dtype=DTYPES[args.reduce_dtype],
+                reshard_after_forward=args.reshard_after_forward,
+                batch_size=args.batch_size,
+                seq_len=args.seq_len,
+                device=device,
+            )
+    finally:
+        dist.destroy_process_group()
+    if int(os.environ["RANK"]) == 0:
+        print(table(results), flush=True)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"benchmark": "comm_volume", "results": results}, indent=1) + "\n")
+        print(f"wrote {args.out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
