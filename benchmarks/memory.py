@@ -1,0 +1,435 @@
+"""What each memory technique saves, measured per rank from the tensors themselves (PROBLEMS.md #5).
+
+    python -m benchmarks.memory --out outputs/bench/memory.json     # starts torchrun (2 CPU ranks) itself
+    torchrun --nproc_per_node=2 -m benchmarks.memory --out ...       # the same, launched by hand
+
+One training step of the debug model (local batch 4 x 256 tokens) per setup, each built by the
+recipe's own `parallelize_llama` (AC, then FSDP through `apply_fsdp`) on a ParallelDims mesh:
+
+    no_shard_fp32            every rank holds the whole model (what DDP keeps); the baseline
+    fsdp2_fp32               FSDP over 2 ranks
+    fsdp2_bf16               + MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
+    fsdp2_bf16_ac_sel2       + selective AC, every 2nd block fully checkpointed
+    fsdp2_bf16_ac_op         + selective op AC (every other matmul, attention outputs kept)
+    fsdp2_bf16_ac_full       + full AC
+    fsdp2_bf16_ac_full_offload + CPUOffloadPolicy
+
+Columns, bytes per rank:
+  params, grads, optimizer  local shards (`to_local()` of the DTensors) of the parameters, of their
+                            gradients after backward and of AdamW's state after the step. bf16
+                            param_dtype changes none of them: the sharded master copy, its gradient
+                            and the optimizer state stay fp32.
+  activations               tensors kept from forward to backward (below), unique storages.
+  gathered                  parameters all-gathered at once in forward, in param_dtype: the most
+                            seen by any FSDP unit's forward pre-hook (which runs after FSDP's
+                            all-gather), here one block, the largest unit; bf16 halves it. In
+                            backward FSDP also prefetches the next unit and keeps norm + output
+                            gathered from forward (scripts/estimate_memory.py models that overlap).
+  device total              what a GPU would hold: the sum, minus state that CPU offload keeps
+                            in host memory.
+
+How activations are counted. `saved_tensors_hooks` sees every tensor autograd saves, once per
+save; views share a storage, so storages are counted once (keyed by data pointer, size read
+after forward). Parameters (and views of them: the `w.t()` a matmul saves) and buffers (RoPE
+table slices) are not activations and are skipped. The hooks alone miss what activation
+checkpointing keeps: a non-reentrant checkpoint installs its own saved_tensors_hooks around the
+block (the innermost hooks win), which drop what autograd saves inside the block. So:
+  * the block's inputs, which the checkpoint keeps (in its recomputation closure) until backward,
+    are read in a forward pre-hook of each checkpointed block and counted;
+  * selective op AC keeps the outputs of its save-list ops in its own cache: a TorchDispatchMode
+    records a weak reference to the storage of every op output produced inside a checkpointed
+    block's forward, and those still alive once forward is over are counted (under full AC the
+    only survivors are block outputs, already counted as the next block's input);
+  * what is recomputed in backward is not counted: it exists only while that one block runs
+    backward (scripts/estimate_memory.py adds one block's worth to the peak).
+The bf16 logits and the loss are held by the caller, not saved: they are reported apart
+(`logits_bytes`) and not in the column. Counts are exact for eager mode; torch.compile changes
+what is saved.
+
+On a CPU-only machine CPU offload cannot show a difference in where memory lives (the compute
+device is the host too): the table reports the shards' `device` (cpu in both cases) and keeps
+the offloaded state out of the device total, which is what a GPU run would do by policy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+# TorchDispatchMode (documented, but in a private module) is what sees the outputs selective AC
+# caches; only _BlockOutputs uses it.
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from benchmarks.memory_model import DTYPE_BYTES, activation_bytes
+from config import ActivationCheckpoint, Compile, Parallelism, Training
+from models.llama3 import FLAVORS, ModelArgs, Transformer
+from models.llama3.model import with_seq_len
+from parallelisms.ac import CheckpointedModule
+from parallelisms.parallel_dims import ParallelDims
+from parallelisms.parallelize import parallelize_llama
+
+REPO = Path(__file__).resolve().parents[1]
+MiB = 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    shard: bool = True  # FSDP over all ranks; False: no FSDP, every rank holds everything
+    param_dtype: str = "float32"
+    ac: str = "none"  # none | full | selective-op | selective-<k>
+    cpu_offload: bool = False
+
+
+SETUPS: dict[str, Setup] = {
+    "no_shard_fp32": Setup(shard=False),
+    "fsdp2_fp32": Setup(),
+    "fsdp2_bf16": Setup(param_dtype="bfloat16"),
+    "fsdp2_bf16_ac_sel2": Setup(param_dtype="bfloat16", ac="selective-2"),
+    "fsdp2_bf16_ac_op": Setup(param_dtype="bfloat16", ac="selective-op"),
+    "fsdp2_bf16_ac_full": Setup(param_dtype="bfloat16", ac="full"),
+    "fsdp2_bf16_ac_full_offload": Setup(param_dtype="bfloat16", ac="full", cpu_offload=True),
+}
+BASELINE = "no_shard_fp32"
+
+
+def ac_config(ac: str) -> ActivationCheckpoint:
+    """The [activation_checkpoint] section for none / full / selective-op / selective-<k>."""
+    if ac in ("none", "full"):
+        return ActivationCheckpoint(mode=ac)
+    return ActivationCheckpoint(mode="selective", selective_ac_option=ac.removeprefix("selective-"))
+
+
+# ------------------------------------------------------------ what forward keeps
+
+
+def _storage_nbytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+# id of the storage object -> (weak reference to it, who keeps it, dtype of the tensor seen).
+# Keyed by the Python storage object, which PyTorch keeps unique per live storage, and not by data
+# pointer: a storage's data pointer changes when it is resized (FSDP frees an all-gathered
+# parameter by resizing its storage to 0 bytes), and the freed address is then reused.
+Seen = dict[int, tuple[weakref.ref, str, torch.dtype]]
+
+
+def _remember(seen: Seen, t: torch.Tensor, source: str) -> None:
+    """Record the storage of `t` unless already recorded (the first source to see it keeps it)."""
+    storage = t.untyped_storage()
+    old = seen.get(id(storage))
+    if old is None or old[0]() is None:  # a dead entry: its id was reused by a new object
+        seen[id(storage)] = (weakref.ref(storage), source, t.dtype)
+
+
+class _BlockOutputs(TorchDispatchMode):
+    """Weak references to the storage of every op output made while `inside` a checkpointed block."""
+
+    def __init__(self, is_static: Callable[[torch.Tensor], bool]) -> None:
+        super().__init__()
+        self.inside = False
+        self.seen: Seen = {}
+        self.is_static = is_static
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self.inside:
+            # Below autograd, views are not marked (`_base` is None): an output sharing a storage
+            # with a parameter input (the `w.t()` of a matmul) is recognized by that storage.
+            static = {id(a.untyped_storage()) for a in args if isinstance(a, torch.Tensor) and self.is_static(a)}
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and not self.is_static(t) and id(t.untyped_storage()) not in static:
+                    _remember(self.seen, t, "sac_cache")
+        return out
+
+
+class ActivationCensus:
+    """Unique storages kept from forward to backward, by who keeps them (see the module docstring).
+
+    Use around the forward and the loss only; read `bytes_by()` before backward.
+    """
+
+    SOURCES = ("autograd", "checkpoint_input", "sac_cache")
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self._buffers = {b.untyped_storage().data_ptr() for b in model.buffers()}
+        self._seen: Seen = {}  # the first source to see a storage keeps it
+        self._outputs = _BlockOutputs(self.is_static)
+
+    def is_static(self, t: torch.Tensor) -> bool:
+        """Parameters (sharded or all-gathered), views of them, and buffers are not activations."""
+        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+            return True
+        return t.untyped_storage().data_ptr() in self._buffers
+
+    def _add(self, t: Any, source: str) -> None:
+        if isinstance(t, torch.Tensor) and not self.is_static(t):
+            _remember(self._seen, t, source)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self._add(t, "autograd")
+        return t
+
+    def _enter_block(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        for a in args:
+            self._add(a, "checkpoint_input")
+        self._outputs.inside = True
+
+    def _leave_block(self, *_: Any) -> None:
+        self._outputs.inside = False
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[ActivationCensus]:
+        handles = []
+        for m in self.model.modules():
+            if isinstance(m, CheckpointedModule):
+                handles.append(m.register_forward_pre_hook(self._enter_block))
+                handles.append(m.register_forward_hook(self._leave_block))
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t), self._outputs:
+                yield self
+        finally:
+            for h in handles:
+                h.remove()
+            for key, entry in self._outputs.seen.items():
+                old = self._seen.get(key)
+                if entry[0]() is not None and (old is None or old[0]() is None):
+                    self._seen[key] = entry
+
+    def bytes_by(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Bytes of the storages still alive now, by source and by dtype (call after forward, before backward)."""
+        by_source, by_dtype = dict.fromkeys(self.SOURCES, 0), {}
+        counted: set[int] = set()  # data pointers of live storages: a second guard against double counting
+        for ref, source, dtype in self._seen.values():
+            storage = ref()  # None: a temporary, or something the SAC cache did not keep
+            # 0 bytes: an FSDP storage freed after forward.
+            if storage is None or storage.nbytes() == 0 or storage.data_ptr() in counted:
+                continue
+            counted.add(storage.data_ptr())
+            by_source[source] += storage.nbytes()
+            name = str(dtype).removeprefix("torch.")
+            by_dtype[name] = by_dtype.get(name, 0) + storage.nbytes()
+        return by_source, by_dtype
+
+
+# ------------------------------------------------------------------ one setup
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    t = _local(t)
+    return t.numel() * t.element_size()
+
+
+def _gathered_bytes(model: nn.Module) -> int:
+    """Bytes of the parameters that are all-gathered right now (FSDP swaps them in as plain tensors)."""
+    return sum(_nbytes(p) for p in model.parameters() if not isinstance(p, DTensor))
+
+
+def build(setup: Setup, *, model_args: ModelArgs, mesh: DeviceMesh, device: torch.device) -> Transformer:
+    world = mesh.size()
+    shard = world if setup.shard else 1
+    dims = ParallelDims(dp_replicate=1, dp_shard=shard, tp=1, world_size=shard)
+    training = Training(
+        mixed_precision_param=setup.param_dtype,  # type: ignore[arg-type]
+        mixed_precision_reduce="float32",
+        enable_cpu_offload=setup.cpu_offload,
+    )
+    with torch.device("meta"):
+        model = Transformer(model_args)
+    parallelize_llama(
+        model, dims=dims, mesh=mesh, training=training, parallelism=Parallelism(),
+        ac=ac_config(setup.ac), compile=Compile(enable=False),
+    )  # fmt: skip
+    if setup.shard != isinstance(model, FSDPModule):
+        raise AssertionError(f"{setup}: expected FSDP to be {'on' if setup.shard else 'off'}")
+    model.to_empty(device=device)
+    torch.manual_seed(0)
+    model.init_weights()
+    return model
+
+
+def measure(
+    setup: Setup, *, model_args: ModelArgs, mesh: DeviceMesh, batch: int, seq_len: int, device: torch.device
+) -> dict[str, Any]:
+    """One AdamW step of `setup`; per-rank bytes of state, activations and gathered units."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    model = build(setup, model_args=model_args, mesh=mesh, device=device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    inputs = torch.randint(0, model_args.vocab_size, (batch, seq_len), generator=generator).to(device)
+    labels = torch.randint(0, model_args.vocab_size, (batch, seq_len), generator=generator).to(device)
+
+    # The gathered bytes each FSDP unit's forward sees (its pre-hook runs after FSDP's all-gather).
+    gathered: dict[str, int] = {}
+    hooks = [
+        module.register_forward_pre_hook(lambda m, a, name=name: gathered.__setitem__(name, _gathered_bytes(model)))
+        for name, module in model.named_modules()
+        if isinstance(module, FSDPModule) and module is not model
+    ]
+    start = time.perf_counter()
+    census = ActivationCensus(model)
+    with census():
+        logits = model(inputs)  # (bs, seqlen, vocab)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+    activations, activations_by_dtype = census.bytes_by()
+    logits_bytes = _storage_nbytes(logits)
+    for h in hooks:
+        h.remove()
+    loss.backward()
+    grads = sum(_nbytes(p.grad) for p in model.parameters() if p.grad is not None)
+    optimizer.step()
+    seconds = time.perf_counter() - start
+
+    params = sum(_nbytes(p) for p in model.parameters())
+    optim = sum(_nbytes(v) for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))
+    devices = sorted({str(_local(p).device) for p in model.parameters()})
+    state_devices = sorted(
+        {str(_local(v).device) for s in optimizer.state.values() for k, v in s.items() if k != "step"}
+        | {str(_local(p.grad).device) for p in model.parameters() if p.grad is not None}
+    )
+    act_total = sum(activations.values())
+    gathered_peak = max(gathered.values(), default=0)
+    host_state = params + grads + optim if setup.cpu_offload else 0
+    predicted = activation_bytes(
+        model_args, batch=batch, seq_len=seq_len, act_bytes=DTYPE_BYTES[setup.param_dtype], ac=setup.ac,
+        rmsnorm="fused" if device.type == "cuda" else "composite",
+    )  # fmt: skip
+    return {
+        "setup": dataclasses.asdict(setup),
+        "world_size": mesh.size(),
+        "fsdp_degree": mesh.size() if setup.shard else 1,
+        "params_bytes": params,
+        "grads_bytes": grads,
+        "optimizer_bytes": optim,
+        "activation_bytes": act_total,
+        "activation_bytes_by_source": activations,
+        "activation_bytes_by_dtype": activations_by_dtype,
+        "predicted_activation_bytes": predicted["total"],
+        "logits_bytes": logits_bytes,
+        "gathered_unit_peak_bytes": gathered_peak,
+        "gathered_by_unit_bytes": gathered,
+        "host_state_bytes": host_state,
+        "device_total_bytes": params + grads + optim - host_state + act_total + gathered_peak,
+        "param_shard_devices": devices,
+        "grad_and_optimizer_devices": state_devices,
+        "param_dtype_of_shards": sorted({str(_local(p).dtype) for p in model.parameters()}),
+        "step_seconds": seconds,
+        # A cross-check on GPU machines only: the allocator's own peak for this setup.
+        "cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+    }
+
+
+# ------------------------------------------------------------------- reporting
+
+
+def table(results: dict[str, dict[str, Any]]) -> str:
+    """MiB per rank; state that CPU offload keeps in host memory is marked 'h' and left out of the total."""
+    base = results.get(BASELINE, {}).get("device_total_bytes")
+    head = (
+        f"{'setup':<27} {'params':>8} {'grads':>8} {'optim':>8} {'acts':>8} {'gathered':>8} "
+        f"{'dev total':>9} {'vs base':>7}  shards on"
+    )
+    lines = ["MiB per rank, one step of the debug model, batch 4 x 256 tokens", head, "-" * len(head)]
+    for name, r in results.items():
+        host = "h" if r["host_state_bytes"] else " "
+        params, grads, optim = (
+            f"{r[key] / MiB:>7.2f}{host}" for key in ("params_bytes", "grads_bytes", "optimizer_bytes")
+        )
+        ratio = f"{r['device_total_bytes'] / base:.2f}x" if base else "n/a"
+        lines.append(
+            f"{name:<27} {params} {grads} {optim} "
+            f"{r['activation_bytes'] / MiB:>8.2f} {r['gathered_unit_peak_bytes'] / MiB:>8.2f} "
+            f"{r['device_total_bytes'] / MiB:>9.2f} {ratio:>7}  {','.join(r['param_shard_devices'])}"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", type=Path, default=REPO / "outputs" / "bench" / "memory.json", help="JSON result")
+    p.add_argument("--setups", nargs="+", choices=list(SETUPS), default=list(SETUPS))
+    p.add_argument("--nproc", type=int, default=2, help="ranks to start when not already under torchrun")
+    p.add_argument("--flavor", default="debugmodel", choices=sorted(FLAVORS))
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=4, help="local batch size (sequences per rank)")
+    return p.parse_args(argv)
+
+
+def _launch_self(args: argparse.Namespace, argv: list[str]) -> int:
+    """Not under torchrun: start `torchrun --nproc_per_node=N -m benchmarks.memory ...` from the repo root."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+           "-m", "benchmarks.memory", *argv]  # fmt: skip
+    env = {"OMP_NUM_THREADS": "1", **os.environ}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return subprocess.run(cmd, cwd=REPO, env=env).returncode
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if "RANK" not in os.environ:
+        return _launch_self(args, argv)
+
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    mesh = ParallelDims(dp_replicate=1, dp_shard=world, tp=1, world_size=world).build_mesh(device.type)["dp_shard"]
+    model_args = with_seq_len(FLAVORS[args.flavor], args.seq_len)
+
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        for name in args.setups:
+            mine = measure(
+                SETUPS[name], model_args=model_args, mesh=mesh, batch=args.batch_size, seq_len=args.seq_len,
+                device=device,
+            )  # fmt: skip
+            everyone: list[dict[str, Any]] = [{} for _ in range(world)]
+            dist.all_gather_object(everyone, mine)
+            # Rank 0's numbers; the busiest rank's where ranks differ (uneven shards).
+            row = dict(everyone[0])
+            for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "device_total_bytes"):
+                row[key] = max(r[key] for r in everyone)
+            row["per_rank_device_total_bytes"] = [r["device_total_bytes"] for r in everyone]
+            results[name] = row
+    finally:
+        dist.destroy_process_group()
+    if int(os.environ["RANK"]) == 0:
+        print(table(results), flush=True)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"flavor": args.flavor, "seq_len": args.seq_len, "local_batch_size": args.batch_size, "world": world}
+        args.out.write_text(json.dumps({"benchmark": "memory", **meta, "results": results}, indent=1) + "\n")
+        print(f"wrote {args.out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
