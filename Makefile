@@ -2,6 +2,7 @@
 #   make train                      # the debug model on 2 CPU ranks (gloo), shipped data
 #   make train CONFIG=configs/debug.toml NPROC=4 ARGS="--training.steps=50"
 #   make test                       # the test suite
+#   make bench                      # what each fix buys, measured: one table, bench.json, bench.png
 #   TORCH_VERSION=2.11.0 make setup # another torch (e.g. the CUDA build a GPU machine has)
 
 PYTHON ?= python3
@@ -14,7 +15,7 @@ ARGS ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 
-.PHONY: setup train test lint fmt clean
+.PHONY: setup train test bench lint fmt clean
 
 setup: $(STAMP)
 
@@ -29,6 +30,9 @@ train: setup
 
 test: setup
 	$(PY) -m pytest tests
+
+bench: setup
+	OMP_NUM_THREADS=1 $(PY) -m benchmarks.run $(ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .
