@@ -59,6 +59,8 @@ class Model:
     """Model size, a key of models/llama3/model.py FLAVORS: debugmodel, llama3_1b, llama3_3b, llama3_8b, llama3_70b, llama3_405b."""
     tokenizer_path: str = "assets/tokenizer"
     """A tokenizer.json file, a Hugging Face tokenizer folder, or "byte" for the built-in byte-level tokenizer."""
+    hf_assets_path: str | None = None
+    """A Hugging Face Llama folder whose config.json sets the model shape instead of flavor (fine-tuning HF weights; see scripts/convert_hf.py)."""
 
 
 @dataclass
@@ -190,6 +192,20 @@ class Metrics:
 
 
 @dataclass
+class Profiling:
+    enable_profiling: bool = False
+    """Write a torch.profiler trace per rank of every profile_freq-th step to <dump_folder>/<save_traces_folder>/iteration_N/."""
+    save_traces_folder: str = "profile_traces"
+    """Profiler trace folder, relative to job.dump_folder (open the JSON files in Perfetto or chrome://tracing)."""
+    profile_freq: int = 10
+    """Profile (and snapshot memory) every this many steps."""
+    enable_memory_snapshot: bool = False
+    """CUDA only: record allocator history and dump a snapshot per rank every profile_freq steps and on OOM."""
+    save_memory_snapshot_folder: str = "memory_snapshot"
+    """Memory snapshot folder, relative to job.dump_folder (open the pickles at pytorch.org/memory_viz)."""
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -202,6 +218,7 @@ class JobConfig:
     compile: Compile = field(default_factory=Compile)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -391,7 +408,9 @@ def validate(cfg: JobConfig) -> list[str]:
     """Cross-field checks that need no process group; every problem, not just the first."""
     p: list[str] = []
     t, m, o, s = cfg.training, cfg.model, cfg.optimizer, cfg.lr_scheduler
-    if m.flavor not in FLAVORS:
+    if m.hf_assets_path is not None:
+        p += _check_hf_assets(m.hf_assets_path, seq_len=t.seq_len)
+    elif m.flavor not in FLAVORS:
         p.append(
             f"model.flavor: unknown flavor '{m.flavor}'{_did_you_mean(m.flavor, FLAVORS)} (choose from {', '.join(FLAVORS)})"
         )
@@ -427,6 +446,12 @@ def validate(cfg: JobConfig) -> list[str]:
         p.append(f"parallelism.data_parallel_shard_degree: must be -1 or >= 1, got {par.data_parallel_shard_degree}")
     if par.tensor_parallel_degree < 1:
         p.append(f"parallelism.tensor_parallel_degree: must be >= 1, got {par.tensor_parallel_degree}")
+    if par.enable_async_tensor_parallel and not (cfg.compile.enable and par.tensor_parallel_degree > 1):
+        p.append(
+            "parallelism.enable_async_tensor_parallel: async TP needs compile.enable = true and "
+            f"tensor_parallel_degree > 1 (got compile.enable = {str(cfg.compile.enable).lower()}, "
+            f"tensor_parallel_degree = {par.tensor_parallel_degree}); set it to false or enable both"
+        )
     ac = cfg.activation_checkpoint
     if (
         ac.mode == "selective"
@@ -443,6 +468,8 @@ def validate(cfg: JobConfig) -> list[str]:
         p.append(f"checkpoint.keep_latest_k: must be >= 0 (0 keeps all), got {ck.keep_latest_k}")
     if cfg.metrics.log_freq < 1:
         p.append(f"metrics.log_freq: must be >= 1, got {cfg.metrics.log_freq}")
+    if cfg.profiling.profile_freq < 1:
+        p.append(f"profiling.profile_freq: must be >= 1, got {cfg.profiling.profile_freq}")
     if cfg.data.format != "hub" and not Path(cfg.data.path).exists():
         p.append(
             f'data.path: {cfg.data.path} not found; point it at a local json/jsonl/parquet/txt file, or set data.format = "hub" for a hub dataset'
@@ -456,6 +483,23 @@ def validate(cfg: JobConfig) -> list[str]:
             f"checkpoint.initial_load_path: {ck.initial_load_path} is not a folder; point it at a checkpoint step folder (contains .metadata)"
         )
     return p  # fmt: skip
+
+
+def _check_hf_assets(path: str, *, seq_len: int) -> list[str]:
+    if not (Path(path) / "config.json").is_file():
+        return [f"model.hf_assets_path: {path} has no config.json; point it at a downloaded Hugging Face Llama folder"]
+    # Imported here: models.llama3.hf raises this module's ConfigError, so a top-level import would be circular.
+    from models.llama3.hf import model_args_from_hf_config
+
+    try:
+        args = model_args_from_hf_config(path)
+    except ConfigError as e:
+        return [f"model.hf_assets_path: {problem}" for problem in e.problems]
+    if seq_len > args.max_seq_len:
+        return [
+            f"training.seq_len: {seq_len} exceeds the {args.max_seq_len} tokens (max_position_embeddings) of {path}; lower it"
+        ]
+    return []
 
 
 # ------------------------------------------------------------------ presentation

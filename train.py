@@ -24,14 +24,16 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from checkpoint import CheckpointManager
-from config import ConfigError, JobConfig, LRScheduler, help_text, load_config, to_toml
+from config import ConfigError, JobConfig, LRScheduler, Model, help_text, load_config, to_toml
 from data import GlobalBatchLoader, PackedCorpus, build_tokenizer
 from metrics import MetricsLogger, StepMetrics, peak_flops, peak_memory_gib
 from models.llama3 import FLAVORS, Transformer, num_flops_per_token, num_params
-from models.llama3.model import with_seq_len
+from models.llama3.hf import model_args_from_hf_config
+from models.llama3.model import ModelArgs, with_seq_len
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import parallelize_llama
 from parallelisms.tp import loss_parallel_context
+from profiling import profile_loop
 
 T = TypeVar("T")
 
@@ -71,10 +73,11 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
     )  # fmt: skip
 
     # Model: meta device -> parallelize -> allocate -> initialize.
-    model_args = with_seq_len(FLAVORS[cfg.model.flavor], t.seq_len)
+    model_args = build_model_args(cfg.model, seq_len=t.seq_len)
+    model_name = cfg.model.hf_assets_path or cfg.model.flavor
     if tokenizer.vocab_size > model_args.vocab_size:
         raise ConfigError(
-            f"model.tokenizer_path: the tokenizer has {tokenizer.vocab_size} tokens but {cfg.model.flavor} "
+            f"model.tokenizer_path: the tokenizer has {tokenizer.vocab_size} tokens but {model_name} "
             f"embeds only {model_args.vocab_size}; use a matching tokenizer or flavor"
         )
     dims.check_model(model_args, seq_len=t.seq_len)
@@ -119,7 +122,7 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
     logger = MetricsLogger(cfg.metrics, dump_folder=cfg.job.dump_folder, total_steps=t.steps, enabled=rank == 0)
     if rank == 0:
         print(
-            f"{cfg.model.flavor}: {num_params(model_args) / 1e6:,.1f}M parameters | world {world_size} = "
+            f"{model_name}: {num_params(model_args) / 1e6:,.1f}M parameters | world {world_size} = "
             f"replicate {dims.dp_replicate} x shard {dims.dp_shard} x tp {dims.tp} | global batch {global_batch} "
             f"x {t.seq_len} tokens, grad accumulation {loader.grad_accum} | {corpus.num_tokens:,} tokens in corpus "
             f"| device {device.type} | steps {start_step + 1}..{t.steps}",
@@ -130,38 +133,41 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
     last_log_time, last_log_step = time.perf_counter(), start_step
 
     # ------------------------------------------------------------------ the loop
-    for step in range(start_step + 1, t.steps + 1):
-        train_state.step = step
-        loss, grad_norm = train_step(
-            model, optimizer, loader.next_step(), grad_accum=loader.grad_accum, max_norm=t.max_norm,
-            loss_parallel=loss_parallel, device=device,
-        )  # fmt: skip
-        lr = lr_scheduler.get_last_lr()[0]
-        lr_scheduler.step()
-
-        last = step == t.steps
-        if step % cfg.metrics.log_freq == 0 or last:
-            loss_avg = world_mean(loss)  # the one host sync of a logged step
-            now = time.perf_counter()
-            step_time = (now - last_log_time) / (step - last_log_step)
-            tps = tokens_per_step / world_size / step_time
-            logger.log(
-                StepMetrics(
-                    step=step, loss=loss_avg, grad_norm=grad_norm.item(), lr=lr, tps=tps,
-                    mfu=100 * flops_per_token * tps / peak if peak else None,
-                    memory_gib=peak_memory_gib(device), step_time_s=step_time,
-                ),
-                first_step=start_step,
+    # profiler.step() ends a step for the profiler and memory snapshots ([profiling]; no-ops by default).
+    with profile_loop(cfg.profiling, dump_folder=cfg.job.dump_folder, rank=rank, start_step=start_step) as profiler:
+        for step in range(start_step + 1, t.steps + 1):
+            train_state.step = step
+            loss, grad_norm = train_step(
+                model, optimizer, loader.next_step(), grad_accum=loader.grad_accum, max_norm=t.max_norm,
+                loss_parallel=loss_parallel, device=device,
             )  # fmt: skip
-            last_log_time, last_log_step = time.perf_counter(), step
+            lr = lr_scheduler.get_last_lr()[0]
+            lr_scheduler.step()
 
-        if stop.requested():
-            checkpoint.save(step, wait=True)
-            if rank == 0:
-                print(f"SIGTERM: saved step {step} and stopped; rerun the same command to resume", flush=True)
-            break
-        if checkpoint.should_save(step, last=last):
-            checkpoint.save(step, wait=last)
+            last = step == t.steps
+            if step % cfg.metrics.log_freq == 0 or last:
+                loss_avg = world_mean(loss)  # the one host sync of a logged step
+                now = time.perf_counter()
+                step_time = (now - last_log_time) / (step - last_log_step)
+                tps = tokens_per_step / world_size / step_time
+                logger.log(
+                    StepMetrics(
+                        step=step, loss=loss_avg, grad_norm=grad_norm.item(), lr=lr, tps=tps,
+                        mfu=100 * flops_per_token * tps / peak if peak else None,
+                        memory_gib=peak_memory_gib(device), step_time_s=step_time,
+                    ),
+                    first_step=start_step,
+                )  # fmt: skip
+                last_log_time, last_log_step = time.perf_counter(), step
+
+            if stop.requested():
+                checkpoint.save(step, wait=True)
+                if rank == 0:
+                    print(f"SIGTERM: saved step {step} and stopped; rerun the same command to resume", flush=True)
+                break
+            if checkpoint.should_save(step, last=last):
+                checkpoint.save(step, wait=last)
+            profiler.step()
     if cfg.checkpoint.export_safetensors:
         checkpoint.export_safetensors(train_state.step)
     checkpoint.close()
@@ -190,6 +196,7 @@ def train_step(
             # Cross-entropy in fp32 whatever the compute dtype; / grad_accum so that the
             # accumulated gradient is the mean over the whole global batch.
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.to(device).flatten()) / grad_accum
+            del logits  # autograd keeps what backward needs; this frees bs x seqlen x vocab early
             loss.backward()
         total_loss += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
     grad_norm = clip_grad_norm_(model.parameters(), max_norm)
@@ -223,6 +230,17 @@ def set_determinism(*, seed: int, deterministic: bool) -> None:
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
+
+
+def build_model_args(cfg: Model, *, seq_len: int) -> ModelArgs:
+    """The model shape: hf_assets_path's config.json when set, else the flavor; RoPE table for seq_len."""
+    if cfg.hf_assets_path is None:
+        return with_seq_len(FLAVORS[cfg.flavor], seq_len)
+    if cfg.flavor != Model.flavor and int(os.environ.get("RANK", "0")) == 0:
+        warnings.warn(
+            f"model.flavor = {cfg.flavor!r} is ignored: model.hf_assets_path sets the model shape", stacklevel=2
+        )
+    return with_seq_len(model_args_from_hf_config(cfg.hf_assets_path), seq_len)
 
 
 def build_optimizer(cfg: JobConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -344,7 +362,7 @@ def rank0_first(build: Callable[[], T], *, rank: int) -> T:
 def describe(cfg: JobConfig) -> str:
     """The resolved config plus the numbers derived from it (for --print-config)."""
     t = cfg.training
-    args = FLAVORS[cfg.model.flavor]
+    args = build_model_args(cfg.model, seq_len=t.seq_len)
     per_rank = f"{t.local_batch_size} sequences per micro-batch per data-parallel rank"
     lines = [
         to_toml(cfg),

@@ -177,7 +177,6 @@ def test_async_tp_on_cpu_is_refused_in_one_line() -> None:
     assert proc.stderr.count("error: parallelism.enable_async_tensor_parallel: async TP needs") == 1, proc.stderr
     assert "the TP group runs on cpu with gloo" in proc.stderr
     assert "exitcode  : 2" in proc.stderr  # every rank exits 2; torchrun itself then exits 1
-    assert proc.stderr.count("Traceback") == 1  # torchrun's own ChildFailedError report, none from the ranks
 
 
 def test_help_and_print_config() -> None:

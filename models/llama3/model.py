@@ -52,6 +52,9 @@ class ModelArgs:
     rope_scaling: RopeScaling | None = None
     max_seq_len: int = 131072  # longest sequence the flavor supports (RoPE table length)
     tie_word_embeddings: bool = False
+    # An explicit SwiGLU width for checkpoints whose width Llama's rule below cannot produce
+    # (e.g. a Hugging Face config's intermediate_size); None: use the rule.
+    ffn_hidden_dim_override: int | None = None
 
     @property
     def head_dim(self) -> int:
@@ -63,6 +66,8 @@ class ModelArgs:
 
     @property
     def ffn_hidden_dim(self) -> int:
+        if self.ffn_hidden_dim_override is not None:
+            return self.ffn_hidden_dim_override
         # Llama's SwiGLU sizing: 2/3 of 4*dim, scaled, rounded up to `multiple_of`.
         hidden = int(2 * (4 * self.dim) / 3)
         if self.ffn_dim_multiplier is not None:

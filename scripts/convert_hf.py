@@ -1,0 +1,185 @@
+"""Convert between Hugging Face Llama folders and this repo's DCP checkpoints.
+
+    # HF folder -> a weights-only DCP checkpoint (like a seed checkpoint, step 0)
+    python scripts/convert_hf.py to-dcp HF_FOLDER OUT_CHECKPOINT [--dtype keep]
+    # start training from it: --checkpoint.initial_load_path=OUT_CHECKPOINT, or name it
+    # <dump_folder>/<checkpoint.folder>/step-0 and train.py resumes from it
+
+    # a trained DCP checkpoint (any step, saved on any number of ranks) -> HF folder
+    python scripts/convert_hf.py to-hf CHECKPOINT OUT_HF_FOLDER --hf-assets-path HF_FOLDER [--dtype bfloat16]
+    python scripts/convert_hf.py to-hf CHECKPOINT OUT_HF_FOLDER --flavor debugmodel --tokenizer-path assets/tokenizer
+
+Both run as one process on CPU. to-dcp holds the weights once in memory (in the output
+dtype); to-hf holds one output shard (--max-shard-gb) at a time. The tokenizer files and
+generation_config.json of --tokenizer-path (default: --hf-assets-path) are copied next to
+the exported weights, so the folder is complete for transformers, vLLM and friends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+# Runnable without installing the repo: its root holds config.py and models/.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from config import ConfigError  # noqa: E402
+from models.llama3 import FLAVORS, ModelArgs  # noqa: E402
+from models.llama3.hf import (  # noqa: E402
+    DEFAULT_MAX_SHARD_BYTES,
+    expected_shapes,
+    hf_config,
+    hf_to_ours,
+    model_args_from_hf_config,
+    plan_shards,
+    read_hf_weights,
+    write_hf_folder,
+)
+
+# Where CheckpointManager keeps the model weights inside a DCP checkpoint.
+MODEL_PREFIX = "model_and_optimizer.model."
+DTYPES = {"keep": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+HF_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+def hf_to_dcp(hf_folder: Path, out: Path, *, dtype: torch.dtype | None) -> None:
+    """Write HF weights as a weights-only DCP checkpoint under our parameter names."""
+    if out.exists():
+        raise ConfigError(f"{out}: already exists; choose a new checkpoint folder")
+    args = model_args_from_hf_config(hf_folder)
+    state = {name: t if dtype is None else t.to(dtype) for name, t in read_hf_weights(hf_folder, args)}
+    # The same layout CheckpointManager writes ({"model_and_optimizer": {"model": ...}}), so
+    # train.py's initial_load_path and resume read it, resharding onto any FSDP/TP layout.
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    dcp.save({"model_and_optimizer": {"model": state}}, checkpoint_id=str(partial))  # one process, no group
+    os.replace(partial, out)
+    print(f"wrote {out}: {len(state)} tensors, {sum(t.numel() for t in state.values()):,} parameters")
+
+
+def dcp_to_hf(
+    checkpoint: Path,
+    out: Path,
+    *,
+    args: ModelArgs,
+    dtype: torch.dtype | None,
+    max_shard_bytes: int,
+    token_ids: dict[str, int],
+) -> None:
+    """Write the model weights of a DCP checkpoint as an HF folder, one shard at a time."""
+    if not (checkpoint / ".metadata").is_file():
+        raise ConfigError(f"{checkpoint}: not a DCP checkpoint (no .metadata inside); point at a step-<N> folder")
+    try:
+        stored = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    except Exception as e:  # a missing or foreign .metadata raises anything
+        raise ConfigError(f"{checkpoint}: not a DCP checkpoint ({type(e).__name__}: {e})") from None
+    shapes = expected_shapes(args)
+    missing = [n for n in shapes if MODEL_PREFIX + n not in stored]
+    wrong = [n for n in shapes if MODEL_PREFIX + n in stored and tuple(stored[MODEL_PREFIX + n].size) != shapes[n]]
+    if missing or wrong:
+        raise ConfigError(
+            f"{checkpoint}: does not fit the given model ({len(missing)} weights missing, {len(wrong)} of another "
+            f"shape, e.g. {(missing or wrong)[0]}); check --hf-assets-path / --flavor"
+        )
+
+    ours_to_hf = {ours: hf for hf, ours in hf_to_ours(args).items()}
+    stored_dtype = {n: stored[MODEL_PREFIX + n].properties.dtype for n in shapes}
+    out_dtype = {ours_to_hf[n]: dtype or stored_dtype[n] for n in shapes}
+    sizes = {ours_to_hf[n]: shapes[n].numel() * out_dtype[ours_to_hf[n]].itemsize for n in shapes}
+    hf_to_name = {hf: ours for ours, hf in ours_to_hf.items()}
+
+    def load_shard(names: list[str]) -> dict[str, torch.Tensor]:
+        # DCP reads only the keys asked for, so memory holds this shard and nothing more.
+        state = {
+            MODEL_PREFIX + hf_to_name[h]: torch.empty(shapes[hf_to_name[h]], dtype=stored_dtype[hf_to_name[h]])
+            for h in names
+        }
+        dcp.load(state, checkpoint_id=str(checkpoint))  # one process, no group
+        return {h: state[MODEL_PREFIX + hf_to_name[h]].to(out_dtype[h]) for h in names}
+
+    config_dtype = dtype or next(iter(out_dtype.values()))
+    write_hf_folder(
+        out,
+        config=hf_config(args, dtype=config_dtype, **token_ids),
+        shards=plan_shards(sizes, max_shard_bytes=max_shard_bytes),
+        load_shard=load_shard,
+    )
+    print(f"wrote {out}: {len(sizes)} tensors as {config_dtype}")
+
+
+def copy_side_files(source: Path, out: Path) -> list[str]:
+    copied = []
+    for name in HF_SIDE_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, out / name)
+            copied.append(name)
+    return copied
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="direction", required=True)
+    to_dcp = sub.add_parser("to-dcp", help="HF folder -> weights-only DCP checkpoint")
+    to_dcp.add_argument("hf_folder", type=Path, help="Hugging Face Llama folder (config.json + *.safetensors)")
+    to_dcp.add_argument("out", type=Path, help="checkpoint folder to create")
+    to_dcp.add_argument(
+        "--dtype", choices=DTYPES, default="keep",
+        help="dtype to store (default keep: bf16 stays bf16; train.py upcasts into its fp32 parameters exactly)",
+    )  # fmt: skip
+    to_hf = sub.add_parser("to-hf", help="DCP checkpoint -> HF folder")
+    to_hf.add_argument("checkpoint", type=Path, help="a step-<N> checkpoint folder (contains .metadata)")
+    to_hf.add_argument("out", type=Path, help="HF folder to write (new or empty)")
+    shape = to_hf.add_mutually_exclusive_group(required=True)
+    shape.add_argument(
+        "--hf-assets-path", type=Path, help="HF folder the model came from: its config.json gives the shape"
+    )
+    shape.add_argument("--flavor", choices=FLAVORS, help="the model.flavor the checkpoint was trained with")
+    to_hf.add_argument(
+        "--tokenizer-path", type=Path, help="folder whose tokenizer files to copy (default: --hf-assets-path)"
+    )
+    to_hf.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="dtype to write (default bfloat16)")
+    to_hf.add_argument("--max-shard-gb", type=float, default=DEFAULT_MAX_SHARD_BYTES / 2**30, help="largest file (GiB)")
+    opts = parser.parse_args(argv)
+    # One process by design: DCP's "assuming the intent is to save/load in a single process" is right.
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+    if opts.direction == "to-dcp":
+        hf_to_dcp(opts.hf_folder, opts.out, dtype=DTYPES[opts.dtype])
+        return 0
+
+    token_ids: dict[str, int] = {}
+    if opts.hf_assets_path is not None:
+        args = model_args_from_hf_config(opts.hf_assets_path)
+        source = json.loads((opts.hf_assets_path / "config.json").read_text())
+        token_ids = {k: source[k] for k in ("bos_token_id", "eos_token_id") if source.get(k) is not None}
+    else:
+        args = FLAVORS[opts.flavor]
+    tokenizer_path = opts.tokenizer_path or opts.hf_assets_path
+    if tokenizer_path is not None and not tokenizer_path.is_dir():
+        raise ConfigError(f"--tokenizer-path: {tokenizer_path} is not a folder; point it at a tokenizer folder")
+    dcp_to_hf(
+        opts.checkpoint, opts.out, args=args, dtype=DTYPES[opts.dtype],
+        max_shard_bytes=int(opts.max_shard_gb * 2**30), token_ids=token_ids,
+    )  # fmt: skip
+    if tokenizer_path is not None:
+        print(
+            f"copied {', '.join(copy_side_files(tokenizer_path, opts.out)) or 'no tokenizer files'} from {tokenizer_path}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except ConfigError as e:
+        for problem in e.problems:
+            print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
