@@ -208,7 +208,7 @@ def _check_holds(path: Path, expected: dict[str, torch.Tensor]) -> None:
         first = (missing or wrong)[0].removeprefix("model_and_optimizer.model.")
         raise ConfigError(
             f"checkpoint: {path} does not fit this model ({len(missing)} weights missing, {len(wrong)} of another "
-            f"shape, e.g. {first}); check model.flavor or the checkpoint path"
+            f"shape, e.g. {first}); check model.flavor (or model.hf_assets_path) and the checkpoint path"
         )
 
 

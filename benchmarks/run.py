@@ -91,10 +91,8 @@ def train_rows(data: dict) -> list[Row]:
     rows = [Row("throughput", "tokens/s per device", "FSDP", base, label, runs[key]["tps"], "tok/s")
             for key, label in (("fsdp_compile", "+ compile"), ("fsdp_compile_sac", "+ compile + op SAC"))]  # fmt: skip
     if all(runs[k].get("memory_gib") for k in runs):
-        rows.append(
-            Row("throughput", "peak memory", "FSDP", runs["fsdp"]["memory_gib"], "+ compile + op SAC",
-                runs["fsdp_compile_sac"]["memory_gib"], "GiB")  # fmt: skip
-        )
+        before, after = runs["fsdp"]["memory_gib"], runs["fsdp_compile_sac"]["memory_gib"]
+        rows.append(Row("throughput", "peak memory", "FSDP", before, "+ compile + op SAC", after, "GiB"))
     return rows
 
 
