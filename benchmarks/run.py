@@ -47,6 +47,34 @@ class Row:
 # ------------------------------------------------------------- summarizers
 
 
+def recompute_rows(data: dict) -> list[Row]:
+    v = data["results"]["variants"]
+    nested, single = v["nested"], v["single"]
+    problem, broken, fixed = "#1 nested AC", "HF GC + block AC", "apply_ac only"
+    return [
+        Row(problem, "attention forwards per layer per step", broken, nested["attention_forwards_per_layer"],
+            fixed, single["attention_forwards_per_layer"], "calls"),
+        Row(problem, "backward FLOPs per step, recompute included", broken, nested["backward_flops"] / 1e9,
+            fixed, single["backward_flops"] / 1e9, "GFLOP"),
+        Row(problem, "step time (CPU fp32, median)", broken, nested["step_seconds_median"] * 1e3,
+            fixed, single["step_seconds_median"] * 1e3, "ms"),
+    ]  # fmt: skip
+
+
+def metadata_rows(data: dict) -> list[Row]:
+    a = data["results"]["attention"]
+    fa2, sdpa = a["fa2_semantics_cpu"], a["sdpa"]
+    problem, fixed = "#2 KV cache + AC", "no cache + apply_ac"
+    return [
+        Row(problem, "backward raises CheckpointError (FA2 semantics)", "cache + block AC",
+            float(fa2["non_reentrant"]["error"] is not None), fixed, float(fa2["fix"]["error"] is not None), "1=yes"),
+        Row(problem, "grad error ||g - g_noAC|| / ||g_noAC|| (sdpa)", "cache + reentrant AC",
+            sdpa["reentrant"]["rel_grad_norm_error"], fixed, sdpa["fix"]["rel_grad_norm_error"], ""),
+        Row(problem, "KV tokens cached per layer after a step (sdpa)", "cache + block AC",
+            sdpa["non_reentrant"]["cached_tokens"], fixed, sdpa["fix"]["cached_tokens"], "tokens"),
+    ]  # fmt: skip
+
+
 def comm_volume_rows(data: dict) -> list[Row]:
     r = data["results"]
     mib = 2**20
@@ -97,6 +125,8 @@ def train_rows(data: dict) -> list[Row]:
 
 
 BENCHMARKS: dict[str, Callable[[dict], list[Row]]] = {
+    "recompute": recompute_rows,
+    "metadata": metadata_rows,
     "comm_volume": comm_volume_rows,
     "memory": memory_rows,
 }

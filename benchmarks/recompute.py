@@ -1,0 +1,429 @@
+"""Nested activation checkpointing runs each layer's forward three times per step (PROBLEMS.md #1).
+
+    python -m benchmarks.recompute --out outputs/bench/recompute.json     # one process, CPU is enough
+
+The llama-recipes setup (issue #740) on a small transformers LlamaForCausalLM (fp32, "sdpa"
+attention, built in code, no download): Hugging Face's own checkpointing, reentrant as in
+transformers 4.x, plus a second, per-block checkpoint applied from outside. Variants:
+
+    nested          HF gradient_checkpointing_enable(use_reentrant=True) + our checkpoint_module
+                    (non-reentrant) on every decoder layer; apply_ac refuses this, so it is built
+                    by hand. transformers >= 5 checkpoints a layer's `forward`, so here HF's
+                    reentrant checkpoint ends up outside ours.
+    nested_wrapper  the same HF checkpointing + FSDP-era checkpoint_wrapper(NO_REENTRANT) around
+                    each layer, what llama-recipes did; here the non-reentrant level is outside.
+    single          HF checkpointing off, apply_ac(model, ActivationCheckpoint(mode="full")): the fix
+    none            no activation checkpointing
+
+Per training step (forward + loss + backward, no optimizer step, after a warm-up step):
+  attention forwards   forward calls of each LlamaAttention, recomputations included
+                       (count_calls): 1 none, 2 single, 3 nested in either order.
+  backward FLOPs       FlopCounterMode around backward, recomputation included. The fused CPU SDPA
+                       kernel (aten._scaled_dot_product_flash_attention_for_cpu) has no FLOP formula
+                       in torch.utils.flop_counter, so this step runs under
+                       sdpa_kernel(SDPBackend.MATH), whose bmm pieces are counted; the JSON also
+                       keeps the default-backend count to show the gap. "recomputed layer forwards"
+                       is (backward - backward of none) / forward FLOPs of all decoder layers.
+                       Non-reentrant checkpointing stops a recomputation as soon as the last saved
+                       tensor is back (torch.utils.checkpoint early stop), before the layer's final
+                       matmul (mlp.down_proj) runs: single recomputes 1 layer forward minus that
+                       matmul, nested 2 minus it; nested_wrapper exactly 2 (what its outer,
+                       non-reentrant level recomputes is HF's reentrant checkpoint, which runs the
+                       whole layer before saving anything). With early stop off (also in the JSON)
+                       the multiples are exactly 1, 2 and 2.
+  step time            median over --steps steps of the default (fused SDPA) backend, the variants
+                       interleaved round-robin in one process so that they share the machine's noise.
+  gradients            max |grad - grad of none| over all parameters: recomputation is exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import re
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.checkpoint import set_checkpoint_early_stop
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaAttention
+
+from config import ActivationCheckpoint, ConfigError
+from parallelisms.ac import apply_ac, checkpoint_module, count_calls, transformer_blocks
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class HFShape:
+    """A small Llama (GQA, SwiGLU) in transformers' config names, and the batch it trains on."""
+
+    hidden_size: int = 256
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 4
+    intermediate_size: int = 768
+    vocab_size: int = 2048
+    seq_len: int = 256
+    batch_size: int = 4
+
+
+# What the tests use: the same structure, small enough for many steps in seconds.
+TINY = HFShape(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               intermediate_size=192, vocab_size=512, seq_len=32, batch_size=2)  # fmt: skip
+
+
+def build_hf_llama(
+    shape: HFShape, *, use_cache: bool = False, attn_implementation: str = "sdpa", seed: int = 0
+) -> LlamaForCausalLM:
+    """An fp32 LlamaForCausalLM in training mode with random unit-scale weights, the same for a seed."""
+    cfg = LlamaConfig(
+        hidden_size=shape.hidden_size, num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads, num_key_value_heads=shape.num_key_value_heads,
+        intermediate_size=shape.intermediate_size, vocab_size=shape.vocab_size,
+        max_position_embeddings=max(shape.seq_len, 256), use_cache=use_cache,
+        attn_implementation=attn_implementation,
+    )  # fmt: skip
+    model = LlamaForCausalLM(cfg).float().train()
+    random_init_(model, seed=seed)
+    return model
+
+
+def random_init_(model: nn.Module, *, seed: int) -> None:
+    """Unit-scale weights, so that wrong gradients show up well above float32 noise.
+
+    transformers' init (std 0.02) leaves logits near uniform and gradients tiny.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if p.ndim == 1:  # RMSNorm gains
+                p.copy_(1 + 0.1 * noise)
+            elif "embed" in name:
+                p.copy_(noise)
+            else:  # (out, in) projections: unit variance out for unit variance in
+                p.copy_(noise * p.shape[1] ** -0.5)
+
+
+def hf_gradient_checkpointing(model: LlamaForCausalLM, *, use_reentrant: bool) -> None:
+    """HF's own per-layer checkpointing, called the way transformers 4.x users did."""
+    with warnings.catch_warnings():
+        # transformers 5 renamed it activation_checkpointing_enable; the old name still works
+        # and is the one 4.x scripts (llama-recipes) call.
+        warnings.simplefilter("ignore", FutureWarning)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+
+
+def wrap_layers_fsdp1_style(model: nn.Module, *, reentrant: bool) -> None:
+    """Replace each decoder layer by torch's checkpoint_wrapper, as FSDP1-era recipes did.
+
+    checkpoint_wrapper lives in a private torch module (torch.distributed.algorithms._checkpoint);
+    it is used here only to reproduce what llama-recipes and Lightning users ran. Unlike
+    `checkpoint_module(..., use_reentrant=True)` it also works reentrant on HF layers: it packs
+    keyword arguments into positional ones, which reentrant checkpointing requires.
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    impl = CheckpointImpl.REENTRANT if reentrant else CheckpointImpl.NO_REENTRANT
+    layers = transformer_blocks(model)
+    assert isinstance(layers, nn.ModuleList)
+    for i, layer in enumerate(layers):
+        layers[i] = checkpoint_wrapper(layer, checkpoint_impl=impl)
+
+
+def refusal(build: Callable[[], None]) -> str | None:
+    """The ConfigError message apply_ac raises inside `build`, or None when it accepts."""
+    try:
+        build()
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+# --------------------------------------------------------------------- variants
+
+
+VARIANTS: dict[str, str] = {
+    "nested": "HF reentrant GC + checkpoint_module per layer",
+    "nested_wrapper": "HF reentrant GC + checkpoint_wrapper per layer",
+    "single": "apply_ac(mode=full)",
+    "none": "no AC",
+}
+
+
+def make_variant(name: str, base: LlamaForCausalLM) -> LlamaForCausalLM:
+    """A copy of `base` (same weights) with the checkpointing of variant `name`."""
+    model = copy.deepcopy(base).train()
+    match name:
+        case "nested":
+            hf_gradient_checkpointing(model, use_reentrant=True)
+            for layer in transformer_blocks(model):
+                checkpoint_module(layer)  # what apply_ac would refuse: see refusals()
+        case "nested_wrapper":
+            hf_gradient_checkpointing(model, use_reentrant=True)
+            wrap_layers_fsdp1_style(model, reentrant=False)
+        case "single":
+            apply_ac(model, ActivationCheckpoint(mode="full"))
+        case "none":
+            pass
+        case _:
+            raise ValueError(f"unknown variant {name!r}; expected one of {sorted(VARIANTS)}")
+    return model
+
+
+def refusals(base: LlamaForCausalLM) -> dict[str, str | None]:
+    """apply_ac on the two halves of the nested setup: both must be refused."""
+
+    def hf_gc_then_apply_ac() -> None:
+        model = copy.deepcopy(base)
+        hf_gradient_checkpointing(model, use_reentrant=True)
+        apply_ac(model, ActivationCheckpoint(mode="full"))
+
+    def wrapped_then_apply_ac() -> None:
+        model = copy.deepcopy(base)
+        wrap_layers_fsdp1_style(model, reentrant=False)
+        apply_ac(model, ActivationCheckpoint(mode="full"))
+
+    return {
+        "hf_gradient_checkpointing": refusal(hf_gc_then_apply_ac),
+        "checkpoint_wrapper": refusal(wrapped_then_apply_ac),
+    }
+
+
+# ------------------------------------------------------------------ measuring
+
+
+def random_batch(shape: HFShape, *, seed: int = 1) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, shape.vocab_size, (shape.batch_size, shape.seq_len), generator=gen)
+
+
+def param_name(name: str) -> str:
+    """Parameter names without checkpoint_wrapper's extra level, so variants can be compared."""
+    return name.replace("._checkpoint_wrapped_module", "")
+
+
+def grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient (zeros where backward left none), by unwrapped name."""
+    return {
+        param_name(n): (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+        for n, p in model.named_parameters()
+    }
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def rel_norm_error(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    """||got - ref|| / ||ref|| over all gradients flattened into one vector."""
+    num = sum((got[k] - ref[k]).pow(2).sum() for k in ref)
+    den = sum(ref[k].pow(2).sum() for k in ref)
+    return (num / den).sqrt().item()
+
+
+def train_step(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Forward + next-token loss + backward; the gradients are left in .grad. Returns the loss."""
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    return loss.detach()
+
+
+@dataclass
+class Counted:
+    """One counted training step."""
+
+    attention_forwards: dict[str, int]  # LlamaAttention forward calls per layer
+    forward_flops: int
+    backward_flops: int
+    flops_by_module: dict[str, int]  # forward FLOPs by module name (FlopCounterMode's breakdown)
+
+
+def counted_step(model: nn.Module, tokens: torch.Tensor, *, math_sdpa: bool = True, early_stop: bool = True) -> Counted:
+    """One training step under count_calls and FlopCounterMode (forward and backward apart)."""
+    backend = sdpa_kernel(SDPBackend.MATH) if math_sdpa else contextlib.nullcontext()
+    model.zero_grad(set_to_none=True)
+    with backend, set_checkpoint_early_stop(early_stop), count_calls(model, LlamaAttention) as calls:
+        with FlopCounterMode(display=False) as fwd:
+            loss = model(input_ids=tokens, labels=tokens).loss
+        with FlopCounterMode(display=False) as bwd:
+            loss.backward()
+    by_module = {name: sum(ops.values()) for name, ops in fwd.get_flop_counts().items()}
+    return Counted(
+        attention_forwards={param_name(k): v for k, v in calls.items()},
+        forward_flops=fwd.get_total_flops(),
+        backward_flops=bwd.get_total_flops(),
+        flops_by_module=by_module,
+    )
+
+
+def layer_flops(counted: Counted, suffix: str = "") -> int:
+    """Forward FLOPs of every decoder layer (or of their `suffix` submodule, e.g. ".mlp.down_proj")."""
+    # FlopCounterMode names modules from the root class: "LlamaForCausalLM.model.layers.0.mlp".
+    pattern = re.compile(r"\.layers\.\d+" + re.escape(suffix) + "$")
+    return sum(flops for name, flops in counted.flops_by_module.items() if pattern.search(name))
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers logs one warning per setting it overrides; the benchmark reports them itself."""
+    level = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers.logging.set_verbosity(level)
+
+
+def measure(shape: HFShape, *, steps: int = 5, variants: list[str] | None = None) -> dict[str, Any]:
+    """Every measurement of the module docstring, for each variant; one process, one machine."""
+    names = variants or list(VARIANTS)
+    base = build_hf_llama(shape)
+    tokens = random_batch(shape)
+    models = {name: make_variant(name, base) for name in names}
+
+    counted = {name: counted_step(m, tokens) for name, m in models.items()}
+    no_early_stop = {name: counted_step(m, tokens, early_stop=False) for name, m in models.items()}
+    # Only to show that the default (fused) CPU kernel's FLOPs are not counted.
+    fused = counted_step(models[names[-1]], tokens, math_sdpa=False)
+
+    # Gradients and time with the default SDPA backend; one warm-up step each.
+    gradients = {}
+    for name, m in models.items():
+        train_step(m, tokens)
+        gradients[name] = grads(m)
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    for step in range(steps):
+        # One step of each variant per round, starting one further each round, so that they
+        # share the machine's noise and no variant always runs first.
+        for name in names[step % len(names) :] + names[: step % len(names)]:
+            start = time.perf_counter()
+            train_step(models[name], tokens)
+            seconds[name].append(time.perf_counter() - start)
+
+    ref = counted.get("none")
+    layer_fwd = layer_flops(ref) if ref is not None else 0
+    results: dict[str, Any] = {"variants": {}}
+    for name in names:
+        c = counted[name]
+        per_layer = sorted(set(c.attention_forwards.values()))
+        row = {
+            "description": VARIANTS[name],
+            "attention_forwards_per_layer": per_layer[0] if len(per_layer) == 1 else per_layer,
+            "attention_forwards": c.attention_forwards,
+            "forward_flops": c.forward_flops,
+            "backward_flops": c.backward_flops,
+            "backward_flops_no_early_stop": no_early_stop[name].backward_flops,
+            "step_seconds": seconds[name],
+            "step_seconds_median": statistics.median(seconds[name]),
+            "step_seconds_min": min(seconds[name]),
+        }
+        if ref is not None:
+            row["recomputed_layer_forwards"] = (c.backward_flops - ref.backward_flops) / layer_fwd
+            row["recomputed_layer_forwards_no_early_stop"] = (
+                no_early_stop[name].backward_flops - no_early_stop["none"].backward_flops
+            ) / layer_fwd
+            row["max_abs_grad_diff_vs_none"] = max_abs_diff(gradients[name], gradients["none"])
+        results["variants"][name] = row
+
+    v = results["variants"]
+    if ref is not None:
+        results["layer_forward_flops"] = layer_fwd
+        results["last_matmul_flops"] = layer_flops(ref, ".mlp.down_proj")
+        # The fused CPU kernel is invisible to FlopCounterMode: the default backend counts fewer FLOPs.
+        results["fused_sdpa_counted"] = fused.forward_flops == counted[names[-1]].forward_flops
+        results["forward_flops_fused_sdpa"] = fused.forward_flops
+    if "nested" in v and "single" in v:
+        results["backward_flops_ratio_nested_vs_single"] = v["nested"]["backward_flops"] / v["single"]["backward_flops"]
+        results["step_time_ratio_nested_vs_single"] = (
+            v["nested"]["step_seconds_median"] / v["single"]["step_seconds_median"]
+        )
+        # Paired: the two steps of one round ran back to back, under the same load.
+        results["step_time_ratio_nested_vs_single_paired"] = statistics.median(
+            n / s for n, s in zip(seconds["nested"], seconds["single"], strict=True)
+        )
+    results["refusals"] = refusals(base)
+    return results
+
+
+# ------------------------------------------------------------------- reporting
+
+
+def table(results: dict[str, Any]) -> str:
+    head = (
+        f"{'variant':<15} {'attn fwd/layer':>14} {'bwd GFLOP':>10} {'recomputed':>10} {'(no e.s.)':>9} "
+        f"{'step ms':>8} {'max |dgrad|':>11}  setup"
+    )
+    lines = [head, "-" * len(head)]
+    for name, r in results["variants"].items():
+        lines.append(
+            f"{name:<15} {r['attention_forwards_per_layer']!s:>14} {r['backward_flops'] / 1e9:>10.3f} "
+            f"{r.get('recomputed_layer_forwards', float('nan')):>9.3f}x "
+            f"{r.get('recomputed_layer_forwards_no_early_stop', float('nan')):>8.3f}x "
+            f"{r['step_seconds_median'] * 1e3:>8.1f} {r.get('max_abs_grad_diff_vs_none', float('nan')):>11.2e}  "
+            f"{r['description']}"
+        )
+    lines.append(
+        "recomputed: extra backward FLOPs in decoder-layer forwards (MATH SDPA); no e.s.: checkpoint early stop off"
+    )
+    if "step_time_ratio_nested_vs_single" in results:
+        lines.append(
+            f"nested / single: step time {results['step_time_ratio_nested_vs_single']:.3f}x "
+            f"(paired per round {results['step_time_ratio_nested_vs_single_paired']:.3f}x), "
+            f"backward FLOPs {results['backward_flops_ratio_nested_vs_single']:.3f}x; "
+            f"fused CPU SDPA counted by FlopCounterMode: {results.get('fused_sdpa_counted')}"
+        )
+    for what, message in results["refusals"].items():
+        lines.append(f"apply_ac refuses ({what}): {message}")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", type=Path, default=REPO / "outputs" / "bench" / "recompute.json", help="JSON result")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per variant (after one warm-up step)")
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    p.add_argument("--seq-len", type=int, default=HFShape.seq_len)
+    p.add_argument("--batch-size", type=int, default=HFShape.batch_size)
+    p.add_argument("--tiny", action="store_true", help="the tests' tiny model instead (ignores the two above)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    shape = TINY if args.tiny else HFShape(seq_len=args.seq_len, batch_size=args.batch_size)
+    with quiet_transformers():
+        results = measure(shape, steps=args.steps, variants=args.variants)
+    print(table(results), flush=True)
+    meta = {
+        "model": asdict(shape),
+        "dtype": "float32",
+        "device": "cpu",
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"benchmark": "recompute", **meta, "results": results}, indent=1) + "\n")
+    print(f"wrote {args.out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
