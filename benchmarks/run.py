@@ -75,6 +75,17 @@ def metadata_rows(data: dict) -> list[Row]:
     ]  # fmt: skip
 
 
+def compile_cache_rows(data: dict) -> list[Row]:
+    hits = data["cross_recipe_hits"]
+    problem = "#4 compile cache"
+    return [
+        Row(problem, "graphs served from the other recipe's compile", "shared dir, pre-2.8 key",
+            hits["shared_dir_pre28_key"], "dir keyed on recipe", hits["keyed_dirs"], "graphs"),
+        Row(problem, "compile time of a block (cold vs warm cache)", "cold", data["compile_s"]["cold"],
+            "warm, same recipe", data["compile_s"]["warm"], "s"),
+    ]  # fmt: skip
+
+
 def comm_volume_rows(data: dict) -> list[Row]:
     r = data["results"]
     mib = 2**20
@@ -128,6 +139,7 @@ BENCHMARKS: dict[str, Callable[[dict], list[Row]]] = {
     "recompute": recompute_rows,
     "metadata": metadata_rows,
     "comm_volume": comm_volume_rows,
+    "compile_cache": compile_cache_rows,
     "memory": memory_rows,
 }
 

@@ -1,0 +1,325 @@
+"""The inductor cache and async TP (PROBLEMS.md #4): who is served whose compiled graph.
+
+    python -m benchmarks.compile_cache --out outputs/bench/compile_cache.json   # ~1 minute on 2 CPU cores
+
+pytorch/torchtitan #1185: a plain-TP run died with "'symm_mem' object has no attribute
+'fused_all_gather_matmul'": it had been served an FX graph compiled for async TP, because before
+PyTorch 2.8 the FX graph cache key left out private inductor configs such as `_micro_pipeline_tp`
+(the async-TP switch; fixed by pytorch/pytorch PR #153672). The recipe keys the cache directory on
+every setting that changes generated code (`parallelisms.compile.inductor_cache_dir`), so that two
+recipes never share compiled graphs, whatever the PyTorch version. Three parts:
+
+1. Directories. Recipes that differ only in async TP (or TP degree, AC mode, float8) get different
+   `inductor_cache_dir`s; equal recipes get the same one, so reruns still start warm.
+
+2. Real compiles on CPU. Each run is a fresh process that compiles (forward and backward) the
+   recipe's model shrunk to one small block (debugmodel with dim 64, 1 layer, vocab 256, seq 32)
+   with the recipe's own `apply_compile`, and reads inductor's FX graph cache counters. A "recipe"
+   is a cache folder and a key here, not a different graph: async TP cannot compile on CPU
+   (part 3), and on PyTorch 2.13 the key does include `_micro_pipeline_tp`, so the collision of
+   #1185 cannot happen as such. What a pre-2.8 key saw for two recipes differing only in that
+   flag is an identical key; an identical compile reproduces exactly that. First plain TP
+   compiles cold into its own inductor_cache_dir; the shared folder then starts as a copy of it
+   (what one folder for all recipes holds once plain TP has compiled). Then the async-TP recipe:
+     shared folder, pre-2.8 key   the same inductor config as plain TP (its key before 2.8):
+                                  served plain TP's graphs, the hits of #1185;
+     keyed folders, pre-2.8 key   the same compile in the async-TP recipe's own folder: 0 hits,
+                                  it compiles its own graphs;
+     shared folder, 2.13 key      `_micro_pipeline_tp = True` (on CPU the pass finds no all-gather
+                                  to fuse and the code is unchanged): PyTorch >= 2.8 puts it in the
+                                  key, 0 hits; the C++ kernels, cached by their source, are reused;
+   and plain TP again in its own folder: its own graphs back (warm). The first two async-TP runs
+   go side by side (2 cores), as do the last two. Compile time = first step minus a later one;
+   timings of a shared 2-core machine are as noisy as it is busy.
+
+3. The refusal. Async TP needs torch.compile, CUDA with NCCL and symmetric memory, and a TP group
+   of 2 or more; elsewhere `parallelisms.tp.maybe_enable_async_tp` raises a one-line ConfigError
+   (called here on a 1-rank gloo mesh), and `python train.py --config configs/debug.toml
+   --parallelism.enable_async_tensor_parallel --compile.enable` stops at config validation with
+   exit status 2 (tensor_parallel_degree is 1).
+
+What async TP is worth, measured by torchtitan on H100s (reference numbers, NOT measured here;
+PROBLEMS.md): Llama 3 70B on 256 H100 (FSDP32 x TP8) bf16 597 -> 652 tokens/s/GPU (1.09x), float8
+tensorwise 810 -> 942 (1.16x), float8 rowwise 1.04x; Llama 3 8B on 64 H100 (FSDP8 x TP8, op SAC)
+4378 -> 4809 (1.10x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+from config import ConfigError
+from models.llama3 import FLAVORS, Transformer
+from parallelisms.compile import apply_compile, inductor_cache_dir
+from parallelisms.tp import maybe_enable_async_tp
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL_ARGS = dataclasses.replace(
+    FLAVORS["debugmodel"], dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=256, max_seq_len=32
+)
+BATCH, SEQ = 2, 32
+# The two recipes of #1185 (Llama 3 8B, DP2 x TP4, op SAC), differing only in async TP.
+RECIPE = {"tp_degree": 4, "ac_mode": "selective", "ac_option": "op", "float8": False}
+VARIANTS: dict[str, dict[str, Any]] = {
+    "plain_tp": {**RECIPE, "async_tp": False},
+    "async_tp": {**RECIPE, "async_tp": True},
+    "plain_tp_again": {**RECIPE, "async_tp": False},
+    "tp_8": {**RECIPE, "async_tp": False, "tp_degree": 8},
+    "ac_full": {**RECIPE, "async_tp": False, "ac_mode": "full"},
+    "float8": {**RECIPE, "async_tp": False, "float8": True},
+}
+REFERENCE_GPU = {
+    "source": "torchtitan (PROBLEMS.md #4); not measured here",
+    "unit": "tokens/s/GPU",
+    "llama3_70b_256xH100_fsdp32_tp8_bf16": {"tp": 597, "async_tp": 652, "speedup": 1.09},
+    "llama3_70b_256xH100_fsdp32_tp8_float8_tensorwise": {"tp": 810, "async_tp": 942, "speedup": 1.16},
+    "llama3_70b_256xH100_fsdp32_tp8_float8_rowwise": {"speedup": 1.04},
+    "llama3_8b_64xH100_fsdp8_tp8_op_sac": {"tp": 4378, "async_tp": 4809, "speedup": 1.10},
+}
+
+
+# ------------------------------------------------------------ 1. directories
+
+
+def cache_dirs(root: Path) -> dict[str, str]:
+    """The inductor cache folder each recipe variant gets under `root`."""
+    return {name: str(inductor_cache_dir(**recipe, root=root)) for name, recipe in VARIANTS.items()}
+
+
+# -------------------------------------------------------- 2. real compiles
+
+
+def compile_once(cache_dir: Path, *, micro_pipeline_tp: bool) -> dict[str, Any]:
+    """In this (fresh) process: compile MODEL_ARGS's block into `cache_dir`, two training steps, counters."""
+    # Private inductor configs and counters (PyTorch 2.13), used only here. compile_threads is left
+    # out of every cache key; one thread compiles in-process instead of starting a worker pool.
+    import torch._inductor.config as inductor_config
+    from torch._dynamo.utils import counters
+
+    inductor_config.compile_threads = 1
+    # What parallelisms.tp._enable_micro_pipeline_tp sets for async TP (without the CUDA-only
+    # symmetric memory): the flag the FX graph cache key ignored before PyTorch 2.8.
+    inductor_config._micro_pipeline_tp = micro_pipeline_tp
+
+    torch.manual_seed(0)
+    model = Transformer(MODEL_ARGS)
+    model.init_weights()
+    apply_compile(model, cache_dir=cache_dir)  # the recipe's own: per-block compile into cache_dir
+    tokens = torch.randint(0, MODEL_ARGS.vocab_size, (BATCH, SEQ + 1))
+
+    def step() -> float:
+        start = time.perf_counter()
+        logits = model(tokens[:, :-1])  # (bs, seqlen, vocab)
+        F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        return time.perf_counter() - start
+
+    first = step()
+    steady = min(step() for _ in range(3))
+    return {
+        "cache_dir": str(cache_dir),
+        "micro_pipeline_tp": micro_pipeline_tp,
+        "fxgraph_cache_hit": counters["inductor"]["fxgraph_cache_hit"],
+        "fxgraph_cache_miss": counters["inductor"]["fxgraph_cache_miss"],
+        "autograd_cache_hit": counters["aot_autograd"]["autograd_cache_hit"],
+        "autograd_cache_miss": counters["aot_autograd"]["autograd_cache_miss"],
+        "first_step_s": first,
+        "steady_step_s": steady,
+        "compile_s": first - steady,
+    }
+
+
+# (name, recipe, folder, _micro_pipeline_tp): "keyed" = the recipe's own inductor_cache_dir,
+# "shared" = one folder for every recipe, which starts as a copy of the plain-TP recipe's folder
+# after phase 1 (what a shared folder holds once plain TP has compiled into it). The runs of a
+# phase use different folders and go two at a time; phase 2 runs the same compile against both
+# layouts.
+PHASES: list[list[tuple[str, str, str, bool]]] = [
+    [("keyed/plain_tp", "plain_tp", "keyed", False)],
+    [("shared/async_tp_pre28_key", "async_tp", "shared", False), ("keyed/async_tp_pre28_key", "async_tp", "keyed", False)],
+    [("shared/async_tp_2.13_key", "async_tp", "shared", True), ("keyed/plain_tp_again", "plain_tp", "keyed", False)],
+]  # fmt: skip
+
+
+def run_compiles(root: Path) -> dict[str, dict[str, Any]]:
+    """Every run of PHASES in a fresh `python -m benchmarks.compile_cache --worker DIR` process."""
+    keyed = cache_dirs(root / "keyed")
+    # Caches on, whatever the caller's environment says: they are what is measured.
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
+        "TORCHINDUCTOR_AUTOGRAD_CACHE": "1",
+    }
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    runs: dict[str, dict[str, Any]] = {}
+    for i, phase in enumerate(PHASES):
+        if i == 1:
+            shutil.copytree(keyed["plain_tp"], root / "shared")
+        procs = {}
+        for name, recipe, where, mpt in phase:
+            folder = root / "shared" if where == "shared" else Path(keyed[recipe])
+            cmd = [sys.executable, "-m", "benchmarks.compile_cache", "--worker", str(folder)]
+            procs[name] = (recipe, where, time.perf_counter(), subprocess.Popen(
+                [*cmd, *(["--micro-pipeline-tp"] if mpt else [])], cwd=REPO, env=env, text=True,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            ))  # fmt: skip
+        for name, (recipe, where, start, proc) in procs.items():
+            out, err = proc.communicate(timeout=300)
+            if proc.returncode != 0:
+                raise RuntimeError(f"compile run {name} exited {proc.returncode}:\n{err[-4000:]}")
+            result = json.loads(out.strip().splitlines()[-1])
+            runs[name] = {"recipe": recipe, "dir": where, **result, "process_s": time.perf_counter() - start}
+    return runs
+
+
+def summarize(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    warm = [runs[n]["compile_s"] for n in ("shared/async_tp_pre28_key", "keyed/plain_tp_again")]
+    return {
+        # FX graphs the async-TP recipe was served from the plain-TP recipe's compile.
+        "cross_recipe_hits": {
+            "shared_dir_pre28_key": runs["shared/async_tp_pre28_key"]["fxgraph_cache_hit"],
+            "shared_dir_2.13_key": runs["shared/async_tp_2.13_key"]["fxgraph_cache_hit"],
+            "keyed_dirs": runs["keyed/async_tp_pre28_key"]["fxgraph_cache_hit"],
+        },
+        "same_recipe_hits_keyed": runs["keyed/plain_tp_again"]["fxgraph_cache_hit"],
+        "graphs_per_compile": runs["keyed/plain_tp"]["fxgraph_cache_miss"],  # forward + backward
+        "compile_s": {
+            "cold": runs["keyed/plain_tp"]["compile_s"],  # alone on the machine (phase 1)
+            "cold_beside_another_run": runs["keyed/async_tp_pre28_key"]["compile_s"],
+            "warm": sum(warm) / len(warm),
+            "new_key_same_kernels": runs["shared/async_tp_2.13_key"]["compile_s"],
+        },
+    }
+
+
+# ------------------------------------------------------------- 3. refusal
+
+
+TRAIN_WITH_ASYNC_TP = [
+    "train.py", "--config", "configs/debug.toml", "--parallelism.enable_async_tensor_parallel", "--compile.enable",
+]  # fmt: skip
+
+
+def start_train_with_async_tp() -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    return subprocess.Popen(
+        [sys.executable, *TRAIN_WITH_ASYNC_TP], cwd=REPO, env=env, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+
+
+def async_tp_refusals(train: subprocess.Popen[str]) -> dict[str, Any]:
+    """maybe_enable_async_tp on a 1-rank gloo mesh, and the outcome of `train` (start_train_with_async_tp)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+        try:
+            maybe_enable_async_tp(mesh, compile_enabled=True)
+            message = "accepted"
+        except ConfigError as e:
+            message = str(e)
+    finally:
+        dist.destroy_process_group()
+    _, err = train.communicate(timeout=120)
+    return {
+        "maybe_enable_async_tp_1rank_gloo": message,
+        "train_py": {
+            "command": " ".join(["python", *TRAIN_WITH_ASYNC_TP]), "exit_code": train.returncode, "stderr": err.strip(),
+        },
+    }  # fmt: skip
+
+
+# ------------------------------------------------------------------ report
+
+
+def table(dirs: dict[str, str], runs: dict[str, dict[str, Any]], summary: dict[str, Any]) -> str:
+    lines = ["1. inductor_cache_dir per recipe (DP2 x TP4, op SAC, except where named):"]
+    for name, path in dirs.items():
+        lines.append(f"   {name:<15} {Path(path).name}")
+    head = f"{'run (a fresh process each)':<27} {'cache folder':<24} {'fx hits':>7} {'misses':>6} {'aot hits':>8} {'compile s':>9}"
+    lines += [
+        "",
+        f"2. compile of one block, forward + backward, CPU, torch {torch.__version__}; the shared folder",
+        f"   starts as a copy of plain_tp's ({Path(dirs['plain_tp']).name}) after its first run:",
+        head,
+        "-" * len(head),
+    ]
+    for name, r in runs.items():
+        folder = "shared" if r["dir"] == "shared" else Path(r["cache_dir"]).name
+        lines.append(
+            f"{name:<27} {folder:<24} {r['fxgraph_cache_hit']:>7} {r['fxgraph_cache_miss']:>6} "
+            f"{r['autograd_cache_hit']:>8} {r['compile_s']:>9.2f}"
+        )
+    hits, secs = summary["cross_recipe_hits"], summary["compile_s"]
+    lines += [
+        f"FX graphs the async-TP recipe got from plain TP's compile (of {summary['graphs_per_compile']}): "
+        f"shared folder + pre-2.8 key {hits['shared_dir_pre28_key']}, shared folder + 2.13 key "
+        f"{hits['shared_dir_2.13_key']}, keyed folders {hits['keyed_dirs']}",
+        f"compile s: cold {secs['cold']:.1f} (beside another run {secs['cold_beside_another_run']:.1f}), "
+        f"warm {secs['warm']:.1f} ({secs['cold'] / secs['warm']:.1f}x faster), "
+        f"new key with cached kernels {secs['new_key_same_kernels']:.1f}",
+    ]
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", type=Path, default=REPO / "outputs" / "bench" / "compile_cache.json", help="JSON result")
+    p.add_argument("--cache-root", type=Path, default=None, help="where the cache folders go (default: a temp dir)")
+    p.add_argument("--worker", type=Path, default=None, help="internal: one compile into this cache folder")
+    p.add_argument("--micro-pipeline-tp", action="store_true", help="internal: with --worker, set _micro_pipeline_tp")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker is not None:
+        print(json.dumps(compile_once(args.worker, micro_pipeline_tp=args.micro_pipeline_tp)), flush=True)
+        return 0
+
+    with tempfile.TemporaryDirectory(prefix="compile_cache_") as tmp:
+        root = args.cache_root or Path(tmp)
+        dirs = cache_dirs(root / "keyed")
+        train = start_train_with_async_tp()  # refused at config validation; runs beside phase 1
+        runs = run_compiles(root)
+        refusals = async_tp_refusals(train)
+    summary = summarize(runs)
+    print(table(dirs, runs, summary), flush=True)
+    print(f"3. async TP here: {refusals['maybe_enable_async_tp_1rank_gloo']}", flush=True)
+    print(f"   {refusals['train_py']['command']}: exit {refusals['train_py']['exit_code']}", flush=True)
+    result = {
+        "benchmark": "compile_cache",
+        "torch": torch.__version__,
+        "model_args": dataclasses.asdict(MODEL_ARGS),
+        "batch": BATCH,
+        "seq_len": SEQ,
+        "recipes": VARIANTS,
+        "cache_dirs": {name: Path(path).name for name, path in dirs.items()},
+        "runs": runs,
+        **summary,
+        "async_tp_refusal": refusals,
+        "reference_gpu": REFERENCE_GPU,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
