@@ -53,14 +53,18 @@ class Job:
 
 @dataclass
 class Model:
-    name: Literal["llama3"] = "llama3"
-    """Model family. Only Llama 3 lives in this repo."""
+    name: Literal["llama3", "hf_llama"] = "llama3"
+    """llama3: this repo's model; hf_llama: the same shapes as a transformers LlamaForCausalLM, trained through the same path."""
     flavor: str = "debugmodel"
     """Model size, a key of models/llama3/model.py FLAVORS: debugmodel, llama3_1b, llama3_3b, llama3_8b, llama3_70b, llama3_405b."""
     tokenizer_path: str = "assets/tokenizer"
     """A tokenizer.json file, a Hugging Face tokenizer folder, or "byte" for the built-in byte-level tokenizer."""
     hf_assets_path: str | None = None
     """A Hugging Face Llama folder whose config.json sets the model shape instead of flavor (fine-tuning HF weights; see scripts/convert_hf.py)."""
+    hf_use_cache: bool = False
+    """name = hf_llama only, a broken setting for reproducing PROBLEMS.md #2: keep transformers' KV cache on while training."""
+    hf_gradient_checkpointing: bool = False
+    """name = hf_llama only, a broken setting for reproducing PROBLEMS.md #1: also switch on transformers' own reentrant gradient checkpointing."""
 
 
 @dataclass

@@ -29,6 +29,7 @@ from data import GlobalBatchLoader, PackedCorpus, build_tokenizer
 from metrics import MetricsLogger, StepMetrics, peak_flops, peak_memory_gib
 from models.llama3 import FLAVORS, Transformer, num_flops_per_token, num_params
 from models.llama3.hf import model_args_from_hf_config
+from models.llama3.hf_model import HFLlama
 from models.llama3.model import ModelArgs, with_seq_len
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import parallelize_llama
@@ -82,7 +83,7 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
         )
     dims.check_model(model_args, seq_len=t.seq_len)
     with torch.device("meta"):
-        model = Transformer(model_args)
+        model = build_model(cfg.model, model_args, rank=rank)
     model = parallelize_llama(
         model, dims=dims, mesh=mesh, training=t, parallelism=cfg.parallelism,
         ac=cfg.activation_checkpoint, compile=cfg.compile,
@@ -230,6 +231,25 @@ def set_determinism(*, seed: int, deterministic: bool) -> None:
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
+
+
+def build_model(cfg: Model, args: ModelArgs, *, rank: int) -> torch.nn.Module:
+    """Our Transformer, or the same shapes as a transformers LlamaForCausalLM (model.name)."""
+    match cfg.name:
+        case "llama3":
+            return Transformer(args)
+        case "hf_llama":
+            if args.tie_word_embeddings:
+                raise ConfigError(
+                    'model.name: "hf_llama" trains untied flavors only (debugmodel, llama3_8b, ...); use "llama3"'
+                )
+            model = HFLlama(args, use_cache=cfg.hf_use_cache)
+            if cfg.hf_gradient_checkpointing:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+            for key in ("hf_use_cache", "hf_gradient_checkpointing"):
+                if getattr(cfg, key) and rank == 0:
+                    warnings.warn(f"model.{key} = true is a known-broken setting (see PROBLEMS.md)", stacklevel=2)
+            return model
 
 
 def build_model_args(cfg: Model, *, seq_len: int) -> ModelArgs:

@@ -5,16 +5,18 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from models.llama3 import Transformer
+from parallelisms.ac import transformer_blocks
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def apply_fsdp(
-    model: Transformer,
+    model: nn.Module,
     mesh: DeviceMesh,
     *,
     param_dtype: torch.dtype,
@@ -55,14 +57,25 @@ def apply_fsdp(
     offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     kw = dict(mesh=mesh, mp_policy=mp, offload_policy=offload)
 
+    embedding, blocks, norm, output = _units(model)
     # With tied embeddings the matrix is used first and last: keep it in the root unit,
     # which stays gathered for the whole forward, instead of a unit of its own.
-    if not model.args.tie_word_embeddings:
-        fully_shard(model.tok_embeddings, **kw, reshard_after_forward=reshard)
-    for block in model.layers.values():
+    if output is not None:
+        fully_shard(embedding, **kw, reshard_after_forward=reshard)
+    for block in blocks:
         fully_shard(block, **kw, reshard_after_forward=reshard)
-    if model.output is not None:
+    if output is not None:
         # The output layer runs last; its parameters are needed again at once by backward,
         # so by default resharding them after forward would only add an all-gather.
-        fully_shard([model.norm, model.output], **kw, reshard_after_forward=reshard_last)
+        fully_shard([norm, output], **kw, reshard_after_forward=reshard_last)
     fully_shard(model, **kw, reshard_after_forward=reshard_last)
+
+
+def _units(model: nn.Module) -> tuple[nn.Module, list[nn.Module], nn.Module, nn.Module | None]:
+    """(embedding, blocks, final norm, output or None when tied) of our Transformer or an HF *ForCausalLM."""
+    blocks = transformer_blocks(model)
+    blocks = list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks)
+    if isinstance(model, Transformer):
+        return model.tok_embeddings, blocks, model.norm, model.output
+    tied = model.config.tie_word_embeddings
+    return model.model.embed_tokens, blocks, model.model.norm, None if tied else model.lm_head

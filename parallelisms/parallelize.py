@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from config import ActivationCheckpoint, Compile, Parallelism, Training
+from config import ActivationCheckpoint, Compile, ConfigError, Parallelism, Training
 from models.llama3 import Transformer
 from parallelisms.ac import apply_ac
 from parallelisms.compile import apply_compile, inductor_cache_dir
@@ -16,7 +17,7 @@ from parallelisms.tp import apply_tp
 
 
 def parallelize_llama(
-    model: Transformer,
+    model: nn.Module,
     *,
     dims: ParallelDims,
     mesh: DeviceMesh,
@@ -25,7 +26,7 @@ def parallelize_llama(
     ac: ActivationCheckpoint,
     compile: Compile,
     inductor_cache_root: str | Path | None = None,
-) -> Transformer:
+) -> nn.Module:
     """Apply, in order, TP -> activation checkpointing -> compile -> FSDP to a (meta) model.
 
     The order is not a matter of taste:
@@ -46,6 +47,11 @@ def parallelize_llama(
     inductor_cache_root: parent folder of the per-recipe inductor caches (see
     `parallelisms.compile.inductor_cache_dir`); None = TORCHINDUCTOR_CACHE_DIR or inductor's default.
     """
+    if dims.tp_enabled and not isinstance(model, Transformer):
+        raise ConfigError(
+            "parallelism.tensor_parallel_degree: the TP plan names this repo's modules; "
+            'use model.name = "llama3" (same weights, see models/llama3/hf.py) or tensor_parallel_degree = 1'
+        )
     if dims.tp_enabled or parallelism.enable_async_tensor_parallel:
         # With tp = 1 this only refuses async TP (it needs a TP group of at least 2).
         apply_tp(
