@@ -511,7 +511,10 @@ def _check_hf_assets(path: str, *, seq_len: int) -> list[str]:
 
 def help_text() -> str:
     lines = [
-        "usage: train.py [--config FILE.toml] [--section.key=value ...] [--print-config] [--help]",
+        "usage: train.py [--config FILE.toml] [--section.key=value ...] [--print-config] [--check] [--help]",
+        "",
+        "--print-config: print the resolved config and derived numbers, then exit.",
+        "--check: run the recipe doctor (doctor.py): report known pitfalls, exit 1 if one is an error.",
         "",
         "Precedence: command line > TOML file > defaults. Options:",
     ]

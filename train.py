@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+import doctor
 from checkpoint import CheckpointManager
 from config import ConfigError, JobConfig, LRScheduler, Model, help_text, load_config, to_toml
 from data import GlobalBatchLoader, PackedCorpus, build_tokenizer
@@ -43,6 +44,9 @@ def main(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
         print(help_text())
         return 0
+    if "--check" in argv:
+        # The recipe doctor alone (doctor.py): every known pitfall, one line each; exit 1 on an error.
+        return doctor.main([a for a in argv if a != "--check"])
     print_config = "--print-config" in argv
     cfg = load_config([a for a in argv if a != "--print-config"])
     if print_config:
@@ -84,6 +88,9 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
     dims.check_model(model_args, seq_len=t.seq_len)
     with torch.device("meta"):
         model = build_model(cfg.model, model_args, rank=rank)
+    # Known pitfalls of this recipe on this machine (doctor.py): rank 0 prints the warnings,
+    # errors stop every rank.
+    doctor.run_startup_checks(cfg, world_size=world_size, rank=rank, device=device, model=model)
     model = parallelize_llama(
         model, dims=dims, mesh=mesh, training=t, parallelism=cfg.parallelism,
         ac=cfg.activation_checkpoint, compile=cfg.compile,

@@ -25,8 +25,8 @@ def test_hf_llama_trains_with_fsdp_and_ac(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("broken", "expected"),
     [
-        ("--model.hf_gradient_checkpointing", "Hugging Face gradient checkpointing on"),  # PROBLEMS.md #1
-        ("--model.hf_use_cache", "model.config.use_cache is True"),  # PROBLEMS.md #2
+        ("--model.hf_gradient_checkpointing", "Hugging Face gradient checkpointing is on"),  # PROBLEMS.md #1
+        ("--model.hf_use_cache", "use_cache: True while activation checkpointing is on"),  # PROBLEMS.md #2
     ],
 )
 def test_broken_hf_settings_are_refused_under_ac(broken: str, expected: str) -> None:

@@ -30,7 +30,13 @@ class HFLlama(LlamaForCausalLM):
     """`LlamaForCausalLM` with our model's training interface: tokens -> logits, init_weights()."""
 
     def __init__(self, args: ModelArgs, *, use_cache: bool = False):
-        config = LlamaConfig(**hf_config(args, dtype=torch.float32))
+        fields = hf_config(args, dtype=torch.float32)
+        # transformers checks llama3 RoPE scaling against the context length: keep the
+        # published one even when the recipe trains (and so builds RoPE for) shorter sequences.
+        if args.rope_scaling is not None:
+            original = args.rope_scaling.original_max_position_embeddings
+            fields["max_position_embeddings"] = max(args.max_seq_len, original + 1)
+        config = LlamaConfig(**fields)
         config.use_cache = use_cache
         config._attn_implementation = "sdpa"
         super().__init__(config)
