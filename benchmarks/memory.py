@@ -420,6 +420,9 @@ def main(argv: list[str] | None = None) -> int:
                 row[key] = max(r[key] for r in everyone)
             row["per_rank_device_total_bytes"] = [r["device_total_bytes"] for r in everyone]
             results[name] = row
+        # Leave together: a rank tearing gloo down while its peer is still in it was seen to
+        # abort ("terminate called without an active exception") under load.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     if int(os.environ["RANK"]) == 0:
