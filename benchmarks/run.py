@@ -113,7 +113,7 @@ def memory_rows(data: dict) -> list[Row]:
         rows.append(
             Row(
                 "#5 memory",
-                "device bytes per rank (params+grads+optim+activations)",
+                "device MiB per rank: state + saved activations",
                 before,
                 r[before]["device_total_bytes"] / mib,
                 label,
