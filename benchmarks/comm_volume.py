@@ -49,7 +49,6 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -63,6 +62,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks.common import init_process_group, launch_self
 from models.llama3 import FLAVORS, ModelArgs, Transformer
 from models.llama3.model import with_seq_len
 from parallelisms.fsdp import DTYPES, apply_fsdp
@@ -378,28 +378,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _launch_self(args: argparse.Namespace, argv: list[str]) -> int:
-    """Not under torchrun: start `torchrun --nproc_per_node=N -m benchmarks.comm_volume ...` from the repo root."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           "-m", "benchmarks.comm_volume", *argv]  # fmt: skip
-    env = {"OMP_NUM_THREADS": "1", **os.environ}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    return subprocess.run(cmd, cwd=REPO, env=env).returncode
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if "RANK" not in os.environ:
-        return _launch_self(args, argv)
+        return launch_self("benchmarks.comm_volume", nproc=args.nproc, argv=argv)
 
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
+    device = init_process_group()
     world_size = dist.get_world_size()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     ranks_per_node = args.ranks_per_node or (local if local < world_size else world_size // 2)

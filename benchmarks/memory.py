@@ -58,7 +58,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import time
 import weakref
@@ -78,6 +77,7 @@ from torch.distributed.tensor import DTensor
 # caches; only _BlockOutputs uses it.
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks.common import init_process_group, launch_self
 from benchmarks.memory_model import DTYPE_BYTES, activation_bytes
 from config import ActivationCheckpoint, Compile, Parallelism, Training
 from models.llama3 import FLAVORS, ModelArgs, Transformer
@@ -379,28 +379,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _launch_self(args: argparse.Namespace, argv: list[str]) -> int:
-    """Not under torchrun: start `torchrun --nproc_per_node=N -m benchmarks.memory ...` from the repo root."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           "-m", "benchmarks.memory", *argv]  # fmt: skip
-    env = {"OMP_NUM_THREADS": "1", **os.environ}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    return subprocess.run(cmd, cwd=REPO, env=env).returncode
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if "RANK" not in os.environ:
-        return _launch_self(args, argv)
+        return launch_self("benchmarks.memory", nproc=args.nproc, argv=argv)
 
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
+    device = init_process_group()
     world = dist.get_world_size()
     mesh = ParallelDims(dp_replicate=1, dp_shard=world, tp=1, world_size=world).build_mesh(device.type)["dp_shard"]
     model_args = with_seq_len(FLAVORS[args.flavor], args.seq_len)
