@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,3 +33,21 @@ def init_process_group() -> torch.device:
         return device
     dist.init_process_group("gloo")
     return torch.device("cpu")
+
+
+@torch.no_grad()
+def unit_scale_init_(model: nn.Module, *, seed: int, gain_noise: float = 0.1) -> None:
+    """Weights that give O(1) activations, logits and gradients (a transformers model's names).
+
+    transformers' init (std 0.02) leaves the logits nearly uniform and the gradients tiny, where
+    a wrong RoPE, norm or gradient would hardly show above float32 noise.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        noise = torch.randn(p.shape, generator=gen)
+        if p.ndim == 1:  # RMSNorm gains
+            p.copy_(1 + gain_noise * noise)
+        elif "embed" in name:
+            p.copy_(noise)
+        else:  # (out, in) projections: unit variance out for unit variance in
+            p.copy_(noise * p.shape[1] ** -0.5)

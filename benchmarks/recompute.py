@@ -61,6 +61,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaAttention
 
+from benchmarks.common import unit_scale_init_
 from config import ActivationCheckpoint, ConfigError
 from parallelisms.ac import apply_ac, checkpoint_module, count_calls, transformer_blocks
 
@@ -98,25 +99,8 @@ def build_hf_llama(
         attn_implementation=attn_implementation,
     )  # fmt: skip
     model = LlamaForCausalLM(cfg).float().train()
-    random_init_(model, seed=seed)
+    unit_scale_init_(model, seed=seed)
     return model
-
-
-def random_init_(model: nn.Module, *, seed: int) -> None:
-    """Unit-scale weights, so that wrong gradients show up well above float32 noise.
-
-    transformers' init (std 0.02) leaves logits near uniform and gradients tiny.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if p.ndim == 1:  # RMSNorm gains
-                p.copy_(1 + 0.1 * noise)
-            elif "embed" in name:
-                p.copy_(noise)
-            else:  # (out, in) projections: unit variance out for unit variance in
-                p.copy_(noise * p.shape[1] ** -0.5)
 
 
 def hf_gradient_checkpointing(model: LlamaForCausalLM, *, use_reentrant: bool) -> None:

@@ -6,9 +6,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from benchmarks.common import unit_scale_init_
 from tests.launch import REPO
 
 SHIPPED_TOKENIZER = REPO / "assets" / "tokenizer"
@@ -23,26 +23,11 @@ BASE = dict(
 )  # fmt: skip
 
 
-@torch.no_grad()
-def randomize_(model: torch.nn.Module, *, seed: int) -> None:
-    """Weights that give O(1) activations and logits. transformers' init (std 0.02) leaves the
-    logits nearly uniform, where a wrong RoPE or norm would hardly change a thing."""
-    gen = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
-        noise = torch.randn(p.shape, generator=gen)
-        if p.ndim == 1:  # RMSNorm gains
-            p.copy_(1 + 0.2 * noise)
-        elif "embed" in name:
-            p.copy_(noise)
-        else:  # (out, in) projections: unit variance out for unit variance in
-            p.copy_(noise * p.shape[1] ** -0.5)
-
-
 def tiny_hf_model(*, seed: int = 0, **config: Any) -> LlamaForCausalLM:
     """A transformers LlamaForCausalLM (fp32, eager attention: the plainest reference math)."""
     cfg = LlamaConfig(**{**BASE, **config}, attn_implementation="eager")
     model = LlamaForCausalLM(cfg).float()
-    randomize_(model, seed=seed)
+    unit_scale_init_(model, seed=seed, gain_noise=0.2)
     return model.eval()
 
 
