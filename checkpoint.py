@@ -32,7 +32,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from config import Checkpoint, ConfigError
+from config import Checkpoint
+from errors import ConfigError
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 

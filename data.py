@@ -23,7 +23,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from config import ConfigError, Data
+from config import Data
+from errors import ConfigError
 
 # ------------------------------------------------------------------- tokenizers
 

@@ -30,6 +30,7 @@ from typing import Protocol
 import torch
 
 from config import Profiling
+from errors import warn
 
 
 class Stepper(Protocol):
@@ -94,12 +95,10 @@ def maybe_memory_snapshot(cfg: Profiling, *, dump_folder: str | Path, rank: int,
         yield _Off()
         return
     if not torch.cuda.is_available():
-        if rank == 0:
-            warnings.warn(
-                "profiling.enable_memory_snapshot is ignored: memory snapshots record the CUDA caching "
-                "allocator and this machine has no CUDA device",
-                stacklevel=3,
-            )
+        warn(
+            "profiling.enable_memory_snapshot is ignored: memory snapshots record the CUDA caching "
+            "allocator and this machine has no CUDA device"
+        )
         yield _Off()
         return
     snapshot = _MemorySnapshot(

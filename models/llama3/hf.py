@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from config import ConfigError
+from errors import ConfigError
 from models.llama3.model import FLAVORS, ModelArgs, RopeScaling, Transformer, rope_cos_sin
 
 _TOP_LEVEL = {

@@ -8,7 +8,7 @@ Shape legend used in the comments:
 Design rules this file keeps:
   * The training forward is a pure function of (parameters, tokens): no KV cache and no
     other state that a recomputation under activation checkpointing could see twice
-    (PROBLEMS.md #2).
+    (docs/failures.md #2).
   * The model knows nothing about meshes or parallelism; `parallelisms/` wraps it.
   * Build on the meta device, parallelize, `to_empty(device)`, then `init_weights()`.
   * Layers live in a ModuleDict keyed by "0", "1", ... so parameter names stay stable
