@@ -5,8 +5,13 @@ its documentation and becomes `--help`. Section and key names follow torchtitan'
 configs where one exists. Precedence: `--section.key=value` on the command line > the TOML
 file > the defaults written here.
 
-Every user mistake raises `ConfigError` with one line per problem, naming the key and the
-fix; `train.py` prints it once and exits with status 2.
+Every user mistake raises `ConfigError` (errors.py) with one line per problem, naming the key
+and the fix; `train.py` prints it once and exits with status 2. Each rule about the values of
+one config lives in `validate` below; rules that need the process group or the model live
+next to the fact they check (ParallelDims, apply_tp, the data loader) and run at start-up.
+
+Relative input paths (fields marked `input_path`) are read from the current directory, else
+from the repo: a shipped config works from any working directory.
 """
 
 from __future__ import annotations
@@ -24,20 +29,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 
-from models.llama3 import FLAVORS
+from errors import ConfigError, warn
+from models.llama3 import FLAVORS, ModelArgs
 
-
-class ConfigError(ValueError):
-    """A problem with the user's input (config, data, tokenizer, checkpoint, launch).
-
-    `problems` holds one line per mistake; all of them are reported together.
-    """
-
-    def __init__(self, *problems: str):
-        self.problems = list(problems)
-        super().__init__("\n".join(self.problems))
+REPO = Path(__file__).resolve().parent
+# A field that names a file or folder to read; see resolve_input_paths.
+INPUT_PATH = {"input_path": True}
 
 
 # ------------------------------------------------------------------------ sections
@@ -48,23 +50,19 @@ class Job:
     dump_folder: str = "./outputs"
     """Folder for everything a run writes: checkpoints, metrics.jsonl, TensorBoard events."""
     description: str = ""
-    """Free text describing the run, printed at start-up."""
+    """Free text describing the run, printed by rank 0 at start-up."""
 
 
 @dataclass
 class Model:
-    name: Literal["llama3", "hf_llama"] = "llama3"
-    """llama3: this repo's model; hf_llama: the same shapes as a transformers LlamaForCausalLM, trained through the same path."""
+    name: Literal["llama3"] = "llama3"
+    """Model family (torchtitan's key); this recipe implements llama3."""
     flavor: str = "debugmodel"
     """Model size, a key of models/llama3/model.py FLAVORS: debugmodel, llama3_1b, llama3_3b, llama3_8b, llama3_70b, llama3_405b."""
-    tokenizer_path: str = "assets/tokenizer"
+    tokenizer_path: str = field(default="assets/tokenizer", metadata=INPUT_PATH)
     """A tokenizer.json file, a Hugging Face tokenizer folder, or "byte" for the built-in byte-level tokenizer."""
-    hf_assets_path: str | None = None
+    hf_assets_path: str | None = field(default=None, metadata=INPUT_PATH)
     """A Hugging Face Llama folder whose config.json sets the model shape instead of flavor (fine-tuning HF weights; see scripts/convert_hf.py)."""
-    hf_use_cache: bool = False
-    """name = hf_llama only, a broken setting for reproducing PROBLEMS.md #2: keep transformers' KV cache on while training."""
-    hf_gradient_checkpointing: bool = False
-    """name = hf_llama only, a broken setting for reproducing PROBLEMS.md #1: also switch on transformers' own reentrant gradient checkpointing."""
 
 
 @dataclass
@@ -84,7 +82,7 @@ class Training:
     deterministic: bool = False
     """Use deterministic algorithms only (slower), so that reruns give bit-identical losses."""
     mixed_precision_param: Literal["float32", "bfloat16", "float16"] = "bfloat16"
-    """Dtype FSDP gathers parameters in for forward and backward; the sharded master copy stays float32."""
+    """Dtype FSDP gathers parameters in for forward and backward; the sharded master copy stays float32. float16 is refused: it needs loss scaling."""
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
     """Dtype FSDP reduces gradients in."""
     enable_cpu_offload: bool = False
@@ -94,7 +92,7 @@ class Training:
 @dataclass
 class Optimizer:
     name: Literal["AdamW"] = "AdamW"
-    """Optimizer. AdamW only."""
+    """Optimizer (torchtitan's key); AdamW is the one implemented."""
     lr: float = 8e-4
     """Peak learning rate, reached at the end of warmup."""
     beta1: float = 0.9
@@ -123,7 +121,7 @@ class LRScheduler:
 
 @dataclass
 class Data:
-    path: str = "assets/corpus/stories.jsonl"
+    path: str = field(default="assets/corpus/stories.jsonl", metadata=INPUT_PATH)
     """A local json/jsonl/parquet/txt file or folder, or a Hugging Face hub dataset name (format = "hub")."""
     format: Literal["auto", "json", "parquet", "text", "hub"] = "auto"
     """How to read data.path; auto picks it from the file extension."""
@@ -156,7 +154,7 @@ class ActivationCheckpoint:
     selective_ac_option: str = "op"
     """For mode = selective: "op" (save chosen ops' outputs) or an integer k (checkpoint every k-th block)."""
     use_reentrant: bool = False
-    """Use the legacy reentrant checkpoint. It skips the recomputed-metadata checks (PROBLEMS.md #2); only for reproducing old setups."""
+    """Use the legacy reentrant checkpoint. It skips the recomputed-metadata checks (docs/failures.md #2); only for reproducing old setups."""
 
 
 @dataclass
@@ -177,7 +175,7 @@ class Checkpoint:
     """Keep only the newest k checkpoints; 0 keeps all."""
     async_mode: Literal["disabled", "async"] = "disabled"
     """async: write checkpoints in a background thread while training goes on."""
-    initial_load_path: str | None = None
+    initial_load_path: str | None = field(default=None, metadata=INPUT_PATH)
     """Checkpoint to initialize the model weights from when the run has no checkpoint of its own yet (e.g. a seed checkpoint)."""
     create_seed_checkpoint: bool = False
     """Initialize the model, save it as step 0 and exit. Run on one process; load it in parallel runs with initial_load_path so every layout starts from the same weights."""
@@ -337,10 +335,20 @@ def _set(cfg: JobConfig, dotted: str, value: Any, *, source: str, from_cli: bool
 # --------------------------------------------------------------------- loading
 
 
-def load_toml(cfg: JobConfig, path: Path) -> list[str]:
+def find_config(name: str) -> Path | None:
+    """`--config` as given, else under the repo, else `configs/<name>`: what users type works from anywhere."""
+    path = Path(name)
+    candidates = [path] if path.is_absolute() else [path, REPO / path, REPO / "configs" / path]
+    return next((c for c in candidates if c.is_file()), None)
+
+
+def load_toml(cfg: JobConfig, name: str) -> list[str]:
     """Apply a TOML file to cfg; return the problems found."""
-    if not path.is_file():
-        return [f"--config: file {path} not found; pass an existing file such as configs/debug.toml"]
+    path = find_config(name)
+    if path is None:
+        shipped = [str(p.relative_to(REPO)) for p in sorted((REPO / "configs").rglob("*.toml"))]
+        hint = _did_you_mean(name, shipped) or _did_you_mean(f"configs/{Path(name).name}", shipped)
+        return [f"--config: file {name} not found (also looked in {REPO / 'configs'}){hint or '; see configs/'}"]
     try:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
@@ -384,44 +392,58 @@ def load_config(argv: list[str]) -> JobConfig:
     cfg = JobConfig()
     problems: list[str] = []
     rest: list[str] = []
-    config_path: Path | None = None
+    config_name: str | None = None
     i = 0
     while i < len(argv):
         if argv[i] == "--config" and i + 1 < len(argv):
-            config_path, i = Path(argv[i + 1]), i + 2
+            config_name, i = argv[i + 1], i + 2
         elif argv[i].startswith("--config="):
-            config_path, i = Path(argv[i].split("=", 1)[1]), i + 1
+            config_name, i = argv[i].split("=", 1)[1], i + 1
         else:
             rest.append(argv[i])
             i += 1
-    if config_path is not None:
-        problems += load_toml(cfg, config_path)
+    if config_name is not None:
+        problems += load_toml(cfg, config_name)
     overrides, bad = parse_overrides(rest)
     problems += bad
     for dotted, value in overrides:
         if problem := _set(cfg, dotted, value, source="the command line", from_cli=True):
             problems.append(problem)
     if not problems:
+        resolve_input_paths(cfg)
         problems = validate(cfg)
     if problems:
         raise ConfigError(*problems)
     return cfg
 
 
+def resolve_input_paths(cfg: JobConfig) -> None:
+    """A relative input path missing from the current directory but present in the repo means the repo's."""
+    for section_name in SECTIONS:
+        section = getattr(cfg, section_name)
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            if not (f.metadata.get("input_path") and isinstance(value, str)) or Path(value).exists():
+                continue
+            if not Path(value).is_absolute() and (REPO / value).exists():
+                setattr(section, f.name, str(REPO / value))
+
+
+def model_args(cfg: Model) -> ModelArgs:
+    """The model shape this config names: hf_assets_path's config.json when set, else the flavor."""
+    if cfg.hf_assets_path is None:
+        return FLAVORS[cfg.flavor]
+    # Imported here: reading HF configs is interop, which a flavor-only run never needs.
+    from models.llama3.hf import model_args_from_hf_config
+
+    return model_args_from_hf_config(cfg.hf_assets_path)
+
+
 def validate(cfg: JobConfig) -> list[str]:
     """Cross-field checks that need no process group; every problem, not just the first."""
     p: list[str] = []
     t, m, o, s = cfg.training, cfg.model, cfg.optimizer, cfg.lr_scheduler
-    if m.hf_assets_path is not None:
-        p += _check_hf_assets(m.hf_assets_path, seq_len=t.seq_len)
-    elif m.flavor not in FLAVORS:
-        p.append(
-            f"model.flavor: unknown flavor '{m.flavor}'{_did_you_mean(m.flavor, FLAVORS)} (choose from {', '.join(FLAVORS)})"
-        )
-    elif t.seq_len > FLAVORS[m.flavor].max_seq_len:
-        p.append(
-            f"training.seq_len: {t.seq_len} exceeds the {FLAVORS[m.flavor].max_seq_len} tokens {m.flavor} supports; lower it"
-        )
+    p += _check_model(m, seq_len=t.seq_len)
     for key in ("steps", "local_batch_size"):
         if getattr(t, key) < 1:
             p.append(f"training.{key}: must be >= 1, got {getattr(t, key)}")
@@ -433,6 +455,11 @@ def validate(cfg: JobConfig) -> list[str]:
         )
     if t.max_norm < 0:
         p.append(f"training.max_norm: must be >= 0 (0 disables clipping), got {t.max_norm}")
+    if t.mixed_precision_param == "float16":
+        p.append(
+            "training.mixed_precision_param: float16 needs loss scaling to keep small gradients from underflowing "
+            "to zero, which this recipe does not implement; use bfloat16 (same memory, float32's exponent range)"
+        )
     if o.lr <= 0:
         p.append(f"optimizer.lr: must be > 0, got {o.lr}")
     if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
@@ -450,18 +477,8 @@ def validate(cfg: JobConfig) -> list[str]:
         p.append(f"parallelism.data_parallel_shard_degree: must be -1 or >= 1, got {par.data_parallel_shard_degree}")
     if par.tensor_parallel_degree < 1:
         p.append(f"parallelism.tensor_parallel_degree: must be >= 1, got {par.tensor_parallel_degree}")
-    if par.enable_async_tensor_parallel and not (cfg.compile.enable and par.tensor_parallel_degree > 1):
-        p.append(
-            "parallelism.enable_async_tensor_parallel: async TP needs compile.enable = true and "
-            f"tensor_parallel_degree > 1 (got compile.enable = {str(cfg.compile.enable).lower()}, "
-            f"tensor_parallel_degree = {par.tensor_parallel_degree}); set it to false or enable both"
-        )
     ac = cfg.activation_checkpoint
-    if (
-        ac.mode == "selective"
-        and ac.selective_ac_option != "op"
-        and not (ac.selective_ac_option.isdigit() and int(ac.selective_ac_option) >= 1)
-    ):
+    if ac.mode == "selective" and ac.selective_ac_option != "op" and selective_ac_every(ac.selective_ac_option) is None:
         p.append(
             f"activation_checkpoint.selective_ac_option: expected 'op' or a positive integer k, got {ac.selective_ac_option!r}"
         )
@@ -489,20 +506,29 @@ def validate(cfg: JobConfig) -> list[str]:
     return p  # fmt: skip
 
 
-def _check_hf_assets(path: str, *, seq_len: int) -> list[str]:
-    if not (Path(path) / "config.json").is_file():
-        return [f"model.hf_assets_path: {path} has no config.json; point it at a downloaded Hugging Face Llama folder"]
-    # Imported here: models.llama3.hf raises this module's ConfigError, so a top-level import would be circular.
-    from models.llama3.hf import model_args_from_hf_config
+def selective_ac_every(option: str) -> int | None:
+    """k of `selective_ac_option = "k"` (checkpoint every k-th block), None when it is not a positive integer."""
+    return int(option) if option.isdigit() and int(option) >= 1 else None
 
+
+def _check_model(m: Model, *, seq_len: int) -> list[str]:
+    """The flavor or HF folder exists and supports seq_len."""
+    if m.hf_assets_path is None and m.flavor not in FLAVORS:
+        hint = _did_you_mean(m.flavor, FLAVORS)
+        return [f"model.flavor: unknown flavor '{m.flavor}'{hint} (choose from {', '.join(FLAVORS)})"]
+    if m.hf_assets_path is not None and not (Path(m.hf_assets_path) / "config.json").is_file():
+        return [
+            f"model.hf_assets_path: {m.hf_assets_path} has no config.json; point it at a downloaded Hugging Face Llama folder"
+        ]
     try:
-        args = model_args_from_hf_config(path)
+        args = model_args(m)
     except ConfigError as e:
         return [f"model.hf_assets_path: {problem}" for problem in e.problems]
+    if m.hf_assets_path is not None and m.flavor != Model.flavor:
+        warn(f"model.flavor = {m.flavor!r} is ignored: model.hf_assets_path sets the model shape")
     if seq_len > args.max_seq_len:
-        return [
-            f"training.seq_len: {seq_len} exceeds the {args.max_seq_len} tokens (max_position_embeddings) of {path}; lower it"
-        ]
+        source = m.flavor if m.hf_assets_path is None else f"{m.hf_assets_path} (max_position_embeddings)"
+        return [f"training.seq_len: {seq_len} exceeds the {args.max_seq_len} tokens {source} supports; lower it"]
     return []
 
 
@@ -511,10 +537,10 @@ def _check_hf_assets(path: str, *, seq_len: int) -> list[str]:
 
 def help_text() -> str:
     lines = [
-        "usage: train.py [--config FILE.toml] [--section.key=value ...] [--print-config] [--check] [--help]",
+        "usage: train.py [--config FILE.toml] [--section.key=value ...] [--print-config] [--help]",
         "",
+        "--config: a TOML file; a name such as llama3_8b.toml is also looked up in configs/.",
         "--print-config: print the resolved config and derived numbers, then exit.",
-        "--check: run the recipe doctor (doctor.py): report known pitfalls, exit 1 if one is an error.",
         "",
         "Precedence: command line > TOML file > defaults. Options:",
     ]
