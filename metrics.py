@@ -1,15 +1,26 @@
-"""Throughput, MFU, memory, and the metrics log (console, metrics.jsonl, TensorBoard)."""
+"""Throughput, MFU, memory, the metrics log (console, metrics.jsonl, TensorBoard), and counters
+of what really ran (module calls, aten ops), which the tests and `make bench` use to count
+recomputation and communication instead of assuming them."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import resource
-import sys
 import time
+from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+# TorchDispatchMode is the documented way to see every aten op, in a private module (PyTorch 2.13).
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from config import Metrics
 
@@ -112,6 +123,68 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 60}m{seconds % 60:02d}s"
 
 
-def rank0_print(message: str, *, rank: int) -> None:
-    if rank == 0:
-        print(message, file=sys.stdout, flush=True)
+# ------------------------------------------------------------------ counters
+
+
+@contextlib.contextmanager
+def count_calls(root: nn.Module, module_type: type[nn.Module] | tuple[type[nn.Module], ...]) -> Iterator[Counter[str]]:
+    """Count forward calls, by name, of each submodule of `root` that is a `module_type`.
+
+    Forward hooks also fire when activation checkpointing recomputes a block, so per step the
+    attention count is 1 per block without AC, 2 with AC and 3 when two checkpoints are nested
+    and either is reentrant (docs/failures.md #1). Eager mode only: inside a compiled region the
+    hooks are traced once, not run per call.
+    """
+    counts: Counter[str] = Counter()
+    handles = [
+        module.register_forward_hook(functools.partial(_count_hook, counts, name))
+        for name, module in root.named_modules()
+        if isinstance(module, module_type)
+    ]
+    try:
+        yield counts
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _count_hook(counts: Counter[str], name: str, *_: Any) -> None:
+    counts[name] += 1
+
+
+OpCallback = Callable[[torch._ops.OpOverload, tuple[Any, ...], dict[str, Any], Any], None]
+
+
+class _OpObserver(TorchDispatchMode):
+    def __init__(self, on_op: OpCallback):
+        super().__init__()
+        self.on_op = on_op
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        # Let DTensor lower itself first (as CommDebugMode does): its local ops and collectives
+        # come back here on plain tensors.
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.on_op(func, args, kwargs, out)
+        return out
+
+
+@contextlib.contextmanager
+def observe_ops(on_op: OpCallback) -> Iterator[None]:
+    """Call `on_op(op, args, kwargs, output)` after every aten/c10d op that runs inside (eager mode)."""
+    with _OpObserver(on_op):
+        yield
+
+
+@contextlib.contextmanager
+def count_ops() -> Iterator[Counter[torch._ops.OpOverload]]:
+    """Count, per op overload, the ops that actually run inside the block.
+
+    Wrap `loss.backward()` to see what was recomputed: under selective op AC the saved ops come
+    from the cache and are not counted.
+    """
+    counts: Counter[torch._ops.OpOverload] = Counter()
+    with observe_ops(lambda op, *_: counts.update([op])):
+        yield counts

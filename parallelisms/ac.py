@@ -1,4 +1,4 @@
-"""Activation checkpointing (AC), applied once per transformer block, and counters that prove it.
+"""Activation checkpointing (AC), applied once per transformer block.
 
 Modes (config section [activation_checkpoint]):
     none                        keep every activation
@@ -7,45 +7,35 @@ Modes (config section [activation_checkpoint]):
                                 (half of the matmuls, attention, reduce-scatters): see _SAVE_OPS
     selective, option k         full AC on every k-th block only (1 = full)
 
-Exactly one checkpointing mechanism may be active (PROBLEMS.md #1): `apply_ac` refuses a model
-whose blocks are already checkpointed, by us, by FSDP's `checkpoint_wrapper` or by Hugging Face's
-`gradient_checkpointing_enable()`. Checkpointing is non-reentrant by default, which keeps the
-recomputed-metadata checks of PROBLEMS.md #2.
-
-How the counters are meant to be used (tests, `make bench`), on an eager (not compiled) model:
-
-    with count_calls(model, Attention) as calls:      # forward calls, recomputations included
-        loss = loss_fn(model(tokens)); ...
-        with count_ops() as backward_ops:             # aten ops that actually ran in backward
-            loss.backward()
-    calls["layers.0.attention"]        # 1 without AC, 2 with AC, 3 when nested and either level is reentrant
-    backward_ops[torch.ops.aten.mm.default]   # no AC: gradient matmuls only; AC adds the recomputed ones
-
-A block's recomputation calls its submodules again (so forward hooks fire again), but under
-selective op AC the saved ops are served from the cache and never reach `count_ops`.
+Exactly one checkpointing mechanism may be active (docs/failures.md #1): `apply_ac` refuses a
+model whose blocks are already checkpointed, by us or by FSDP's `checkpoint_wrapper`.
+Checkpointing is non-reentrant by default, which keeps the recomputed-metadata checks that
+catch a stateful forward (docs/failures.md #2). `metrics.count_calls` and `metrics.count_ops`
+count what the recomputation really runs (tests/test_parallelisms.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import warnings
-from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+
+# CheckpointWrapper (FSDP1-era `checkpoint_wrapper`) lives in a private torch module (2.13); it is
+# imported only to recognise blocks wrapped outside this repo, nothing here creates one.
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from config import ActivationCheckpoint, ConfigError
+from config import ActivationCheckpoint, selective_ac_every
+from errors import ConfigError, warn
+from models.llama3 import Transformer
 
 aten = torch.ops.aten
 
 # Ops whose outputs selective op AC keeps: the expensive ones to recompute. Matmuls are special:
-# only every other one is kept (see _op_sac_policy).
+# only every other one is kept (see _op_sac_context).
 _SAVE_OPS: frozenset[torch._ops.OpOverload] = frozenset(
     {
         aten.mm.default,
@@ -64,58 +54,34 @@ _SAVE_OPS: frozenset[torch._ops.OpOverload] = frozenset(
 )
 
 
-def transformer_blocks(model: nn.Module) -> nn.ModuleDict | nn.ModuleList:
-    """The repeated blocks: `model.layers` (our Transformer) or `model.model.layers` (HF *ForCausalLM)."""
-    for owner in (model, getattr(model, "model", None)):
-        layers = getattr(owner, "layers", None)
-        if isinstance(layers, (nn.ModuleDict, nn.ModuleList)):
-            return layers
-    raise TypeError(f"{type(model).__name__} has no transformer blocks at .layers or .model.layers")
-
-
-def apply_ac(model: nn.Module, cfg: ActivationCheckpoint) -> None:
-    """Checkpoint the transformer blocks of `model` in place, as `cfg` says.
+def apply_ac(model: Transformer, cfg: ActivationCheckpoint) -> None:
+    """Checkpoint the transformer blocks of `model` in place, as `cfg` (validated by config.py) says.
 
     Parameter names, state-dict keys and `isinstance(block, TransformerBlock)` stay as they were:
     the block's class is swapped for a subclass whose forward checkpoints the original one (see
-    `checkpoint_module`). Raises ConfigError if the model already checkpoints its blocks.
+    `checkpoint_module`). Raises ConfigError if a block is already checkpointed.
     """
     if cfg.mode == "none":
         return
-    container = transformer_blocks(model)
-    _refuse_kv_cache(model)
-    _refuse_nested_checkpointing(model)
-
+    refuse_nested_checkpointing(model)
     every, context_fn = 1, None
-    match cfg.mode, cfg.selective_ac_option:
-        case "full", _:
-            pass
-        case "selective", "op":
-            context_fn = _op_sac_context
-        case "selective", option if option.isdigit() and int(option) >= 1:
-            every = int(option)
-        case "selective", option:
-            raise ConfigError(
-                f"activation_checkpoint.selective_ac_option: expected 'op' or a positive integer k, got {option!r}"
-            )
-        case mode, _:
-            raise ConfigError(f"activation_checkpoint.mode: expected 'none', 'full' or 'selective', got {mode!r}")
-
+    if cfg.mode == "selective" and cfg.selective_ac_option == "op":
+        context_fn = _op_sac_context
+    elif cfg.mode == "selective":
+        every = selective_ac_every(cfg.selective_ac_option)
+        assert every is not None, "config.validate checks selective_ac_option"
     if cfg.use_reentrant:
         if context_fn is not None:
             raise ConfigError(
                 "activation_checkpoint.use_reentrant: selective op AC works with non-reentrant checkpointing only; "
                 "set use_reentrant = false"
             )
-        warnings.warn(
+        warn(
             "activation_checkpoint.use_reentrant = true: reentrant checkpointing skips the check that recomputed "
-            "tensors match the forward ones (PROBLEMS.md #2) and can silently give wrong gradients",
-            stacklevel=2,
+            "tensors match the forward ones (docs/failures.md #2) and can silently give wrong gradients"
         )
-
     # Block i is checkpointed when (i + 1) % k == 0: k = 2 -> blocks 1, 3, 5, ... (torchtitan's choice).
-    blocks = container.values() if isinstance(container, nn.ModuleDict) else container
-    for i, block in enumerate(blocks):
+    for i, block in enumerate(model.layers.values()):
         if (i + 1) % every == 0:
             checkpoint_module(block, use_reentrant=cfg.use_reentrant, context_fn=context_fn)
 
@@ -160,35 +126,14 @@ def checkpoint_module(
     module._ac_context_fn = context_fn
 
 
-def _refuse_kv_cache(model: nn.Module) -> None:
-    """A training forward must be stateless, or the recomputation sees the state twice (PROBLEMS.md #2)."""
-    # A Hugging Face model only switches its KV cache off under its own checkpointing; under ours
-    # the recompute would append to the cache again. (Our Transformer has no cache at all.)
-    if getattr(getattr(model, "config", None), "use_cache", False) is True:
-        raise ConfigError(
-            "activation_checkpoint.mode: model.config.use_cache is True, so recomputation would append to the KV "
-            "cache a second time (CheckpointError, PROBLEMS.md #2); set model.config.use_cache = False for training"
-        )
-
-
-def _refuse_nested_checkpointing(model: nn.Module) -> None:
-    """A second checkpoint around the first recomputes each block once more per level (PROBLEMS.md #1)."""
-    # CheckpointWrapper (a private torch module) is imported only to recognise FSDP-era
-    # `checkpoint_wrapper(block)` wrapping done outside this repo; nothing here creates one.
+def refuse_nested_checkpointing(model: nn.Module) -> None:
+    """A second checkpoint around the first recomputes each block once more per level (docs/failures.md #1)."""
     for name, module in model.named_modules():
-        where = name or "the model"
         if isinstance(module, (CheckpointedModule, CheckpointWrapper)):
             raise ConfigError(
-                f"activation_checkpoint.mode: {where} ({type(module).__name__}) is already activation-checkpointed "
-                "and would be recomputed twice per backward (PROBLEMS.md #1); pass an unwrapped model and let "
-                "parallelize_llama apply activation checkpointing once"
-            )
-        # Hugging Face's gradient_checkpointing_enable() sets this flag on the model and its layers.
-        if getattr(module, "gradient_checkpointing", False) is True:
-            raise ConfigError(
-                f"activation_checkpoint.mode: {where} has Hugging Face gradient checkpointing on, so each layer would "
-                "be recomputed twice per backward (PROBLEMS.md #1); call model.gradient_checkpointing_disable() and "
-                "keep activation_checkpoint.mode as the only checkpointing"
+                f"activation_checkpoint.mode: {name or 'the model'} ({type(module).__name__}) is already "
+                "activation-checkpointed and would be recomputed twice per backward (docs/failures.md #1); pass an "
+                "unwrapped model and let parallelize_llama apply activation checkpointing once"
             )
 
 
@@ -211,57 +156,3 @@ def _op_sac_context() -> tuple[Any, Any]:
         return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)
-
-
-# ---------------------------------------------------------------------- counters
-
-
-@contextlib.contextmanager
-def count_calls(root: nn.Module, module_type: type[nn.Module] | tuple[type[nn.Module], ...]) -> Iterator[Counter[str]]:
-    """Count forward calls, by name, of each submodule of `root` that is a `module_type`.
-
-    Forward hooks also fire when activation checkpointing recomputes a block, so per step the
-    attention count is 1 per block without AC, 2 with AC (full or selective) and 3 when two
-    checkpoints are nested and either is reentrant (PROBLEMS.md #1). Eager mode only: inside a compiled
-    region the hooks are traced once, not run per call.
-    """
-    counts: Counter[str] = Counter()
-    handles = [
-        module.register_forward_hook(functools.partial(_count_hook, counts, name))
-        for name, module in root.named_modules()
-        if isinstance(module, module_type)
-    ]
-    try:
-        yield counts
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def _count_hook(counts: Counter[str], name: str, *_: Any) -> None:
-    counts[name] += 1
-
-
-# TorchDispatchMode is the documented way to observe every aten op, but it lives in a private
-# module (torch.utils._python_dispatch); this class is its only user in the repo.
-class _OpCounter(TorchDispatchMode):
-    def __init__(self, counts: Counter[torch._ops.OpOverload]):
-        super().__init__()
-        self.counts = counts
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.counts[func] += 1
-        return func(*args, **(kwargs or {}))
-
-
-@contextlib.contextmanager
-def count_ops() -> Iterator[Counter[torch._ops.OpOverload]]:
-    """Count, per aten op overload, the ops that actually run inside the block.
-
-    Wrap `loss.backward()` to see what was recomputed: under selective op AC the saved ops come
-    from the cache and are not counted. Ops run inside DTensor's own dispatch (the local
-    matmul of a sharded one, its collectives) are not seen; eager mode only.
-    """
-    counts: Counter[torch._ops.OpOverload] = Counter()
-    with _OpCounter(counts):
-        yield counts

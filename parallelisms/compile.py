@@ -1,6 +1,6 @@
 """torch.compile per transformer block, with an inductor cache keyed on the recipe.
 
-Why a keyed cache directory (PROBLEMS.md #4): before PyTorch 2.8 inductor's FX graph cache key
+Why a keyed cache directory (docs/failures.md #4): before PyTorch 2.8 inductor's FX graph cache key
 left out private inductor configs (names starting with "_"), among them `_micro_pipeline_tp`,
 the async-TP switch. A plain-TP run could then be served a graph compiled for async TP and fail
 with "'symm_mem' object has no attribute 'fused_all_gather_matmul'" (pytorch/torchtitan #1185).
@@ -17,41 +17,27 @@ import json
 import os
 import re
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from torch import nn
 
-from parallelisms.ac import transformer_blocks
+from models.llama3 import Transformer
 
 _RECIPE_DIR = re.compile(r"recipe-[0-9a-f]{16}")
 
 
 def inductor_cache_dir(
-    *,
-    async_tp: bool,
-    tp_degree: int,
-    ac_mode: str,
-    ac_option: str,
-    float8: bool,
-    torch_version: str = torch.__version__,
-    root: str | Path | None = None,
+    recipe: Mapping[str, str | int | bool], *, torch_version: str = torch.__version__, root: str | Path | None = None
 ) -> Path:
-    """`root/recipe-<hash>`: one inductor cache per combination of settings that change generated code.
+    """`root/recipe-<hash>`: one inductor cache per recipe, i.e. per set of settings that change generated code.
 
-    root: where the per-recipe folders live; default: the TORCHINDUCTOR_CACHE_DIR the user set
-    (without a recipe folder this function appended earlier), else inductor's own default.
+    recipe: those settings by name (parallelize_llama: TP degree, async TP, AC); the PyTorch version
+        is added here. root: where the per-recipe folders live; default: the TORCHINDUCTOR_CACHE_DIR
+        the user set (without a recipe folder this function appended earlier), else inductor's default.
     """
-    recipe = {
-        "async_tp": async_tp,
-        "tp_degree": tp_degree,
-        "ac_mode": ac_mode,
-        # The option only means something for selective AC; full AC with a stale option is the same recipe.
-        "ac_option": ac_option if ac_mode == "selective" else "",
-        "float8": float8,
-        "torch": torch_version,
-    }
-    digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
+    key = json.dumps({**recipe, "torch": torch_version}, sort_keys=True)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return _cache_root(root) / f"recipe-{digest}"
 
 
@@ -80,7 +66,7 @@ def use_inductor_cache_dir(path: str | Path) -> None:
     os.environ["TRITON_CACHE_DIR"] = str(path / "triton")
 
 
-def apply_compile(model: nn.Module, *, cache_dir: str | Path | None = None) -> None:
+def apply_compile(model: Transformer, *, cache_dir: str | Path | None = None) -> None:
     """Compile each transformer block in place (`Module.compile`), one graph per block.
 
     Per block rather than the whole model: all blocks share one compiled graph (same code, weights
@@ -91,6 +77,5 @@ def apply_compile(model: nn.Module, *, cache_dir: str | Path | None = None) -> N
     """
     if cache_dir is not None:
         use_inductor_cache_dir(cache_dir)
-    blocks = transformer_blocks(model)
-    for block in blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks:
+    for block in model.layers.values():
         block.compile(fullgraph=True)

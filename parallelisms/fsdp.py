@@ -5,18 +5,16 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from models.llama3 import Transformer
-from parallelisms.ac import transformer_blocks
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def apply_fsdp(
-    model: nn.Module,
+    model: Transformer,
     mesh: DeviceMesh,
     *,
     param_dtype: torch.dtype,
@@ -28,10 +26,10 @@ def apply_fsdp(
 
     `mesh` is 1-D for FSDP and 2-D ("dp_replicate", "dp_shard") for HSDP: parameters are
     sharded over the inner dimension and replicated over the outer one, so all-gathers and
-    reduce-scatters stay inside a node and only gradient shards cross nodes (PROBLEMS.md #3).
+    reduce-scatters stay inside a node and only gradient shards cross nodes (docs/failures.md #3).
 
     One unit per block bounds the unsharded memory to about one block at a time, which is all
-    the old `transformer_auto_wrap_policy` bought (PROBLEMS.md #5); bf16 `param_dtype` halves
+    the old `transformer_auto_wrap_policy` bought (docs/failures.md #5); bf16 `param_dtype` halves
     the gathered parameters and the all-gather traffic; fp32 `reduce_dtype` keeps gradient
     reductions exact.
 
@@ -57,25 +55,14 @@ def apply_fsdp(
     offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     kw = dict(mesh=mesh, mp_policy=mp, offload_policy=offload)
 
-    embedding, blocks, norm, output = _units(model)
     # With tied embeddings the matrix is used first and last: keep it in the root unit,
     # which stays gathered for the whole forward, instead of a unit of its own.
-    if output is not None:
-        fully_shard(embedding, **kw, reshard_after_forward=reshard)
-    for block in blocks:
+    if model.output is not None:
+        fully_shard(model.tok_embeddings, **kw, reshard_after_forward=reshard)
+    for block in model.layers.values():
         fully_shard(block, **kw, reshard_after_forward=reshard)
-    if output is not None:
+    if model.output is not None:
         # The output layer runs last; its parameters are needed again at once by backward,
         # so by default resharding them after forward would only add an all-gather.
-        fully_shard([norm, output], **kw, reshard_after_forward=reshard_last)
+        fully_shard([model.norm, model.output], **kw, reshard_after_forward=reshard_last)
     fully_shard(model, **kw, reshard_after_forward=reshard_last)
-
-
-def _units(model: nn.Module) -> tuple[nn.Module, list[nn.Module], nn.Module, nn.Module | None]:
-    """(embedding, blocks, final norm, output or None when tied) of our Transformer or an HF *ForCausalLM."""
-    blocks = transformer_blocks(model)
-    blocks = list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks)
-    if isinstance(model, Transformer):
-        return model.tok_embeddings, blocks, model.norm, model.output
-    tied = model.config.tie_word_embeddings
-    return model.model.embed_tokens, blocks, model.model.norm, None if tied else model.lm_head

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from config import ConfigError, Parallelism
-from models.llama3 import ModelArgs
+from config import Parallelism
+from errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -58,30 +58,12 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
-    def fsdp_enabled(self) -> bool:
-        return self.dp_shard > 1
-
-    @property
     def hsdp_enabled(self) -> bool:
         return self.dp_replicate > 1
 
     @property
     def tp_enabled(self) -> bool:
         return self.tp > 1
-
-    def check_model(self, args: ModelArgs, *, seq_len: int) -> None:
-        """Shapes that tensor/sequence parallel must split evenly."""
-        problems = []
-        if args.n_heads % self.tp:
-            problems.append(f"parallelism.tensor_parallel_degree: {self.tp} does not divide n_heads={args.n_heads}")
-        if args.kv_heads % self.tp:
-            problems.append(f"parallelism.tensor_parallel_degree: {self.tp} does not divide n_kv_heads={args.kv_heads}")
-        if seq_len % self.tp:
-            problems.append(
-                f"training.seq_len: {seq_len} is not divisible by tensor_parallel_degree {self.tp} (sequence parallel splits it)"
-            )
-        if problems:
-            raise ConfigError(*problems)
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         return init_device_mesh(

@@ -1,15 +1,15 @@
-"""parallelize_llama: the one place where parallelisms are applied, in a fixed order."""
+"""parallelize_llama: where the parallelisms are applied to the model, in a fixed order."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from config import ActivationCheckpoint, Compile, ConfigError, Parallelism, Training
+from config import ActivationCheckpoint, Compile, Parallelism, Training
 from models.llama3 import Transformer
 from parallelisms.ac import apply_ac
+from parallelisms.async_tp import apply_async_tp
 from parallelisms.compile import apply_compile, inductor_cache_dir
 from parallelisms.fsdp import DTYPES, apply_fsdp
 from parallelisms.parallel_dims import ParallelDims
@@ -17,7 +17,7 @@ from parallelisms.tp import apply_tp
 
 
 def parallelize_llama(
-    model: nn.Module,
+    model: Transformer,
     *,
     dims: ParallelDims,
     mesh: DeviceMesh,
@@ -26,12 +26,14 @@ def parallelize_llama(
     ac: ActivationCheckpoint,
     compile: Compile,
     inductor_cache_root: str | Path | None = None,
-) -> nn.Module:
-    """Apply, in order, TP -> activation checkpointing -> compile -> FSDP to a (meta) model.
+) -> Transformer:
+    """Apply, in order, TP (+ async TP) -> activation checkpointing -> compile -> FSDP to a (meta) model.
 
     The order is not a matter of taste:
       1. TP first: it replaces parameters by DTensors sharded over "tp" and installs the
          input/output redistributions; every later step must see those final parameters.
+         Async TP only sets the compiler pass that overlaps TP's collectives, so it must be on
+         before compile.
       2. AC before compile: compile then traces the checkpointed block, so the recomputation
          (and selective AC's save/recompute choices) is part of the compiled graph.
       3. Compile per block before FSDP: each block's forward becomes one graph (shared by all
@@ -47,33 +49,23 @@ def parallelize_llama(
     inductor_cache_root: parent folder of the per-recipe inductor caches (see
     `parallelisms.compile.inductor_cache_dir`); None = TORCHINDUCTOR_CACHE_DIR or inductor's default.
     """
-    if dims.tp_enabled and not isinstance(model, Transformer):
-        raise ConfigError(
-            "parallelism.tensor_parallel_degree: the TP plan names this repo's modules; "
-            'use model.name = "llama3" (same weights, see models/llama3/hf.py) or tensor_parallel_degree = 1'
-        )
-    if dims.tp_enabled or parallelism.enable_async_tensor_parallel:
-        # With tp = 1 this only refuses async TP (it needs a TP group of at least 2).
-        apply_tp(
-            model,
-            mesh["tp"],
-            loss_parallel=not parallelism.disable_loss_parallel,
-            enable_async_tp=parallelism.enable_async_tensor_parallel,
-            compile_enabled=compile.enable,
-        )
+    if dims.tp_enabled:
+        apply_tp(model, mesh["tp"], loss_parallel=not parallelism.disable_loss_parallel, seq_len=training.seq_len)
+    if parallelism.enable_async_tensor_parallel:
+        apply_async_tp(mesh["tp"], compile_enabled=compile.enable)
 
     apply_ac(model, ac)
 
     if compile.enable:
-        cache_dir = inductor_cache_dir(
-            async_tp=parallelism.enable_async_tensor_parallel,
-            tp_degree=dims.tp,
-            ac_mode=ac.mode,
-            ac_option=ac.selective_ac_option,
-            float8=False,  # no float8 training in this recipe yet; keep the key ready for it
-            root=inductor_cache_root,
-        )
-        apply_compile(model, cache_dir=cache_dir)
+        # Every setting that changes the generated code; docs/failures.md #4.
+        recipe = {
+            "tp_degree": dims.tp,
+            "async_tp": parallelism.enable_async_tensor_parallel,
+            "ac_mode": ac.mode,
+            # The option only means something for selective AC; full AC with a stale option is the same recipe.
+            "ac_option": ac.selective_ac_option if ac.mode == "selective" else "",
+        }
+        apply_compile(model, cache_dir=inductor_cache_dir(recipe, root=inductor_cache_root))
 
     if dims.dp > 1 or training.mixed_precision_param != "float32" or training.enable_cpu_offload:
         dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.hsdp_enabled else mesh["dp_shard"]

@@ -1,4 +1,4 @@
-"""Tensor parallel + sequence parallel (Megatron style), loss parallel and async TP.
+"""Tensor parallel + sequence parallel (Megatron style) and loss parallel.
 
 Layouts along one transformer block (tp ranks share a micro-batch; `seqlen/tp` = sequence shard):
 
@@ -12,7 +12,8 @@ Layouts along one transformer block (tp ranks share a micro-batch; `seqlen/tp` =
 Around the blocks: the embedding is rowwise (vocabulary split) with a Shard(1) output, the final
 norm is sequence parallel, and the output projection is colwise: with loss parallel it keeps the
 logits sharded over the vocabulary (Shard(-1)) and cross-entropy runs on the shards, so the
-(bs, seqlen, vocab) logits are never gathered.
+(bs, seqlen, vocab) logits are never gathered. Async TP (overlapping these collectives with
+the matmuls) is a compile pass on top of this plan: parallelisms/async_tp.py.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import contextlib
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
@@ -34,32 +34,38 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from config import ConfigError
-from models.llama3 import Transformer
+from errors import ConfigError
+from models.llama3 import ModelArgs, Transformer
 
 
-def apply_tp(
-    model: Transformer,
-    tp_mesh: DeviceMesh,
-    *,
-    loss_parallel: bool,
-    enable_async_tp: bool,
-    compile_enabled: bool = False,
-) -> None:
+def check_tp(args: ModelArgs, *, tp_degree: int, seq_len: int) -> None:
+    """What this plan needs of the model: every problem in one ConfigError."""
+    problems = []
+    if args.n_heads % tp_degree:
+        problems.append(f"parallelism.tensor_parallel_degree: {tp_degree} does not divide n_heads={args.n_heads}")
+    if args.kv_heads % tp_degree:
+        problems.append(f"parallelism.tensor_parallel_degree: {tp_degree} does not divide n_kv_heads={args.kv_heads}")
+    if seq_len % tp_degree:
+        problems.append(
+            f"training.seq_len: {seq_len} is not divisible by tensor_parallel_degree {tp_degree} (sequence parallel splits it)"
+        )
+    if tp_degree > 1 and args.tie_word_embeddings:
+        problems.append(
+            f"parallelism.tensor_parallel_degree: {tp_degree} with a flavor that ties the output projection to the "
+            "embedding, which this plan does not shard; use tensor_parallel_degree = 1 or an untied flavor (e.g. llama3_8b)"
+        )
+    if problems:
+        raise ConfigError(*problems)
+
+
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh, *, loss_parallel: bool, seq_len: int) -> None:
     """Shard `model` (on any device, meta included) over `tp_mesh` in place.
 
     loss_parallel: leave the logits as a DTensor sharded over the vocabulary; the loss and its
         backward must then run under `loss_parallel_context(True)`.
-    enable_async_tp: also switch on async TP (see `maybe_enable_async_tp`), which needs
-        `compile_enabled`; checked before the model is touched.
+    seq_len: the training sequence length, which sequence parallel splits over the TP ranks.
     """
-    if enable_async_tp:
-        maybe_enable_async_tp(tp_mesh, compile_enabled=compile_enabled)
-    if model.output is None:
-        raise ConfigError(
-            "parallelism.tensor_parallel_degree: this flavor ties the output projection to the embedding, "
-            "which the TP plan does not shard; use tensor_parallel_degree = 1 or an untied flavor (e.g. llama3_8b)"
-        )
+    check_tp(model.args, tp_degree=tp_mesh.size(), seq_len=seq_len)
 
     parallelize_module(
         model,
@@ -117,45 +123,10 @@ def _wait_async_output(module: nn.Module, args: Any, output: torch.Tensor) -> to
     test_parallelisms.py's tp2_compile layout passes without it. `clone` waits for the
     collective and stays differentiable; the cost is one copy of one activation.
     """
-    # The only use of this private class in the repo.
+    # A private class (PyTorch 2.13), used only here.
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
     return output.clone() if isinstance(output, AsyncCollectiveTensor) else output
-
-
-def maybe_enable_async_tp(tp_mesh: DeviceMesh, *, compile_enabled: bool) -> None:
-    """Switch on async TP for `tp_mesh`, or raise a one-line ConfigError saying what is missing.
-
-    Async TP is not a different sharding plan: it is an inductor pass (micro-pipeline TP) that
-    splits each all-gather + matmul (and matmul + reduce-scatter) into chunks that overlap,
-    using CUDA symmetric memory for the peer-to-peer copies. Hence the requirements.
-    """
-    problems = []
-    if not compile_enabled:
-        problems.append("compile.enable is false")
-    backend = dist.get_backend(tp_mesh.get_group())
-    if tp_mesh.device_type != "cuda" or not torch.cuda.is_available() or "nccl" not in backend:
-        problems.append(f"the TP group runs on {tp_mesh.device_type} with {backend}")
-    if tp_mesh.size() < 2:
-        problems.append(f"tensor_parallel_degree is {tp_mesh.size()}")
-    if problems:
-        raise ConfigError(
-            "parallelism.enable_async_tensor_parallel: async TP needs compile.enable = true, CUDA with NCCL and "
-            f"tensor_parallel_degree > 1, but {', '.join(problems)}; set it to false"
-        )
-    _enable_micro_pipeline_tp(tp_mesh)
-
-
-def _enable_micro_pipeline_tp(tp_mesh: DeviceMesh) -> None:
-    # Both switches are private PyTorch APIs (as of 2.13 there is no public one); torchtitan
-    # uses the same two. Keep them in this one place.
-    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
-
-    # Read at compile time by inductor. Before PyTorch 2.8 private configs such as this one were
-    # not part of the FX graph cache key (pytorch/pytorch PR #153672), so a plain-TP run could be
-    # served an async-TP graph; `parallelisms.compile.inductor_cache_dir` keys the cache on it.
-    torch._inductor.config._micro_pipeline_tp = True
-    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
 
 
 def loss_parallel_context(enabled: bool) -> contextlib.AbstractContextManager[None]:
