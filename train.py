@@ -25,13 +25,12 @@ from torch.distributed.tensor import DTensor
 
 import doctor
 from checkpoint import CheckpointManager
-from config import ConfigError, JobConfig, LRScheduler, Model, help_text, load_config, to_toml
+from config import JobConfig, LRScheduler, Optimizer, help_text, load_config, model_args, to_toml
 from data import GlobalBatchLoader, PackedCorpus, build_tokenizer
+from errors import ConfigError, is_rank0
 from metrics import MetricsLogger, StepMetrics, peak_flops, peak_memory_gib
-from models.llama3 import FLAVORS, Transformer, num_flops_per_token, num_params
-from models.llama3.hf import model_args_from_hf_config
-from models.llama3.hf_model import HFLlama
-from models.llama3.model import ModelArgs, with_seq_len
+from models.llama3 import Transformer, num_flops_per_token, num_params
+from models.llama3.model import with_seq_len
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import parallelize_llama
 from parallelisms.tp import loss_parallel_context
@@ -44,9 +43,6 @@ def main(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
         print(help_text())
         return 0
-    if "--check" in argv:
-        # The recipe doctor alone (doctor.py): every known pitfall, one line each; exit 1 on an error.
-        return doctor.main([a for a in argv if a != "--check"])
     print_config = "--print-config" in argv
     cfg = load_config([a for a in argv if a != "--print-config"])
     if print_config:
@@ -66,6 +62,9 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
 
     # Parallel layout and the data each rank reads.
     dims = ParallelDims.from_config(cfg.parallelism, world_size=world_size)
+    # Pitfalls of this job on this machine, memory fit included (doctor.py, optional): warnings
+    # on rank 0; errors stop every rank before anything is allocated.
+    doctor.check_startup(cfg, world_size=world_size, device=device)
     mesh = dims.build_mesh(device.type)
     dp_rank = dims.dp_rank(mesh)
     global_batch = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dims.dp
@@ -78,19 +77,15 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
     )  # fmt: skip
 
     # Model: meta device -> parallelize -> allocate -> initialize.
-    model_args = build_model_args(cfg.model, seq_len=t.seq_len)
+    args = with_seq_len(model_args(cfg.model), t.seq_len)  # the RoPE table covers seq_len
     model_name = cfg.model.hf_assets_path or cfg.model.flavor
-    if tokenizer.vocab_size > model_args.vocab_size:
+    if tokenizer.vocab_size > args.vocab_size:
         raise ConfigError(
             f"model.tokenizer_path: the tokenizer has {tokenizer.vocab_size} tokens but {model_name} "
-            f"embeds only {model_args.vocab_size}; use a matching tokenizer or flavor"
+            f"embeds only {args.vocab_size}; use a matching tokenizer or flavor"
         )
-    dims.check_model(model_args, seq_len=t.seq_len)
     with torch.device("meta"):
-        model = build_model(cfg.model, model_args, rank=rank)
-    # Known pitfalls of this recipe on this machine (doctor.py): rank 0 prints the warnings,
-    # errors stop every rank.
-    doctor.run_startup_checks(cfg, world_size=world_size, rank=rank, device=device, model=model)
+        model = Transformer(args)
     model = parallelize_llama(
         model, dims=dims, mesh=mesh, training=t, parallelism=cfg.parallelism,
         ac=cfg.activation_checkpoint, compile=cfg.compile,
@@ -111,7 +106,7 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
     if cfg.checkpoint.create_seed_checkpoint:
         return save_seed_checkpoint(cfg, model, world_size=world_size)
 
-    optimizer = build_optimizer(cfg, model)
+    optimizer = build_optimizer(cfg.optimizer, model)
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, steps=t.steps, cfg=cfg.lr_scheduler)
     )
@@ -124,13 +119,15 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
     start_step = checkpoint.load()
     train_state.restore_rng()
 
-    flops_per_token = num_flops_per_token(model_args, t.seq_len)
+    flops_per_token = num_flops_per_token(args, t.seq_len)
     peak = peak_flops(device)
     tokens_per_step = global_batch * t.seq_len
     logger = MetricsLogger(cfg.metrics, dump_folder=cfg.job.dump_folder, total_steps=t.steps, enabled=rank == 0)
     if rank == 0:
+        if cfg.job.description:
+            print(cfg.job.description, flush=True)
         print(
-            f"{model_name}: {num_params(model_args) / 1e6:,.1f}M parameters | world {world_size} = "
+            f"{model_name}: {num_params(args) / 1e6:,.1f}M parameters | world {world_size} = "
             f"replicate {dims.dp_replicate} x shard {dims.dp_shard} x tp {dims.tp} | global batch {global_batch} "
             f"x {t.seq_len} tokens, grad accumulation {loader.grad_accum} | {corpus.num_tokens:,} tokens in corpus "
             f"| device {device.type} | steps {start_step + 1}..{t.steps}",
@@ -240,42 +237,13 @@ def set_determinism(*, seed: int, deterministic: bool) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-def build_model(cfg: Model, args: ModelArgs, *, rank: int) -> torch.nn.Module:
-    """Our Transformer, or the same shapes as a transformers LlamaForCausalLM (model.name)."""
-    match cfg.name:
-        case "llama3":
-            return Transformer(args)
-        case "hf_llama":
-            if args.tie_word_embeddings:
-                raise ConfigError(
-                    'model.name: "hf_llama" trains untied flavors only (debugmodel, llama3_8b, ...); use "llama3"'
-                )
-            model = HFLlama(args, use_cache=cfg.hf_use_cache)
-            if cfg.hf_gradient_checkpointing:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-            for key in ("hf_use_cache", "hf_gradient_checkpointing"):
-                if getattr(cfg, key) and rank == 0:
-                    warnings.warn(f"model.{key} = true is a known-broken setting (see PROBLEMS.md)", stacklevel=2)
-            return model
-
-
-def build_model_args(cfg: Model, *, seq_len: int) -> ModelArgs:
-    """The model shape: hf_assets_path's config.json when set, else the flavor; RoPE table for seq_len."""
-    if cfg.hf_assets_path is None:
-        return with_seq_len(FLAVORS[cfg.flavor], seq_len)
-    if cfg.flavor != Model.flavor and int(os.environ.get("RANK", "0")) == 0:
-        warnings.warn(
-            f"model.flavor = {cfg.flavor!r} is ignored: model.hf_assets_path sets the model shape", stacklevel=2
-        )
-    return with_seq_len(model_args_from_hf_config(cfg.hf_assets_path), seq_len)
-
-
-def build_optimizer(cfg: JobConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    o = cfg.optimizer
+def build_optimizer(o: Optimizer, model: torch.nn.Module) -> torch.optim.Optimizer:
     impl = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[o.implementation]
-    return torch.optim.AdamW(
-        model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, **impl
-    )
+    match o.name:
+        case "AdamW":
+            return torch.optim.AdamW(
+                model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, **impl
+            )
 
 
 def lr_factor(step: int, *, steps: int, cfg: LRScheduler) -> float:
@@ -388,17 +356,22 @@ def rank0_first(build: Callable[[], T], *, rank: int) -> T:
 
 def describe(cfg: JobConfig) -> str:
     """The resolved config plus the numbers derived from it (for --print-config)."""
-    t = cfg.training
-    args = build_model_args(cfg.model, seq_len=t.seq_len)
-    per_rank = f"{t.local_batch_size} sequences per micro-batch per data-parallel rank"
+    t, par = cfg.training, cfg.parallelism
+    args = model_args(cfg.model)
+    # The world size torchrun would give, else the smallest one the degrees fit.
+    world = (
+        int(os.environ.get("WORLD_SIZE", 0))
+        or par.data_parallel_replicate_degree * max(par.data_parallel_shard_degree, 1) * par.tensor_parallel_degree
+    )
+    dims = ParallelDims.from_config(par, world_size=world)
+    global_batch = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dims.dp
     lines = [
         to_toml(cfg),
         "# derived",
         f"# parameters: {num_params(args):,} ({num_params(args, exclude_embedding=True):,} without embedding)",
         f"# training FLOPs per token at seq_len {t.seq_len}: {num_flops_per_token(args, t.seq_len):.4g}",
-        f"# tokens per step: {per_rank} x {t.seq_len} tokens x data-parallel degree x grad accumulation"
-        if t.global_batch_size == -1
-        else f"# tokens per step: {t.global_batch_size * t.seq_len:,} ({t.global_batch_size} x {t.seq_len})",
+        f"# tokens per step: {global_batch * t.seq_len:,} (global batch {global_batch} x seq_len {t.seq_len}; "
+        f"world size {world}: data-parallel degree {dims.dp}, set WORLD_SIZE for another)",
     ]
     return "\n".join(lines)
 
@@ -407,7 +380,7 @@ if __name__ == "__main__":
     try:
         sys.exit(main(sys.argv[1:]))
     except ConfigError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if is_rank0():
             for problem in e.problems:
                 print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)
