@@ -1,19 +1,71 @@
-"""Shared fixtures: the tiny debug run every end-to-end test starts from."""
+"""Shared fixtures: the tiny debug run every end-to-end test starts from, and every shipped config
+with the launch it is meant for."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.launch import python
+from tests.launch import REPO, python
 
 # The debug model, small enough for many launches on 2 cores.
 TINY = [
     "--config", "configs/debug.toml", "--training.seq_len=64", "--training.local_batch_size=2",
     "--metrics.log_freq=1", "--lr_scheduler.warmup_steps=5",
 ]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How a shipped config is meant to be launched (what its header comment tells the user)."""
+
+    world_size: int
+    gpus_per_node: int | None = None  # None: CPU ranks (gloo) on one host
+
+
+# Every file under configs/, with its launch. test_config.py fails when a config is added without a row.
+SHIPPED: dict[str, Launch] = {
+    "configs/debug.toml": Launch(2),
+    "configs/debug_ac_full.toml": Launch(2),
+    "configs/debug_ac_layer.toml": Launch(2),
+    "configs/debug_ac_op.toml": Launch(2),
+    "configs/debug_compile.toml": Launch(2),
+    "configs/debug_fsdp_tp.toml": Launch(4),
+    "configs/debug_hsdp.toml": Launch(4),
+    "configs/debug_tp.toml": Launch(2),
+    "configs/finetune_hf.toml": Launch(8, gpus_per_node=8),
+    "configs/fixes/1_single_activation_checkpoint.toml": Launch(2),
+    "configs/fixes/2_stateless_forward.toml": Launch(2),
+    "configs/fixes/3_hsdp_2nodes.toml": Launch(16, gpus_per_node=8),
+    "configs/fixes/4_tp_async.toml": Launch(2, gpus_per_node=2),  # needs CUDA: refused on CPU
+    "configs/fixes/4_tp_plain.toml": Launch(2),
+    "configs/fixes/5_memory.toml": Launch(2),
+    "configs/llama3_8b.toml": Launch(8, gpus_per_node=8),
+    "configs/llama3_70b.toml": Launch(64, gpus_per_node=8),
+    "configs/llama3_405b.toml": Launch(512, gpus_per_node=8),
+}
+
+
+@pytest.fixture(params=list(SHIPPED))
+def shipped_config(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, Launch, list[str]]:
+    """(config, its launch, the overrides that stand in for files a clone does not have)."""
+    path = request.param
+    overrides = []
+    if "hf_assets_path" in (REPO / path).read_text():
+        # A fine-tune config names a downloaded HF folder and its converted checkpoint: stand in a
+        # tiny random HF folder (256 positions) and an empty folder.
+        from tests.tiny_hf import tiny_hf_folder
+
+        hf = tiny_hf_folder(tmp_path / "hf")
+        (tmp_path / "ckpt").mkdir()
+        overrides = [
+            f"--model.hf_assets_path={hf}", f"--model.tokenizer_path={hf}",
+            f"--checkpoint.initial_load_path={tmp_path / 'ckpt'}", "--training.seq_len=256",
+        ]  # fmt: skip
+    return path, SHIPPED[path], overrides
 
 
 def losses(dump: Path) -> dict[int, float]:

@@ -9,7 +9,8 @@ reference weights, trains STEPS AdamW steps and compares; rank 0 writes RUN_DIR/
 The name "refusals" instead records the ConfigError of each setup TP must refuse here.
 
 The module is also imported by tests/test_parallelisms.py for the shared single-process
-pieces (tiny model, train loop), so every layout runs exactly the same step.
+pieces (tiny model, train loop). Every layout and the reference step with train.py's own
+`train_step` and optimizer, so what is compared is what trains.
 """
 
 from __future__ import annotations
@@ -24,17 +25,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
-from torch.distributed.tensor import DTensor
 
-from config import ActivationCheckpoint, Compile, ConfigError, Parallelism, Training
+from config import ActivationCheckpoint, Compile, Optimizer, Parallelism, Training
+from errors import ConfigError
 from models.llama3 import FLAVORS, ModelArgs, Transformer
 from models.llama3.model import with_seq_len
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import parallelize_llama
-from parallelisms.tp import loss_parallel_context
+from train import build_optimizer, train_step, world_mean
 
 TINY: ModelArgs = with_seq_len(
     dataclasses.replace(FLAVORS["debugmodel"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128), 32
@@ -45,6 +45,7 @@ SEQ_LEN = 32
 LR = 1e-3
 # Below the tiny model's gradient norm (about 1-2 at init), so clipping really scales the gradients.
 MAX_NORM = 0.5
+TRAINING = Training(seq_len=SEQ_LEN, mixed_precision_param="float32")
 
 
 @dataclass(frozen=True)
@@ -105,36 +106,23 @@ def train(
     steps: int = STEPS,
     loss_parallel: bool = False,
 ) -> tuple[list[float], list[float]]:
-    """`steps` AdamW steps on `tokens` (this rank's slice); returns (losses, seconds per step).
+    """`steps` steps of train.py's `train_step` on `tokens` (this rank's slice); (losses, seconds per step).
 
-    The loss is the mean over this rank's tokens. The returned value is its mean over all ranks
-    when a process group exists: TP ranks of a data-parallel group hold the same loss, so this is
-    the mean over the data-parallel ranks, the average FSDP takes of the gradients, and thus the
-    single-process mean over the global batch (every rank has as many tokens).
+    The loss is the mean over this rank's tokens. With a process group it is averaged over all
+    ranks (`world_mean`, as train.py logs it): TP ranks of a data-parallel group hold the same
+    loss, so this is the mean over the data-parallel ranks, the average FSDP takes of the
+    gradients, and thus the single-process mean over the global batch.
     """
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.1, foreach=True)
-    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    optimizer = build_optimizer(Optimizer(lr=LR), model)
+    batch = [(tokens[:, :-1], tokens[:, 1:])]
     losses, times = [], []
     for _ in range(steps):
         start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        with loss_parallel_context(loss_parallel):
-            logits = model(inputs)  # (bs, seqlen, vocab), vocabulary-sharded DTensor under loss parallel
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-            loss.backward()
-        grads = [p.grad for p in params if p.grad is not None]
-        total_norm = torch.nn.utils.get_total_norm(grads)
-        if isinstance(total_norm, DTensor):
-            total_norm = total_norm.full_tensor()  # sum of the shards' squares, over every mesh dim
-        torch.nn.utils.clip_grads_with_norm_(params, MAX_NORM, total_norm)
-        optimizer.step()
-        loss = loss.full_tensor() if isinstance(loss, DTensor) else loss.detach()
-        if dist.is_initialized():
-            loss = loss.clone()
-            dist.all_reduce(loss)  # gloo has no AVG
-            loss /= dist.get_world_size()
-        losses.append(loss.item())
+        loss, _ = train_step(
+            model, optimizer, batch, grad_accum=1, max_norm=MAX_NORM, loss_parallel=loss_parallel,
+            device=torch.device("cpu"),
+        )  # fmt: skip
+        losses.append(world_mean(loss) if dist.is_initialized() else loss.item())
         times.append(time.perf_counter() - start)
     return losses, times
 
@@ -173,8 +161,8 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
     with torch.device("meta"):
         model = Transformer(TINY)
     parallelize_llama(
-        model, dims=dims, mesh=mesh, training=Training(mixed_precision_param="float32"),
-        parallelism=parallelism, ac=layout.ac, compile=Compile(enable=layout.compile),
+        model, dims=dims, mesh=mesh, training=TRAINING, parallelism=parallelism, ac=layout.ac,
+        compile=Compile(enable=layout.compile),
     )  # fmt: skip
     model.to_empty(device="cpu")
     with warnings.catch_warnings():
@@ -221,8 +209,8 @@ def refusals() -> dict[str, str]:
             model = Transformer(dataclasses.replace(TINY, tie_word_embeddings=case == "tied_embeddings"))
         try:
             parallelize_llama(
-                model, dims=dims, mesh=dims.build_mesh("cpu"), training=Training(mixed_precision_param="float32"),
-                parallelism=parallelism, ac=ActivationCheckpoint(), compile=Compile(enable=compile_enabled),
+                model, dims=dims, mesh=dims.build_mesh("cpu"), training=TRAINING, parallelism=parallelism,
+                ac=ActivationCheckpoint(), compile=Compile(enable=compile_enabled),
             )  # fmt: skip
             messages[case] = "accepted"
         except ConfigError as e:

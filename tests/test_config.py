@@ -7,33 +7,37 @@ from pathlib import Path
 
 import pytest
 
-from config import SECTIONS, ConfigError, JobConfig, field_docs, help_text, load_config, to_toml
-from tests.launch import REPO
-
-CONFIGS = sorted(str(p.relative_to(REPO)) for p in (REPO / "configs").rglob("*.toml"))
-
-
-@pytest.fixture(autouse=True)
-def _in_repo(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(REPO)  # configs name repo-relative data and tokenizer paths
+from config import REPO, SECTIONS, JobConfig, field_docs, help_text, load_config, to_toml
+from errors import ConfigError
+from tests.conftest import SHIPPED, Launch
 
 
-@pytest.mark.parametrize("path", CONFIGS)
-def test_every_shipped_config_loads_and_validates(path: str, tmp_path: Path) -> None:
-    overrides = []
-    if "hf_assets_path" in (REPO / path).read_text():
-        # A fine-tune config names a downloaded HF folder and its converted checkpoint, which
-        # CI does not have: stand in a tiny random HF folder (256 positions) and an empty folder.
-        from tests.tiny_hf import tiny_hf_folder
+def test_every_shipped_config_has_a_launch_row() -> None:
+    assert sorted(SHIPPED) == sorted(str(p.relative_to(REPO)) for p in (REPO / "configs").rglob("*.toml"))
 
-        hf = tiny_hf_folder(tmp_path / "hf")
-        (tmp_path / "ckpt").mkdir()
-        overrides = [
-            f"--model.hf_assets_path={hf}", f"--model.tokenizer_path={hf}",
-            f"--checkpoint.initial_load_path={tmp_path / 'ckpt'}", "--training.seq_len=256",
-        ]  # fmt: skip
+
+def test_every_shipped_config_loads_and_validates(
+    shipped_config: tuple[str, Launch, list[str]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, _, overrides = shipped_config
+    monkeypatch.chdir(tmp_path)  # any working directory: the shipped relative paths resolve to the repo's
     cfg = load_config(["--config", path, *overrides])
     assert isinstance(cfg, JobConfig)
+    assert cfg.model.tokenizer_path == "byte" or Path(cfg.model.tokenizer_path).exists()
+    assert Path(cfg.data.path).exists()
+
+
+def test_config_names_and_relative_paths_work_from_any_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    by_name = load_config(["--config", "llama3_8b.toml"])  # what users type: found in configs/
+    assert by_name == load_config(["--config", str(REPO / "configs/llama3_8b.toml")])
+    assert by_name.data.path == str(REPO / "assets/corpus/stories.jsonl")
+    # A file of the working directory wins over the repo's.
+    (tmp_path / "assets").mkdir()
+    mine = tmp_path / "assets" / "mine.jsonl"
+    mine.write_text('{"text": "x"}\n')
+    assert load_config(["--data.path=assets/mine.jsonl"]).data.path == "assets/mine.jsonl"
+    assert "did you mean 'configs/llama3_8b.toml'" in problems(["--config", "llama3_9b.toml"])[0]
 
 
 def test_every_field_has_a_docstring_and_appears_in_help() -> None:
@@ -63,7 +67,8 @@ def test_cli_value_forms() -> None:
     assert cfg.lr_scheduler.decay_ratio == 0.5 and cfg.compile.enable is False
 
 
-def test_resolved_config_round_trips_through_toml(tmp_path: Path) -> None:
+def test_resolved_config_round_trips_through_toml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)
     cfg = load_config(["--config", "configs/debug.toml", "--training.steps=3", '--job.description=a "quoted" run'])
     out = tmp_path / "resolved.toml"
     out.write_text(to_toml(cfg))
@@ -108,6 +113,11 @@ def test_cross_field_checks_report_all_problems_together() -> None:
     keys = {p.split(":")[0] for p in found}
     assert {"training.steps", "optimizer.lr", "lr_scheduler.min_lr_factor", "training.seq_len"} <= keys
     assert any("exceeds the 2048 tokens debugmodel supports" in p for p in found)
+
+
+def test_float16_is_refused_for_want_of_loss_scaling() -> None:
+    (problem,) = problems(["--training.mixed_precision_param=float16"])
+    assert problem.startswith("training.mixed_precision_param: float16 needs loss scaling") and "bfloat16" in problem
 
 
 def test_missing_files_are_named() -> None:

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from config import ConfigError, Data
+from config import Data
 from data import ByteTokenizer, GlobalBatchLoader, PackedCorpus, build_tokenizer
+from errors import ConfigError
 from tests.launch import REPO
 
 

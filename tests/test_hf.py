@@ -19,8 +19,9 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from config import Checkpoint, ConfigError, Data, load_config
+from config import Checkpoint, Data, load_config
 from data import GlobalBatchLoader, PackedCorpus, build_tokenizer
+from errors import ConfigError
 from models.llama3 import FLAVORS, Transformer, num_params
 from models.llama3.hf import from_hf, hf_config, hf_to_ours, model_args_from_hf_config, to_hf
 from models.llama3.model import RopeScaling, with_seq_len
@@ -276,7 +277,9 @@ def test_bf16_hf_checkpoint_converts_and_loads_into_fp32_parameters(tmp_path: Pa
     assert python("scripts/convert_hf.py", "to-dcp", str(folder), str(tmp_path / "dcp")).returncode == 2  # exists
 
 
-def test_describe_takes_the_shape_from_the_hf_folder_and_warns_about_flavor(tmp_path: Path) -> None:
+def test_describe_takes_the_shape_from_the_hf_folder_and_warns_about_flavor(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from train import describe
 
     folder = tiny_hf_folder(tmp_path / "hf")
@@ -285,8 +288,8 @@ def test_describe_takes_the_shape_from_the_hf_folder_and_warns_about_flavor(tmp_
          f"--model.tokenizer_path={folder}", *REPO_DATA[1:], "--checkpoint.initial_load_path=none",
          "--training.seq_len=64", "--model.flavor=llama3_8b"]
     )  # fmt: skip
-    with pytest.warns(UserWarning, match="model.flavor = 'llama3_8b' is ignored"):
-        text = describe(cfg)
+    assert "warning: model.flavor = 'llama3_8b' is ignored: model.hf_assets_path sets" in capsys.readouterr().err
+    text = describe(cfg)
     assert f"# parameters: {num_params(model_args_from_hf_config(folder)):,}" in text
 
 

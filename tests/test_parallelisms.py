@@ -9,21 +9,22 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.flop_counter import FlopCounterMode
 
-from config import ActivationCheckpoint, ConfigError
+from config import ActivationCheckpoint
+from errors import ConfigError
+from metrics import count_calls, count_ops
 from models.llama3.model import Attention
-from parallelisms.ac import apply_ac, count_calls, count_ops, transformer_blocks
+from parallelisms.ac import apply_ac
 from parallelisms.compile import apply_compile, inductor_cache_dir
 from tests.launch import REPO, torchrun
 from tests.parity_worker import LAYOUTS, TINY, build_tiny, max_param_diff, random_batch, train, write_reference
@@ -91,10 +92,9 @@ def test_compiled_layouts_use_their_recipe_cache_folder(world_size: int, request
     request.getfixturevalue(f"results_{world_size}")
     root = request.getfixturevalue("run_dir") / f"inductor-{world_size}"
     (compiled,) = [layout for layout in LAYOUTS.values() if layout.compile and layout.world_size == world_size]
-    expected = inductor_cache_dir(
-        async_tp=False, tp_degree=compiled.tp, ac_mode=compiled.ac.mode,
-        ac_option=compiled.ac.selective_ac_option, float8=False, root=root,
-    )  # fmt: skip
+    recipe = {"tp_degree": compiled.tp, "async_tp": False, "ac_mode": "selective", "ac_option": "op"}
+    assert (compiled.ac.mode, compiled.ac.selective_ac_option) == ("selective", "op")
+    expected = inductor_cache_dir(recipe, root=root)
     assert sorted(root.glob("recipe-*")) == [expected]
     assert any((expected / "fxgraph").rglob("*")), f"no FX graph cached in {expected}"
 
@@ -108,7 +108,7 @@ def test_async_tp_and_tied_tp_refused_on_cpu(results_2: dict[str, dict]) -> None
     assert "compile.enable is false" in messages["async_tp_without_compile"]
     assert "compile.enable is false" not in messages["async_tp_with_compile"]
     assert "tensor_parallel_degree is 1" in messages["async_tp_tp1"]
-    assert messages["tied_embeddings"].startswith("parallelism.tensor_parallel_degree: this flavor ties")
+    assert messages["tied_embeddings"].startswith("parallelism.tensor_parallel_degree: 2 with a flavor that ties")
 
 
 # ---------------------------------------------------- single process: AC, compile
@@ -149,13 +149,11 @@ def restore_inductor_env() -> Iterator[None]:
 
 
 def test_compiled_op_sac_matches_eager(reference: dict, tmp_path: Path, restore_inductor_env: None) -> None:
-    """Compile + selective op AC (PROBLEMS.md #4's combination) against eager without AC."""
+    """Compile + selective op AC (docs/failures.md #4: the combination) against eager without AC."""
     ac = ActivationCheckpoint(mode="selective", selective_ac_option="op")
     model = build_tiny()
     apply_ac(model, ac)
-    cache = inductor_cache_dir(
-        async_tp=False, tp_degree=1, ac_mode=ac.mode, ac_option="op", float8=False, root=tmp_path
-    )
+    cache = inductor_cache_dir({"tp_degree": 1, "ac_mode": ac.mode, "ac_option": "op"}, root=tmp_path)
     apply_compile(model, cache_dir=cache)
     assert model.state_dict().keys() == reference["final"].keys()  # Module.compile: no _orig_mod. prefix
     losses, _ = train(model, reference["tokens"])
@@ -169,8 +167,17 @@ def test_compiled_op_sac_matches_eager(reference: dict, tmp_path: Path, restore_
 # ------------------------------------------------------------ recomputation counted
 
 
-def _one_step_counts(ac: ActivationCheckpoint) -> tuple[Counter[str], Counter, Counter, float]:
-    """Attention forward calls, forward ops, backward ops and backward FLOPs of one training step."""
+@dataclass
+class StepCounts:
+    """What one training step ran: forward calls of each Attention, aten ops by phase, backward FLOPs."""
+
+    attention_calls: Counter[str]
+    forward_ops: Counter
+    backward_ops: Counter
+    backward_flops: int
+
+
+def _one_step_counts(ac: ActivationCheckpoint) -> StepCounts:
     model = build_tiny()
     apply_ac(model, ac)
     tokens = random_batch()
@@ -180,7 +187,7 @@ def _one_step_counts(ac: ActivationCheckpoint) -> tuple[Counter[str], Counter, C
         loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
         with count_ops() as backward_ops, FlopCounterMode(display=False) as flops:
             loss.backward()
-    return calls, forward_ops, backward_ops, flops.get_total_flops()
+    return StepCounts(calls, forward_ops, backward_ops, flops.get_total_flops())
 
 
 def test_recomputation_is_counted_not_assumed() -> None:
@@ -196,55 +203,33 @@ def test_recomputation_is_counted_not_assumed() -> None:
 
     # Forward: identical work whatever the AC mode; 7 matmuls per block + the output projection.
     for counts in (full, op, every2):
-        assert counts[1][mm] == none[1][mm] == 7 * layers + 1
-        assert counts[1][sdpa] == none[1][sdpa] == layers
+        assert counts.forward_ops[mm] == none.forward_ops[mm] == 7 * layers + 1
+        assert counts.forward_ops[sdpa] == none.forward_ops[sdpa] == layers
     # Attention forward calls per step: 1 per block without AC, exactly one more per checkpointed block.
-    assert none[0].total() == layers
-    assert full[0].total() == op[0].total() == 2 * layers
-    assert every2[0].total() == layers + 1  # only block 1 of blocks 0, 1
-    assert set(full[0].values()) == {2}  # each block once more, none twice more (no nesting)
+    assert none.attention_calls.total() == layers
+    assert full.attention_calls.total() == op.attention_calls.total() == 2 * layers
+    assert every2.attention_calls.total() == layers + 1  # only block 1 of blocks 0, 1
+    assert set(full.attention_calls.values()) == {2}  # each block once more, none twice more (no nesting)
 
     # Backward: full AC reruns the attention kernel and the matmuls of every block, all but the
     # last one (w2): its output is saved by nothing, and non-reentrant checkpointing stops the
     # recomputation once it has what backward needs (torch.utils.checkpoint early stop) ...
-    assert full[2][mm] - none[2][mm] == 6 * layers
-    assert full[2][sdpa] - none[2][sdpa] == layers
+    assert full.backward_ops[mm] - none.backward_ops[mm] == 6 * layers
+    assert full.backward_ops[sdpa] - none.backward_ops[sdpa] == layers
     # ... op SAC reruns only the 3 unsaved matmuls per block (wk, wo, w3: every 2nd) and no attention.
-    assert op[2][mm] - none[2][mm] == 3 * layers
-    assert op[2][sdpa] == none[2][sdpa] == 0
-    assert every2[2][mm] - none[2][mm] == 6
+    assert op.backward_ops[mm] - none.backward_ops[mm] == 3 * layers
+    assert op.backward_ops[sdpa] == none.backward_ops[sdpa] == 0
+    assert every2.backward_ops[mm] - none.backward_ops[mm] == 6
 
     # FLOPs say which matmuls: exactly wk (dim -> kv_dim), wo (dim -> dim) and w3 (dim -> hidden);
     # under full AC wq, wk, wv, wo, w1, w3.
     recomputed_op = 2 * tokens * layers * (dim * kv_dim + dim * dim + dim * hidden)
     recomputed_full = 2 * tokens * layers * (2 * dim * dim + 2 * dim * kv_dim + 2 * dim * hidden)
-    assert op[3] - none[3] == recomputed_op
-    assert full[3] - none[3] == recomputed_full
+    assert op.backward_flops - none.backward_flops == recomputed_op
+    assert full.backward_flops - none.backward_flops == recomputed_full
 
 
 # ---------------------------------------------------------------- nesting refused
-
-
-def _tiny_hf_llama() -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM  # imported here: only these tests need it
-
-    config = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config)
-
-
-def test_nested_checkpointing_refused_hf_gradient_checkpointing() -> None:
-    model = _tiny_hf_llama()
-    model.config.use_cache = False
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # transformers 5 renamed it activation_checkpointing_enable
-        model.gradient_checkpointing_enable()
-    with pytest.raises(ConfigError, match=r"gradient checkpointing on.*gradient_checkpointing_disable\(\)") as e:
-        apply_ac(model, ActivationCheckpoint(mode="full"))
-    assert len(e.value.problems) == 1 and "PROBLEMS.md #1" in str(e.value)
 
 
 def test_nested_checkpointing_refused_wrapped_block() -> None:
@@ -259,28 +244,11 @@ def test_nested_checkpointing_refused_wrapped_block() -> None:
         apply_ac(model, ActivationCheckpoint(mode="full"))
 
 
-def test_hf_model_checkpointed_once_and_kv_cache_refused() -> None:
-    model = _tiny_hf_llama()
-    # HF turns its KV cache off only under its own checkpointing: under ours it must be off already.
-    with pytest.raises(ConfigError, match=r"use_cache is True.*PROBLEMS.md #2"):
-        apply_ac(model, ActivationCheckpoint(mode="full"))
-
-    from transformers.models.llama.modeling_llama import LlamaAttention
-
-    model.config.use_cache = False
-    names = [name for name, _ in model.named_parameters()]
-    assert transformer_blocks(model) is model.model.layers
-    apply_ac(model, ActivationCheckpoint(mode="full"))
-    assert [name for name, _ in model.named_parameters()] == names
-    tokens = random_batch()
-    with count_calls(model, LlamaAttention) as calls:
-        model(input_ids=tokens, labels=tokens).loss.backward()
-    assert set(calls.values()) == {2} and len(calls) == 2  # one forward + one recompute per layer
-
-
-def test_reentrant_warns_and_op_sac_needs_non_reentrant() -> None:
-    with pytest.warns(UserWarning, match="skips the check that recomputed tensors match"):
-        apply_ac(build_tiny(), ActivationCheckpoint(mode="full", use_reentrant=True))
+def test_reentrant_warns_and_op_sac_needs_non_reentrant(capsys: pytest.CaptureFixture[str]) -> None:
+    apply_ac(build_tiny(), ActivationCheckpoint(mode="full", use_reentrant=True))
+    assert (
+        "warning: activation_checkpoint.use_reentrant = true: reentrant checkpointing skips" in capsys.readouterr().err
+    )
     with pytest.raises(ConfigError, match="non-reentrant"):
         apply_ac(build_tiny(), ActivationCheckpoint(mode="selective", selective_ac_option="op", use_reentrant=True))
 
@@ -289,30 +257,22 @@ def test_reentrant_warns_and_op_sac_needs_non_reentrant() -> None:
 
 
 def test_inductor_cache_dir_is_keyed_on_the_recipe(tmp_path: Path) -> None:
-    base = dict(async_tp=False, tp_degree=2, ac_mode="selective", ac_option="op", float8=False, root=tmp_path)
-    same = inductor_cache_dir(**base)
-    assert same == inductor_cache_dir(**base)
+    base = {"tp_degree": 2, "async_tp": False, "ac_mode": "selective", "ac_option": "op"}
+    same = inductor_cache_dir(base, root=tmp_path)
+    assert same == inductor_cache_dir(dict(reversed(base.items())), root=tmp_path)  # order does not matter
     assert same.parent == tmp_path and same.name.startswith("recipe-")
-    # PROBLEMS.md #4: plain TP must never be served async TP's graphs.
-    assert inductor_cache_dir(**{**base, "async_tp": True}) != same
-    for change in (
-        {"tp_degree": 4},
-        {"ac_mode": "full"},
-        {"ac_option": "2"},
-        {"float8": True},
-        {"torch_version": "2.7"},
-    ):
-        assert inductor_cache_dir(**{**base, **change}) != same, change
-    # An AC option that selective AC does not use does not split the cache.
-    full = {**base, "ac_mode": "full"}
-    assert inductor_cache_dir(**full) == inductor_cache_dir(**{**full, "ac_option": "2"})
+    # docs/failures.md #4: plain TP must never be served async TP's graphs.
+    assert inductor_cache_dir({**base, "async_tp": True}, root=tmp_path) != same
+    for change in ({"tp_degree": 4}, {"ac_mode": "full"}, {"ac_option": "2"}, {"float8": True}):
+        assert inductor_cache_dir({**base, **change}, root=tmp_path) != same, change
+    assert inductor_cache_dir(base, torch_version="2.7", root=tmp_path) != same
 
 
 def test_inductor_cache_root_defaults_to_the_users_folder(restore_inductor_env: None, tmp_path: Path) -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path)
-    first = inductor_cache_dir(async_tp=False, tp_degree=1, ac_mode="none", ac_option="op", float8=False)
+    first = inductor_cache_dir({"ac_mode": "none"})
     assert first.parent == tmp_path
     # Once pointed at a recipe folder, the next recipe goes next to it, not inside it.
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(first)
-    second = inductor_cache_dir(async_tp=False, tp_degree=1, ac_mode="full", ac_option="op", float8=False)
+    second = inductor_cache_dir({"ac_mode": "full"})
     assert second.parent == tmp_path and second != first

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from config import ConfigError, Profiling, load_config
+from config import Profiling, load_config
+from errors import ConfigError
 from profiling import maybe_profile
 from tests.launch import torchrun
 

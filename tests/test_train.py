@@ -155,7 +155,7 @@ def test_checkpoint_folder_that_is_not_a_checkpoint(tmp_path: Path) -> None:
 
 def test_checkpoint_of_another_model_is_refused(seed: Path) -> None:
     from checkpoint import _check_holds
-    from config import ConfigError
+    from errors import ConfigError
 
     prefix = "model_and_optimizer.model."
     _check_holds(seed, {prefix + "norm.weight": torch.zeros(256)})
@@ -182,7 +182,21 @@ def test_async_tp_on_cpu_is_refused_in_one_line() -> None:
 def test_help_and_print_config() -> None:
     proc = python("train.py", "--help")
     assert proc.returncode == 0 and "--training.local_batch_size" in proc.stdout
-    proc = python("train.py", "--config", "configs/debug.toml", "--print-config")
+    proc = python("train.py", "--config", "configs/debug.toml", "--print-config", env={"WORLD_SIZE": "2"})
     assert proc.returncode == 0
     assert 'flavor = "debugmodel"' in proc.stdout
     assert "# parameters: 5,770,496" in proc.stdout and "FLOPs per token" in proc.stdout
+    # local batch 8 x 2 data-parallel ranks x 256 tokens
+    assert "# tokens per step: 4,096 (global batch 16 x seq_len 256; world size 2" in proc.stdout
+
+
+def test_the_command_users_type_works_from_any_folder(tmp_path: Path) -> None:
+    """`train.py --config llama3_8b.toml` finds configs/llama3_8b.toml; on this CPU machine the doctor
+    then stops it, before any allocation, because 8B does not fit."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "--config", "llama3_8b.toml"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    line = one_line_error(proc)
+    assert line.startswith("error: memory: the job needs about") and "GiB per rank" in line
+    assert not (tmp_path / "outputs").exists()  # nothing written

@@ -6,9 +6,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from benchmarks.common import unit_scale_init_
 from tests.launch import REPO
 
 SHIPPED_TOKENIZER = REPO / "assets" / "tokenizer"
@@ -23,11 +24,29 @@ BASE = dict(
 )  # fmt: skip
 
 
+@torch.no_grad()
+def unit_scale_init_(model: nn.Module, *, seed: int, gain_noise: float = 0.2) -> None:
+    """Weights that give O(1) activations, logits and gradients (a transformers model's names).
+
+    transformers' init (std 0.02) leaves the logits nearly uniform and the gradients tiny, where
+    a wrong RoPE, norm or gradient would hardly show above float32 noise.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        noise = torch.randn(p.shape, generator=gen)
+        if p.ndim == 1:  # RMSNorm gains
+            p.copy_(1 + gain_noise * noise)
+        elif "embed" in name:
+            p.copy_(noise)
+        else:  # (out, in) projections: unit variance out for unit variance in
+            p.copy_(noise * p.shape[1] ** -0.5)
+
+
 def tiny_hf_model(*, seed: int = 0, **config: Any) -> LlamaForCausalLM:
     """A transformers LlamaForCausalLM (fp32, eager attention: the plainest reference math)."""
     cfg = LlamaConfig(**{**BASE, **config}, attn_implementation="eager")
     model = LlamaForCausalLM(cfg).float()
-    unit_scale_init_(model, seed=seed, gain_noise=0.2)
+    unit_scale_init_(model, seed=seed)
     return model.eval()
 
 
