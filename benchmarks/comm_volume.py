@@ -3,7 +3,7 @@
     python -m benchmarks.comm_volume --out outputs/bench/comm_volume.json   # starts torchrun (4 CPU ranks) itself
     torchrun --nproc_per_node=4 -m benchmarks.comm_volume --out ...          # the same, launched by hand
 
-PROBLEMS.md #3: HYBRID_SHARD across two nodes ran at 26 s per step instead of ~0.7 s. Before
+docs/failures.md #3: HYBRID_SHARD across two nodes ran at 26 s per step instead of ~0.7 s. Before
 blaming the model, look at how many bytes each layout puts on the links between nodes. The
 world is cut into "nodes" of `--ranks-per-node` consecutive ranks (default: the real nodes when
 torchrun runs on several, otherwise two pretend ones: 4 CPU ranks = nodes {0,1} and {2,3}), and
@@ -20,11 +20,12 @@ reduce-scatters run over one-rank groups and move nothing) and each gradient is 
 over all ranks, which is the traffic of DDP. torch DDP would move the same bytes in other
 bucket sizes; fully_shard keeps all three layouts on one code path with the same counter.
 
-How bytes are counted: a TorchDispatchMode around the step sees every collective as the
+How bytes are counted: `metrics.observe_ops` (a TorchDispatchMode) around one step of the
+recipe's own `train.train_step` (AdamW, grad norm clipped to 1.0) sees every collective as the
 dispatcher op that really runs it. FSDP2 calls c10d directly (all_gather_into_tensor ->
 `c10d::_allgather_base_`, reduce_scatter_tensor -> `c10d::_reduce_scatter_base_`, HSDP's
-all_reduce -> `c10d::allreduce_`); DTensor (the gradient norm) uses functional collectives
-(`_c10d_functional::all_reduce`, ...). Both kinds go through the dispatcher, with the real
+all_reduce -> `c10d::allreduce_`); DTensor (the gradient norm) lowers itself to functional
+collectives (`_c10d_functional::all_reduce`, ...). Both kinds go through the dispatcher, with the real
 tensors and the real process group as arguments, so sizes are read off the tensors that are
 sent, not derived from the model. Any other collective op is recorded as "other:<name>"
 rather than skipped. (CommDebugMode sees the same ops but only counts calls.)
@@ -47,30 +48,27 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
+import functools
 import os
-import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed import ProcessGroup
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from benchmarks.common import init_process_group, launch_self
+from benchmarks import harness
+from benchmarks.harness import MiB, Row
+from metrics import observe_ops
 from models.llama3 import FLAVORS, ModelArgs, Transformer
 from models.llama3.model import with_seq_len
 from parallelisms.fsdp import DTYPES, apply_fsdp
 from parallelisms.parallel_dims import ParallelDims
+from train import train_step
 
-REPO = Path(__file__).resolve().parents[1]
+PROBLEM = "#3 HSDP across nodes"
 LAYOUTS = ("full_shard", "hsdp", "replicate")
-MiB = 2**20
 
 c10d = torch.ops.c10d
 funcol = torch.ops._c10d_functional
@@ -141,35 +139,29 @@ def _nbytes(value: Any) -> int:
     return sum(_nbytes(v) for v in value)  # lists (of lists) of tensors
 
 
-class CollectiveCounter(TorchDispatchMode):
-    """Records every collective dispatched while active, with its group and payload size."""
+class CollectiveLog:
+    """An `observe_ops` callback: records every collective with its group and payload size."""
 
     def __init__(self, group_dims: dict[str, str]):
-        super().__init__()
         self.group_dims = group_dims  # process-group name -> mesh dimension name
         self.records: list[Collective] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        # Let DTensor lower itself first (like CommDebugMode): its collectives come back here
-        # as functional ops on plain tensors.
-        if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented
+    def __call__(self, op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         # A collective is a c10d op with a process group; wait_tensor and friends have none.
-        if func.namespace in ("c10d", "_c10d_functional"):
-            # strict=False: trailing arguments with defaults may be left out of `args`.
-            bound = {a.name: v for a, v in zip(func._schema.arguments, args, strict=False)} | kwargs
-            if any(bound.get(name) is not None for name in _GROUP_ARGS):
-                self.records.append(self._record(func, bound))
-        return func(*args, **kwargs)
+        if op.namespace not in ("c10d", "_c10d_functional"):
+            return
+        # strict=False: trailing arguments with defaults may be left out of `args`.
+        bound = {a.name: v for a, v in zip(op._schema.arguments, args, strict=False)} | kwargs
+        group = next((bound[name] for name in _GROUP_ARGS if bound.get(name) is not None), None)
+        if group is not None:
+            self.records.append(self._record(op, bound, _process_group(group)))
 
-    def _record(self, func, bound: dict[str, Any]) -> Collective:
-        group = _process_group(next(bound[name] for name in _GROUP_ARGS if bound.get(name) is not None))
+    def _record(self, op: torch._ops.OpOverload, bound: dict[str, Any], group: ProcessGroup) -> Collective:
         ranks = tuple(dist.get_process_group_ranks(group))
         dim = self.group_dims.get(group.group_name, "other")
-        if func._overloadpacket not in _COLLECTIVES:
-            return Collective(f"other:{func._opname}", dim, ranks, 0)
-        kind, payload_arg, times_group = _COLLECTIVES[func._overloadpacket]
+        if op._overloadpacket not in _COLLECTIVES:
+            return Collective(f"other:{op._opname}", dim, ranks, 0)
+        kind, payload_arg, times_group = _COLLECTIVES[op._overloadpacket]
         payload = _nbytes(bound[payload_arg]) * (len(ranks) if times_group else 1)
         return Collective(kind, dim, ranks, payload)
 
@@ -203,20 +195,6 @@ def unit_params(args: ModelArgs) -> dict[str, int]:
     }
 
 
-def _train_step(model: Transformer, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> None:
-    """What train.train_step does for one micro-batch: forward, loss, backward, clip, AdamW."""
-    optimizer.zero_grad(set_to_none=True)
-    logits = model(tokens[:, :-1])  # (bs, seqlen, vocab)
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-    loss.backward()
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(params, 1.0, norm, foreach=True)
-    optimizer.step()
-
-
 def measure(
     layout: str,
     *,
@@ -227,14 +205,13 @@ def measure(
     reshard_after_forward: str = "default",
     batch_size: int = 2,
     seq_len: int = 64,
-    device: torch.device | None = None,
+    device: torch.device,
 ) -> dict[str, Any]:
     """Count the collectives of one training step (after a warm-up step) under `layout`.
 
     Called on every rank of an initialized process group; returns the same job-wide summary
     on every rank.
     """
-    device = device or torch.device("cpu")
     world_size, rank = dist.get_world_size(), dist.get_rank()
     if world_size % ranks_per_node or world_size // ranks_per_node < 2:
         raise ValueError(f"ranks_per_node={ranks_per_node} must split the {world_size} ranks into 2 or more nodes")
@@ -255,16 +232,22 @@ def measure(
     generator = torch.Generator().manual_seed(rank)
     tokens = torch.randint(0, model_args.vocab_size, (batch_size, seq_len + 1), generator=generator).to(device)
 
-    _train_step(model, optimizer, tokens)  # warm-up: lazy init, optimizer state
-    counter = CollectiveCounter(group_dims)
+    def step() -> None:
+        microbatches = [(tokens[:, :-1], tokens[:, 1:])]
+        train_step(
+            model, optimizer, microbatches, grad_accum=1, max_norm=1.0, loss_parallel=False, device=device
+        )  # fmt: skip
+
+    step()  # warm-up: lazy init, optimizer state
+    log = CollectiveLog(group_dims)
     dist.barrier()
     start = time.perf_counter()
-    with counter:
-        _train_step(model, optimizer, tokens)
+    with observe_ops(log):
+        step()
     seconds = time.perf_counter() - start
 
     everyone: list[list[Collective]] = [[] for _ in range(world_size)]
-    dist.all_gather_object(everyone, counter.records)
+    dist.all_gather_object(everyone, log.records)
     return summarize(
         layout, everyone, dims=dims, ranks_per_node=ranks_per_node, seconds=seconds,
         meta={
@@ -335,6 +318,20 @@ def summarize(
 # ------------------------------------------------------------------- reporting
 
 
+def rows(results: dict[str, dict[str, Any]]) -> list[Row]:
+    """Bytes crossing nodes: FULL_SHARD and pure replication vs HSDP."""
+    full, hsdp, rep = (results[k]["cross_node_bytes"] / MiB for k in ("full_shard", "hsdp", "replicate"))
+    world, nodes, per_node = (results["hsdp"][k] for k in ("world_size", "nodes", "ranks_per_node"))
+    metric = f"bytes crossing nodes per step ({nodes} nodes x {per_node} ranks)"
+    row = functools.partial(
+        Row, problem=PROBLEM, metric=metric, unit="MiB", fixed=f"HSDP {nodes} x {per_node}", fixed_value=hsdp
+    )
+    return [
+        row(broken=f"FULL_SHARD over {world}", broken_value=full),
+        row(broken=f"replication over {world}", broken_value=rep),
+    ]
+
+
 def table(results: dict[str, dict[str, Any]]) -> str:
     """Bytes per step: sent by rank 0 by op and mesh dim (ring model), job-wide cross-node bytes."""
     base = results.get("full_shard", {}).get("cross_node_bytes")
@@ -362,11 +359,8 @@ def table(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--out", type=Path, default=REPO / "outputs" / "bench" / "comm_volume.json", help="JSON result")
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
-    p.add_argument("--nproc", type=int, default=4, help="ranks to start when not already under torchrun")
     p.add_argument("--ranks-per-node", type=int, default=None, help="default: real nodes if several, else world // 2")
     p.add_argument("--flavor", default="debugmodel", choices=sorted(FLAVORS))
     p.add_argument("--n-layers", type=int, default=None, help="override the flavor's layer count (smaller, faster)")
@@ -375,46 +369,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reshard-after-forward", default="default", choices=["default", "always", "never"])
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=2)
-    return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    if "RANK" not in os.environ:
-        return launch_self("benchmarks.comm_volume", nproc=args.nproc, argv=argv)
-
-    device = init_process_group()
-    world_size = dist.get_world_size()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    ranks_per_node = args.ranks_per_node or (local if local < world_size else world_size // 2)
-
+def measure_args(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Every layout of `args`, on every rank of this torchrun launch."""
     model_args = with_seq_len(FLAVORS[args.flavor], args.seq_len)
     if args.n_layers is not None:
         model_args = dataclasses.replace(model_args, n_layers=args.n_layers)
-    results = {}
-    try:
-        for layout in args.layouts:
-            results[layout] = measure(
-                layout,
-                model_args=model_args,
-                ranks_per_node=ranks_per_node,
-                param_dtype=DTYPES[args.param_dtype],
-                reduce_dtype=DTYPES[args.reduce_dtype],
-                reshard_after_forward=args.reshard_after_forward,
-                batch_size=args.batch_size,
-                seq_len=args.seq_len,
-                device=device,
+    with harness.process_group() as device:
+        world_size = dist.get_world_size()
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        ranks_per_node = args.ranks_per_node or (local if local < world_size else world_size // 2)
+        return {
+            layout: measure(
+                layout, model_args=model_args, ranks_per_node=ranks_per_node, param_dtype=DTYPES[args.param_dtype],
+                reduce_dtype=DTYPES[args.reduce_dtype], reshard_after_forward=args.reshard_after_forward,
+                batch_size=args.batch_size, seq_len=args.seq_len, device=device,
             )
-    finally:
-        dist.destroy_process_group()
-    if int(os.environ["RANK"]) == 0:
-        print(table(results), flush=True)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"benchmark": "comm_volume", "results": results}, indent=1) + "\n")
-        print(f"wrote {args.out}", flush=True)
-    return 0
+            for layout in args.layouts
+        }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    return harness.main(
+        "comm_volume", argv, doc=__doc__, add_args=add_args, measure=measure_args, table=table, world=4
+    )  # fmt: skip
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

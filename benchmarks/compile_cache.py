@@ -1,4 +1,4 @@
-"""The inductor cache and async TP (PROBLEMS.md #4): who is served whose compiled graph.
+"""The inductor cache and async TP (docs/failures.md #4): who is served whose compiled graph.
 
     python -m benchmarks.compile_cache --out outputs/bench/compile_cache.json   # ~1 minute on 2 CPU cores
 
@@ -9,7 +9,7 @@ PyTorch 2.8 the FX graph cache key left out private inductor configs such as `_m
 every setting that changes generated code (`parallelisms.compile.inductor_cache_dir`), so that two
 recipes never share compiled graphs, whatever the PyTorch version. Three parts:
 
-1. Directories. Recipes that differ only in async TP (or TP degree, AC mode, float8) get different
+1. Directories. Recipes that differ only in async TP (or TP degree, AC mode) get different
    `inductor_cache_dir`s; equal recipes get the same one, so reruns still start warm.
 
 2. Real compiles on CPU. Each run is a fresh process that compiles (forward and backward) the
@@ -33,23 +33,23 @@ recipes never share compiled graphs, whatever the PyTorch version. Three parts:
    timings of a shared 2-core machine are as noisy as it is busy.
 
 3. The refusal. Async TP needs torch.compile, CUDA with NCCL and symmetric memory, and a TP group
-   of 2 or more; elsewhere `parallelisms.tp.maybe_enable_async_tp` raises a one-line ConfigError
+   of 2 or more; elsewhere `parallelisms.async_tp.apply_async_tp` raises a one-line ConfigError
    (called here on a 1-rank gloo mesh), and `python train.py --config configs/debug.toml
-   --parallelism.enable_async_tensor_parallel --compile.enable` stops at config validation with
-   exit status 2 (tensor_parallel_degree is 1).
+   --parallelism.enable_async_tensor_parallel --compile.enable` stops in parallelize_llama, before
+   any allocation, with exit status 2 (tensor_parallel_degree is 1).
 
 What async TP is worth, measured by torchtitan on H100s (reference numbers, NOT measured here;
-PROBLEMS.md): Llama 3 70B on 256 H100 (FSDP32 x TP8) bf16 597 -> 652 tokens/s/GPU (1.09x), float8
-tensorwise 810 -> 942 (1.16x), float8 rowwise 1.04x; Llama 3 8B on 64 H100 (FSDP8 x TP8, op SAC)
-4378 -> 4809 (1.10x).
+docs/failures.md #4): Llama 3 70B on 256 H100 (FSDP32 x TP8) bf16 597 -> 652 tokens/s/GPU
+(1.09x), float8 tensorwise 810 -> 942 (1.16x), float8 rowwise 1.04x; Llama 3 8B on 64 H100
+(FSDP8 x TP8, op SAC) 4378 -> 4809 (1.10x).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -63,28 +63,30 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-from config import ConfigError
+from benchmarks import harness
+from benchmarks.harness import Row
+from errors import ConfigError
 from models.llama3 import FLAVORS, Transformer
+from parallelisms.async_tp import apply_async_tp
 from parallelisms.compile import apply_compile, inductor_cache_dir
-from parallelisms.tp import maybe_enable_async_tp
 
-REPO = Path(__file__).resolve().parents[1]
+PROBLEM = "#4 compile cache"
 MODEL_ARGS = dataclasses.replace(
     FLAVORS["debugmodel"], dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=256, max_seq_len=32
 )
 BATCH, SEQ = 2, 32
-# The two recipes of #1185 (Llama 3 8B, DP2 x TP4, op SAC), differing only in async TP.
-RECIPE = {"tp_degree": 4, "ac_mode": "selective", "ac_option": "op", "float8": False}
+# The two recipes of #1185 (Llama 3 8B, DP2 x TP4, op SAC), differing only in async TP, keyed as
+# parallelize_llama keys them (the AC option only for selective AC).
+RECIPE = {"tp_degree": 4, "async_tp": False, "ac_mode": "selective", "ac_option": "op"}
 VARIANTS: dict[str, dict[str, Any]] = {
-    "plain_tp": {**RECIPE, "async_tp": False},
+    "plain_tp": RECIPE,
     "async_tp": {**RECIPE, "async_tp": True},
-    "plain_tp_again": {**RECIPE, "async_tp": False},
-    "tp_8": {**RECIPE, "async_tp": False, "tp_degree": 8},
-    "ac_full": {**RECIPE, "async_tp": False, "ac_mode": "full"},
-    "float8": {**RECIPE, "async_tp": False, "float8": True},
+    "plain_tp_again": RECIPE,
+    "tp_8": {**RECIPE, "tp_degree": 8},
+    "ac_full": {**RECIPE, "ac_mode": "full", "ac_option": ""},
 }
 REFERENCE_GPU = {
-    "source": "torchtitan (PROBLEMS.md #4); not measured here",
+    "source": "torchtitan (docs/failures.md #4); not measured here",
     "unit": "tokens/s/GPU",
     "llama3_70b_256xH100_fsdp32_tp8_bf16": {"tp": 597, "async_tp": 652, "speedup": 1.09},
     "llama3_70b_256xH100_fsdp32_tp8_float8_tensorwise": {"tp": 810, "async_tp": 942, "speedup": 1.16},
@@ -98,7 +100,7 @@ REFERENCE_GPU = {
 
 def cache_dirs(root: Path) -> dict[str, str]:
     """The inductor cache folder each recipe variant gets under `root`."""
-    return {name: str(inductor_cache_dir(**recipe, root=root)) for name, recipe in VARIANTS.items()}
+    return {name: str(inductor_cache_dir(recipe, root=root)) for name, recipe in VARIANTS.items()}
 
 
 # -------------------------------------------------------- 2. real compiles
@@ -112,8 +114,8 @@ def compile_once(cache_dir: Path, *, micro_pipeline_tp: bool) -> dict[str, Any]:
     from torch._dynamo.utils import counters
 
     inductor_config.compile_threads = 1
-    # What parallelisms.tp._enable_micro_pipeline_tp sets for async TP (without the CUDA-only
-    # symmetric memory): the flag the FX graph cache key ignored before PyTorch 2.8.
+    # What parallelisms.async_tp.apply_async_tp sets (without the CUDA-only symmetric memory):
+    # the flag the FX graph cache key ignored before PyTorch 2.8.
     inductor_config._micro_pipeline_tp = micro_pipeline_tp
 
     torch.manual_seed(0)
@@ -143,47 +145,48 @@ def compile_once(cache_dir: Path, *, micro_pipeline_tp: bool) -> dict[str, Any]:
     }
 
 
-# (name, recipe, folder, _micro_pipeline_tp): "keyed" = the recipe's own inductor_cache_dir,
-# "shared" = one folder for every recipe, which starts as a copy of the plain-TP recipe's folder
-# after phase 1 (what a shared folder holds once plain TP has compiled into it). The runs of a
-# phase use different folders and go two at a time; phase 2 runs the same compile against both
-# layouts.
-PHASES: list[list[tuple[str, str, str, bool]]] = [
-    [("keyed/plain_tp", "plain_tp", "keyed", False)],
-    [("shared/async_tp_pre28_key", "async_tp", "shared", False), ("keyed/async_tp_pre28_key", "async_tp", "keyed", False)],
-    [("shared/async_tp_2.13_key", "async_tp", "shared", True), ("keyed/plain_tp_again", "plain_tp", "keyed", False)],
+@dataclasses.dataclass(frozen=True)
+class CompileRun:
+    name: str
+    recipe: str  # a key of VARIANTS
+    folder: str  # "keyed": the recipe's own inductor_cache_dir; "shared": one folder for every recipe
+    micro_pipeline_tp: bool
+
+
+# The shared folder starts as a copy of the plain-TP recipe's folder after phase 1 (what one folder
+# holds once plain TP has compiled into it). The runs of a phase use different folders and go two
+# at a time; phase 2 runs the same compile against both layouts.
+PHASES: list[list[CompileRun]] = [
+    [CompileRun("keyed/plain_tp", "plain_tp", "keyed", False)],
+    [CompileRun("shared/async_tp_pre28_key", "async_tp", "shared", False),
+     CompileRun("keyed/async_tp_pre28_key", "async_tp", "keyed", False)],
+    [CompileRun("shared/async_tp_2.13_key", "async_tp", "shared", True),
+     CompileRun("keyed/plain_tp_again", "plain_tp", "keyed", False)],
 ]  # fmt: skip
+# Caches on, whatever the caller's environment says: they are what is measured.
+CACHES_ON = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
 
 
 def run_compiles(root: Path) -> dict[str, dict[str, Any]]:
     """Every run of PHASES in a fresh `python -m benchmarks.compile_cache --worker DIR` process."""
     keyed = cache_dirs(root / "keyed")
-    # Caches on, whatever the caller's environment says: they are what is measured.
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
-        "TORCHINDUCTOR_AUTOGRAD_CACHE": "1",
-    }
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     runs: dict[str, dict[str, Any]] = {}
     for i, phase in enumerate(PHASES):
         if i == 1:
             shutil.copytree(keyed["plain_tp"], root / "shared")
         procs = {}
-        for name, recipe, where, mpt in phase:
-            folder = root / "shared" if where == "shared" else Path(keyed[recipe])
-            cmd = [sys.executable, "-m", "benchmarks.compile_cache", "--worker", str(folder)]
-            procs[name] = (recipe, where, time.perf_counter(), subprocess.Popen(
-                [*cmd, *(["--micro-pipeline-tp"] if mpt else [])], cwd=REPO, env=env, text=True,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            ))  # fmt: skip
-        for name, (recipe, where, start, proc) in procs.items():
+        for run in phase:
+            folder = root / "shared" if run.folder == "shared" else Path(keyed[run.recipe])
+            flags = ["--micro-pipeline-tp"] if run.micro_pipeline_tp else []
+            cmd = ("-m", "benchmarks.compile_cache", "--worker", str(folder), *flags)
+            procs[run] = (time.perf_counter(), harness.start_python(*cmd, env=CACHES_ON))
+        for run, (start, proc) in procs.items():
             out, err = proc.communicate(timeout=300)
             if proc.returncode != 0:
-                raise RuntimeError(f"compile run {name} exited {proc.returncode}:\n{err[-4000:]}")
+                raise RuntimeError(f"compile run {run.name} exited {proc.returncode}:\n{err[-4000:]}")
             result = json.loads(out.strip().splitlines()[-1])
-            runs[name] = {"recipe": recipe, "dir": where, **result, "process_s": time.perf_counter() - start}
+            process_s = time.perf_counter() - start
+            runs[run.name] = {"recipe": run.recipe, "dir": run.folder, **result, "process_s": process_s}
     return runs
 
 
@@ -215,21 +218,13 @@ TRAIN_WITH_ASYNC_TP = [
 ]  # fmt: skip
 
 
-def start_train_with_async_tp() -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    return subprocess.Popen(
-        [sys.executable, *TRAIN_WITH_ASYNC_TP], cwd=REPO, env=env, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )  # fmt: skip
-
-
 def async_tp_refusals(train: subprocess.Popen[str]) -> dict[str, Any]:
-    """maybe_enable_async_tp on a 1-rank gloo mesh, and the outcome of `train` (start_train_with_async_tp)."""
+    """apply_async_tp on a 1-rank gloo mesh, and the outcome of `train` (TRAIN_WITH_ASYNC_TP, started earlier)."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
         try:
-            maybe_enable_async_tp(mesh, compile_enabled=True)
+            apply_async_tp(mesh, compile_enabled=True)
             message = "accepted"
         except ConfigError as e:
             message = str(e)
@@ -237,25 +232,61 @@ def async_tp_refusals(train: subprocess.Popen[str]) -> dict[str, Any]:
         dist.destroy_process_group()
     _, err = train.communicate(timeout=120)
     return {
-        "maybe_enable_async_tp_1rank_gloo": message,
+        "apply_async_tp_1rank_gloo": message,
         "train_py": {
             "command": " ".join(["python", *TRAIN_WITH_ASYNC_TP]), "exit_code": train.returncode, "stderr": err.strip(),
         },
     }  # fmt: skip
 
 
+def measure(*, cache_root: Path | None = None) -> dict[str, Any]:
+    """The three parts of the module docstring; the cache folders go under `cache_root` (default: a temp dir)."""
+    with tempfile.TemporaryDirectory(prefix="compile_cache_") as tmp:
+        root = cache_root or Path(tmp)
+        dirs = cache_dirs(root / "keyed")
+        train = harness.start_python(*TRAIN_WITH_ASYNC_TP)  # refused before any allocation; runs beside phase 1
+        runs = run_compiles(root)
+        refusals = async_tp_refusals(train)
+    return {
+        "model_args": dataclasses.asdict(MODEL_ARGS),
+        "batch": BATCH,
+        "seq_len": SEQ,
+        "recipes": VARIANTS,
+        "cache_dirs": {name: Path(path).name for name, path in dirs.items()},
+        "runs": runs,
+        **summarize(runs),
+        "async_tp_refusal": refusals,
+        "reference_gpu": REFERENCE_GPU,
+    }
+
+
 # ------------------------------------------------------------------ report
 
 
-def table(dirs: dict[str, str], runs: dict[str, dict[str, Any]], summary: dict[str, Any]) -> str:
+def rows(results: dict[str, Any]) -> list[Row]:
+    """Graphs the async-TP recipe is served from plain TP's compile: shared folder vs keyed folders."""
+    hits, seconds = results["cross_recipe_hits"], results["compile_s"]
+    graphs = functools.partial(
+        Row, problem=PROBLEM, metric="graphs served from the other recipe's compile", unit="graphs",
+        broken="shared dir, pre-2.8 key", broken_value=hits["shared_dir_pre28_key"],
+    )  # fmt: skip
+    return [
+        graphs(fixed="dir keyed on recipe", fixed_value=hits["keyed_dirs"]),
+        graphs(fixed="shared dir, 2.8+ key", fixed_value=hits["shared_dir_2.13_key"]),
+        Row(problem=PROBLEM, metric="compile time of a block (cold vs warm cache)", unit="s", broken="cold",
+            broken_value=seconds["cold"], fixed="warm, same recipe", fixed_value=seconds["warm"]),
+    ]  # fmt: skip
+
+
+def table(results: dict[str, Any]) -> str:
+    dirs, runs = results["cache_dirs"], results["runs"]
     lines = ["1. inductor_cache_dir per recipe (DP2 x TP4, op SAC, except where named):"]
-    for name, path in dirs.items():
-        lines.append(f"   {name:<15} {Path(path).name}")
+    lines += [f"   {name:<15} {folder}" for name, folder in dirs.items()]
     head = f"{'run (a fresh process each)':<27} {'cache folder':<24} {'fx hits':>7} {'misses':>6} {'aot hits':>8} {'compile s':>9}"
     lines += [
         "",
         f"2. compile of one block, forward + backward, CPU, torch {torch.__version__}; the shared folder",
-        f"   starts as a copy of plain_tp's ({Path(dirs['plain_tp']).name}) after its first run:",
+        f"   starts as a copy of plain_tp's ({dirs['plain_tp']}) after its first run:",
         head,
         "-" * len(head),
     ]
@@ -265,61 +296,36 @@ def table(dirs: dict[str, str], runs: dict[str, dict[str, Any]], summary: dict[s
             f"{name:<27} {folder:<24} {r['fxgraph_cache_hit']:>7} {r['fxgraph_cache_miss']:>6} "
             f"{r['autograd_cache_hit']:>8} {r['compile_s']:>9.2f}"
         )
-    hits, secs = summary["cross_recipe_hits"], summary["compile_s"]
+    hits, secs = results["cross_recipe_hits"], results["compile_s"]
+    refusal = results["async_tp_refusal"]
     lines += [
-        f"FX graphs the async-TP recipe got from plain TP's compile (of {summary['graphs_per_compile']}): "
+        f"FX graphs the async-TP recipe got from plain TP's compile (of {results['graphs_per_compile']}): "
         f"shared folder + pre-2.8 key {hits['shared_dir_pre28_key']}, shared folder + 2.13 key "
         f"{hits['shared_dir_2.13_key']}, keyed folders {hits['keyed_dirs']}",
         f"compile s: cold {secs['cold']:.1f} (beside another run {secs['cold_beside_another_run']:.1f}), "
         f"warm {secs['warm']:.1f} ({secs['cold'] / secs['warm']:.1f}x faster), "
         f"new key with cached kernels {secs['new_key_same_kernels']:.1f}",
+        f"3. async TP here: {refusal['apply_async_tp_1rank_gloo']}",
+        f"   {refusal['train_py']['command']}: exit {refusal['train_py']['exit_code']}",
     ]
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--out", type=Path, default=REPO / "outputs" / "bench" / "compile_cache.json", help="JSON result")
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-root", type=Path, default=None, help="where the cache folders go (default: a temp dir)")
-    p.add_argument("--worker", type=Path, default=None, help="internal: one compile into this cache folder")
-    p.add_argument("--micro-pipeline-tp", action="store_true", help="internal: with --worker, set _micro_pipeline_tp")
-    return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.worker is not None:
-        print(json.dumps(compile_once(args.worker, micro_pipeline_tp=args.micro_pipeline_tp)), flush=True)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:  # internal, from run_compiles: `--worker DIR [--micro-pipeline-tp]`
+        result = compile_once(Path(argv[1]), micro_pipeline_tp="--micro-pipeline-tp" in argv[2:])
+        print(json.dumps(result), flush=True)
         return 0
-
-    with tempfile.TemporaryDirectory(prefix="compile_cache_") as tmp:
-        root = args.cache_root or Path(tmp)
-        dirs = cache_dirs(root / "keyed")
-        train = start_train_with_async_tp()  # refused at config validation; runs beside phase 1
-        runs = run_compiles(root)
-        refusals = async_tp_refusals(train)
-    summary = summarize(runs)
-    print(table(dirs, runs, summary), flush=True)
-    print(f"3. async TP here: {refusals['maybe_enable_async_tp_1rank_gloo']}", flush=True)
-    print(f"   {refusals['train_py']['command']}: exit {refusals['train_py']['exit_code']}", flush=True)
-    result = {
-        "benchmark": "compile_cache",
-        "torch": torch.__version__,
-        "model_args": dataclasses.asdict(MODEL_ARGS),
-        "batch": BATCH,
-        "seq_len": SEQ,
-        "recipes": VARIANTS,
-        "cache_dirs": {name: Path(path).name for name, path in dirs.items()},
-        "runs": runs,
-        **summary,
-        "async_tp_refusal": refusals,
-        "reference_gpu": REFERENCE_GPU,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}", flush=True)
-    return 0
+    return harness.main(
+        "compile_cache", argv, doc=__doc__, add_args=add_args,
+        measure=lambda args: measure(cache_root=args.cache_root), table=table,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

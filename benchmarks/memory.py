@@ -1,4 +1,4 @@
-"""What each memory technique saves, measured per rank from the tensors themselves (PROBLEMS.md #5).
+"""What each memory technique saves, measured per rank from the tensors themselves (docs/failures.md #5).
 
     python -m benchmarks.memory --out outputs/bench/memory.json     # starts torchrun (2 CPU ranks) itself
     torchrun --nproc_per_node=2 -m benchmarks.memory --out ...       # the same, launched by hand
@@ -24,7 +24,7 @@ Columns, bytes per rank:
                             seen by any FSDP unit's forward pre-hook (which runs after FSDP's
                             all-gather), here one block, the largest unit; bf16 halves it. In
                             backward FSDP also prefetches the next unit and keeps norm + output
-                            gathered from forward (scripts/estimate_memory.py models that overlap).
+                            gathered from forward (estimate_memory.py models that overlap).
   device total              what a GPU would hold: the sum, minus state that CPU offload keeps
                             in host memory.
 
@@ -36,12 +36,12 @@ checkpointing keeps: a non-reentrant checkpoint installs its own saved_tensors_h
 block (the innermost hooks win), which drop what autograd saves inside the block. So:
   * the block's inputs, which the checkpoint keeps (in its recomputation closure) until backward,
     are read in a forward pre-hook of each checkpointed block and counted;
-  * selective op AC keeps the outputs of its save-list ops in its own cache: a TorchDispatchMode
+  * selective op AC keeps the outputs of its save-list ops in its own cache: `metrics.observe_ops`
     records a weak reference to the storage of every op output produced inside a checkpointed
     block's forward, and those still alive once forward is over are counted (under full AC the
     only survivors are block outputs, already counted as the next block's input);
   * what is recomputed in backward is not counted: it exists only while that one block runs
-    backward (scripts/estimate_memory.py adds one block's worth to the peak).
+    backward (estimate_memory.py adds one block's worth to the peak).
 The bf16 logits and the loss are held by the caller, not saved: they are reported apart
 (`logits_bytes`) and not in the column. Counts are exact for eager mode; torch.compile changes
 what is saved.
@@ -56,13 +56,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
-import os
-import sys
+import functools
+import itertools
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -73,21 +71,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-# TorchDispatchMode (documented, but in a private module) is what sees the outputs selective AC
-# caches; only _BlockOutputs uses it.
-from torch.utils._python_dispatch import TorchDispatchMode
-
-from benchmarks.common import init_process_group, launch_self
-from benchmarks.memory_model import DTYPE_BYTES, activation_bytes
+from benchmarks import harness
+from benchmarks.harness import MiB, Row
 from config import ActivationCheckpoint, Compile, Parallelism, Training
+from estimate_memory import DTYPE_BYTES, activation_bytes
+from metrics import observe_ops
 from models.llama3 import FLAVORS, ModelArgs, Transformer
 from models.llama3.model import with_seq_len
 from parallelisms.ac import CheckpointedModule
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import parallelize_llama
 
-REPO = Path(__file__).resolve().parents[1]
-MiB = 2**20
+PROBLEM = "#5 memory"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,31 +134,37 @@ def _remember(seen: Seen, t: torch.Tensor, source: str) -> None:
         seen[id(storage)] = (weakref.ref(storage), source, t.dtype)
 
 
-class _BlockOutputs(TorchDispatchMode):
-    """Weak references to the storage of every op output made while `inside` a checkpointed block."""
+class _BlockOutputs:
+    """An `observe_ops` callback: weak references to the storage of each op output made `inside` a block."""
 
     def __init__(self, is_static: Callable[[torch.Tensor], bool]) -> None:
-        super().__init__()
         self.inside = False
         self.seen: Seen = {}
         self.is_static = is_static
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if self.inside:
-            # Below autograd, views are not marked (`_base` is None): an output sharing a storage
-            # with a parameter input (the `w.t()` of a matmul) is recognized by that storage.
-            static = {id(a.untyped_storage()) for a in args if isinstance(a, torch.Tensor) and self.is_static(a)}
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor) and not self.is_static(t) and id(t.untyped_storage()) not in static:
-                    _remember(self.seen, t, "sac_cache")
-        return out
+    def __call__(self, op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        if not self.inside:
+            return
+        # Below autograd, views are not marked (`_base` is None): an output sharing a storage
+        # with a parameter input (the `w.t()` of a matmul) is recognized by that storage.
+        static = {id(a.untyped_storage()) for a in args if isinstance(a, torch.Tensor) and self.is_static(a)}
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and not self.is_static(t) and id(t.untyped_storage()) not in static:
+                _remember(self.seen, t, "sac_cache")
+
+
+@dataclasses.dataclass(frozen=True)
+class Kept:
+    """Bytes kept from forward to backward."""
+
+    by_source: dict[str, int]  # autograd | checkpoint_input | sac_cache
+    by_dtype: dict[str, int]  # "bfloat16", "float32", ...
 
 
 class ActivationCensus:
     """Unique storages kept from forward to backward, by who keeps them (see the module docstring).
 
-    Use around the forward and the loss only; read `bytes_by()` before backward.
+    Use around the forward and the loss only; read `kept()` before backward.
     """
 
     SOURCES = ("autograd", "checkpoint_input", "sac_cache")
@@ -204,7 +205,7 @@ class ActivationCensus:
                 handles.append(m.register_forward_pre_hook(self._enter_block))
                 handles.append(m.register_forward_hook(self._leave_block))
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t), self._outputs:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t), observe_ops(self._outputs):
                 yield self
         finally:
             for h in handles:
@@ -214,8 +215,8 @@ class ActivationCensus:
                 if entry[0]() is not None and (old is None or old[0]() is None):
                     self._seen[key] = entry
 
-    def bytes_by(self) -> tuple[dict[str, int], dict[str, int]]:
-        """Bytes of the storages still alive now, by source and by dtype (call after forward, before backward)."""
+    def kept(self) -> Kept:
+        """Bytes of the storages still alive now (call after forward, before backward)."""
         by_source, by_dtype = dict.fromkeys(self.SOURCES, 0), {}
         counted: set[int] = set()  # data pointers of live storages: a second guard against double counting
         for ref, source, dtype in self._seen.values():
@@ -227,7 +228,7 @@ class ActivationCensus:
             by_source[source] += storage.nbytes()
             name = str(dtype).removeprefix("torch.")
             by_dtype[name] = by_dtype.get(name, 0) + storage.nbytes()
-        return by_source, by_dtype
+        return Kept(by_source=by_source, by_dtype=by_dtype)
 
 
 # ------------------------------------------------------------------ one setup
@@ -295,7 +296,7 @@ def measure(
     with census():
         logits = model(inputs)  # (bs, seqlen, vocab)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-    activations, activations_by_dtype = census.bytes_by()
+    kept = census.kept()
     logits_bytes = _storage_nbytes(logits)
     for h in hooks:
         h.remove()
@@ -311,7 +312,7 @@ def measure(
         {str(_local(v).device) for s in optimizer.state.values() for k, v in s.items() if k != "step"}
         | {str(_local(p.grad).device) for p in model.parameters() if p.grad is not None}
     )
-    act_total = sum(activations.values())
+    act_total = sum(kept.by_source.values())
     gathered_peak = max(gathered.values(), default=0)
     host_state = params + grads + optim if setup.cpu_offload else 0
     predicted = activation_bytes(
@@ -326,8 +327,8 @@ def measure(
         "grads_bytes": grads,
         "optimizer_bytes": optim,
         "activation_bytes": act_total,
-        "activation_bytes_by_source": activations,
-        "activation_bytes_by_dtype": activations_by_dtype,
+        "activation_bytes_by_source": kept.by_source,
+        "activation_bytes_by_dtype": kept.by_dtype,
         "predicted_activation_bytes": predicted["total"],
         "logits_bytes": logits_bytes,
         "gathered_unit_peak_bytes": gathered_peak,
@@ -345,16 +346,45 @@ def measure(
 
 # ------------------------------------------------------------------- reporting
 
+# The staircase `make bench` shows: each setup adds one technique to the one before.
+STAIRCASE: dict[str, str] = {
+    "no_shard_fp32": "no sharding",
+    "fsdp2_fp32": "FSDP({world})",
+    "fsdp2_bf16": "+ bf16 params",
+    "fsdp2_bf16_ac_op": "+ op SAC",
+    "fsdp2_bf16_ac_full": "+ full AC",
+    "fsdp2_bf16_ac_full_offload": "+ CPU offload",
+}
 
-def table(results: dict[str, dict[str, Any]]) -> str:
+
+def rows(results: dict[str, Any]) -> list[Row]:
+    """Device MiB per rank along STAIRCASE: one row per added technique."""
+    setups = results["setups"]
+    labels = [(name, label.format(world=results["world"])) for name, label in STAIRCASE.items()]
+    row = functools.partial(
+        Row, problem=PROBLEM, metric="device memory per rank: state + saved activations", unit="MiB"
+    )
+    return [
+        row(broken=before, broken_value=setups[b]["device_total_bytes"] / MiB,
+            fixed=after, fixed_value=setups[a]["device_total_bytes"] / MiB)
+        for (b, before), (a, after) in itertools.pairwise(labels)
+    ]  # fmt: skip
+
+
+def table(results: dict[str, Any]) -> str:
     """MiB per rank; state that CPU offload keeps in host memory is marked 'h' and left out of the total."""
-    base = results.get(BASELINE, {}).get("device_total_bytes")
+    setups = results["setups"]
+    base = setups.get(BASELINE, {}).get("device_total_bytes")
     head = (
         f"{'setup':<27} {'params':>8} {'grads':>8} {'optim':>8} {'acts':>8} {'gathered':>8} "
         f"{'dev total':>9} {'vs base':>7}  shards on"
     )
-    lines = ["MiB per rank, one step of the debug model, batch 4 x 256 tokens", head, "-" * len(head)]
-    for name, r in results.items():
+    title = (
+        f"MiB per rank, one step of {results['flavor']} on {results['world']} ranks, "
+        f"batch {results['local_batch_size']} x {results['seq_len']} tokens per rank"
+    )
+    lines = [title, head, "-" * len(head)]
+    for name, r in setups.items():
         host = "h" if r["host_state_bytes"] else " "
         params, grads, optim = (
             f"{r[key] / MiB:>7.2f}{host}" for key in ("params_bytes", "grads_bytes", "optimizer_bytes")
@@ -368,30 +398,20 @@ def table(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--out", type=Path, default=REPO / "outputs" / "bench" / "memory.json", help="JSON result")
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--setups", nargs="+", choices=list(SETUPS), default=list(SETUPS))
-    p.add_argument("--nproc", type=int, default=2, help="ranks to start when not already under torchrun")
     p.add_argument("--flavor", default="debugmodel", choices=sorted(FLAVORS))
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=4, help="local batch size (sequences per rank)")
-    return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    if "RANK" not in os.environ:
-        return launch_self("benchmarks.memory", nproc=args.nproc, argv=argv)
-
-    device = init_process_group()
-    world = dist.get_world_size()
-    mesh = ParallelDims(dp_replicate=1, dp_shard=world, tp=1, world_size=world).build_mesh(device.type)["dp_shard"]
+def measure_args(args: argparse.Namespace) -> dict[str, Any]:
+    """Every setup of `args`, on every rank of this torchrun launch; the busiest rank's bytes."""
     model_args = with_seq_len(FLAVORS[args.flavor], args.seq_len)
-
-    results: dict[str, dict[str, Any]] = {}
-    try:
+    setups: dict[str, dict[str, Any]] = {}
+    with harness.process_group() as device:
+        world = dist.get_world_size()
+        mesh = ParallelDims(dp_replicate=1, dp_shard=world, tp=1, world_size=world).build_mesh(device.type)["dp_shard"]
         for name in args.setups:
             mine = measure(
                 SETUPS[name], model_args=model_args, mesh=mesh, batch=args.batch_size, seq_len=args.seq_len,
@@ -404,20 +424,14 @@ def main(argv: list[str] | None = None) -> int:
             for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "device_total_bytes"):
                 row[key] = max(r[key] for r in everyone)
             row["per_rank_device_total_bytes"] = [r["device_total_bytes"] for r in everyone]
-            results[name] = row
-        # Leave together: a rank tearing gloo down while its peer is still in it was seen to
-        # abort ("terminate called without an active exception") under load.
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    if int(os.environ["RANK"]) == 0:
-        print(table(results), flush=True)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"flavor": args.flavor, "seq_len": args.seq_len, "local_batch_size": args.batch_size, "world": world}
-        args.out.write_text(json.dumps({"benchmark": "memory", **meta, "results": results}, indent=1) + "\n")
-        print(f"wrote {args.out}", flush=True)
-    return 0
+            setups[name] = row
+    meta = {"flavor": args.flavor, "seq_len": args.seq_len, "local_batch_size": args.batch_size, "world": world}
+    return {**meta, "setups": setups}
+
+
+def main(argv: list[str] | None = None) -> int:
+    return harness.main("memory", argv, doc=__doc__, add_args=add_args, measure=measure_args, table=table, world=2)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -1,18 +1,18 @@
-"""A KV cache in a training forward breaks activation checkpointing (PROBLEMS.md #2), on CPU.
+"""A KV cache in a training forward breaks activation checkpointing (docs/failures.md #2), on CPU.
 
     python -m benchmarks.metadata --out outputs/bench/metadata.json     # one process, CPU is enough
 
-The same small transformers LlamaForCausalLM as benchmarks/recompute.py, in training mode with
+The small transformers LlamaForCausalLM of benchmarks/hf_llama.py, in training mode with
 `config.use_cache=True` (transformers' default), each decoder layer checkpointed from outside:
 
-    non_reentrant   our checkpoint_module (non-reentrant), bypassing apply_ac, which refuses it
+    non_reentrant   our checkpoint_module (non-reentrant), bypassing apply_ac_hf, which refuses it
     reentrant       torch's checkpoint_wrapper(REENTRANT), what FSDP1-era recipes used (our
                     checkpoint_module cannot be reentrant on an HF layer: reentrant checkpoint
                     takes no keyword arguments, and HF layers get all but hidden_states by keyword)
     hf_workaround   HF's own gradient_checkpointing_enable(use_reentrant=True) instead, the
                     workaround of the reports: it turns the cache off, so it trains correctly, but
-                    adding the outer per-block AC on top is PROBLEMS.md #1
-    fix             use_cache=False and apply_ac(mode="full"), non-reentrant
+                    adding the outer per-block AC on top is docs/failures.md #1
+    fix             use_cache=False and apply_ac_hf (benchmarks/hf_llama.py), non-reentrant
 
 Gradients are compared with the same model without any AC and use_cache=False (max |diff| and
 ||diff|| / ||ref|| over all parameters). Also: our models.llama3 Transformer, which has no cache,
@@ -56,11 +56,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import re
-import sys
-from dataclasses import asdict
-from pathlib import Path
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -69,36 +68,47 @@ import transformers
 from torch import nn
 from transformers import AttentionInterface, LlamaForCausalLM
 
-from benchmarks.recompute import (
-    TINY,
+from benchmarks import harness
+from benchmarks.harness import Row
+from benchmarks.hf_llama import (
     HFShape,
+    add_shape_args,
+    apply_ac_hf,
     build_hf_llama,
+    enable_hf_gradient_checkpointing,
     grads,
-    hf_gradient_checkpointing,
     max_abs_diff,
     quiet_transformers,
     random_batch,
     refusal,
     rel_norm_error,
+    shape_from_args,
     wrap_layers_fsdp1_style,
 )
 from config import ActivationCheckpoint
 from models.llama3 import ModelArgs, Transformer
-from parallelisms.ac import apply_ac, checkpoint_module, transformer_blocks
+from parallelisms.ac import apply_ac, checkpoint_module
 
-REPO = Path(__file__).resolve().parents[1]
-
+PROBLEM = "#2 KV cache + AC"
 ATTENTION: dict[str, str] = {
     "sdpa": "transformers' default",
     "eager": "matmul + mask + softmax",
     "fa2_semantics_cpu": "flash_attention_2 semantics on CPU",
 }
-# name -> (config.use_cache, how the layers are checkpointed, what the table calls it)
-SETUPS: dict[str, tuple[bool, str, str]] = {
-    "non_reentrant": (True, "checkpoint_module", "use_cache + checkpoint_module per layer"),
-    "reentrant": (True, "checkpoint_wrapper_reentrant", "use_cache + checkpoint_wrapper(REENTRANT)"),
-    "hf_workaround": (True, "hf_reentrant", "use_cache + HF reentrant GC only"),
-    "fix": (False, "apply_ac", "use_cache=False + apply_ac(full)"),
+
+
+@dataclass(frozen=True)
+class Setup:
+    use_cache: bool  # config.use_cache
+    checkpointing: str  # how the layers are checkpointed: see build()
+    description: str
+
+
+SETUPS: dict[str, Setup] = {
+    "non_reentrant": Setup(True, "checkpoint_module", "use_cache + checkpoint_module per layer"),
+    "reentrant": Setup(True, "checkpoint_wrapper_reentrant", "use_cache + checkpoint_wrapper(REENTRANT)"),
+    "hf_workaround": Setup(True, "hf_reentrant", "use_cache + HF reentrant GC only"),
+    "fix": Setup(False, "apply_ac_hf", "use_cache=False + apply_ac_hf"),
 }
 
 
@@ -136,23 +146,23 @@ def register_attention() -> None:
 # ------------------------------------------------------------------- one case
 
 
-def build(shape: HFShape, attention: str, *, use_cache: bool, ac: str, seed: int = 0) -> LlamaForCausalLM:
-    """The HF model with `attention`, config.use_cache and the checkpointing `ac` (see SETUPS)."""
+def build(shape: HFShape, attention: str, *, use_cache: bool, checkpointing: str, seed: int = 0) -> LlamaForCausalLM:
+    """The HF model with `attention`, config.use_cache and the `checkpointing` of a Setup (or "none")."""
     model = build_hf_llama(shape, use_cache=use_cache, attn_implementation=attention, seed=seed)
-    match ac:
+    match checkpointing:
         case "none":
             pass
         case "checkpoint_module":
-            for layer in transformer_blocks(model):
-                checkpoint_module(layer)  # apply_ac refuses this model: see kv_cache_refusal()
+            for layer in model.model.layers:
+                checkpoint_module(layer)  # apply_ac_hf refuses this model: see kv_cache_refusal()
         case "checkpoint_wrapper_reentrant":
             wrap_layers_fsdp1_style(model, reentrant=True)
         case "hf_reentrant":
-            hf_gradient_checkpointing(model, use_reentrant=True)
-        case "apply_ac":
-            apply_ac(model, ActivationCheckpoint(mode="full"))
+            enable_hf_gradient_checkpointing(model, use_reentrant=True)
+        case "apply_ac_hf":
+            apply_ac_hf(model)
         case _:
-            raise ValueError(f"unknown checkpointing {ac!r}")
+            raise ValueError(f"unknown checkpointing {checkpointing!r}")
     return model
 
 
@@ -160,17 +170,17 @@ _SHAPE = re.compile(r"(saved|recomputed) metadata: \{'shape': torch\.Size\((\[[^
 
 
 def describe_error(e: BaseException) -> dict[str, Any]:
-    """Type, first line and, for a CheckpointError, the (saved, recomputed) shapes it lists."""
+    """Type, first line and, for a CheckpointError, the saved and recomputed shapes it lists."""
     message = str(e)
     shapes = [json.loads(s) for _, s in _SHAPE.findall(message)]
     return {
         "type": f"{type(e).__module__}.{type(e).__qualname__}".removeprefix("builtins."),
         "first_line": message.splitlines()[0] if message else "",
-        "saved_vs_recomputed_shapes": [shapes[i : i + 2] for i in range(0, len(shapes) - 1, 2)],
+        "shapes": [{"saved": s, "recomputed": r} for s, r in zip(shapes[::2], shapes[1::2], strict=False)],
     }
 
 
-def run_case(model: nn.Module, tokens: torch.Tensor, ref: dict[str, torch.Tensor] | None) -> dict[str, Any]:
+def run_case(model: LlamaForCausalLM, tokens: torch.Tensor, ref: dict[str, torch.Tensor] | None) -> dict[str, Any]:
     """One training step; the error it raises, or its gradients compared with `ref`."""
     model.zero_grad(set_to_none=True)
     out: dict[str, Any] = {"error": None}
@@ -183,7 +193,7 @@ def run_case(model: nn.Module, tokens: torch.Tensor, ref: dict[str, torch.Tensor
     cache = getattr(result, "past_key_values", None)
     # The most tokens a layer's cache holds after the step: seq_len if only the forward wrote to
     # it, 2 x seq_len once a recomputation appended again (backward reaches the last layer first).
-    layers = len(transformer_blocks(model))
+    layers = len(model.model.layers)
     out["cached_tokens"] = max(cache.get_seq_length(i) for i in range(layers)) if cache is not None else 0
     if out["error"] is None and ref is not None:
         got = grads(model)
@@ -194,9 +204,9 @@ def run_case(model: nn.Module, tokens: torch.Tensor, ref: dict[str, torch.Tensor
 
 
 def kv_cache_refusal(shape: HFShape) -> str | None:
-    """apply_ac on a model with use_cache=True must refuse."""
-    model = build(shape, "sdpa", use_cache=True, ac="none")
-    return refusal(lambda: apply_ac(model, ActivationCheckpoint(mode="full")))
+    """apply_ac_hf on a model with use_cache=True must refuse."""
+    model = build(shape, "sdpa", use_cache=True, checkpointing="none")
+    return refusal(lambda: apply_ac_hf(model))
 
 
 # ------------------------------------------------------------- our Transformer
@@ -240,18 +250,23 @@ def measure(shape: HFShape, *, attentions: list[str] | None = None) -> dict[str,
     """Every case of the module docstring; one process."""
     register_attention()
     tokens = random_batch(shape)
-    results: dict[str, Any] = {"attention": {}}
+    results: dict[str, Any] = {
+        "model": asdict(shape),
+        "dtype": "float32",
+        "transformers": transformers.__version__,
+        "attention": {},
+    }
     for attention in attentions or list(ATTENTION):
-        reference = build(shape, attention, use_cache=False, ac="none")
+        reference = build(shape, attention, use_cache=False, checkpointing="none")
         run_case(reference, tokens, None)
         ref = grads(reference)
         row: dict[str, Any] = {"description": ATTENTION[attention]}
-        for setup, (use_cache, ac, description) in SETUPS.items():
-            row[setup] = {"setup": description} | run_case(
-                build(shape, attention, use_cache=use_cache, ac=ac), tokens, ref
-            )
+        for name, setup in SETUPS.items():
+            model = build(shape, attention, use_cache=setup.use_cache, checkpointing=setup.checkpointing)
+            row[name] = {"setup": setup.description} | run_case(model, tokens, ref)
         # The cache on its own, without AC, does not change the gradients: only the recomputation does.
-        row["no_ac_with_cache"] = run_case(build(shape, attention, use_cache=True, ac="none"), tokens, ref)
+        model = build(shape, attention, use_cache=True, checkpointing="none")
+        row["no_ac_with_cache"] = run_case(model, tokens, ref)
         results["attention"][attention] = row
     results["refusal"] = kv_cache_refusal(shape)
     results["own_transformer"] = own_transformer_case(shape, tokens)
@@ -261,16 +276,32 @@ def measure(shape: HFShape, *, attentions: list[str] | None = None) -> dict[str,
 # ------------------------------------------------------------------- reporting
 
 
+def rows(results: dict[str, Any]) -> list[Row]:
+    """The headline is the silent one: reentrant AC trains on wrong gradients (sdpa, the default)."""
+    sdpa, fa2 = results["attention"]["sdpa"], results["attention"]["fa2_semantics_cpu"]
+    row = functools.partial(Row, problem=PROBLEM, fixed="no cache + AC")
+    return [
+        row(metric="relative gradient error vs no AC (sdpa)", unit="", broken="cache + reentrant AC",
+            broken_value=sdpa["reentrant"]["rel_grad_norm_error"], fixed_value=sdpa["fix"]["rel_grad_norm_error"]),
+        row(metric="backward raises CheckpointError, 1 = yes (FA2 semantics)", unit="", broken="cache + AC",
+            broken_value=float(fa2["non_reentrant"]["error"] is not None),
+            fixed_value=float(fa2["fix"]["error"] is not None)),
+        row(metric="KV tokens cached per layer after a step (sdpa)", unit="tokens", broken="cache + AC",
+            broken_value=sdpa["non_reentrant"]["cached_tokens"], fixed_value=sdpa["fix"]["cached_tokens"]),
+    ]  # fmt: skip
+
+
 def _cell(case: dict[str, Any]) -> str:
     if case["error"] is not None:
         return case["error"]["type"].rsplit(".", 1)[-1]
     return f"rel {case['rel_grad_norm_error']:.1e}"
 
 
-def table(results: dict[str, Any], seq_len: int) -> str:
+def table(results: dict[str, Any]) -> str:
     head = f"{'attention':<18} " + " ".join(f"{s:>17}" for s in SETUPS) + f" {'max cached tokens':>17}"
     lines = [
-        f"one training step, use_cache=True unless fixed; gradients vs no AC (rel = ||diff|| / ||ref||); seq_len {seq_len}",
+        "one training step, use_cache=True unless fixed; gradients vs no AC (rel = ||diff|| / ||ref||); "
+        f"seq_len {results['model']['seq_len']}",
         head,
         "-" * len(head),
     ]
@@ -281,7 +312,7 @@ def table(results: dict[str, Any], seq_len: int) -> str:
         for setup in ("non_reentrant", "reentrant"):
             case = row[setup]
             if case["error"] is not None:
-                shapes = "; ".join(f"{s} vs {r}" for s, r in case["error"]["saved_vs_recomputed_shapes"][:3])
+                shapes = "; ".join(f"{s['saved']} vs {s['recomputed']}" for s in case["error"]["shapes"][:3])
                 lines.append(f"{attention} {setup}: {case['error']['type']}: {case['error']['first_line']}")
                 if shapes:
                     lines.append(f"    saved vs recomputed shapes: {shapes}")
@@ -295,38 +326,23 @@ def table(results: dict[str, Any], seq_len: int) -> str:
         f"models.llama3 Transformer (no cache) + apply_ac(full): max |dgrad| {own['max_abs_grad_diff']:.2e}, "
         f"buffers unchanged by the step: {own['buffers_unchanged_by_step']}"
     )
-    lines.append(f"apply_ac refuses use_cache=True: {results['refusal']}")
+    lines.append(f"apply_ac_hf refuses use_cache=True: {results['refusal']}")
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--out", type=Path, default=REPO / "outputs" / "bench" / "metadata.json", help="JSON result")
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", nargs="+", choices=list(ATTENTION), default=list(ATTENTION))
-    p.add_argument("--seq-len", type=int, default=HFShape.seq_len)
-    p.add_argument("--batch-size", type=int, default=HFShape.batch_size)
-    p.add_argument("--tiny", action="store_true", help="the tests' tiny model instead (ignores the two above)")
-    return p.parse_args(argv)
+    add_shape_args(p)
+
+
+def measure_args(args: argparse.Namespace) -> dict[str, Any]:
+    with quiet_transformers():
+        return measure(shape_from_args(args), attentions=args.attention)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    shape = TINY if args.tiny else HFShape(seq_len=args.seq_len, batch_size=args.batch_size)
-    with quiet_transformers():
-        results = measure(shape, attentions=args.attention)
-    print(table(results, shape.seq_len), flush=True)
-    meta = {
-        "model": asdict(shape),
-        "dtype": "float32",
-        "device": "cpu",
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"benchmark": "metadata", **meta, "results": results}, indent=1) + "\n")
-    print(f"wrote {args.out}", flush=True)
-    return 0
+    return harness.main("metadata", argv, doc=__doc__, add_args=add_args, measure=measure_args, table=table)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

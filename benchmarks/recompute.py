@@ -1,18 +1,20 @@
-"""Nested activation checkpointing runs each layer's forward three times per step (PROBLEMS.md #1).
+"""Nested activation checkpointing runs each layer's forward three times per step (docs/failures.md #1).
 
     python -m benchmarks.recompute --out outputs/bench/recompute.json     # one process, CPU is enough
 
-The llama-recipes setup (issue #740) on a small transformers LlamaForCausalLM (fp32, "sdpa"
-attention, built in code, no download): Hugging Face's own checkpointing, reentrant as in
-transformers 4.x, plus a second, per-block checkpoint applied from outside. Variants:
+The llama-recipes setup (issue #740) on a small transformers LlamaForCausalLM (benchmarks/hf_llama.py:
+fp32, "sdpa" attention, transformers' own init, built in code, no download): Hugging Face's own
+checkpointing, reentrant as in transformers 4.x, plus a second, per-block checkpoint applied from
+outside. Variants:
 
     nested          HF gradient_checkpointing_enable(use_reentrant=True) + our checkpoint_module
-                    (non-reentrant) on every decoder layer; apply_ac refuses this, so it is built
-                    by hand. transformers >= 5 checkpoints a layer's `forward`, so here HF's
+                    (non-reentrant) on every decoder layer; apply_ac_hf refuses this, so it is
+                    built by hand. transformers >= 5 checkpoints a layer's `forward`, so here HF's
                     reentrant checkpoint ends up outside ours.
     nested_wrapper  the same HF checkpointing + FSDP-era checkpoint_wrapper(NO_REENTRANT) around
                     each layer, what llama-recipes did; here the non-reentrant level is outside.
-    single          HF checkpointing off, apply_ac(model, ActivationCheckpoint(mode="full")): the fix
+    single          HF checkpointing off, benchmarks.hf_llama.apply_ac_hf (one non-reentrant
+                    checkpoint per layer, after its guards): the fix
     none            no activation checkpointing
 
 Per training step (forward + loss + backward, no optimizer step, after a warm-up step):
@@ -41,15 +43,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import json
+import functools
 import re
 import statistics
-import sys
 import time
-import warnings
-from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -58,93 +56,34 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import set_checkpoint_early_stop
 from torch.utils.flop_counter import FlopCounterMode
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaAttention
 
-from benchmarks.common import unit_scale_init_
-from config import ActivationCheckpoint, ConfigError
-from parallelisms.ac import apply_ac, checkpoint_module, count_calls, transformer_blocks
+from benchmarks import harness
+from benchmarks.harness import Row
+from benchmarks.hf_llama import (
+    HFShape,
+    add_shape_args,
+    apply_ac_hf,
+    build_hf_llama,
+    enable_hf_gradient_checkpointing,
+    grads,
+    max_abs_diff,
+    param_name,
+    quiet_transformers,
+    random_batch,
+    refusal,
+    shape_from_args,
+    wrap_layers_fsdp1_style,
+)
+from metrics import count_calls
+from parallelisms.ac import checkpoint_module
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-@dataclass(frozen=True)
-class HFShape:
-    """A small Llama (GQA, SwiGLU) in transformers' config names, and the batch it trains on."""
-
-    hidden_size: int = 256
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 8
-    num_key_value_heads: int = 4
-    intermediate_size: int = 768
-    vocab_size: int = 2048
-    seq_len: int = 256
-    batch_size: int = 4
-
-
-# What the tests use: the same structure, small enough for many steps in seconds.
-TINY = HFShape(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-               intermediate_size=192, vocab_size=512, seq_len=32, batch_size=2)  # fmt: skip
-
-
-def build_hf_llama(
-    shape: HFShape, *, use_cache: bool = False, attn_implementation: str = "sdpa", seed: int = 0
-) -> LlamaForCausalLM:
-    """An fp32 LlamaForCausalLM in training mode with random unit-scale weights, the same for a seed."""
-    cfg = LlamaConfig(
-        hidden_size=shape.hidden_size, num_hidden_layers=shape.num_hidden_layers,
-        num_attention_heads=shape.num_attention_heads, num_key_value_heads=shape.num_key_value_heads,
-        intermediate_size=shape.intermediate_size, vocab_size=shape.vocab_size,
-        max_position_embeddings=max(shape.seq_len, 256), use_cache=use_cache,
-        attn_implementation=attn_implementation,
-    )  # fmt: skip
-    model = LlamaForCausalLM(cfg).float().train()
-    unit_scale_init_(model, seed=seed)
-    return model
-
-
-def hf_gradient_checkpointing(model: LlamaForCausalLM, *, use_reentrant: bool) -> None:
-    """HF's own per-layer checkpointing, called the way transformers 4.x users did."""
-    with warnings.catch_warnings():
-        # transformers 5 renamed it activation_checkpointing_enable; the old name still works
-        # and is the one 4.x scripts (llama-recipes) call.
-        warnings.simplefilter("ignore", FutureWarning)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
-
-
-def wrap_layers_fsdp1_style(model: nn.Module, *, reentrant: bool) -> None:
-    """Replace each decoder layer by torch's checkpoint_wrapper, as FSDP1-era recipes did.
-
-    checkpoint_wrapper lives in a private torch module (torch.distributed.algorithms._checkpoint);
-    it is used here only to reproduce what llama-recipes and Lightning users ran. Unlike
-    `checkpoint_module(..., use_reentrant=True)` it also works reentrant on HF layers: it packs
-    keyword arguments into positional ones, which reentrant checkpointing requires.
-    """
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
-
-    impl = CheckpointImpl.REENTRANT if reentrant else CheckpointImpl.NO_REENTRANT
-    layers = transformer_blocks(model)
-    assert isinstance(layers, nn.ModuleList)
-    for i, layer in enumerate(layers):
-        layers[i] = checkpoint_wrapper(layer, checkpoint_impl=impl)
-
-
-def refusal(build: Callable[[], None]) -> str | None:
-    """The ConfigError message apply_ac raises inside `build`, or None when it accepts."""
-    try:
-        build()
-    except ConfigError as e:
-        return str(e)
-    return None
-
-
-# --------------------------------------------------------------------- variants
-
-
+PROBLEM = "#1 nested AC"
 VARIANTS: dict[str, str] = {
     "nested": "HF reentrant GC + checkpoint_module per layer",
     "nested_wrapper": "HF reentrant GC + checkpoint_wrapper per layer",
-    "single": "apply_ac(mode=full)",
+    "single": "apply_ac_hf (one checkpoint per layer)",
     "none": "no AC",
 }
 
@@ -154,14 +93,14 @@ def make_variant(name: str, base: LlamaForCausalLM) -> LlamaForCausalLM:
     model = copy.deepcopy(base).train()
     match name:
         case "nested":
-            hf_gradient_checkpointing(model, use_reentrant=True)
-            for layer in transformer_blocks(model):
-                checkpoint_module(layer)  # what apply_ac would refuse: see refusals()
+            enable_hf_gradient_checkpointing(model, use_reentrant=True)
+            for layer in model.model.layers:
+                checkpoint_module(layer)  # what apply_ac_hf would refuse: see refusals()
         case "nested_wrapper":
-            hf_gradient_checkpointing(model, use_reentrant=True)
+            enable_hf_gradient_checkpointing(model, use_reentrant=True)
             wrap_layers_fsdp1_style(model, reentrant=False)
         case "single":
-            apply_ac(model, ActivationCheckpoint(mode="full"))
+            apply_ac_hf(model)
         case "none":
             pass
         case _:
@@ -170,17 +109,17 @@ def make_variant(name: str, base: LlamaForCausalLM) -> LlamaForCausalLM:
 
 
 def refusals(base: LlamaForCausalLM) -> dict[str, str | None]:
-    """apply_ac on the two halves of the nested setup: both must be refused."""
+    """apply_ac_hf on the two halves of the nested setup: both must be refused."""
 
     def hf_gc_then_apply_ac() -> None:
         model = copy.deepcopy(base)
-        hf_gradient_checkpointing(model, use_reentrant=True)
-        apply_ac(model, ActivationCheckpoint(mode="full"))
+        enable_hf_gradient_checkpointing(model, use_reentrant=True)
+        apply_ac_hf(model)
 
     def wrapped_then_apply_ac() -> None:
         model = copy.deepcopy(base)
         wrap_layers_fsdp1_style(model, reentrant=False)
-        apply_ac(model, ActivationCheckpoint(mode="full"))
+        apply_ac_hf(model)
 
     return {
         "hf_gradient_checkpointing": refusal(hf_gc_then_apply_ac),
@@ -191,42 +130,10 @@ def refusals(base: LlamaForCausalLM) -> dict[str, str | None]:
 # ------------------------------------------------------------------ measuring
 
 
-def random_batch(shape: HFShape, *, seed: int = 1) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, shape.vocab_size, (shape.batch_size, shape.seq_len), generator=gen)
-
-
-def param_name(name: str) -> str:
-    """Parameter names without checkpoint_wrapper's extra level, so variants can be compared."""
-    return name.replace("._checkpoint_wrapped_module", "")
-
-
-def grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter's gradient (zeros where backward left none), by unwrapped name."""
-    return {
-        param_name(n): (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
-        for n, p in model.named_parameters()
-    }
-
-
-def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
-def rel_norm_error(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
-    """||got - ref|| / ||ref|| over all gradients flattened into one vector."""
-    num = sum((got[k] - ref[k]).pow(2).sum() for k in ref)
-    den = sum(ref[k].pow(2).sum() for k in ref)
-    return (num / den).sqrt().item()
-
-
-def train_step(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    """Forward + next-token loss + backward; the gradients are left in .grad. Returns the loss."""
+def forward_backward(model: nn.Module, tokens: torch.Tensor) -> None:
+    """Forward + HF's next-token loss + backward; the gradients are left in .grad."""
     model.zero_grad(set_to_none=True)
-    loss = model(input_ids=tokens, labels=tokens).loss
-    loss.backward()
-    return loss.detach()
+    model(input_ids=tokens, labels=tokens).loss.backward()
 
 
 @dataclass
@@ -264,17 +171,6 @@ def layer_flops(counted: Counted, suffix: str = "") -> int:
     return sum(flops for name, flops in counted.flops_by_module.items() if pattern.search(name))
 
 
-@contextlib.contextmanager
-def quiet_transformers() -> Iterator[None]:
-    """transformers logs one warning per setting it overrides; the benchmark reports them itself."""
-    level = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        transformers.logging.set_verbosity(level)
-
-
 def measure(shape: HFShape, *, steps: int = 5, variants: list[str] | None = None) -> dict[str, Any]:
     """Every measurement of the module docstring, for each variant; one process, one machine."""
     names = variants or list(VARIANTS)
@@ -290,7 +186,7 @@ def measure(shape: HFShape, *, steps: int = 5, variants: list[str] | None = None
     # Gradients and time with the default SDPA backend; one warm-up step each.
     gradients = {}
     for name, m in models.items():
-        train_step(m, tokens)
+        forward_backward(m, tokens)
         gradients[name] = grads(m)
     seconds: dict[str, list[float]] = {name: [] for name in names}
     for step in range(steps):
@@ -298,12 +194,18 @@ def measure(shape: HFShape, *, steps: int = 5, variants: list[str] | None = None
         # share the machine's noise and no variant always runs first.
         for name in names[step % len(names) :] + names[: step % len(names)]:
             start = time.perf_counter()
-            train_step(models[name], tokens)
+            forward_backward(models[name], tokens)
             seconds[name].append(time.perf_counter() - start)
 
     ref = counted.get("none")
     layer_fwd = layer_flops(ref) if ref is not None else 0
-    results: dict[str, Any] = {"variants": {}}
+    results: dict[str, Any] = {
+        "model": asdict(shape),
+        "dtype": "float32",
+        "threads": torch.get_num_threads(),
+        "transformers": transformers.__version__,
+        "variants": {},
+    }
     for name in names:
         c = counted[name]
         per_layer = sorted(set(c.attention_forwards.values()))
@@ -349,6 +251,20 @@ def measure(shape: HFShape, *, steps: int = 5, variants: list[str] | None = None
 # ------------------------------------------------------------------- reporting
 
 
+def rows(results: dict[str, Any]) -> list[Row]:
+    """Nested vs single checkpointing; the headline is the count of attention forwards."""
+    nested, single = results["variants"]["nested"], results["variants"]["single"]
+    row = functools.partial(Row, problem=PROBLEM, broken="HF GC + per-layer AC", fixed="per-layer AC only")
+    return [
+        row(metric="attention forwards per layer per step", unit="calls",
+            broken_value=nested["attention_forwards_per_layer"], fixed_value=single["attention_forwards_per_layer"]),
+        row(metric="backward FLOPs per step, recompute included", unit="GFLOP",
+            broken_value=nested["backward_flops"] / 1e9, fixed_value=single["backward_flops"] / 1e9),
+        row(metric="step time (CPU fp32, median)", unit="ms",
+            broken_value=nested["step_seconds_median"] * 1e3, fixed_value=single["step_seconds_median"] * 1e3),
+    ]  # fmt: skip
+
+
 def table(results: dict[str, Any]) -> str:
     head = (
         f"{'variant':<15} {'attn fwd/layer':>14} {'bwd GFLOP':>10} {'recomputed':>10} {'(no e.s.)':>9} "
@@ -374,40 +290,24 @@ def table(results: dict[str, Any]) -> str:
             f"fused CPU SDPA counted by FlopCounterMode: {results.get('fused_sdpa_counted')}"
         )
     for what, message in results["refusals"].items():
-        lines.append(f"apply_ac refuses ({what}): {message}")
+        lines.append(f"apply_ac_hf refuses ({what}): {message}")
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--out", type=Path, default=REPO / "outputs" / "bench" / "recompute.json", help="JSON result")
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=5, help="timed steps per variant (after one warm-up step)")
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
-    p.add_argument("--seq-len", type=int, default=HFShape.seq_len)
-    p.add_argument("--batch-size", type=int, default=HFShape.batch_size)
-    p.add_argument("--tiny", action="store_true", help="the tests' tiny model instead (ignores the two above)")
-    return p.parse_args(argv)
+    add_shape_args(p)
+
+
+def measure_args(args: argparse.Namespace) -> dict[str, Any]:
+    with quiet_transformers():
+        return measure(shape_from_args(args), steps=args.steps, variants=args.variants)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    shape = TINY if args.tiny else HFShape(seq_len=args.seq_len, batch_size=args.batch_size)
-    with quiet_transformers():
-        results = measure(shape, steps=args.steps, variants=args.variants)
-    print(table(results), flush=True)
-    meta = {
-        "model": asdict(shape),
-        "dtype": "float32",
-        "device": "cpu",
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"benchmark": "recompute", **meta, "results": results}, indent=1) + "\n")
-    print(f"wrote {args.out}", flush=True)
-    return 0
+    return harness.main("recompute", argv, doc=__doc__, add_args=add_args, measure=measure_args, table=table)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

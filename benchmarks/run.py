@@ -1,154 +1,56 @@
-"""`make bench`: one table with a row per documented problem, all measured in this run.
-
-Each benchmark module runs in its own process (they launch torchrun themselves) and writes
-a JSON file; this script turns those files into rows of (broken setting, fixed setting,
-measured numbers, ratio), prints them, and writes `<out>/bench.json` and `<out>/bench.png`.
+"""`make bench`: what each fix buys, every number measured in this run; one table and one chart.
 
     python -m benchmarks.run                      # every benchmark (CPU: ~10 minutes on 2 cores)
     python -m benchmarks.run --only memory comm_volume
-    python -m benchmarks.run --train-rows         # also tokens/s of FSDP vs + compile vs + SAC
+    python -m benchmarks.run --train-rows         # also tokens/s of FSDP vs + compile vs + op SAC
+    python -m benchmarks.run --plot-only          # the table and chart again from <out>/bench.json
 
-On a machine with CUDA the train rows run by default, on the largest flavor that fits one
-GPU; on CPU they use the debug model and are off unless asked for.
+Each benchmark runs in a process of its own (`python -m benchmarks.<name> --out <out>/<name>.json`;
+the multi-process ones start torchrun themselves) and its module's `rows()` turns that JSON into
+`Row`s: a problem of docs/failures.md, a metric, its value on the broken setup and on the fix.
+This script prints them as one table and writes `<out>/bench.json` (the rows and every
+benchmark's results) and `<out>/bench.png`: one panel per problem, showing the headline metric
+(the first one its rows() returns) for each setup of those rows, broken and fixed in two colors.
+
+On a machine with CUDA the train rows run by default, on the largest flavor that fits one GPU;
+on CPU they use the debug model and are off unless asked for.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+import textwrap
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from benchmarks import comm_volume, compile_cache, harness, memory, metadata, recompute
+from benchmarks.harness import Row
+from config import REPO
 
-
-@dataclass
-class Row:
-    problem: str
-    metric: str
-    broken: str
-    broken_value: float
-    fixed: str
-    fixed_value: float
-    unit: str
-
-    @property
-    def ratio(self) -> float:
-        return self.fixed_value / self.broken_value if self.broken_value else float("nan")
-
-
-# ------------------------------------------------------------- summarizers
-
-
-def recompute_rows(data: dict) -> list[Row]:
-    v = data["results"]["variants"]
-    nested, single = v["nested"], v["single"]
-    problem, broken, fixed = "#1 nested AC", "HF GC + block AC", "apply_ac only"
-    return [
-        Row(problem, "attention forwards per layer per step", broken, nested["attention_forwards_per_layer"],
-            fixed, single["attention_forwards_per_layer"], "calls"),
-        Row(problem, "backward FLOPs per step, recompute included", broken, nested["backward_flops"] / 1e9,
-            fixed, single["backward_flops"] / 1e9, "GFLOP"),
-        Row(problem, "step time (CPU fp32, median)", broken, nested["step_seconds_median"] * 1e3,
-            fixed, single["step_seconds_median"] * 1e3, "ms"),
-    ]  # fmt: skip
-
-
-def metadata_rows(data: dict) -> list[Row]:
-    a = data["results"]["attention"]
-    fa2, sdpa = a["fa2_semantics_cpu"], a["sdpa"]
-    problem, fixed = "#2 KV cache + AC", "no cache + apply_ac"
-    return [
-        Row(problem, "backward raises CheckpointError (FA2 semantics)", "cache + block AC",
-            float(fa2["non_reentrant"]["error"] is not None), fixed, float(fa2["fix"]["error"] is not None), "1=yes"),
-        Row(problem, "grad error ||g - g_noAC|| / ||g_noAC|| (sdpa)", "cache + reentrant AC",
-            sdpa["reentrant"]["rel_grad_norm_error"], fixed, sdpa["fix"]["rel_grad_norm_error"], ""),
-        Row(problem, "KV tokens cached per layer after a step (sdpa)", "cache + block AC",
-            sdpa["non_reentrant"]["cached_tokens"], fixed, sdpa["fix"]["cached_tokens"], "tokens"),
-    ]  # fmt: skip
-
-
-def compile_cache_rows(data: dict) -> list[Row]:
-    hits = data["cross_recipe_hits"]
-    problem = "#4 compile cache"
-    return [
-        Row(problem, "graphs served from the other recipe's compile", "shared dir, pre-2.8 key",
-            hits["shared_dir_pre28_key"], "dir keyed on recipe", hits["keyed_dirs"], "graphs"),
-        Row(problem, "compile time of a block (cold vs warm cache)", "cold", data["compile_s"]["cold"],
-            "warm, same recipe", data["compile_s"]["warm"], "s"),
-    ]  # fmt: skip
-
-
-def comm_volume_rows(data: dict) -> list[Row]:
-    r = data["results"]
-    mib = 2**20
-    full, hsdp, rep = (r[k]["cross_node_bytes"] / mib for k in ("full_shard", "hsdp", "replicate"))
-    problem = "#3 HSDP across nodes"
-    metric = "bytes crossing nodes per step (2 nodes x 2 ranks)"
-    return [
-        Row(problem, metric, "FULL_SHARD over 4", full, "HSDP 2 x 2", hsdp, "MiB"),
-        Row(problem, metric, "pure replication 4", rep, "HSDP 2 x 2", hsdp, "MiB"),
-    ]
-
-
-def memory_rows(data: dict) -> list[Row]:
-    r = data["results"]
-    mib = 2**20
-    steps = [
-        ("no_shard_fp32", "fsdp2_fp32", "FSDP(2)"),
-        ("fsdp2_fp32", "fsdp2_bf16", "+ bf16 params"),
-        ("fsdp2_bf16", "fsdp2_bf16_ac_op", "+ selective op AC"),
-        ("fsdp2_bf16_ac_op", "fsdp2_bf16_ac_full", "+ full AC"),
-        ("fsdp2_bf16_ac_full", "fsdp2_bf16_ac_full_offload", "+ CPU offload"),
-    ]
-    rows = []
-    for before, after, label in steps:
-        rows.append(
-            Row(
-                "#5 memory",
-                "device MiB per rank: state + saved activations",
-                before,
-                r[before]["device_total_bytes"] / mib,
-                label,
-                r[after]["device_total_bytes"] / mib,
-                "MiB",
-            )
-        )
-    return rows
-
-
-def train_rows(data: dict) -> list[Row]:
-    runs = data["results"]
-    base = runs["fsdp"]["tps"]
-    rows = [Row("throughput", "tokens/s per device", "FSDP", base, label, runs[key]["tps"], "tok/s")
-            for key, label in (("fsdp_compile", "+ compile"), ("fsdp_compile_sac", "+ compile + op SAC"))]  # fmt: skip
-    if all(runs[k].get("memory_gib") for k in runs):
-        before, after = runs["fsdp"]["memory_gib"], runs["fsdp_compile_sac"]["memory_gib"]
-        rows.append(Row("throughput", "peak memory", "FSDP", before, "+ compile + op SAC", after, "GiB"))
-    return rows
-
-
-BENCHMARKS: dict[str, Callable[[dict], list[Row]]] = {
-    "recompute": recompute_rows,
-    "metadata": metadata_rows,
-    "comm_volume": comm_volume_rows,
-    "compile_cache": compile_cache_rows,
-    "memory": memory_rows,
+BENCHMARKS = {
+    m.__name__.removeprefix("benchmarks."): m for m in (recompute, metadata, comm_volume, compile_cache, memory)
 }
 
 
-# --------------------------------------------------------------- train rows
+def run_benchmark(name: str, out: Path) -> dict[str, Any]:
+    """`python -m benchmarks.<name>` (its output passes through); the results it wrote."""
+    path = out / f"{name}.json"
+    proc = harness.run_python("-m", f"benchmarks.{name}", "--out", str(path))
+    if proc.returncode != 0:
+        raise SystemExit(f"benchmarks.{name} exited with status {proc.returncode}")
+    return harness.read_results(path)
 
 
-def run_train_rows(out: Path, *, cuda: bool) -> dict:
-    """tokens/s, MFU and peak memory of FSDP vs + compile vs + op SAC through train.py."""
+# --------------------------------------------------------------------- train rows
+
+
+def run_train(out: Path, *, cuda: bool) -> dict[str, Any]:
+    """tokens/s, MFU and peak memory of FSDP vs + compile vs + op SAC, 20 steps each through train.py."""
     if cuda:
         # The largest flavor whose FSDP(1) state (16 bytes per parameter) leaves room on one GPU.
         flavor, seq_len, nproc = "llama3_1b", 2048, 1
@@ -164,54 +66,156 @@ def run_train_rows(out: Path, *, cuda: bool) -> dict:
     results = {}
     for name, extra in variants.items():
         dump = out / "train" / name
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "train.py",
-            "--config", "configs/debug.toml", f"--model.flavor={flavor}", f"--training.seq_len={seq_len}",
-            "--training.steps=20", "--metrics.log_freq=1", f"--job.dump_folder={dump}", *common, *extra,
-        ]  # fmt: skip
         (dump / "metrics.jsonl").unlink(missing_ok=True)  # metrics.jsonl appends
-        subprocess.run(cmd, cwd=REPO, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()][5:]  # warm
+        proc = harness.run_python(
+            "train.py", "--config", "configs/debug.toml", f"--model.flavor={flavor}", f"--training.seq_len={seq_len}",
+            "--training.steps=20", "--metrics.log_freq=1", f"--job.dump_folder={dump}", *common, *extra, nproc=nproc,
+        )  # fmt: skip
+        if proc.returncode != 0:
+            raise SystemExit(f"train.py ({name}) exited with status {proc.returncode}")
+        steps = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()][5:]  # warm
         results[name] = {
-            "tps": statistics.median(r["tps"] for r in rows),
-            "mfu": statistics.median(r["mfu"] for r in rows) if rows[0]["mfu"] is not None else None,
-            "memory_gib": max(r["memory_gib"] for r in rows),
+            "tps": statistics.median(s["tps"] for s in steps),
+            "mfu": statistics.median(s["mfu"] for s in steps) if steps[0]["mfu"] is not None else None,
+            "memory_gib": max(s["memory_gib"] for s in steps),
             "flavor": flavor,
         }
-    return {"benchmark": "train", "device": "cuda" if cuda else "cpu", "results": results}
+    return {"device": "cuda" if cuda else "cpu", "variants": results}
 
 
-# ------------------------------------------------------------------- output
+def train_rows(results: dict[str, Any]) -> list[Row]:
+    runs = results["variants"]
+    rows = [
+        Row(problem="throughput", metric="tokens/s per device", unit="tok/s", broken="FSDP",
+            broken_value=runs["fsdp"]["tps"], fixed=label, fixed_value=runs[key]["tps"])
+        for key, label in (("fsdp_compile", "+ compile"), ("fsdp_compile_sac", "+ compile + op SAC"))
+    ]  # fmt: skip
+    if all(run["memory_gib"] for run in runs.values()):
+        rows.append(
+            Row(problem="throughput", metric="peak memory", unit="GiB", broken="FSDP",
+                broken_value=runs["fsdp"]["memory_gib"], fixed="+ compile + op SAC",
+                fixed_value=runs["fsdp_compile_sac"]["memory_gib"])
+        )  # fmt: skip
+    return rows
+
+
+# -------------------------------------------------------------------------- table
 
 
 def format_table(rows: list[Row]) -> str:
-    header = f"{'problem':<22} {'metric':<52} {'broken':<20} {'value':>10} {'fixed':<20} {'value':>10} {'ratio':>7}"
-    lines = [header, "-" * len(header)]
-    for r in rows:
-        lines.append(
-            f"{r.problem:<22} {r.metric[:52]:<52} {r.broken[:20]:<20} {r.broken_value:>10.4g} "
-            f"{r.fixed[:20]:<20} {r.fixed_value:>10.4g} {r.ratio:>6.3f}x"
-        )
-    return "\n".join(lines)
+    """One line per row, each column as wide as its longest cell; ratio = fixed / broken."""
+    head = ("problem", "metric", "unit", "broken", "value", "fixed", "value", "ratio")
+    cells = [head, *((r.problem, r.metric, r.unit, r.broken, f"{r.broken_value:.4g}", r.fixed, f"{r.fixed_value:.4g}",
+                      f"{r.ratio:.3f}x") for r in rows)]  # fmt: skip
+    widths = [max(map(len, column)) for column in zip(*cells, strict=True)]
+    numbers = {4, 6, 7}  # right-aligned
+    lines = [
+        " ".join(c.rjust(w) if i in numbers else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True)))
+        for line in cells
+    ]
+    return "\n".join([lines[0], "-" * len(lines[0]), *(line.rstrip() for line in lines[1:])])
+
+
+# -------------------------------------------------------------------------- chart
+
+BROKEN_COLOR, FIXED_COLOR = "#D55E00", "#0072B2"  # vermillion and blue: distinct for colour-blind readers too
+
+
+@dataclass(frozen=True)
+class Bar:
+    label: str
+    value: float
+    broken: bool
+
+
+@dataclass(frozen=True)
+class Panel:
+    problem: str
+    metric: str
+    unit: str
+    bars: list[Bar]
+
+
+def panels(rows: list[Row]) -> list[Panel]:
+    """Per problem, in order: its headline metric (its first row's) and the distinct setups of that metric.
+
+    A setup that is never anyone's fix is broken (or the baseline); broken setups come first, then
+    the fixes in the order the rows name them: #5's staircase, #3's FULL_SHARD, replication, HSDP.
+    """
+    out = []
+    for problem in dict.fromkeys(r.problem for r in rows):
+        headline = [r for r in rows if r.problem == problem]
+        headline = [r for r in headline if r.metric == headline[0].metric]
+        fixes = {r.fixed for r in headline}
+        values: dict[str, float] = {}
+        for r in headline:
+            values.setdefault(r.broken, r.broken_value)
+            values.setdefault(r.fixed, r.fixed_value)
+        bars = [Bar(label, value, broken=label not in fixes) for label, value in values.items()]
+        bars.sort(key=lambda bar: not bar.broken)  # stable: the order within each kind stays
+        out.append(Panel(problem, headline[0].metric, headline[0].unit, bars))
+    return out
+
+
+def _value_text(value: float, unit: str) -> str:
+    if abs(value) >= 1000:
+        number = f"{value:,.0f}"
+    else:
+        number = f"{value:.0f}" if float(value).is_integer() else f"{value:.3g}"
+    return f"{number} {unit}" if unit else number
+
+
+def draw_panel(ax: Any, panel: Panel) -> None:
+    """One bar per setup, first on top, its label above it and its value after it (a 0 as a tick at the axis)."""
+    top = max((bar.value for bar in panel.bars), default=0) or 1.0
+    for y, bar in enumerate(panel.bars):
+        color = BROKEN_COLOR if bar.broken else FIXED_COLOR
+        ax.barh(y, bar.value, height=0.5, color=color)
+        if bar.value == 0:  # no bar to see: a tick at the axis shows that it was measured
+            ax.plot([0, 0], [y - 0.25, y + 0.25], color=color, linewidth=6, solid_capstyle="butt")
+        ax.annotate(_value_text(bar.value, panel.unit), (bar.value, y), xytext=(6, 0), textcoords="offset points",
+                    va="center", fontsize=13, fontweight="bold")  # fmt: skip
+        ax.text(0, y - 0.3, bar.label, va="bottom", fontsize=12)
+    ax.set_ylim(len(panel.bars) - 0.5, -0.95)  # inverted: the first setup on top, with room for its label
+    ax.set_xlim(0, top * 1.6)  # room for the value after the longest bar
+    ax.set_xticks([])
+    ax.set_yticks([])
+    for side in ("top", "right", "bottom"):
+        ax.spines[side].set_visible(False)
+    # The metric in up to two lines under the title; the title's pad keeps room for two.
+    metric = textwrap.fill(f"{panel.metric} ({panel.unit})" if panel.unit else panel.metric, 40)
+    ax.text(0, 1.02, metric, transform=ax.transAxes, va="bottom", fontsize=12, color="0.3")
+    ax.set_title(panel.problem, loc="left", fontsize=15, fontweight="bold", pad=42)
 
 
 def plot(rows: list[Row], path: Path) -> None:
+    """A 2 x 3 grid of `panels(rows)`, sized to be read at ~900 px wide (e.g. in the README)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
-    labels = [f"{r.problem}: {r.fixed} vs {r.broken}" for r in rows]
-    fig, ax = plt.subplots(figsize=(10, 0.45 * len(rows) + 1.5))
-    ax.barh(range(len(rows)), [r.ratio for r in rows], color="tab:blue")
-    ax.axvline(1.0, color="black", linewidth=0.8)
-    ax.set_yticks(range(len(rows)), labels, fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel("fixed / broken (measured in one run)")
-    ax.set_title("What each fix buys")
-    fig.tight_layout()
+    chart = panels(rows)
+    ncols = 3
+    nrows = -(-len(chart) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(12, 4.4 * nrows + 0.6), squeeze=False)
+    for i, ax in enumerate(axes.flat):
+        if i < len(chart):
+            draw_panel(ax, chart[i])
+        else:
+            ax.axis("off")
+    legend = [Patch(color=BROKEN_COLOR, label="broken (or baseline)"), Patch(color=FIXED_COLOR, label="fixed")]
+    fig.legend(handles=legend, loc="upper right", bbox_to_anchor=(0.985, 1.0), ncol=2, fontsize=13, frameon=False)
+    fig.suptitle("What each fix buys (make bench, one run)", x=0.015, y=0.985, ha="left", fontsize=16)
+    fig.subplots_adjust(
+        left=0.015, right=0.985, bottom=0.01, top=1 - 1.25 / fig.get_figheight(), wspace=0.12, hspace=0.42
+    )
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# --------------------------------------------------------------------------- main
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,32 +224,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="+", choices=list(BENCHMARKS), help="run only these benchmarks")
     p.add_argument("--train-rows", action=argparse.BooleanOptionalAction, default=None,
                    help="tokens/s rows through train.py (default: on with CUDA)")  # fmt: skip
+    p.add_argument("--plot-only", action="store_true", help="measure nothing: table and chart from <out>/bench.json")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    bench_json = args.out / "bench.json"
 
-    rows: list[Row] = []
-    raw: dict[str, dict] = {}
-    for name in args.only or BENCHMARKS:
-        json_path = args.out / f"{name}.json"
-        print(f"== {name}", flush=True)
-        subprocess.run([sys.executable, "-m", f"benchmarks.{name}", "--out", str(json_path)], cwd=REPO, check=True)
-        raw[name] = json.loads(json_path.read_text())
-        rows += BENCHMARKS[name](raw[name])
-    cuda = torch.cuda.is_available()
-    if args.train_rows if args.train_rows is not None else cuda:
-        print("== train", flush=True)
-        raw["train"] = run_train_rows(args.out, cuda=cuda)
-        rows += train_rows(raw["train"])
+    if args.plot_only:
+        rows = [Row.from_json(r) for r in json.loads(bench_json.read_text())["rows"]]
+    else:
+        rows, raw = [], {}
+        for name in args.only or BENCHMARKS:
+            print(f"== {name}", flush=True)
+            raw[name] = run_benchmark(name, args.out)
+            rows += BENCHMARKS[name].rows(raw[name])
+        cuda = torch.cuda.is_available()
+        if args.train_rows if args.train_rows is not None else cuda:
+            print("== train", flush=True)
+            raw["train"] = run_train(args.out, cuda=cuda)
+            rows += train_rows(raw["train"])
+        bench_json.write_text(json.dumps({"rows": [r.to_json() for r in rows], "raw": raw}, indent=1) + "\n")
 
-    table = format_table(rows)
-    print("\n" + table)
-    (args.out / "bench.json").write_text(
-        json.dumps({"rows": [asdict(r) | {"ratio": r.ratio} for r in rows], "raw": raw}, indent=1) + "\n"
-    )
+    print("\n" + format_table(rows))
     plot(rows, args.out / "bench.png")
-    print(f"\nwrote {args.out / 'bench.json'} and {args.out / 'bench.png'}")
+    print(f"\nwrote {bench_json} and {args.out / 'bench.png'}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())
