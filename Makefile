@@ -1,7 +1,7 @@
 # Everything a user runs: `make train` and `make test` set themselves up on a fresh machine.
 #   make train                      # the debug model on 2 CPU ranks (gloo), shipped data
 #   make train CONFIG=configs/debug.toml NPROC=4 ARGS="--training.steps=50"
-#   make test                       # the test suite
+#   make test                       # the test suite (tests/, and benchmarks/ when it is there)
 #   make bench                      # what each fix buys, measured: one table, bench.json, bench.png
 #   TORCH_VERSION=2.11.0 make setup # another torch (e.g. the CUDA build a GPU machine has)
 
@@ -29,7 +29,7 @@ train: setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node=$(NPROC) train.py --config $(CONFIG) $(ARGS)
 
 test: setup
-	$(PY) -m pytest tests
+	$(PY) -m pytest
 
 bench: setup
 	OMP_NUM_THREADS=1 $(PY) -m benchmarks.run $(ARGS)

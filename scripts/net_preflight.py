@@ -4,7 +4,7 @@
         --rdzv_id=preflight scripts/net_preflight.py               # real nodes (scripts/run_multinode.sh)
     torchrun --nproc_per_node=4 scripts/net_preflight.py --ranks-per-node 2   # one machine, 2 pretend nodes
 
-Run it before a multi-node job (PROBLEMS.md #3: HYBRID_SHARD at 26 s per step instead of
+Run it before a multi-node job (docs/failures.md #3: HYBRID_SHARD at 26 s per step instead of
 ~0.7 s): a slow link between nodes (TCP over Ethernet where InfiniBand/EFA was expected, a
 wrong NCCL_SOCKET_IFNAME, a missing EFA/IB plugin) shows here in a minute, not after hours of
 slow training. NCCL on CUDA, gloo on CPU; float32 tensors.

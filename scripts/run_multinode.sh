@@ -10,7 +10,7 @@
 # torchrun numbers the ranks of one node consecutively, and ParallelDims puts dp_shard (x tp)
 # innermost, so with data_parallel_shard_degree x tensor_parallel_degree = GPUs per node the
 # all-gathers and reduce-scatters stay inside a node and only HSDP's gradient all-reduce
-# crosses nodes (PROBLEMS.md #3). NCCL network settings: see the sbatch script.
+# crosses nodes (docs/failures.md #3). NCCL network settings: see the sbatch script.
 #
 # Environment:
 #   NNODES          nodes in the job (default: SLURM_NNODES, else 2)
