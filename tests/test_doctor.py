@@ -4,6 +4,9 @@ clean on the machines they are written for."""
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,6 +17,7 @@ from config import JobConfig, load_config
 from doctor import Finding, Machine, check_recipe
 from errors import ConfigError
 from tests.conftest import Launch
+from tests.launch import REPO
 
 CPU = Machine(cuda=False, cpu_has_bf16=True, environ={})
 GPUS = Machine(cuda=True, gpus_per_node=8, environ={})
@@ -156,6 +160,19 @@ def test_8b_does_not_fit_this_24_gib_cpu_machine() -> None:
     # Two ranks share the same host memory: still far too much.
     two = recipe(model__flavor="llama3_8b", training__seq_len=512, training__local_batch_size=1)
     assert keys(check(two, world_size=2, device_memory_gib=24.0)) == [("error", "memory")]
+
+
+def test_train_py_stops_8b_on_this_machine_before_allocating(tmp_path: Path) -> None:
+    """The command users type, from another folder: one line, exit 2, nothing written, in seconds."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "--config", "llama3_8b.toml"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert errors[0].startswith("error: memory: the job needs about") and "GiB per rank" in errors[0]
+    assert not (tmp_path / "outputs").exists()
 
 
 def test_memory_fit_on_gpus() -> None:
