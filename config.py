@@ -22,6 +22,7 @@ import difflib
 import inspect
 import itertools
 import json
+import math
 import textwrap
 import types
 import typing
@@ -67,7 +68,7 @@ class Model:
 
 @dataclass
 class Training:
-    steps: int = 200
+    steps: int = 10000
     """Number of optimizer steps to train for."""
     local_batch_size: int = 8
     """Sequences per micro-batch on each data-parallel rank."""
@@ -87,6 +88,8 @@ class Training:
     """Dtype FSDP reduces gradients in."""
     enable_cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state in host memory (FSDP CPUOffloadPolicy)."""
+    skip_nonfinite_steps: int = 0
+    """Steps with a non-finite loss or gradient norm to tolerate: their update is skipped (weights and optimizer state unchanged). One more stops the run, naming the step and the last checkpoint; 0 stops at the first."""
 
 
 @dataclass
@@ -173,14 +176,22 @@ class Checkpoint:
     """Save every this many steps (and at the last step)."""
     keep_latest_k: int = 0
     """Keep only the newest k checkpoints; 0 keeps all."""
-    async_mode: Literal["disabled", "async"] = "disabled"
-    """async: write checkpoints in a background thread while training goes on."""
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
+    """async: write checkpoints in a background thread while training goes on; async_with_pinned_mem (CUDA): also stage them through pinned host memory in a background process."""
     initial_load_path: str | None = field(default=None, metadata=INPUT_PATH)
     """Checkpoint to initialize the model weights from when the run has no checkpoint of its own yet (e.g. a seed checkpoint)."""
     create_seed_checkpoint: bool = False
     """Initialize the model, save it as step 0 and exit. Run on one process; load it in parallel runs with initial_load_path so every layout starts from the same weights."""
     export_safetensors: bool = False
     """After the last step also write the model weights alone, unsharded, to <folder>/step-N/model.safetensors."""
+
+
+@dataclass
+class Comm:
+    init_timeout_seconds: int = 300
+    """Timeout of collectives until the first step is done (process-group set-up, tokenization, loading a checkpoint)."""
+    train_timeout_seconds: int = 100
+    """Timeout of collectives from the second step on: a rank that stops answering fails the job after this long instead of hanging it."""
 
 
 @dataclass
@@ -219,6 +230,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    comm: Comm = field(default_factory=Comm)
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
 
@@ -260,7 +272,7 @@ def _describe(tp: Any) -> str:
         return " | ".join(repr(c) for c in typing.get_args(tp))
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         return " | ".join("none" if a is type(None) else _describe(a) for a in typing.get_args(tp))
-    return getattr(tp, "__name__", str(tp))
+    return "finite float" if tp is float else getattr(tp, "__name__", str(tp))
 
 
 def _coerce(value: Any, tp: Any, *, from_cli: bool) -> Any:
@@ -297,11 +309,11 @@ def _coerce(value: Any, tp: Any, *, from_cli: bool) -> Any:
             raise ValueError
         return value
     if tp is float:
-        if from_cli:
-            return float(value)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if not from_cli and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise ValueError
-        return float(value)
+        if not math.isfinite(number := float(value)):  # nan/inf: no setting of this recipe means them
+            raise ValueError
+        return number
     if tp is str:
         if not isinstance(value, str):
             raise ValueError
@@ -350,7 +362,11 @@ def load_toml(cfg: JobConfig, name: str) -> list[str]:
         hint = _did_you_mean(name, shipped) or _did_you_mean(f"configs/{Path(name).name}", shipped)
         return [f"--config: file {name} not found (also looked in {REPO / 'configs'}){hint or '; see configs/'}"]
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        return [
+            f"--config: {path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); save it as UTF-8"
+        ]
     except tomllib.TOMLDecodeError as e:
         return [f"--config: {path} is not valid TOML ({e})"]
     problems = []
@@ -460,12 +476,21 @@ def validate(cfg: JobConfig) -> list[str]:
             "training.mixed_precision_param: float16 needs loss scaling to keep small gradients from underflowing "
             "to zero, which this recipe does not implement; use bfloat16 (same memory, float32's exponent range)"
         )
+    if t.skip_nonfinite_steps < 0:
+        p.append(f"training.skip_nonfinite_steps: must be >= 0, got {t.skip_nonfinite_steps}")
     if o.lr <= 0:
         p.append(f"optimizer.lr: must be > 0, got {o.lr}")
+    if o.eps <= 0:
+        p.append(f"optimizer.eps: must be > 0 (it keeps AdamW's division away from zero), got {o.eps}")
     if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
         p.append(f"optimizer.beta1/beta2: must lie in [0, 1), got {o.beta1}, {o.beta2}")
     if s.warmup_steps < 0:
         p.append(f"lr_scheduler.warmup_steps: must be >= 0, got {s.warmup_steps}")
+    elif s.warmup_steps >= t.steps > 1:
+        warn(
+            f"lr_scheduler.warmup_steps = {s.warmup_steps} is not below training.steps = {t.steps}: the run ends "
+            f"before the learning rate reaches optimizer.lr = {o.lr:g}"
+        )
     if s.decay_ratio is not None and not 0 < s.decay_ratio <= 1:
         p.append(f"lr_scheduler.decay_ratio: must lie in (0, 1] or be unset, got {s.decay_ratio}")
     if not 0 <= s.min_lr_factor <= 1:
@@ -487,6 +512,9 @@ def validate(cfg: JobConfig) -> list[str]:
         p.append(f"checkpoint.interval: must be >= 1, got {ck.interval}")
     if ck.keep_latest_k < 0:
         p.append(f"checkpoint.keep_latest_k: must be >= 0 (0 keeps all), got {ck.keep_latest_k}")
+    for key in ("init_timeout_seconds", "train_timeout_seconds"):
+        if getattr(cfg.comm, key) < 1:
+            p.append(f"comm.{key}: must be >= 1, got {getattr(cfg.comm, key)}")
     if cfg.metrics.log_freq < 1:
         p.append(f"metrics.log_freq: must be >= 1, got {cfg.metrics.log_freq}")
     if cfg.profiling.profile_freq < 1:
