@@ -31,7 +31,8 @@ import torch.distributed.checkpoint as dcp
 # Runnable without installing the repo: its root holds config.py and models/.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from config import ConfigError  # noqa: E402
+from checkpoint import check_holds, verify  # noqa: E402
+from errors import ConfigError  # noqa: E402
 from models.llama3 import FLAVORS, ModelArgs  # noqa: E402
 from models.llama3.hf import (  # noqa: E402
     DEFAULT_MAX_SHARD_BYTES,
@@ -75,20 +76,12 @@ def dcp_to_hf(
     token_ids: dict[str, int],
 ) -> None:
     """Write the model weights of a DCP checkpoint as an HF folder, one shard at a time."""
-    if not (checkpoint / ".metadata").is_file():
-        raise ConfigError(f"{checkpoint}: not a DCP checkpoint (no .metadata inside); point at a step-<N> folder")
-    try:
-        stored = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
-    except Exception as e:  # a missing or foreign .metadata raises anything
-        raise ConfigError(f"{checkpoint}: not a DCP checkpoint ({type(e).__name__}: {e})") from None
+    metadata = verify(checkpoint)  # read without running anything from the folder
     shapes = expected_shapes(args)
-    missing = [n for n in shapes if MODEL_PREFIX + n not in stored]
-    wrong = [n for n in shapes if MODEL_PREFIX + n in stored and tuple(stored[MODEL_PREFIX + n].size) != shapes[n]]
-    if missing or wrong:
-        raise ConfigError(
-            f"{checkpoint}: does not fit the given model ({len(missing)} weights missing, {len(wrong)} of another "
-            f"shape, e.g. {(missing or wrong)[0]}); check --hf-assets-path / --flavor"
-        )
+    check_holds(
+        checkpoint, metadata, {MODEL_PREFIX + n: torch.empty(shape, device="meta") for n, shape in shapes.items()}
+    )
+    stored = metadata.state_dict_metadata
 
     ours_to_hf = {ours: hf for hf, ours in hf_to_ours(args).items()}
     stored_dtype = {n: stored[MODEL_PREFIX + n].properties.dtype for n in shapes}
