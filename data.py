@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from config import Data
-from errors import ConfigError
+from errors import ConfigError, warn
 
 # ------------------------------------------------------------------- tokenizers
 
@@ -96,13 +96,20 @@ def _special_tokens(folder: Path) -> dict[str, str]:
     out: dict[str, str] = {}
     for name in ("special_tokens_map.json", "tokenizer_config.json"):
         file = folder / name
-        if file.is_file():
-            for key in ("bos_token", "eos_token"):
-                value = json.loads(file.read_text()).get(key)
-                if isinstance(value, dict):  # {"content": "<|begin_of_text|>", ...}
-                    value = value.get("content")
-                if isinstance(value, str):
-                    out[key] = value
+        if not file.is_file():
+            continue
+        try:
+            config = json.loads(file.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"model.tokenizer_path: {file} is not valid JSON ({e})") from None
+        if not isinstance(config, dict):
+            raise ConfigError(f"model.tokenizer_path: {file} is not a JSON object")
+        for key in ("bos_token", "eos_token"):
+            value = config.get(key)
+            if isinstance(value, dict):  # {"content": "<|begin_of_text|>", ...}
+                value = value.get("content")
+            if isinstance(value, str):
+                out[key] = value
     return out
 
 
@@ -143,26 +150,49 @@ def load_documents(cfg: Data):  # -> datasets.Dataset
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
     fmt = _resolve_format(cfg)
+    empty = f"data.path: {cfg.path} holds no documents; point it at a non-empty dataset"
     try:
         if fmt == "hub":
             ds = datasets.load_dataset(cfg.path, split=cfg.split)
         else:
             path = Path(cfg.path)
-            files = [str(p) for p in sorted(path.rglob("*")) if p.is_file()] if path.is_dir() else [str(path)]
+            files = [p for p in sorted(path.rglob("*")) if p.is_file()] if path.is_dir() else [path]
+            if all(p.stat().st_size == 0 for p in files):
+                raise ConfigError(empty)
             # Plain text: one document per blank-line-separated paragraph.
             extra = {"sample_by": "paragraph"} if fmt == "text" else {}
-            ds = datasets.load_dataset(fmt, data_files={cfg.split: files}, split=cfg.split, **extra)
+            ds = datasets.load_dataset(fmt, data_files={cfg.split: [str(p) for p in files]}, split=cfg.split, **extra)
     except ConfigError:
         raise
-    except Exception as e:  # datasets raises many types for unreadable input
-        raise ConfigError(f"data.path: could not read {cfg.path} as {fmt} ({type(e).__name__}: {e})") from None
+    except Exception as e:  # datasets raises many types for unreadable input; name the cause
+        cause = _root_cause(e)
+        if isinstance(cause, UnicodeDecodeError):
+            raise ConfigError(
+                f"data.path: {cfg.path} is not UTF-8 text ({cause.reason} at byte {cause.start})"
+            ) from None
+        raise ConfigError(f"data.path: could not read {cfg.path} as {fmt} ({type(cause).__name__}: {cause})") from None
     if cfg.text_column not in ds.column_names:
         raise ConfigError(
             f"data.text_column: {cfg.path} has no column '{cfg.text_column}' (columns: {', '.join(ds.column_names)})"
         )
+    kind = ds.features[cfg.text_column]
+    if not isinstance(kind, datasets.Value) or kind.dtype not in ("string", "large_string", "null"):
+        raise ConfigError(
+            f"data.text_column: column '{cfg.text_column}' of {cfg.path} holds {kind}, not text; point "
+            "data.text_column at the column with the documents"
+        )
+    if nulls := ds.data.column(cfg.text_column).null_count:
+        warn(f"data.path: {nulls:,} of {len(ds):,} documents of {cfg.path} have no text (null); they are skipped")
+        ds = ds.filter(lambda text: text is not None, input_columns=cfg.text_column)
     if len(ds) == 0:
-        raise ConfigError(f"data.path: {cfg.path} holds no documents; point it at a non-empty dataset")
+        raise ConfigError(empty)
     return ds
+
+
+def _root_cause(e: BaseException) -> BaseException:
+    while (inner := e.__cause__ or e.__context__) is not None and inner is not e:
+        e = inner
+    return e
 
 
 class PackedCorpus:
@@ -173,7 +203,7 @@ class PackedCorpus:
         bos, eos, column = tokenizer.bos_id, tokenizer.eos_id, cfg.text_column
 
         def tokenize(batch: dict[str, list]) -> dict[str, list]:
-            ids = [[bos, *x, eos] for x in tokenizer.encode_batch([t or "" for t in batch[column]])]
+            ids = [[bos, *x, eos] for x in tokenizer.encode_batch(batch[column])]
             return {"ids": ids, "num_tokens": [len(x) for x in ids]}
 
         # An explicit fingerprint makes the on-disk cache hit on every rank and every rerun
