@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 import resource
 import time
 from collections import Counter
@@ -73,25 +74,34 @@ class StepMetrics:
 
 
 class MetricsLogger:
-    """Rank 0 prints a line per logged step and appends it to <dump_folder>/metrics.jsonl."""
+    """Rank 0 prints a line per logged step and appends it to <dump_folder>/metrics.jsonl.
 
-    def __init__(self, cfg: Metrics, *, dump_folder: str, total_steps: int, enabled: bool):
-        self.total_steps = total_steps
+    A run that starts at `start_step` (resumed, or 0) first drops the rows of later steps that an
+    earlier run of this folder logged, so each step appears once, from the run that trained it.
+    """
+
+    def __init__(self, cfg: Metrics, *, dump_folder: str, total_steps: int, start_step: int, enabled: bool):
+        self.total_steps, self.start_step = total_steps, start_step
         self.enabled = enabled
         self.start = time.perf_counter()
         self.jsonl = Path(dump_folder) / "metrics.jsonl"
         self.tb = None
         if enabled:
             self.jsonl.parent.mkdir(parents=True, exist_ok=True)
+            if self.jsonl.exists():
+                kept = [row for row in self.jsonl.read_text().splitlines() if json.loads(row)["step"] <= start_step]
+                tmp = self.jsonl.with_suffix(".tmp")
+                tmp.write_text("".join(row + "\n" for row in kept))
+                os.replace(tmp, self.jsonl)
             if cfg.enable_tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self.tb = SummaryWriter(str(Path(dump_folder) / cfg.save_tb_folder))
 
-    def log(self, m: StepMetrics, *, first_step: int) -> None:
+    def log(self, m: StepMetrics) -> None:
         if not self.enabled:
             return
-        done = (m.step - first_step) / max(self.total_steps - first_step, 1)
+        done = (m.step - self.start_step) / max(self.total_steps - self.start_step, 1)
         elapsed = time.perf_counter() - self.start
         eta = elapsed / done - elapsed if done > 0 else 0.0
         mfu = f"{m.mfu:.1f}%" if m.mfu is not None else "n/a"

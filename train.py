@@ -16,6 +16,8 @@ import time
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -24,10 +26,10 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 import doctor
-from checkpoint import CheckpointManager
+from checkpoint import CheckpointManager, prepare_dump_folder
 from config import JobConfig, LRScheduler, Optimizer, help_text, load_config, model_args, to_toml
 from data import GlobalBatchLoader, PackedCorpus, build_tokenizer
-from errors import ConfigError, is_rank0
+from errors import ConfigError, is_rank0, warn
 from metrics import MetricsLogger, StepMetrics, peak_flops, peak_memory_gib
 from models.llama3 import Transformer, num_flops_per_token, num_params
 from models.llama3.model import with_seq_len
@@ -49,7 +51,7 @@ def main(argv: list[str]) -> int:
         print(describe(cfg))
         return 0
 
-    device, rank, world_size = init_distributed()
+    device, rank, world_size = init_distributed(timeout_s=cfg.comm.init_timeout_seconds)
     try:
         return train(cfg, device=device, rank=rank, world_size=world_size)
     finally:
@@ -60,12 +62,22 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
     t = cfg.training
     set_determinism(seed=t.seed, deterministic=t.deterministic)
 
-    # Parallel layout and the data each rank reads.
+    # Parallel layout, pitfalls of this job on this machine (doctor.py, optional: memory fit
+    # included), and the run's folder: ours alone, writable, with room for a checkpoint. All
+    # before any compute; rank 0 checks the folder, its errors stop every rank.
     dims = ParallelDims.from_config(cfg.parallelism, world_size=world_size)
-    # Pitfalls of this job on this machine, memory fit included (doctor.py, optional): warnings
-    # on rank 0; errors stop every rank before anything is allocated.
     doctor.check_startup(cfg, world_size=world_size, device=device)
+    args = with_seq_len(model_args(cfg.model), t.seq_len)  # the RoPE table covers seq_len
+    bytes_per_param = 4 if cfg.checkpoint.create_seed_checkpoint else 12  # fp32 weights (+ AdamW's two moments)
+    on_rank0(
+        lambda: prepare_dump_folder(
+            cfg.job.dump_folder, cfg.checkpoint, checkpoint_bytes=bytes_per_param * num_params(args)
+        ),
+        rank=rank,
+    )
     mesh = dims.build_mesh(device.type)
+
+    # The data each rank reads.
     dp_rank = dims.dp_rank(mesh)
     global_batch = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dims.dp
     tokenizer = build_tokenizer(cfg.model.tokenizer_path)
@@ -77,7 +89,6 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
     )  # fmt: skip
 
     # Model: meta device -> parallelize -> allocate -> initialize.
-    args = with_seq_len(model_args(cfg.model), t.seq_len)  # the RoPE table covers seq_len
     model_name = cfg.model.hf_assets_path or cfg.model.flavor
     if tokenizer.vocab_size > args.vocab_size:
         raise ConfigError(
@@ -106,23 +117,31 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
     if cfg.checkpoint.create_seed_checkpoint:
         return save_seed_checkpoint(cfg, model, world_size=world_size)
 
+    # Optimizer and state; a resumed run continues the same stream with the settings given now.
     optimizer = build_optimizer(cfg.optimizer, model)
-    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, steps=t.steps, cfg=cfg.lr_scheduler)
-    )
-    train_state = TrainState()
+    train_state = TrainState(settings=schedule_settings(cfg))
     checkpoint = CheckpointManager(
         cfg.checkpoint, dump_folder=cfg.job.dump_folder, model=model, optimizer=optimizer,
-        stateful={"lr_scheduler": lr_scheduler, "dataloader": loader, "train_state": train_state},
-        process_group=checkpoint_group,
+        stateful={"dataloader": loader, "train_state": train_state}, process_group=checkpoint_group,
     )  # fmt: skip
+    if (resume := checkpoint.resume_step()) > t.steps:
+        raise ConfigError(
+            f"training.steps: {t.steps} is below step {resume} of the checkpoint in {checkpoint.folder}; raise "
+            "training.steps to train on, or choose another job.dump_folder to start over"
+        )
     start_step = checkpoint.load()
     train_state.restore_rng()
+    if start_step and rank == 0:
+        for line in changed_settings(train_state.resumed_settings, train_state.settings):
+            print(f"resume: {line} (from step {start_step + 1} on)", flush=True)
+    set_hyperparameters(optimizer, cfg.optimizer)  # the checkpoint's param_groups carry the old ones
 
     flops_per_token = num_flops_per_token(args, t.seq_len)
     peak = peak_flops(device)
     tokens_per_step = global_batch * t.seq_len
-    logger = MetricsLogger(cfg.metrics, dump_folder=cfg.job.dump_folder, total_steps=t.steps, enabled=rank == 0)
+    logger = MetricsLogger(
+        cfg.metrics, dump_folder=cfg.job.dump_folder, total_steps=t.steps, start_step=start_step, enabled=rank == 0
+    )
     if rank == 0:
         if cfg.job.description:
             print(cfg.job.description, flush=True)
@@ -133,7 +152,8 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
             f"| device {device.type} | steps {start_step + 1}..{t.steps}",
             flush=True,
         )
-    stop = StopSignal(ctrl_group)
+    stop = StopRequest(ctrl_group, stop_file=Path(cfg.job.dump_folder) / "STOP")
+    nonfinite = NonFiniteSteps(tolerate=t.skip_nonfinite_steps)
     loss_parallel = dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
     last_log_time, last_log_step = time.perf_counter(), start_step
 
@@ -142,33 +162,38 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
     with profile_loop(cfg.profiling, dump_folder=cfg.job.dump_folder, rank=rank, start_step=start_step) as profiler:
         for step in range(start_step + 1, t.steps + 1):
             train_state.step = step
-            loss, grad_norm = train_step(
+            lr = set_lr(optimizer, cfg.optimizer.lr * lr_factor(step - 1, steps=t.steps, cfg=cfg.lr_scheduler))
+            checkpoint.wait_for_staging()  # an async save's copy of the weights is complete
+            result = train_step(
                 model, optimizer, loader.next_step(), grad_accum=loader.grad_accum, max_norm=t.max_norm,
                 loss_parallel=loss_parallel, device=device,
             )  # fmt: skip
-            lr = lr_scheduler.get_last_lr()[0]
-            lr_scheduler.step()
+            nonfinite.record(step, result)
+            if nonfinite.exceeded():
+                checkpoint.close()  # publishes a save that finished: bad updates are skipped, its weights are finite
+                raise ConfigError(nonfinite.message(last_checkpoint=checkpoint.latest()))
+            checkpoint.poll()  # publishes an async save as soon as it is complete
+            if step == start_step + 1:  # every rank is past set-up: collectives that hang now are failures
+                set_collective_timeout(cfg.comm.train_timeout_seconds, groups=[None, ctrl_group])
 
             last = step == t.steps
             if step % cfg.metrics.log_freq == 0 or last:
-                loss_avg = world_mean(loss)  # the one host sync of a logged step
+                loss_avg = world_mean(result.loss)  # the one host sync of a logged step
                 now = time.perf_counter()
                 step_time = (now - last_log_time) / (step - last_log_step)
                 tps = tokens_per_step / world_size / step_time
                 logger.log(
                     StepMetrics(
-                        step=step, loss=loss_avg, grad_norm=grad_norm.item(), lr=lr, tps=tps,
+                        step=step, loss=loss_avg, grad_norm=result.grad_norm.item(), lr=lr, tps=tps,
                         mfu=100 * flops_per_token * tps / peak if peak else None,
                         memory_gib=peak_memory_gib(device), step_time_s=step_time,
-                    ),
-                    first_step=start_step,
+                    )
                 )  # fmt: skip
                 last_log_time, last_log_step = time.perf_counter(), step
 
-            if stop.requested():
+            if reason := stop.requested():
                 checkpoint.save(step, wait=True)
-                if rank == 0:
-                    print(f"SIGTERM: saved step {step} and stopped; rerun the same command to resume", flush=True)
+                stop.done(f"{reason}: saved step {step} and stopped; rerun the same command to resume")
                 break
             if checkpoint.should_save(step, last=last):
                 checkpoint.save(step, wait=last)
@@ -189,8 +214,10 @@ def train_step(
     max_norm: float,
     loss_parallel: bool,
     device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step over `grad_accum` micro-batches; returns (loss, grad norm) tensors."""
+) -> StepResult:
+    """One optimizer step over `grad_accum` micro-batches; a step whose gradient norm is not finite (on
+    any rank: it is global) leaves weights and optimizer state as they were. Returns device tensors:
+    no host sync."""
     optimizer.zero_grad(set_to_none=True)
     total_loss = torch.zeros((), device=device)
     for inputs, labels in microbatches:
@@ -205,14 +232,41 @@ def train_step(
             loss.backward()
         total_loss += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
     grad_norm = clip_grad_norm_(model.parameters(), max_norm)
-    optimizer.step()
-    return total_loss, grad_norm
+    # The global norm is the same number on every rank, so every rank skips the same steps with no
+    # extra collective; a non-finite loss on any rank means non-finite logits there, hence gradients.
+    finite = torch.isfinite(grad_norm).float()
+    optimizer_step(optimizer, finite=finite)
+    return StepResult(total_loss, grad_norm, finite)
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # this rank's mean loss over its micro-batches
+    grad_norm: torch.Tensor  # the global gradient norm, before clipping
+    finite: torch.Tensor  # 1.0 when the update was applied, 0.0 when it was skipped (the same on every rank)
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, *, finite: torch.Tensor) -> None:
+    """`optimizer.step()`, or nothing when `finite` is 0, without asking the host where AdamW is fused.
+
+    Fused AdamW takes GradScaler's `found_inf` (read from the optimizer's `found_inf` attribute,
+    PyTorch 2.0-2.13): where it is 1 the kernel leaves weights, moments and step counts as they
+    were. The foreach and for-loop kernels have no such input: they pay one host sync per step.
+    """
+    if optimizer.defaults.get("fused"):
+        optimizer.found_inf, optimizer.grad_scale = 1.0 - finite, None
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf, optimizer.grad_scale
+    elif finite.item():
+        optimizer.step()
 
 
 # ------------------------------------------------------------------- builders
 
 
-def init_distributed() -> tuple[torch.device, int, int]:
+def init_distributed(*, timeout_s: int) -> tuple[torch.device, int, int]:
     """NCCL on CUDA, gloo on CPU; a one-process group when not launched by torchrun."""
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -220,11 +274,19 @@ def init_distributed() -> tuple[torch.device, int, int]:
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
+    timeout = timedelta(seconds=timeout_s)
     if "RANK" in os.environ:  # torchrun
-        dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
+        dist.init_process_group(backend, device_id=device if backend == "nccl" else None, timeout=timeout)
     else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return device, dist.get_rank(), dist.get_world_size()
+
+
+def set_collective_timeout(seconds: int, *, groups: list[dist.ProcessGroup | None]) -> None:
+    """From now on a collective that waits longer than `seconds` fails the job instead of hanging it."""
+    # Private (PyTorch 2.13, as torchtitan uses it): no public API changes a live group's timeout.
+    for group in groups:
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
 
 
 def set_determinism(*, seed: int, deterministic: bool) -> None:
@@ -244,6 +306,18 @@ def build_optimizer(o: Optimizer, model: torch.nn.Module) -> torch.optim.Optimiz
             return torch.optim.AdamW(
                 model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, **impl
             )
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> float:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+def set_hyperparameters(optimizer: torch.optim.Optimizer, o: Optimizer) -> None:
+    """The config's AdamW settings win over those a checkpoint restored into the param groups."""
+    for group in optimizer.param_groups:
+        group.update(betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
 
 
 def lr_factor(step: int, *, steps: int, cfg: LRScheduler) -> float:
@@ -280,6 +354,21 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torc
     return total_norm
 
 
+def schedule_settings(cfg: JobConfig) -> dict[str, float | int | str]:
+    """What this run was told to do, saved in checkpoints so that a resume can say what changed."""
+    o, s = cfg.optimizer, cfg.lr_scheduler
+    return {
+        "optimizer.lr": o.lr, "optimizer.beta1": o.beta1, "optimizer.beta2": o.beta2, "optimizer.eps": o.eps,
+        "optimizer.weight_decay": o.weight_decay, "lr_scheduler.warmup_steps": s.warmup_steps,
+        "lr_scheduler.decay_ratio": str(s.decay_ratio), "lr_scheduler.decay_type": s.decay_type,
+        "lr_scheduler.min_lr_factor": s.min_lr_factor, "training.steps": cfg.training.steps,
+    }  # fmt: skip
+
+
+def changed_settings(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    return [f"{key} {before[key]} -> {value}" for key, value in now.items() if key in before and before[key] != value]
+
+
 def save_seed_checkpoint(cfg: JobConfig, model: torch.nn.Module, *, world_size: int) -> int:
     if world_size != 1:
         raise ConfigError(
@@ -297,19 +386,22 @@ def save_seed_checkpoint(cfg: JobConfig, model: torch.nn.Module, *, world_size: 
 
 @dataclass
 class TrainState:
-    """Step and RNG state, checkpointed so that a resumed run continues the same stream."""
+    """Step, RNG state and the settings the run was given, checkpointed so that a resumed run
+    continues the same stream (and can say which settings it now follows instead)."""
 
     step: int = 0
+    settings: dict[str, Any] = field(default_factory=dict)
+    resumed_settings: dict[str, Any] = field(default_factory=dict)  # those of the checkpoint loaded
     rng: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def state_dict(self) -> dict[str, Any]:
         rng = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state()
-        return {"step": self.step, "rng": rng}
+        return {"step": self.step, "settings": dict(self.settings), "rng": rng}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step, self.rng = int(state["step"]), state["rng"]
+        self.step, self.resumed_settings, self.rng = int(state["step"]), state["settings"], state["rng"]
 
     def restore_rng(self) -> None:
         if "cpu" in self.rng:
@@ -318,18 +410,97 @@ class TrainState:
             torch.cuda.set_rng_state(self.rng["cuda"])
 
 
-class StopSignal:
-    """SIGTERM sets a flag; all ranks agree on it each step, so they stop at the same step."""
+class StopRequest:
+    """SIGTERM, SIGINT or a `<dump_folder>/STOP` file: every rank stops after the same step, which is saved.
 
-    def __init__(self, group: dist.ProcessGroup | None):
-        self.group = group
-        self.flag = torch.zeros(1)
-        signal.signal(signal.SIGTERM, lambda *_: self.flag.fill_(1))
+    Rank 0 looks for the file (one stat per step; the launch scripts create it on a signal they are
+    sent), every rank for a signal; they agree through one all-reduce of a CPU flag per step. A
+    second signal stops the process at once, saving nothing.
+    """
 
-    def requested(self) -> bool:
+    def __init__(self, group: dist.ProcessGroup | None, *, stop_file: Path):
+        self.group, self.stop_file = group, stop_file
+        self.flag = torch.zeros(2)  # [the signal that came (0: none), the file exists]
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.flag[0]:
+            if is_rank0():
+                print(
+                    f"{signal.Signals(signum).name} again: stopping at once, nothing saved", file=sys.stderr, flush=True
+                )
+            os._exit(128 + signum)
+        self.flag[0] = signum
+
+    def requested(self) -> str | None:
+        """Why the run must stop after this step (agreed by every rank), or None."""
+        self.flag[1] = float(is_rank0() and self.stop_file.exists())
         agreed = self.flag.clone()
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(agreed.item())
+        if agreed[1]:
+            return f"{self.stop_file} found"
+        return signal.Signals(int(agreed[0])).name if agreed[0] else None
+
+    def done(self, message: str) -> None:
+        if is_rank0():
+            self.stop_file.unlink(missing_ok=True)  # a rerun must not stop again at once
+            print(message, flush=True)
+
+
+class NonFiniteSteps:
+    """Counts the steps whose update train_step skipped (non-finite loss or gradient norm).
+
+    Without a host sync per step: each step's flag, loss and norm go to host memory with a
+    non-blocking copy, and are read one step later, when that copy has long finished. So a run
+    that must stop stops one step after the bad one (whose update was skipped), naming it.
+    """
+
+    def __init__(self, *, tolerate: int):
+        self.tolerate, self.skipped = tolerate, 0
+        self.pending: tuple[int, torch.Tensor, torch.cuda.Event | None] | None = None
+        self.bad: tuple[int, float, float] | None = None  # (step, loss, grad norm) of the last skipped step
+
+    def record(self, step: int, result: StepResult) -> None:
+        values = torch.stack([result.finite, result.loss.float(), result.grad_norm.float()])
+        if values.is_cuda:
+            host = torch.empty(3, pin_memory=True)
+            host.copy_(values, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._read()
+            self.pending = (step, host, event)
+        else:
+            self.pending = (step, values, None)
+            self._read()
+
+    def _read(self) -> None:
+        if self.pending is None:
+            return
+        step, values, event = self.pending
+        self.pending = None
+        if event is not None:
+            event.synchronize()  # the copy of an earlier step: already done
+        finite, loss, grad_norm = values.tolist()
+        if not finite:
+            self.skipped += 1
+            self.bad = (step, loss, grad_norm)
+            if self.skipped <= self.tolerate:
+                warn(
+                    f"training: step {step} had loss {loss:g} and gradient norm {grad_norm:g}; its update was skipped "
+                    f"({self.skipped} of training.skip_nonfinite_steps = {self.tolerate})"
+                )
+
+    def exceeded(self) -> bool:
+        return self.skipped > self.tolerate
+
+    def message(self, *, last_checkpoint: str) -> str:
+        step, loss, grad_norm = self.bad or (0, math.nan, math.nan)
+        return (
+            f"training.skip_nonfinite_steps: step {step} had loss {loss:g} and gradient norm {grad_norm:g} "
+            f"({self.skipped} such steps, {self.tolerate} tolerated); its update was skipped and the run stops. "
+            f"Last checkpoint: {last_checkpoint}. Lower optimizer.lr (or check the data) and rerun to resume from it"
+        )
 
 
 def world_mean(value: torch.Tensor) -> float:
@@ -339,18 +510,24 @@ def world_mean(value: torch.Tensor) -> float:
     return value.item() / dist.get_world_size()
 
 
-def rank0_first(build: Callable[[], T], *, rank: int) -> T:
-    """Run `build` on rank 0, then on the others; a ConfigError on rank 0 stops every rank."""
+def on_rank0(fn: Callable[[], T], *, rank: int) -> T | None:
+    """Run `fn` on rank 0 only; a ConfigError there stops every rank. Rank 0 gets the result, the others None."""
     problems: list[list[str] | None] = [None]
     result = None
     if rank == 0:
         try:
-            result = build()
+            result = fn()
         except ConfigError as e:
             problems[0] = e.problems
     dist.broadcast_object_list(problems, src=0)
     if problems[0]:
         raise ConfigError(*problems[0])
+    return result
+
+
+def rank0_first(build: Callable[[], T], *, rank: int) -> T:
+    """Run `build` on rank 0, then on the others (which then find what rank 0 cached)."""
+    result = on_rank0(build, rank=rank)
     return result if rank == 0 else build()
 
 
@@ -384,3 +561,13 @@ if __name__ == "__main__":
             for problem in e.problems:
                 print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)
+    except RuntimeError as e:  # NCCL's DistBackendError is one too
+        if "timed out" not in str(e).lower():
+            raise
+        detail = str(e).strip().splitlines()[-1][-200:]
+        print(
+            f"error: rank {os.environ.get('RANK', 0)}: a collective timed out ({detail}); another rank stopped "
+            "answering: see its output (the limits: comm.init_timeout_seconds, comm.train_timeout_seconds)",
+            file=sys.stderr,
+        )
+        sys.exit(1)

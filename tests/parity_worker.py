@@ -118,10 +118,10 @@ def train(
     losses, times = [], []
     for _ in range(steps):
         start = time.perf_counter()
-        loss, _ = train_step(
+        loss = train_step(
             model, optimizer, batch, grad_accum=1, max_norm=MAX_NORM, loss_parallel=loss_parallel,
             device=torch.device("cpu"),
-        )  # fmt: skip
+        ).loss  # fmt: skip
         losses.append(world_mean(loss) if dist.is_initialized() else loss.item())
         times.append(time.perf_counter() - start)
     return losses, times
