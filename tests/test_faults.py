@@ -1,0 +1,429 @@
+"""Nothing lost: non-finite steps, crashes, stop requests, crafted checkpoints, settings on resume,
+a shared dump folder, full disks, and one-line errors for every bad input.
+
+End-to-end cases run train.py (one process unless the case needs ranks); the rest call the very
+functions train.py calls. Cases that need a small or read-only filesystem mount a tmpfs and skip,
+saying so, where this machine does not allow it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from checkpoint import CheckpointManager, DumpFolderLock, prepare_dump_folder, verify
+from config import Checkpoint, Data, LRScheduler, Optimizer, load_config
+from data import PackedCorpus, build_tokenizer
+from errors import ConfigError
+from tests.conftest import TINY, losses
+from tests.launch import REPO, free_port, python
+from tests.parity_worker import build_tiny, random_batch
+from train import build_optimizer, init_distributed, lr_factor, set_collective_timeout, train_step
+
+CKPT = ["--checkpoint.enable", "--checkpoint.interval=2"]
+
+
+def train_py(dump: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return python("train.py", *TINY, f"--job.dump_folder={dump}", *args, env=env)
+
+
+def one_error(proc: subprocess.CompletedProcess[str], *, code: int = 2) -> str:
+    assert proc.returncode == code, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    return line
+
+
+def rows(dump: Path) -> list[dict]:
+    return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+
+
+def folders(dump: Path) -> list[str]:
+    return sorted(p.name for p in (dump / "checkpoint").iterdir())
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, *, size: str, read_only: bool = False) -> Iterator[Path]:
+    """A small (or read-only) filesystem at `path`; skips the test where mounting is not allowed."""
+    path.mkdir(parents=True, exist_ok=True)
+    options = f"size={size}" + (",ro" if read_only else "")
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"needs permission to mount a tmpfs: {proc.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+# --------------------------------------------------------------- 1. non-finite steps
+
+
+@pytest.mark.parametrize("implementation", ["fused", "foreach"])
+def test_a_nonfinite_step_changes_neither_weights_nor_optimizer_state(implementation: str) -> None:
+    model = build_tiny()
+    optimizer = build_optimizer(Optimizer(implementation=implementation), model)
+    tokens = random_batch()
+    batch = [(tokens[:, :-1], tokens[:, 1:])]
+    step = dict(grad_accum=1, max_norm=1.0, loss_parallel=False, device=torch.device("cpu"))
+    assert train_step(model, optimizer, batch, **step).finite.item() == 1.0
+    with torch.no_grad():
+        model.layers["0"].attention.wq.weight[0, 0] = float("nan")  # what a corrupted shard would do
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state = {k: {n: t.clone() for n, t in s.items()} for k, s in optimizer.state.items()}
+    result = train_step(model, optimizer, batch, **step)
+    assert result.finite.item() == 0.0 and not torch.isfinite(result.loss)
+    for name, value in model.state_dict().items():
+        assert torch.allclose(value, before[name], rtol=0, atol=0, equal_nan=True), name
+    for param, saved in state.items():
+        for name, value in optimizer.state[param].items():
+            assert torch.equal(value, saved[name]), name  # moments and the step count: untouched
+
+
+def test_nonfinite_steps_stop_the_run_naming_the_step_and_the_last_checkpoint(tmp_path: Path) -> None:
+    dump = tmp_path / "run"
+    assert train_py(dump, "--training.steps=2", *CKPT).returncode == 0
+    boom = ["--training.steps=10", "--optimizer.lr=1e9", "--lr_scheduler.warmup_steps=0", *CKPT]
+    line = one_error(train_py(dump, *boom))
+    # Step 3 applies lr 1e9 (its loss is still finite); step 4's loss is not: skipped, and the run stops.
+    assert line.startswith("error: training.skip_nonfinite_steps: step 4 had loss nan and gradient norm nan")
+    assert f"Last checkpoint: {dump / 'checkpoint' / 'step-2'}" in line and "Lower optimizer.lr" in line
+    assert folders(dump) == ["step-2"]  # nothing non-finite was saved
+    assert sorted(r["step"] for r in rows(dump)) == [1, 2, 3]
+
+    # Tolerating two: steps 4 and 5 are skipped with a warning each, the third one stops it.
+    proc = train_py(dump, *boom, "--training.skip_nonfinite_steps=2")
+    assert one_error(proc).startswith("error: training.skip_nonfinite_steps: step 6 had loss nan")
+    assert "(3 such steps, 2 tolerated)" in proc.stderr
+    warned = [line for line in proc.stderr.splitlines() if line.startswith("warning: training: step")]
+    assert [w.split()[3] for w in warned] == ["4", "5"], proc.stderr
+    # Step 4's update was skipped, so its state is finite (if wrecked by step 3's lr): it was saved.
+    assert folders(dump) == ["step-2", "step-4"] and f"Last checkpoint: {dump / 'checkpoint' / 'step-4'}" in proc.stderr
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_checkpoint_with_nonfinite_weights_is_refused_by_name(tmp_path: Path) -> None:
+    model = build_tiny()
+    with torch.no_grad():
+        model.norm.weight[3] = float("inf")
+    dcp.save({"model_and_optimizer": {"model": model.state_dict()}}, checkpoint_id=str(tmp_path / "bad"))
+    manager = CheckpointManager(
+        Checkpoint(initial_load_path=str(tmp_path / "bad")), dump_folder=str(tmp_path), model=build_tiny(),
+        optimizer=None, stateful={},
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match=r"bad holds non-finite weights \(1 tensors, e.g. norm.weight\)"):
+        manager.load()
+
+
+# ------------------------------------------- 2. async saves, crashes, resume, metrics
+
+
+def test_crash_leftovers_are_published_or_removed_and_settings_given_on_resume_apply(tmp_path: Path) -> None:
+    dump = tmp_path / "run"
+    first = train_py(dump, "--training.steps=10", "--checkpoint.enable", "--checkpoint.interval=5",
+                     "--checkpoint.async_mode=async")  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
+    # The async save of step 5 is published while training goes on (polled every step), not at the next save.
+    out = first.stdout
+    assert out.index(f"saved checkpoint {dump / 'checkpoint' / 'step-5'}") < out.index("step  9/10"), out
+    assert folders(dump) == ["step-10", "step-5"]
+
+    # A crash after step 10 was written but before it was published, and debris of a save that died.
+    ckpt = dump / "checkpoint"
+    (ckpt / "step-10").rename(ckpt / "step-10.partial")
+    (ckpt / "step-12.partial").mkdir()
+    (ckpt / "step-12.partial" / "__0_0.distcp").write_bytes(b"half")
+
+    again = train_py(dump, "--training.steps=12", *CKPT, "--optimizer.lr=0.001")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"published {ckpt / 'step-10'}" in again.stdout and f"removed {ckpt / 'step-12.partial'}" in again.stdout
+    assert "resume: optimizer.lr 0.003 -> 0.001 (from step 11 on)" in again.stdout
+    assert "resume: training.steps 10 -> 12 (from step 11 on)" in again.stdout
+    assert folders(dump) == ["step-10", "step-12"]  # configs/debug.toml keeps the latest 2
+    logged = rows(dump)
+    assert [r["step"] for r in logged] == list(range(1, 13))  # each step once
+    schedule = LRScheduler(warmup_steps=5, decay_type="cosine", min_lr_factor=0.1)  # TINY on configs/debug.toml
+    assert logged[10]["lr"] == pytest.approx(0.001 * lr_factor(10, steps=12, cfg=schedule), rel=1e-9)
+
+    # Resuming into fewer steps than the checkpoint's: refused before anything is loaded.
+    line = one_error(train_py(dump, "--training.steps=8", *CKPT))
+    assert line.startswith("error: training.steps: 8 is below step 12 of the checkpoint in")
+
+
+def test_metrics_keep_each_step_once_when_a_resume_redoes_steps(tmp_path: Path) -> None:
+    dump = tmp_path / "run"
+    assert train_py(dump, "--training.steps=4", *CKPT).returncode == 0
+    shutil.rmtree(dump / "checkpoint" / "step-4")  # lost: the rerun redoes steps 3 and 4
+    assert train_py(dump, "--training.steps=4", *CKPT).returncode == 0
+    assert [r["step"] for r in rows(dump)] == [1, 2, 3, 4]
+
+
+def test_seed_checkpoints_are_never_pruned(tmp_path: Path) -> None:
+    dump = tmp_path / "run"
+    assert train_py(dump, "--checkpoint.create_seed_checkpoint").returncode == 0
+    proc = train_py(dump, "--training.steps=4", "--checkpoint.enable", "--checkpoint.interval=1",
+                    "--checkpoint.keep_latest_k=1")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resumed from {dump / 'checkpoint' / 'step-0'}" in proc.stdout
+    assert folders(dump) == ["step-0", "step-4"]
+
+
+# ------------------------------------------------------------ 3. stop requests, locks
+
+
+def wait_for(path: Path, *, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.3)
+
+
+def test_sigint_saves_and_exits_zero_and_a_second_run_in_the_folder_is_refused(tmp_path: Path) -> None:
+    dump = tmp_path / "run"
+    cmd = [sys.executable, "train.py", *TINY, "--training.steps=100000", f"--job.dump_folder={dump}",
+           "--checkpoint.enable", "--checkpoint.interval=100000"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    run = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(dump / "metrics.jsonl")
+        line = one_error(train_py(dump, "--training.steps=3"))
+        host = socket.gethostname()
+        assert f"job.dump_folder: {dump} is in use by the run with pid {run.pid} on host {host}" in line
+        run.send_signal(signal.SIGINT)
+        out, err = run.communicate(timeout=120)
+    finally:
+        run.kill()
+    assert run.returncode == 0 and "Traceback" not in err, err[-3000:]
+    assert "SIGINT: saved step" in out
+    (saved,) = folders(dump)
+    assert (dump / "checkpoint" / saved / ".metadata").is_file()
+    assert not (dump / ".lock").exists()
+
+
+def test_a_stale_lock_of_a_dead_run_is_taken_over_another_hosts_is_not(tmp_path: Path) -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp_path / ".lock").write_text(f"{socket.gethostname()} {dead.stdout.strip()}\n")
+    lock = DumpFolderLock(tmp_path)
+    lock.acquire()
+    assert (tmp_path / ".lock").read_text().split() == [socket.gethostname(), str(os.getpid())]
+    lock.release()
+    (tmp_path / ".lock").write_text("some-other-host 1\n")
+    with pytest.raises(ConfigError, match="in use by the run with pid 1 on host some-other-host"):
+        DumpFolderLock(tmp_path).acquire()
+
+
+def test_the_launch_script_turns_sigint_into_a_saved_stop_and_exit_zero(tmp_path: Path) -> None:
+    """Ctrl-C on scripts/run_multinode.sh: STOP file, 2 ranks save the same step, the launch exits 0."""
+    dump = tmp_path / "run"
+    env = {**os.environ, "NNODES": "1", "NPROC_PER_NODE": "2", "HEAD_ADDR": "127.0.0.1",
+           "RDZV_PORT": str(free_port()), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}  # fmt: skip
+    cmd = ["bash", "scripts/run_multinode.sh", "train.py", *TINY, "--training.steps=100000",
+           f"--job.dump_folder={dump}", "--checkpoint.enable", "--checkpoint.interval=100000"]  # fmt: skip
+    launch = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(dump / "metrics.jsonl")
+        launch.send_signal(signal.SIGINT)
+        out, err = launch.communicate(timeout=120)
+    finally:
+        launch.kill()
+    assert launch.returncode == 0, err[-3000:]
+    assert f"{dump / 'STOP'} found: saved step" in out and "stop requested" in err
+    assert len(folders(dump)) == 1 and not (dump / "STOP").exists()
+
+
+def test_a_rank_that_stops_answering_fails_the_job_after_train_timeout_seconds(tmp_path: Path) -> None:
+    dump = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           "train.py", *TINY, "--training.steps=100000", f"--job.dump_folder={dump}",
+           "--comm.train_timeout_seconds=2"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    launcher = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    worker = None
+    try:
+        wait_for(dump / "metrics.jsonl")
+        worker = int(Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()[-1])
+        os.kill(worker, signal.SIGSTOP)
+        stopped = time.monotonic()
+        assert launcher.stderr is not None
+        for line in launcher.stderr:
+            if line.startswith("error: rank 0: a collective timed out"):
+                break
+        waited = time.monotonic() - stopped
+    finally:
+        if worker is not None:
+            os.kill(worker, signal.SIGKILL)
+        launcher.kill()
+        launcher.communicate()
+    assert waited < 30, waited  # 2 s of timeout, plus the step in flight on a busy machine
+
+
+def test_collective_timeouts_are_set_as_configured() -> None:
+    created = not dist.is_initialized()
+    if not created:
+        pytest.skip("a process group already exists in this test process")
+    init_distributed(timeout_s=77)
+    try:
+        backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+        assert backend.options._timeout.total_seconds() == 77
+        set_collective_timeout(5, groups=[None])
+        assert backend.options._timeout.total_seconds() == 5
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------- 4. no foreign code runs
+
+
+class _RunsAShellCommand:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_crafted_metadata_runs_nothing(tmp_path: Path) -> None:
+    marker, fake = tmp_path / "PWNED", tmp_path / "step-1"
+    fake.mkdir()
+    (fake / ".metadata").write_bytes(pickle.dumps(_RunsAShellCommand(marker)))
+    line = one_error(train_py(tmp_path / "run", f"--checkpoint.initial_load_path={fake}"))
+    assert "refused unread (it names posix.system" in line and "nothing in the folder was run" in line
+    proc = python("scripts/convert_hf.py", "to-hf", str(fake), str(tmp_path / "hf"), "--flavor", "debugmodel",
+                  "--tokenizer-path", "assets/tokenizer")  # fmt: skip
+    assert proc.returncode == 2 and "refused unread" in proc.stderr, proc.stderr[-2000:]
+    assert not marker.exists()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_crafted_non_tensor_item_runs_nothing(tmp_path: Path) -> None:
+    marker = tmp_path / "PWNED"
+    dcp.save({"weights": torch.ones(3), "extra": _RunsAShellCommand(marker)}, checkpoint_id=str(tmp_path / "ck"))
+    with pytest.raises(ConfigError, match=r"item extra was refused unread \(UnpicklingError\)"):
+        verify(tmp_path / "ck")
+    assert not marker.exists()
+
+
+def test_missing_and_truncated_shard_files_are_named(seed: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "step-0"
+    shutil.copytree(seed, copy)
+    shard = copy / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    with pytest.raises(ConfigError, match=r"__0_0.distcp is truncated \(1,000 bytes, needs"):
+        verify(copy)
+    shard.unlink()
+    with pytest.raises(ConfigError, match=r"__0_0.distcp is missing; the checkpoint is incomplete"):
+        verify(copy)
+
+
+# --------------------------------------------------- 5. the dump folder and the disk
+
+
+def test_unusable_dump_folders_are_named_before_any_compute(tmp_path: Path) -> None:
+    ckpt = Checkpoint(enable=True)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match=r"job.dump_folder: .*file exists and is not a folder"):
+        prepare_dump_folder(str(tmp_path / "file"), ckpt, checkpoint_bytes=1)
+    with pytest.raises(ConfigError, match=r"its name is too long"):
+        prepare_dump_folder(str(tmp_path / ("x" * 300)), ckpt, checkpoint_bytes=1)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoint").write_text("x")
+    with pytest.raises(ConfigError, match=r"checkpoint.folder: .*checkpoint exists and is not a folder"):
+        prepare_dump_folder(str(tmp_path / "run"), ckpt, checkpoint_bytes=1)
+    with tmpfs(tmp_path / "ro", size="1m", read_only=True) as ro, pytest.raises(ConfigError, match=r"read-only"):
+        prepare_dump_folder(str(ro), ckpt, checkpoint_bytes=1)
+    too_small = pytest.raises(ConfigError, match=r"has 0.00 GiB free, but a checkpoint .* takes about 0.06 GiB")
+    with tmpfs(tmp_path / "small", size="1m") as small, too_small:
+        prepare_dump_folder(str(small), ckpt, checkpoint_bytes=12 * 5_770_496)
+
+
+def test_a_disk_that_fills_during_a_save_stops_in_one_line_and_keeps_the_last_checkpoint(tmp_path: Path) -> None:
+    with tmpfs(tmp_path / "disk", size="100m") as disk:  # room for one checkpoint of the debug model (67 MiB)
+        dump = disk / "run"
+        line = one_error(train_py(dump, "--training.steps=3", "--checkpoint.enable", "--checkpoint.interval=1"))
+        assert line.startswith("error: checkpoint.folder: no space left on the device while writing")
+        assert "step-2.partial (removed)" in line
+        assert folders(dump) == ["step-1"]
+
+
+# ------------------------------------------------------ 6. one line for every bad input
+
+
+def problems(argv: list[str]) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_config(argv)
+    return info.value.problems
+
+
+def test_config_values_that_mean_nothing_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    toml = tmp_path / "latin1.toml"
+    toml.write_bytes('[job]\ndescription = "caf\xe9"\n'.encode("latin-1"))
+    assert problems(["--config", str(toml)]) == [
+        f"--config: {toml} is not UTF-8 text (byte 0xe9 at offset 24); save it as UTF-8"
+    ]
+    (inf,) = problems(["--optimizer.lr=inf"])
+    assert inf.startswith("optimizer.lr: expected finite float, got 'inf'")
+    toml.write_text("[optimizer]\nlr = inf\n[training]\nmax_norm = nan\n")
+    assert [p.split(":")[0] for p in problems(["--config", str(toml)])] == ["optimizer.lr", "training.max_norm"]
+    assert problems(["--optimizer.eps=-1"])[0].startswith("optimizer.eps: must be > 0")
+    load_config(["--config", "configs/debug.toml", "--training.steps=10"])  # warmup 20 > 10 steps
+    assert "warning: lr_scheduler.warmup_steps = 20 is not below training.steps = 10" in capsys.readouterr().err
+
+
+def corpus(tmp_path: Path, content: bytes, suffix: str = ".jsonl") -> PackedCorpus:
+    path = tmp_path / f"data{suffix}"
+    path.write_bytes(content)
+    return PackedCorpus(Data(path=str(path)), build_tokenizer("byte"), window=4)
+
+
+def test_data_that_cannot_be_trained_on_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ConfigError, match=r"data.path: .*data.jsonl holds no documents"):
+        corpus(tmp_path, b"")
+    with pytest.raises(ConfigError, match=r"data.path: .*data.txt is not UTF-8 text"):
+        corpus(tmp_path, b"\xff\xfe caf\xe9\n", suffix=".txt")
+    with pytest.raises(ConfigError, match=r"data.text_column: column 'text' of .* holds Value\('int64'\), not text"):
+        corpus(tmp_path, b'{"text": 1}\n{"text": 2}\n')
+    nulls = corpus(tmp_path, b'{"text": "abc"}\n{"text": null}\n{"text": "de"}\n')
+    assert "warning: data.path: 1 of 3 documents of" in capsys.readouterr().err
+    assert nulls.num_tokens == (3 + 2) + (2 + 2)  # two documents with BOS and EOS; the null one skipped
+
+
+def test_an_invalid_tokenizer_config_is_named(tmp_path: Path) -> None:
+    folder = tmp_path / "tok"
+    shutil.copytree(REPO / "assets" / "tokenizer", folder)
+    (folder / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"model.tokenizer_path: .*tokenizer_config.json is not valid JSON"):
+        build_tokenizer(str(folder))
+
+
+def test_async_with_pinned_memory_needs_cuda(tmp_path: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: async_with_pinned_mem runs")
+    with pytest.raises(ConfigError, match=r'checkpoint.async_mode: async_with_pinned_mem .* needs CUDA; use "async"'):
+        CheckpointManager(
+            Checkpoint(async_mode="async_with_pinned_mem"), dump_folder=str(tmp_path), model=build_tiny(),
+            optimizer=None, stateful={},
+        )  # fmt: skip
+
+
+def test_losses_are_unchanged_by_the_guards(tmp_path: Path, seed: Path) -> None:
+    """The non-finite check and the stop machinery cost nothing in numbers: a plain run still trains."""
+    dump = tmp_path / "run"
+    proc = train_py(dump, "--training.steps=6", f"--checkpoint.initial_load_path={seed}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = losses(dump)
+    assert sorted(got) == list(range(1, 7)) and got[6] < got[1]
