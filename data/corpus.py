@@ -1,0 +1,215 @@
+"""A prepared corpus, memory-mapped, and how train.py gets one from whatever `[data] path` names.
+
+The token stream is the shards back to back. Any range of it is a slice of one memory map (two
+when it straddles a shard boundary): O(1), whatever the document lengths, with no Python work per
+document. Where documents begin inside a range (for block-causal attention) is a binary search in
+the shard's `doc_ends`.
+
+`[data] path` may name a prepared folder (it has a manifest.json), or raw files. Raw files are
+prepared at start-up into a cache folder keyed on the files, the tokenizer and the format, with
+the ranks dividing the chunks; where the cache folder is not shared between nodes, each node
+prepares its own copy. Raw data too large for that (minutes of tokenizing) is refused with the
+exact `scripts/prepare_data.py` command.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from config import REPO, Data
+from data.prepare import FORMAT, begin, is_prepared, tokenize, write_manifest
+from data.sources import find_source
+from data.tokenizers import Tokenizer
+from errors import ConfigError, is_rank0, warn
+
+# Raw data above this is refused at start-up: ~3 MB/s of text per core means minutes of tokenizing.
+MAX_RAW_BYTES = 256 * 2**20
+# Small chunks for the cache, so that the ranks have several each to share.
+CACHE_CHUNK_BYTES = 2**20
+
+
+class TokenCorpus:
+    """A prepared folder's token stream: `read(start, n)` and `doc_starts(start, n)` in O(1)."""
+
+    def __init__(self, folder: Path, *, key: str = "data.path"):
+        self.folder = folder
+        try:
+            self.manifest: dict[str, Any] = json.loads((folder / "manifest.json").read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{key}: {folder}/manifest.json is unreadable ({e}); prepare the data again") from None
+        if self.manifest.get("format") != FORMAT:
+            raise ConfigError(
+                f"{key}: {folder} was prepared in format {self.manifest.get('format')!r}, this recipe reads {FORMAT!r}; "
+                "prepare it again with scripts/prepare_data.py"
+            )
+        self.tokens, self.doc_ends = [], []
+        for shard in self.manifest["shards"]:
+            tokens, ends = (self._open(folder / shard[f"{kind}_file"], key) for kind in ("tokens", "doc_ends"))
+            if len(tokens) != shard["tokens"] or len(ends) != shard["documents"]:
+                raise ConfigError(
+                    f"{key}: {folder / shard['tokens']} does not match the manifest; prepare the data again"
+                )
+            self.tokens.append(tokens)
+            self.doc_ends.append(ends)
+        self.shard_starts = np.cumsum([0] + [len(t) for t in self.tokens])  # stream offset of each shard
+        self.num_tokens = int(self.shard_starts[-1])
+        self.tokenizer_fingerprint: str = self.manifest["tokenizer"]["fingerprint"]
+        self.fingerprint: str = self.manifest["fingerprint"]
+
+    @staticmethod
+    def _open(path: Path, key: str) -> np.ndarray:
+        try:
+            return np.load(path, mmap_mode="r")
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{key}: {path} is missing or damaged ({e}); prepare the data again") from None
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        """Tokens [start, start + length) of the stream as int64."""
+        out = np.empty(length, dtype=np.int64)
+        done = 0
+        while done < length:
+            shard = int(np.searchsorted(self.shard_starts, start + done, side="right")) - 1
+            offset = start + done - int(self.shard_starts[shard])
+            take = min(length - done, len(self.tokens[shard]) - offset)
+            out[done : done + take] = self.tokens[shard][offset : offset + take]
+            done += take
+        return out
+
+    def doc_starts(self, start: int, length: int) -> np.ndarray:
+        """Offsets, relative to `start`, of the documents that begin in [start, start + length)."""
+        found = []
+        position = start
+        while position < start + length:
+            shard = int(np.searchsorted(self.shard_starts, position, side="right")) - 1
+            base = int(self.shard_starts[shard])
+            lo, hi = position - base, min(start + length - base, len(self.tokens[shard]))
+            # A shard's documents begin at 0 and where each one but the last ends.
+            begins = self.doc_ends[shard][:-1]
+            inside = begins[int(np.searchsorted(begins, lo)) : int(np.searchsorted(begins, hi))]
+            found.append([b + base - start for b in ([0] if lo == 0 else []) + inside.tolist()])
+            position = base + hi
+        return np.array([b for part in found for b in part], dtype=np.int64)
+
+
+# ------------------------------------------------------------------ train.py's corpus
+
+
+def open_corpus(cfg: Data, tokenizer: Tokenizer, tokenizer_path: str) -> TokenCorpus:
+    """The corpus `[data] path` names; raw files are prepared into the cache first (a collective).
+
+    Every rank calls it. Under torch.distributed the ranks share the tokenizing and wait for each other.
+    """
+    path = Path(cfg.path)
+    if is_prepared(path):
+        corpus = TokenCorpus(path)
+        if corpus.tokenizer_fingerprint != tokenizer.fingerprint:
+            raise ConfigError(
+                f"data.path: {path} was tokenized by {corpus.manifest['tokenizer']['path']}, not by "
+                f"model.tokenizer_path; point model.tokenizer_path at that tokenizer, or prepare the data again"
+            )
+        return corpus
+    source = find_source(cfg.path, fmt=cfg.format, text_column=cfg.text_column, split=cfg.split)
+    if source.format == "hub" or source.input_bytes > MAX_RAW_BYTES:
+        size = "a hub dataset" if source.format == "hub" else f"{source.input_bytes / 2**20:,.0f} MiB of raw text"
+        raise ConfigError(
+            f"data.path: {cfg.path} is {size}: too much to tokenize at every start; prepare it once with "
+            f"`{prepare_command(cfg, tokenizer_path)}`, then set data.path to that --output folder"
+        )
+    cache = cache_folder(cfg, tokenizer, source.describe())
+    if not is_prepared(cache):
+        _prepare_shared(source, tokenizer_path, cache)
+    corpus = TokenCorpus(cache)
+    if nulls := corpus.manifest["null_documents"]:
+        total = nulls + corpus.manifest["documents"]
+        warn(f"data.path: {nulls:,} of {total:,} documents of {cfg.path} have no text (null); they are skipped")
+    return corpus
+
+
+def corpus_size(cfg: Data, tokenizer: Tokenizer) -> tuple[int, bool]:
+    """(tokens, exact) of the corpus `[data] path` names, without tokenizing: from its manifest (a
+    prepared folder, or raw data already in the cache), else about 4 bytes of raw text per token."""
+    path = Path(cfg.path)
+    if is_prepared(path):
+        return int(json.loads((path / "manifest.json").read_text())["tokens"]), True
+    source = find_source(cfg.path, fmt=cfg.format, text_column=cfg.text_column, split=cfg.split)
+    if source.format == "hub":
+        return 0, False
+    cache = cache_folder(cfg, tokenizer, source.describe())
+    if is_prepared(cache):
+        return int(json.loads((cache / "manifest.json").read_text())["tokens"]), True
+    return source.input_bytes // 4, False
+
+
+def prepare_command(cfg: Data, tokenizer_path: str) -> str:
+    output = Path(cfg.path.rstrip("/")).with_suffix("").name + "-tokens"
+    name = f" --name {cfg.name}" if cfg.name else ""
+    fmt = " --format hub" if cfg.format == "hub" else ""
+    return (
+        f"python {REPO / 'scripts' / 'prepare_data.py'} --source {cfg.path}{fmt}{name} --split {cfg.split} "
+        f"--text-column {cfg.text_column} --tokenizer {tokenizer_path} --output data/{output} --workers {os.cpu_count()}"
+    )
+
+
+def cache_folder(cfg: Data, tokenizer: Tokenizer, source: dict[str, Any]) -> Path:
+    what = {"format": FORMAT, "source": source, "tokenizer": tokenizer.fingerprint, "chunk_bytes": CACHE_CHUNK_BYTES}
+    digest = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(cfg.cache_folder).expanduser() / digest
+
+
+def _prepare_shared(source: Any, tokenizer_path: str, cache: Path) -> None:
+    """Every rank tokenizes its share of the chunks into `cache`; then one writes the manifest.
+
+    Where the ranks do not all see one folder (a node-local cache on several nodes), each node
+    prepares its own copy: its ranks share the chunks, its local rank 0 writes the manifest.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        chunks = tokenize(source, tokenizer_path, cache, workers=0, chunk_bytes=CACHE_CHUNK_BYTES, progress=_log)
+        write_manifest(cache, chunks=chunks)
+        return
+    cache.mkdir(parents=True, exist_ok=True)
+    probe = [f".shared-{uuid.uuid4().hex}" if dist.get_rank() == 0 else ""]
+    dist.broadcast_object_list(probe, src=0)
+    if dist.get_rank() == 0:
+        (cache / probe[0]).touch()
+    dist.barrier()
+    seen = [False] * dist.get_world_size()
+    dist.all_gather_object(seen, (cache / probe[0]).exists())
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (cache / probe[0]).unlink()
+    if all(seen):  # one folder for everyone
+        rank, ranks, leader = dist.get_rank(), dist.get_world_size(), dist.get_rank() == 0
+    else:  # one folder per node
+        rank, ranks = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        leader = rank == 0
+    if leader:
+        begin(source, tokenizer_path, cache, chunk_bytes=CACHE_CHUNK_BYTES)  # prepare.json, before any rank checks it
+    dist.barrier()
+    chunks, problems = 0, None
+    try:
+        chunks = tokenize(
+            source, tokenizer_path, cache, workers=0, chunk_bytes=CACHE_CHUNK_BYTES, share=(rank, ranks), progress=_log
+        )
+    except ConfigError as e:  # bad input in this rank's chunks: every rank must stop, not wait
+        problems = e.problems
+    everyone: list[list[str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, problems)
+    if found := next((p for p in everyone if p), None):
+        raise ConfigError(*found)
+    if leader:
+        write_manifest(cache, chunks=chunks)
+    dist.barrier()
+
+
+def _log(message: str) -> None:
+    if is_rank0():
+        print(f"[data] {message}", flush=True)

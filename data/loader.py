@@ -1,0 +1,132 @@
+"""The global-batch loader: a step's sequences depend on the step alone, never on the number of ranks.
+
+The corpus is read as windows of `window` = seq_len + 1 tokens (inputs are a window's first
+seq_len tokens, labels its last seq_len). Sample k of the run is window k of the first epoch, and
+so on around the corpus; with `[data] shuffle` it is window perm(k) of a pseudo-random permutation
+of the windows that changes with every epoch, computed in O(1) from (seed, epoch, k) by a small
+Feistel network instead of a stored index. Global step s consumes samples [s*G, (s+1)*G) for a
+global batch of G sequences, split into micro-batches of local_batch_size x dp sequences, rank r
+taking rows [r*local, (r+1)*local) of each. So a run on 1, 2 or 8 ranks sees the same tokens at
+every step, resumes bit-exactly on another world size, and the loader's state is one integer
+(plus what it was reading, to refuse resuming on other data).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from data.corpus import TokenCorpus
+from errors import ConfigError
+
+
+class Batch(NamedTuple):
+    inputs: torch.Tensor  # (bs, seq_len) int64
+    labels: torch.Tensor  # (bs, seq_len) int64: the inputs shifted by one
+    segments: torch.Tensor | None = None  # (bs, seq_len) int32: index of each input token's document in its window
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finalizer: a well-mixed 64-bit function of x."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def permute(index: int, size: int, key: int) -> int:
+    """A bijection of [0, size) chosen by `key`: a 4-round Feistel network with cycle walking."""
+    bits = max(2, (size - 1).bit_length())
+    half = (bits + 1) // 2
+    mask = (1 << half) - 1
+    x = index
+    while True:  # the domain [0, 4^half) holds at most 4x size: a few rounds on average
+        left, right = x >> half, x & mask
+        for round_ in range(4):
+            left, right = right, left ^ (_mix(right ^ _mix(key * 4 + round_)) & mask)
+        x = (left << half) | right
+        if x < size:
+            return x
+
+
+@dataclass
+class GlobalBatchLoader:
+    """Yields this rank's micro-batches of each optimizer step (see the module docstring)."""
+
+    corpus: TokenCorpus
+    window: int  # tokens per sample: seq_len + 1
+    local_batch_size: int
+    global_batch_size: int
+    dp_rank: int
+    dp_degree: int
+    shuffle: bool = False
+    seed: int = 0
+    strict_resume: bool = True  # refuse a checkpoint of other data, tokenizer, window or global batch
+    sample_index: int = 0  # samples consumed by all ranks together: the checkpointed position
+
+    def __post_init__(self) -> None:
+        per_micro = self.local_batch_size * self.dp_degree
+        if self.global_batch_size % per_micro:
+            raise ConfigError(
+                f"training.global_batch_size: {self.global_batch_size} is not a multiple of local_batch_size "
+                f"{self.local_batch_size} x data-parallel degree {self.dp_degree}; use a multiple of {per_micro} or -1"
+            )
+        self.grad_accum = self.global_batch_size // per_micro
+        self.num_windows = self.corpus.num_tokens // self.window
+        if self.num_windows == 0:
+            raise ConfigError(
+                f"data.path: the corpus holds {self.corpus.num_tokens} tokens, fewer than one sequence of "
+                f"training.seq_len + 1 = {self.window}; lower training.seq_len or add data"
+            )
+
+    def window_of(self, sample: int) -> int:
+        """Which window sample `sample` reads."""
+        epoch, index = divmod(sample, self.num_windows)
+        return permute(index, self.num_windows, _mix(self.seed) ^ epoch) if self.shuffle else index
+
+    def sample(self, sample: int) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens of the window, its document index per token) for sample `sample`."""
+        start = self.window_of(sample) * self.window
+        tokens = self.corpus.read(start, self.window)
+        segments = np.zeros(self.window, dtype=np.int32)
+        segments[self.corpus.doc_starts(start, self.window)] = 1
+        segments[0] = 0  # a document that began before the window is this window's document 0
+        return tokens, np.cumsum(segments, dtype=np.int32)
+
+    def next_step(self) -> Iterator[Batch]:
+        """grad_accum micro-batches of (local_batch_size, seq_len) inputs, labels and segments."""
+        base = self.sample_index
+        self.sample_index += self.global_batch_size
+        per_micro = self.local_batch_size * self.dp_degree
+        for micro in range(self.grad_accum):
+            first = base + micro * per_micro + self.dp_rank * self.local_batch_size
+            tokens, segments = zip(*(self.sample(first + j) for j in range(self.local_batch_size)), strict=True)
+            batch = torch.from_numpy(np.stack(tokens))
+            yield Batch(batch[:, :-1], batch[:, 1:], torch.from_numpy(np.stack(segments)[:, :-1]))
+
+    def _identity(self) -> dict[str, Any]:
+        return {
+            "dataset": self.corpus.fingerprint, "tokenizer": self.corpus.tokenizer_fingerprint,
+            "window": self.window, "global_batch_size": self.global_batch_size,
+            "shuffle": self.shuffle, "seed": self.seed if self.shuffle else 0,
+        }  # fmt: skip
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sample_index": self.sample_index, **self._identity()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        changed = [f"{k} {state[k]!r} -> {v!r}" for k, v in self._identity().items() if k in state and state[k] != v]
+        if changed and self.strict_resume:
+            raise ConfigError(
+                f"data.ignore_resume_mismatch: the checkpoint was trained on other data or settings ({', '.join(changed)}); "
+                "resuming would not continue its stream. Set data.ignore_resume_mismatch = true to resume anyway "
+                "(from the same sample count), or choose another job.dump_folder"
+            )
+        self.sample_index = int(state["sample_index"])

@@ -1,0 +1,276 @@
+"""Tokenize a corpus once into token shards that training memory-maps.
+
+`scripts/prepare_data.py` runs this with a pool of worker processes; train.py runs it for small raw
+data at start-up, into a cache, with the ranks splitting the chunks among them. The output folder:
+
+    tokens-00000.npy     the documents of input chunk 0 as BOS text EOS, back to back: uint16 when
+                         the vocabulary has fewer than 65,536 tokens, else uint32
+    doc_ends-00000.npy   int64, where each of those documents ends in the shard
+    shard-00000.json     the shard's record (documents, tokens, sha256 of its input and of its tokens),
+                         written after the two files: a rerun skips chunks whose record matches
+    prepare.json         what is being prepared (source, tokenizer, chunk size): a rerun into the
+                         same folder must be the same preparation
+    manifest.json        written last, so its presence means complete: format, dtype, tokenizer,
+                         source, counts, and every shard
+
+A chunk's shard depends on that chunk's input and the tokenizer only, so the token files are the
+same byte for byte whatever the number of workers, and an interrupted run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from data.sources import Chunk, Source, read_chunks, texts
+from data.tokenizers import Tokenizer, build_tokenizer
+from errors import ConfigError
+
+FORMAT = "llama3-recipe/tokens-v1"
+CHUNK_BYTES = 16 * 2**20
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest unsigned integer that holds every token id."""
+    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+
+
+def is_prepared(folder: Path) -> bool:
+    return (folder / "manifest.json").is_file()
+
+
+def shard_name(index: int, kind: str) -> str:
+    return f"{kind}-{index:05d}.{'json' if kind == 'shard' else 'npy'}"
+
+
+def plan(source: Source, tokenizer: Tokenizer, tokenizer_path: str, *, chunk_bytes: int) -> dict[str, Any]:
+    """What a preparation is, as prepare.json records it (and a cache key hashes it)."""
+    return {
+        "format": FORMAT,
+        "source": source.describe(),
+        "tokenizer": {"path": tokenizer_path, "fingerprint": tokenizer.fingerprint, "vocab_size": tokenizer.vocab_size,
+                      "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id},
+        "dtype": token_dtype(tokenizer.vocab_size).name,
+        "chunk_bytes": chunk_bytes,
+    }  # fmt: skip
+
+
+def begin(source: Source, tokenizer_path: str, output: Path, *, chunk_bytes: int = CHUNK_BYTES) -> Tokenizer:
+    """Start (or check that `output` already holds) this preparation; returns the tokenizer."""
+    tokenizer = build_tokenizer(tokenizer_path)
+    start(output, plan(source, tokenizer, tokenizer_path, chunk_bytes=chunk_bytes))
+    return tokenizer
+
+
+def start(output: Path, the_plan: dict[str, Any]) -> None:
+    """Create `output` for `the_plan`, or check that it already holds the same preparation."""
+    output.mkdir(parents=True, exist_ok=True)
+    record = output / "prepare.json"
+    if record.is_file():
+        before = json.loads(record.read_text())
+        if before != the_plan:
+            changed = sorted(k for k in the_plan if before.get(k) != the_plan[k])
+            raise ConfigError(
+                f"--output: {output} holds another preparation (its {', '.join(changed)} differ); choose an empty "
+                "folder, or delete it to start over"
+            )
+        return
+    _write_json(record, the_plan)
+
+
+# ------------------------------------------------------------------------ one chunk
+
+
+class _Worker:
+    """Tokenizes chunks into shards; one per process (the tokenizer is built once per process)."""
+
+    tokenizer: Tokenizer | None = None
+
+    @classmethod
+    def init(cls, tokenizer_path: str) -> None:
+        # Each worker is one core: the Rust tokenizer would otherwise spread a batch over all of them.
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        cls.tokenizer = build_tokenizer(tokenizer_path)
+
+    @classmethod
+    def run(cls, chunk: Chunk, output: Path, text_column: str, where: str) -> dict[str, Any]:
+        assert cls.tokenizer is not None
+        return write_shard(chunk, cls.tokenizer, output, text_column=text_column, where=where)
+
+
+def write_shard(chunk: Chunk, tokenizer: Tokenizer, output: Path, *, text_column: str, where: str) -> dict[str, Any]:
+    """Tokenize one chunk into its shard files (tmp + rename) and record; returns the record."""
+    documents = texts(chunk, text_column=text_column, where=where)
+    present = [t for t in documents if t is not None]
+    ids = tokenizer.encode_batch(present) if present else []
+    lengths = np.fromiter((len(x) + 2 for x in ids), dtype=np.int64, count=len(ids))
+    ends = np.cumsum(lengths)
+    flat = np.empty(int(ends[-1]) if len(ends) else 0, dtype=token_dtype(tokenizer.vocab_size))
+    starts = ends - lengths
+    for begin, end, doc in zip(starts.tolist(), ends.tolist(), ids, strict=True):
+        flat[begin] = tokenizer.bos_id
+        flat[begin + 1 : end - 1] = doc
+        flat[end - 1] = tokenizer.eos_id
+    record = {
+        "index": chunk.index,
+        "documents": len(ids),
+        "null_documents": len(documents) - len(present),
+        "tokens": int(flat.size),
+        "input_bytes": chunk.input_bytes,
+        "input_sha256": chunk.digest,
+        "tokens_sha256": hashlib.sha256(flat.tobytes()).hexdigest(),
+    }
+    for kind, array in (("tokens", flat), ("doc_ends", ends)):
+        tmp = output / (shard_name(chunk.index, kind) + ".tmp")
+        with open(tmp, "wb") as f:
+            np.save(f, array)
+        os.replace(tmp, output / shard_name(chunk.index, kind))
+    _write_json(output / shard_name(chunk.index, "shard"), record)
+    return record
+
+
+def _done(output: Path, chunk: Chunk) -> dict[str, Any] | None:
+    """The record of this chunk's shard when an earlier run already wrote it from the same input."""
+    file = output / shard_name(chunk.index, "shard")
+    if not file.is_file():
+        return None
+    record = json.loads(file.read_text())
+    return record if record.get("input_sha256") == chunk.digest else None
+
+
+# ------------------------------------------------------------------------ the corpus
+
+
+def tokenize(
+    source: Source,
+    tokenizer_path: str,
+    output: Path,
+    *,
+    workers: int,
+    chunk_bytes: int = CHUNK_BYTES,
+    share: tuple[int, int] = (0, 1),
+    progress: Callable[[str], None] | None = None,
+) -> int:
+    """Write the shards of every chunk that is this process's share; returns the number of chunks.
+
+    workers: 0 tokenizes in this process, N > 0 in a pool of N processes. share: (k, n) takes chunks
+    k, k + n, k + 2n, ... (the ranks of a run dividing the work); every process reads the whole input.
+    """
+    tokenizer = begin(source, tokenizer_path, output, chunk_bytes=chunk_bytes)
+    meter = _Progress(source, progress)
+    where, chunks = source.path, 0
+    pool = None
+    if workers > 0:
+        # spawn: no inherited threads or tokenizer state in the workers.
+        pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_Worker.init, initargs=(tokenizer_path,))
+    else:
+        _Worker.tokenizer = tokenizer
+    pending: deque[tuple[Chunk, Any]] = deque()
+    try:
+        for chunk in read_chunks(source, chunk_bytes=chunk_bytes):
+            chunks = chunk.index + 1
+            if chunk.index % share[1] != share[0]:
+                continue
+            if (record := _done(output, chunk)) is not None:
+                meter.update(chunk, record)
+            elif pool is None:
+                meter.update(chunk, _Worker.run(chunk, output, source.text_column, where))
+            else:
+                pending.append((chunk, pool.apply_async(_Worker.run, (chunk, output, source.text_column, where))))
+                # At most 2 chunks per worker in flight: memory stays bounded whatever the input size.
+                while len(pending) > 2 * workers:
+                    done, result = pending.popleft()
+                    meter.update(done, result.get())  # a worker's ConfigError arrives here as itself
+        while pending:
+            done, result = pending.popleft()
+            meter.update(done, result.get())
+    finally:
+        if pool is not None:
+            pool.terminate()
+    return chunks
+
+
+def write_manifest(output: Path, *, chunks: int) -> dict[str, Any]:
+    """manifest.json from prepare.json and the shard records: the corpus is complete."""
+    the_plan = json.loads((output / "prepare.json").read_text())
+    shards = []
+    for index in range(chunks):
+        file = output / shard_name(index, "shard")
+        if not file.is_file():
+            raise ConfigError(
+                f"--output: {output} lacks shard {index} ({file.name}); rerun the preparation to finish it"
+            )
+        record = json.loads(file.read_text())
+        shards.append(
+            {"tokens_file": shard_name(index, "tokens"), "doc_ends_file": shard_name(index, "doc_ends"), **record}
+        )
+    manifest = {
+        **the_plan,
+        "documents": sum(s["documents"] for s in shards),
+        "null_documents": sum(s["null_documents"] for s in shards),
+        "tokens": sum(s["tokens"] for s in shards),
+        "input_bytes": sum(s["input_bytes"] for s in shards),
+        "fingerprint": hashlib.sha256("".join(s["tokens_sha256"] for s in shards).encode()).hexdigest()[:16],
+        "shards": shards,
+    }
+    if manifest["tokens"] == 0:
+        raise ConfigError(f"{the_plan['source']['path']}: holds no documents; point it at a non-empty dataset")
+    _write_json(output / "manifest.json", manifest)
+    return manifest
+
+
+def prepare(
+    source: Source, tokenizer_path: str, output: Path, *, workers: int, chunk_bytes: int = CHUNK_BYTES,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Tokenize `source` into `output` (resuming an interrupted run) and write its manifest."""
+    chunks = tokenize(source, tokenizer_path, output, workers=workers, chunk_bytes=chunk_bytes, progress=progress)
+    return write_manifest(output, chunks=chunks)
+
+
+# ------------------------------------------------------------------------ small parts
+
+
+class _Progress:
+    """A line every few seconds: input read, rate, tokens, ETA (when the input size is known)."""
+
+    def __init__(self, source: Source, report: Callable[[str], None] | None, every_s: float = 5.0):
+        self.report, self.every_s, self.total = report, every_s, source.input_bytes
+        self.begin = self.last = time.perf_counter()
+        self.bytes = self.tokens = 0
+
+    def update(self, chunk: Chunk, record: dict[str, Any]) -> None:
+        self.bytes += chunk.input_bytes
+        self.tokens += record["tokens"]
+        now = time.perf_counter()
+        if self.report is None or now - self.last < self.every_s:
+            return
+        self.last = now
+        rate = self.bytes / max(now - self.begin, 1e-9)
+        line = f"{self.bytes / 1e6:,.1f} MB read, {rate / 1e6:,.2f} MB/s, {self.tokens:,} tokens"
+        if self.total and chunk.position:
+            left = (self.total - chunk.position) / max(chunk.position / (now - self.begin), 1e-9)
+            line += f", {100 * chunk.position / self.total:.0f}% of the input, ETA {_duration(left)}"
+        self.report(line)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return (
+        f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+    )
+
+
+def _write_json(path: Path, value: Any) -> None:
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(value, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)

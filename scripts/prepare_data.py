@@ -1,0 +1,78 @@
+"""Tokenize a corpus once into the token shards train.py memory-maps (`[data] path = OUTPUT`).
+
+    python scripts/prepare_data.py --source assets/corpus/stories.jsonl --tokenizer assets/tokenizer \\
+        --output data/stories --workers 2
+    python scripts/prepare_data.py --source HuggingFaceFW/fineweb-edu --format hub --name sample-10BT \\
+        --tokenizer assets/hf/Llama-3.1-8B --output data/fineweb-edu-10BT-llama3 --workers 64
+
+SOURCE: a local .jsonl/.json(.gz)/.parquet/.txt file or a folder of them, or with --format hub a
+Hugging Face dataset name, streamed (needs a network). Each worker process tokenizes chunks of
+16 MB of input with one core; the token files do not depend on the number of workers, and a
+rerun after an interruption skips the chunks already done. The output folder's layout is
+described in data/prepare.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+# Runnable without installing the repo: its root holds data/ and errors.py.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from data.prepare import CHUNK_BYTES, prepare  # noqa: E402
+from data.sources import find_source  # noqa: E402
+from errors import ConfigError  # noqa: E402
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--source", required=True, help="file, folder, or hub dataset name (with --format hub)")
+    p.add_argument("--format", default="auto", choices=["auto", "json", "parquet", "text", "hub"])
+    p.add_argument("--name", default=None, help="hub dataset configuration, e.g. sample-10BT")
+    p.add_argument("--split", default="train", help="hub dataset split")
+    p.add_argument("--text-column", default="text")
+    p.add_argument("--tokenizer", required=True, help='tokenizer.json, a Hugging Face tokenizer folder, or "byte"')
+    p.add_argument("--output", required=True, type=Path, help="the folder to write (resumed if it holds a partial run)")
+    p.add_argument("--workers", type=int, default=os.cpu_count(), help="tokenizing processes (default: all cores)")
+    p.add_argument("--chunk-mb", type=float, default=CHUNK_BYTES / 2**20, help="input per shard, MB (default 16)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.workers < 1:
+            raise ConfigError(f"--workers: must be >= 1, got {args.workers}")
+        source = find_source(
+            args.source, fmt=args.format, text_column=args.text_column, name=args.name, split=args.split,
+            key="--source",
+        )  # fmt: skip
+        begin = time.perf_counter()
+        manifest = prepare(
+            source, args.tokenizer, args.output, workers=args.workers, chunk_bytes=int(args.chunk_mb * 2**20),
+            progress=lambda line: print(line, flush=True),
+        )  # fmt: skip
+    except ConfigError as e:
+        for problem in e.problems:
+            print(f"error: {problem}", file=sys.stderr)
+        return 2
+    seconds = time.perf_counter() - begin
+    on_disk = sum((args.output / s["tokens_file"]).stat().st_size for s in manifest["shards"])
+    print(
+        f"wrote {args.output}: {manifest['documents']:,} documents, {manifest['tokens']:,} tokens ({manifest['dtype']}, "
+        f"{on_disk / manifest['tokens']:.2f} bytes per token on disk), {len(manifest['shards'])} shards, from "
+        f"{manifest['input_bytes'] / 1e6:,.1f} MB in {seconds:.1f} s ({manifest['input_bytes'] / 1e6 / seconds:,.2f} MB/s "
+        f"with {args.workers} workers)",
+        flush=True,
+    )
+    if manifest["null_documents"]:
+        print(f"skipped {manifest['null_documents']:,} documents without text (null)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
