@@ -91,10 +91,11 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, *, loss_parallel: bool, se
             tp_mesh,
             {
                 "attention_norm": SequenceParallel(),
-                # `cos_sin` (None layout) is a plain tensor every rank holds in full: left alone.
+                # `cos_sin` and the attention mask (None layouts) are plain tensors (or None) every
+                # rank holds in full: left alone. Attention sees the whole sequence, so does the mask.
                 "attention": PrepareModuleInput(
-                    input_layouts=(Shard(1), None),
-                    desired_input_layouts=(Replicate(), None),
+                    input_layouts=(Shard(1), None, None),
+                    desired_input_layouts=(Replicate(), None, None),
                 ),
                 "attention.wq": ColwiseParallel(),
                 "attention.wk": ColwiseParallel(),

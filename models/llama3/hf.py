@@ -53,6 +53,14 @@ _PER_LAYER = {
 # Written by old transformers versions: the RoPE table, which we derive from the config.
 _IGNORED_SUFFIX = ".self_attn.rotary_emb.inv_freq"
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30  # what transformers' save_pretrained uses
+# Where each published flavor's weights and tokenizer live on the Hugging Face hub (gated: accept the license first).
+PUBLISHED = {
+    "llama3_1b": "meta-llama/Llama-3.2-1B",
+    "llama3_3b": "meta-llama/Llama-3.2-3B",
+    "llama3_8b": "meta-llama/Llama-3.1-8B",
+    "llama3_70b": "meta-llama/Llama-3.1-70B",
+    "llama3_405b": "meta-llama/Llama-3.1-405B",
+}
 
 
 # ------------------------------------------------------------------------- config

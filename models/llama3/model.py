@@ -15,6 +15,9 @@ Design rules this file keeps:
     when a pipeline stage or a test drops some of them.
   * RoPE uses the "rotate half" layout of Hugging Face checkpoints, so HF weights load
     without permuting wq/wk.
+  * attn_mask_type "block_causal": a token attends to the earlier tokens of its own document
+    only, given each token's document index in its packed window (`segments`). RoPE depends on
+    relative positions alone, so each document then computes exactly what it would alone.
 """
 
 from __future__ import annotations
@@ -26,6 +29,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+# A causal mask within documents: (bs, 1, seqlen, seqlen) booleans (True: attend) for SDPA, or a
+# FlexAttention BlockMask on CUDA; None: plain causal attention over the whole window.
+AttentionMask = torch.Tensor | BlockMask | None
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,7 @@ class ModelArgs:
     # An explicit SwiGLU width for checkpoints whose width Llama's rule below cannot produce
     # (e.g. a Hugging Face config's intermediate_size); None: use the rule.
     ffn_hidden_dim_override: int | None = None
+    attn_mask_type: str = "causal"  # or "block_causal": attention stays inside each packed document
 
     @property
     def head_dim(self) -> int:
@@ -161,7 +170,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, mask: AttentionMask = None) -> torch.Tensor:
         bs, seqlen, _ = x.shape
         # -1 instead of n_heads: under tensor parallelism each rank holds a slice of heads.
         q = self.wq(x).view(bs, seqlen, -1, self.head_dim)  # (bs, seqlen, n_heads, head_dim)
@@ -177,7 +186,12 @@ class Attention(nn.Module):
             v = v.repeat_interleave(n_rep, dim=2)
 
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (bs, heads, seqlen, head_dim)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif isinstance(mask, torch.Tensor):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            out = _flex_attention(q, k, v, block_mask=mask)
         out = out.transpose(1, 2).reshape(bs, seqlen, -1)  # (bs, seqlen, n_heads * head_dim)
         return self.wo(out)
 
@@ -218,8 +232,8 @@ class TransformerBlock(nn.Module):
         # so the residual stream's variance does not grow with depth.
         self.init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
 
-    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos_sin)
+    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, mask: AttentionMask = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos_sin, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self) -> None:
@@ -242,11 +256,17 @@ class Transformer(nn.Module):
         # Derived from args, never trained or checkpointed: recomputed by init_weights().
         self.register_buffer("rope_cos_sin", rope_cos_sin(args), persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (bs, seqlen) int64 -> logits (bs, seqlen, vocab)."""
+    def forward(self, tokens: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (bs, seqlen) int64 -> logits (bs, seqlen, vocab).
+
+        segments (bs, seqlen): each token's document index in its window, used by block_causal.
+        """
+        mask = None
+        if self.args.attn_mask_type == "block_causal" and segments is not None:
+            mask = document_mask(segments.to(tokens.device))
         h = self.tok_embeddings(tokens)  # (bs, seqlen, dim)
         for layer in self.layers.values():
-            h = layer(h, self.rope_cos_sin)
+            h = layer(h, self.rope_cos_sin, mask)
         h = self.norm(h)
         if self.output is None:
             return F.linear(h, self.tok_embeddings.weight)
@@ -265,6 +285,35 @@ class Transformer(nn.Module):
             # Logits start at unit scale: std dim^-0.5, truncated at 3 std.
             std = self.args.dim**-0.5
             nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+
+def document_mask(segments: torch.Tensor) -> AttentionMask:
+    """Causal attention inside each document of a packed window; segments (bs, seqlen).
+
+    CUDA: a FlexAttention BlockMask, which skips the blocks no token of a query block may see.
+    Elsewhere a dense boolean mask for SDPA (FlexAttention has no CPU backward, PyTorch 2.13),
+    exact and fine for the sequence lengths of tests: bs x seqlen^2 bytes.
+    """
+    bs, seqlen = segments.shape
+    if segments.is_cuda:
+
+        def same_document_causal(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+            return (segments[b, q] == segments[b, kv]) & (q >= kv)
+
+        return create_block_mask(same_document_causal, bs, None, seqlen, seqlen, device=segments.device)
+    causal = torch.ones(seqlen, seqlen, dtype=torch.bool, device=segments.device).tril()
+    return ((segments[:, :, None] == segments[:, None, :]) & causal)[:, None]  # (bs, 1, seqlen, seqlen)
+
+
+_compiled_flex = None
+
+
+def _flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_mask: BlockMask) -> torch.Tensor:
+    """FlexAttention compiled once: eager flex_attention is a slow reference implementation."""
+    global _compiled_flex
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex(q, k, v, block_mask=block_mask)
 
 
 # ------------------------------------------------------------------ size and FLOPs
