@@ -363,6 +363,8 @@ class CheckpointManager:
             state.update(self.stateful)
         try:
             dcp.load(state, checkpoint_id=str(path), process_group=self.process_group)
+        except ConfigError:  # a Stateful refusing what it was given (e.g. the loader: other data)
+            raise
         except Exception as e:  # DCP gathers every rank's read errors into one exception on all ranks
             first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             raise ConfigError(

@@ -64,6 +64,8 @@ class Model:
     """A tokenizer.json file, a Hugging Face tokenizer folder, or "byte" for the built-in byte-level tokenizer."""
     hf_assets_path: str | None = field(default=None, metadata=INPUT_PATH)
     """A Hugging Face Llama folder whose config.json sets the model shape instead of flavor (fine-tuning HF weights; see scripts/convert_hf.py)."""
+    attn_mask_type: Literal["causal", "block_causal"] = "causal"
+    """causal: every token sees all earlier tokens of its window; block_causal: only those of its own document (FlexAttention on CUDA)."""
 
 
 @dataclass
@@ -125,13 +127,21 @@ class LRScheduler:
 @dataclass
 class Data:
     path: str = field(default="assets/corpus/stories.jsonl", metadata=INPUT_PATH)
-    """A local json/jsonl/parquet/txt file or folder, or a Hugging Face hub dataset name (format = "hub")."""
+    """A folder prepared by scripts/prepare_data.py, or raw json/jsonl(.gz)/parquet/txt files (a file or folder, up to 256 MiB: prepared into cache_folder at start-up)."""
     format: Literal["auto", "json", "parquet", "text", "hub"] = "auto"
-    """How to read data.path; auto picks it from the file extension."""
+    """How to read raw data.path; auto picks it from the file extensions. hub: a Hugging Face dataset name, prepared with scripts/prepare_data.py."""
     text_column: str = "text"
     """Column that holds the documents."""
     split: str = "train"
-    """Dataset split to train on."""
+    """Dataset split (hub datasets)."""
+    name: str | None = None
+    """Dataset configuration of a hub dataset (e.g. sample-10BT of HuggingFaceFW/fineweb-edu)."""
+    shuffle: bool = False
+    """Read the windows of seq_len + 1 tokens in a pseudo-random order (training.seed, new each epoch) instead of corpus order."""
+    cache_folder: str = "~/.cache/llama3-recipe/tokens"
+    """Where raw data.path is prepared at start-up, one folder per (files, tokenizer)."""
+    ignore_resume_mismatch: bool = False
+    """Resume a checkpoint trained on other data, tokenizer, seq_len, global batch or shuffle order anyway (from its sample count)."""
 
 
 @dataclass
@@ -520,18 +530,37 @@ def validate(cfg: JobConfig) -> list[str]:
     if cfg.profiling.profile_freq < 1:
         p.append(f"profiling.profile_freq: must be >= 1, got {cfg.profiling.profile_freq}")
     if cfg.data.format != "hub" and not Path(cfg.data.path).exists():
-        p.append(
-            f'data.path: {cfg.data.path} not found; point it at a local json/jsonl/parquet/txt file, or set data.format = "hub" for a hub dataset'
-        )
+        p.append(_missing_data(cfg.data.path, tokenizer=m.tokenizer_path))
     if m.tokenizer_path != "byte" and not Path(m.tokenizer_path).exists():
-        p.append(
-            f'model.tokenizer_path: {m.tokenizer_path} not found; point it at a tokenizer.json or tokenizer folder, or use "byte"'
-        )
+        p.append(_missing_tokenizer(m))
     if ck.initial_load_path is not None and not Path(ck.initial_load_path).is_dir():
         p.append(
             f"checkpoint.initial_load_path: {ck.initial_load_path} is not a folder; point it at a checkpoint step folder (contains .metadata)"
         )
     return p  # fmt: skip
+
+
+def _missing_data(path: str, *, tokenizer: str) -> str:
+    if Path(path).suffix:
+        return f"data.path: {path} not found; point it at a json/jsonl/parquet/txt file or folder, or a prepared folder"
+    return (
+        f"data.path: {path} not found; prepare a corpus into it with `python scripts/prepare_data.py --source SOURCE "
+        f"--tokenizer {tokenizer} --output {path} --workers N` (a recipe's header names its SOURCE)"
+    )
+
+
+def _missing_tokenizer(m: Model) -> str:
+    from models.llama3.hf import PUBLISHED  # interop: only for this message
+
+    # A folder named after a published repo (assets/hf/Llama-3.1-8B) comes from it; else the flavor's repo.
+    by_name = [repo for repo in PUBLISHED.values() if repo.split("/")[1] == Path(m.tokenizer_path).name]
+    repo = by_name[0] if by_name else PUBLISHED.get(m.flavor) if m.hf_assets_path is None else None
+    fetch = (
+        f"; download it with `hf download {repo} --include 'tokenizer*' --local-dir {m.tokenizer_path}`" if repo else ""
+    )
+    return f"model.tokenizer_path: {m.tokenizer_path} not found{fetch or ''}" + (
+        "" if fetch else '; point it at a tokenizer.json or tokenizer folder, or use "byte"'
+    )
 
 
 def selective_ac_every(option: str) -> int | None:

@@ -8,6 +8,7 @@ python train.py --help                                              # every opti
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import signal
@@ -28,7 +29,9 @@ from torch.distributed.tensor import DTensor
 import doctor
 from checkpoint import CheckpointManager, prepare_dump_folder
 from config import JobConfig, LRScheduler, Optimizer, help_text, load_config, model_args, to_toml
-from data import GlobalBatchLoader, PackedCorpus, build_tokenizer
+from data.corpus import open_corpus
+from data.loader import Batch, GlobalBatchLoader
+from data.tokenizers import build_tokenizer
 from errors import ConfigError, is_rank0, warn
 from metrics import MetricsLogger, StepMetrics, peak_flops, peak_memory_gib
 from models.llama3 import Transformer, num_flops_per_token, num_params
@@ -67,7 +70,8 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
     # before any compute; rank 0 checks the folder, its errors stop every rank.
     dims = ParallelDims.from_config(cfg.parallelism, world_size=world_size)
     doctor.check_startup(cfg, world_size=world_size, device=device)
-    args = with_seq_len(model_args(cfg.model), t.seq_len)  # the RoPE table covers seq_len
+    # The RoPE table covers seq_len; the attention mask is the config's.
+    args = dataclasses.replace(with_seq_len(model_args(cfg.model), t.seq_len), attn_mask_type=cfg.model.attn_mask_type)
     bytes_per_param = 4 if cfg.checkpoint.create_seed_checkpoint else 12  # fp32 weights (+ AdamW's two moments)
     on_rank0(
         lambda: prepare_dump_folder(
@@ -81,11 +85,12 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
     dp_rank = dims.dp_rank(mesh)
     global_batch = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dims.dp
     tokenizer = build_tokenizer(cfg.model.tokenizer_path)
-    # Rank 0 tokenizes and fills the on-disk cache first; the other ranks then read it.
-    corpus = rank0_first(lambda: PackedCorpus(cfg.data, tokenizer, window=t.seq_len + 1), rank=rank)
+    # A prepared folder, memory-mapped; raw files are tokenized into a cache first, the ranks sharing the work.
+    corpus = open_corpus(cfg.data, tokenizer, cfg.model.tokenizer_path)
     loader = GlobalBatchLoader(
-        corpus, local_batch_size=t.local_batch_size, global_batch_size=global_batch,
-        dp_rank=dp_rank, dp_degree=dims.dp,
+        corpus, window=t.seq_len + 1, local_batch_size=t.local_batch_size, global_batch_size=global_batch,
+        dp_rank=dp_rank, dp_degree=dims.dp, shuffle=cfg.data.shuffle, seed=t.seed,
+        strict_resume=not cfg.data.ignore_resume_mismatch,
     )  # fmt: skip
 
     # Model: meta device -> parallelize -> allocate -> initialize.
@@ -208,7 +213,7 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
 def train_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    microbatches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    microbatches: Iterable[Batch | tuple[torch.Tensor, torch.Tensor]],
     *,
     grad_accum: int,
     max_norm: float,
@@ -220,11 +225,13 @@ def train_step(
     no host sync."""
     optimizer.zero_grad(set_to_none=True)
     total_loss = torch.zeros((), device=device)
-    for inputs, labels in microbatches:
+    for batch in microbatches:
+        inputs, labels, segments = Batch(*batch)
         # Under loss parallel the logits stay sharded over the vocabulary (TP ranks) and
         # cross-entropy runs on the shards; the context must cover backward too.
         with loss_parallel_context(loss_parallel):
-            logits = model(inputs.to(device))  # (bs, seqlen, vocab)
+            segments = segments.to(device) if segments is not None else None
+            logits = model(inputs.to(device), segments=segments)  # (bs, seqlen, vocab)
             # Cross-entropy in fp32 whatever the compute dtype; / grad_accum so that the
             # accumulated gradient is the mean over the whole global batch.
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.to(device).flatten()) / grad_accum
@@ -523,12 +530,6 @@ def on_rank0(fn: Callable[[], T], *, rank: int) -> T | None:
     if problems[0]:
         raise ConfigError(*problems[0])
     return result
-
-
-def rank0_first(build: Callable[[], T], *, rank: int) -> T:
-    """Run `build` on rank 0, then on the others (which then find what rank 0 cached)."""
-    result = on_rank0(build, rank=rank)
-    return result if rank == 0 else build()
 
 
 def describe(cfg: JobConfig) -> str:
