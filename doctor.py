@@ -15,6 +15,8 @@ and on what would merely run badly, and lives here:
     offload        CPU offload on a machine without CUDA (docs/failures.md #5)
     memory         parameters, gradients, optimizer state and activations per rank (estimate_memory.py)
                    against the device memory of a rank
+    data           a run that would read its corpus many times over; a tokenizer whose vocabulary
+                   is far smaller than the model's embedding (most of it never trained)
 
 Severity: an error means the run would fail (stopping it before any allocation), a warning that
 it would run slower or with more memory than it needs. train.py calls `check_startup` once; a
@@ -35,6 +37,8 @@ from typing import Literal
 import torch
 
 from config import JobConfig, load_config, model_args
+from data.corpus import corpus_size
+from data.tokenizers import build_tokenizer
 from errors import ConfigError, is_rank0, warn
 from estimate_memory import GiB, Job, estimate
 from parallelisms.parallel_dims import ParallelDims
@@ -101,7 +105,7 @@ def check_recipe(cfg: JobConfig, *, world_size: int, machine: Machine) -> list[F
     except ConfigError as e:  # the run's own rule, reported by the pre-flight
         return [Finding("error", *problem.split(": ", 1)) for problem in e.problems]
     findings = _nodes(dims, machine) + _precision(cfg, machine) + _toolchain(cfg, machine) + _offload(cfg, machine)
-    findings += _memory(cfg, dims, machine)
+    findings += _memory(cfg, dims, machine) + _data(cfg, dims)
     return sorted(findings, key=lambda f: f.severity != "error")  # stable: errors first, in check order
 
 
@@ -290,6 +294,46 @@ def _memory(cfg: JobConfig, dims: ParallelDims, machine: Machine) -> list[Findin
             "checkpointing, a smaller local_batch_size or seq_len, or a smaller flavor",
         )
     ]
+
+
+# ------------------------------------------------------------------------- data
+
+# A run that reads its corpus more often than this is memorizing it rather than learning from it.
+MAX_EPOCHS = 4
+
+
+def _data(cfg: JobConfig, dims: ParallelDims) -> list[Finding]:
+    try:
+        tokenizer = build_tokenizer(cfg.model.tokenizer_path)
+        corpus_tokens, exact = corpus_size(cfg.data, tokenizer)
+    except ConfigError:  # the run names these problems itself when it opens the files
+        return []
+    findings = []
+    model_vocab = model_args(cfg.model).vocab_size
+    if tokenizer.vocab_size < model_vocab // 2:
+        findings.append(
+            Finding(
+                "warning",
+                "model.tokenizer_path",
+                f"the tokenizer has {tokenizer.vocab_size:,} tokens and the model embeds {model_vocab:,}: "
+                f"{1 - tokenizer.vocab_size / model_vocab:.0%} of the embedding and output rows are never trained; use "
+                "the model's own tokenizer (e.g. the Llama 3 folder's)",
+            )
+        )
+    t = cfg.training
+    global_batch = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dims.dp
+    needed = t.steps * global_batch * (t.seq_len + 1)
+    if corpus_tokens and needed > MAX_EPOCHS * corpus_tokens:
+        size = f"{corpus_tokens:,}" if exact else f"about {corpus_tokens:,} (estimated from its size)"
+        findings.append(
+            Finding(
+                "warning",
+                "data.path",
+                f"the run reads {needed:,} tokens ({t.steps:,} steps x {global_batch} x {t.seq_len + 1}) from a corpus of "
+                f"{size}: {needed / corpus_tokens:,.0f} epochs; point data.path at more data or train fewer steps",
+            )
+        )
+    return findings
 
 
 # -------------------------------------------------------------------- entry point
