@@ -50,11 +50,14 @@ SHIPPED: dict[str, Launch] = {
 
 
 @pytest.fixture(params=list(SHIPPED))
-def shipped_config(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, Launch, list[str]]:
+def shipped_config(
+    request: pytest.FixtureRequest, tmp_path: Path, llama3_stand_ins: tuple[Path, Path]
+) -> tuple[str, Launch, list[str]]:
     """(config, its launch, the overrides that stand in for files a clone does not have)."""
     path = request.param
+    text = (REPO / path).read_text()
     overrides = []
-    if "hf_assets_path" in (REPO / path).read_text():
+    if "hf_assets_path" in text:
         # A fine-tune config names a downloaded HF folder and its converted checkpoint: stand in a
         # tiny random HF folder (256 positions) and an empty folder.
         from tests.tiny_hf import tiny_hf_folder
@@ -65,7 +68,27 @@ def shipped_config(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str,
             f"--model.hf_assets_path={hf}", f"--model.tokenizer_path={hf}",
             f"--checkpoint.initial_load_path={tmp_path / 'ckpt'}", "--training.seq_len=256",
         ]  # fmt: skip
+    elif "assets/hf/Llama-3.1-8B" in text:  # the big recipes: the Llama 3.1 tokenizer and FineWeb-Edu
+        tokenizer, corpus = llama3_stand_ins
+        overrides = [f"--model.tokenizer_path={tokenizer}", f"--data.path={corpus}"]
     return path, SHIPPED[path], overrides
+
+
+@pytest.fixture(scope="session")
+def llama3_stand_ins(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tokenizer with Llama 3's 128,256 ids, and a "prepared corpus" whose manifest claims the
+    ~10B tokens of FineWeb-Edu sample-10BT: what config validation and the doctor read of them."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    folder = tmp_path_factory.mktemp("llama3")
+    vocab = {f"t{i}": i for i in range(128_000)} | {f"<|reserved_{i}|>": 128_000 + i for i in range(256)}
+    vocab |= {"<|begin_of_text|>": 128_000, "<|end_of_text|>": 128_001}
+    Tokenizer(WordLevel(vocab, unk_token="t0")).save(str(folder / "tokenizer.json"))
+    corpus = folder / "fineweb"
+    corpus.mkdir()
+    (corpus / "manifest.json").write_text(json.dumps({"tokens": 10_000_000_000}))
+    return folder / "tokenizer.json", corpus
 
 
 def losses(dump: Path) -> dict[int, float]:

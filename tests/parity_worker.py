@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from config import ActivationCheckpoint, Compile, Optimizer, Parallelism, Training
+from data.loader import Batch
 from errors import ConfigError
 from models.llama3 import FLAVORS, ModelArgs, Transformer
 from models.llama3.model import with_seq_len
@@ -57,39 +58,46 @@ class Layout:
     ac: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: bool = False
     reshard_after_forward: str = "default"
+    block_causal: bool = False  # attention within the documents of random_segments()
 
     @property
     def world_size(self) -> int:
         return self.dp_replicate * self.dp_shard * self.tp
 
 
-_FULL = ActivationCheckpoint(mode="full")
-_OP_SAC = ActivationCheckpoint(mode="selective", selective_ac_option="op")
+FULL = ActivationCheckpoint(mode="full")
+OP_SAC = ActivationCheckpoint(mode="selective", selective_ac_option="op")
 
 LAYOUTS: dict[str, Layout] = {
     # 2 ranks
     "fsdp2": Layout(dp_shard=2),
-    "fsdp2_full_ac_reshard_never": Layout(dp_shard=2, ac=_FULL, reshard_after_forward="never"),
+    "fsdp2_full_ac_reshard_never": Layout(dp_shard=2, ac=FULL, reshard_after_forward="never"),
     "tp2": Layout(tp=2),
     "tp2_no_loss_parallel": Layout(tp=2, loss_parallel=False),
-    "tp2_op_sac": Layout(tp=2, ac=_OP_SAC),
-    "fsdp2_compile_op_sac": Layout(dp_shard=2, ac=_OP_SAC, compile=True),
+    "tp2_op_sac": Layout(tp=2, ac=OP_SAC),
+    "fsdp2_compile_op_sac": Layout(dp_shard=2, ac=OP_SAC, compile=True),
+    "tp2_block_causal": Layout(tp=2, block_causal=True),
     # 4 ranks
     "hsdp2x2_reshard_always": Layout(dp_replicate=2, dp_shard=2, reshard_after_forward="always"),
     "fsdp2_tp2": Layout(dp_shard=2, tp=2),
-    "fsdp2_tp2_op_sac": Layout(dp_shard=2, tp=2, ac=_OP_SAC),
+    "fsdp2_tp2_op_sac": Layout(dp_shard=2, tp=2, ac=OP_SAC),
     "hsdp2x1_tp2": Layout(dp_replicate=2, dp_shard=1, tp=2),
     # Also covers TP + compile's first-block input (see parallelisms.tp._wait_async_output).
-    "fsdp2_tp2_compile_op_sac": Layout(dp_shard=2, tp=2, ac=_OP_SAC, compile=True),
+    "fsdp2_tp2_compile_op_sac": Layout(dp_shard=2, tp=2, ac=OP_SAC, compile=True),
+    "fsdp2_tp2_compile_op_sac_block_causal": Layout(dp_shard=2, tp=2, ac=OP_SAC, compile=True, block_causal=True),
 }
 
 
 # ------------------------------------------------------------------- shared pieces
 
 
-def build_tiny(*, seed: int = 0) -> Transformer:
+def model_args(*, block_causal: bool = False) -> ModelArgs:
+    return dataclasses.replace(TINY, attn_mask_type="block_causal" if block_causal else "causal")
+
+
+def build_tiny(*, seed: int = 0, block_causal: bool = False) -> Transformer:
     torch.manual_seed(seed)
-    model = Transformer(TINY)
+    model = Transformer(model_args(block_causal=block_causal))
     model.init_weights()
     return model
 
@@ -99,10 +107,19 @@ def random_batch(*, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, TINY.vocab_size, (GLOBAL_BATCH, SEQ_LEN + 1), generator=torch.Generator().manual_seed(seed))
 
 
+def random_segments(*, seed: int = 2) -> torch.Tensor:
+    """(GLOBAL_BATCH, SEQ_LEN) document index of each input token: 1 to 4 documents per row."""
+    generator = torch.Generator().manual_seed(seed)
+    starts = torch.rand(GLOBAL_BATCH, SEQ_LEN, generator=generator) < 0.1
+    starts[:, 0] = False
+    return torch.cumsum(starts.int(), dim=1).int()
+
+
 def train(
     model: nn.Module,
     tokens: torch.Tensor,
     *,
+    segments: torch.Tensor | None = None,
     steps: int = STEPS,
     loss_parallel: bool = False,
 ) -> tuple[list[float], list[float]]:
@@ -114,7 +131,7 @@ def train(
     gradients, and thus the single-process mean over the global batch.
     """
     optimizer = build_optimizer(Optimizer(lr=LR), model)
-    batch = [(tokens[:, :-1], tokens[:, 1:])]
+    batch = [Batch(tokens[:, :-1], tokens[:, 1:], segments)]
     losses, times = [], []
     for _ in range(steps):
         start = time.perf_counter()
@@ -134,6 +151,11 @@ def write_reference(path: Path) -> dict:
     tokens = random_batch()
     losses, times = train(model, tokens)
     ref = {"initial": initial, "tokens": tokens, "losses": losses, "times": times, "final": model.state_dict()}
+    # The same start, with attention kept inside the documents of random_segments().
+    block = build_tiny(block_causal=True)
+    ref["segments"] = random_segments()
+    ref["block_causal"] = dict(zip(("losses", "times"), train(block, tokens, segments=ref["segments"]), strict=True))
+    ref["block_causal"]["final"] = block.state_dict()
     torch.save(ref, path)
     return ref
 
@@ -159,7 +181,7 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
     dims = ParallelDims.from_config(parallelism, world_size=world)
     mesh = dims.build_mesh("cpu")
     with torch.device("meta"):
-        model = Transformer(TINY)
+        model = Transformer(model_args(block_causal=layout.block_causal))
     parallelize_llama(
         model, dims=dims, mesh=mesh, training=TRAINING, parallelism=parallelism, ac=layout.ac,
         compile=Compile(enable=layout.compile),
@@ -176,14 +198,18 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
     # data-parallel group take the same slice.
     per_rank = GLOBAL_BATCH // dims.dp
     dp_rank = dims.dp_rank(mesh)
-    tokens = ref["tokens"][dp_rank * per_rank : (dp_rank + 1) * per_rank]
-    losses, times = train(model, tokens, loss_parallel=dims.tp_enabled and layout.loss_parallel)
+    rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+    segments = ref["segments"][rows] if layout.block_causal else None
+    losses, times = train(
+        model, ref["tokens"][rows], segments=segments, loss_parallel=dims.tp_enabled and layout.loss_parallel
+    )
+    expected = ref["block_causal"] if layout.block_causal else ref
 
     final = get_model_state_dict(model, options=options)
     return {
         "losses": losses,
-        "max_loss_diff": max(abs(a - b) for a, b in zip(losses, ref["losses"], strict=True)),
-        "max_param_diff": max_param_diff(final, ref["final"]),
+        "max_loss_diff": max(abs(a - b) for a, b in zip(losses, expected["losses"], strict=True)),
+        "max_param_diff": max_param_diff(final, expected["final"]),
         # Step 1 includes lazy initialization (FSDP) and compilation.
         "step_time_s": sum(times[1:]) / len(times[1:]),
         "param_types": sorted({type(p).__name__ for p in model.parameters()}),

@@ -29,8 +29,8 @@ def test_every_shipped_config_loads_and_validates(
 
 def test_config_names_and_relative_paths_work_from_any_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    by_name = load_config(["--config", "llama3_8b.toml"])  # what users type: found in configs/
-    assert by_name == load_config(["--config", str(REPO / "configs/llama3_8b.toml")])
+    by_name = load_config(["--config", "debug_tp.toml"])  # what users type: found in configs/
+    assert by_name == load_config(["--config", str(REPO / "configs/debug_tp.toml")])
     assert by_name.data.path == str(REPO / "assets/corpus/stories.jsonl")
     # A file of the working directory wins over the repo's.
     (tmp_path / "assets").mkdir()

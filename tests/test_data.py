@@ -1,8 +1,12 @@
-"""Tokenizers, packing into seq_len + 1 windows, and the world-size independent loader."""
+"""Tokenizers, preparation into token shards, the memory-mapped corpus, and the world-size
+independent, shuffling, resumable loader."""
 
 from __future__ import annotations
 
+import gzip
 import json
+import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -10,14 +14,33 @@ import pytest
 import torch
 
 from config import Data
-from data import ByteTokenizer, GlobalBatchLoader, PackedCorpus, build_tokenizer
+from data.corpus import MAX_RAW_BYTES, TokenCorpus, open_corpus
+from data.loader import GlobalBatchLoader, permute
+from data.prepare import prepare, shard_name, tokenize
+from data.sources import find_source
+from data.tokenizers import ByteTokenizer, build_tokenizer
 from errors import ConfigError
-from tests.launch import REPO
+from tests.launch import REPO, python
+
+BYTE = ByteTokenizer()
 
 
 def write_jsonl(path: Path, texts: list[str]) -> Path:
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     return path
+
+
+def stream(texts: list[str]) -> list[int]:
+    """The packed token stream of `texts` under the byte tokenizer: BOS text EOS, back to back."""
+    return [t for text in texts for t in (256, *text.encode(), 257)]
+
+
+def prepared(folder: Path, source: Path, *, chunk_bytes: int = 64, workers: int = 0) -> TokenCorpus:
+    prepare(find_source(str(source)), "byte", folder, workers=workers, chunk_bytes=chunk_bytes)
+    return TokenCorpus(folder)
+
+
+# ------------------------------------------------------------------ tokenizers
 
 
 def test_byte_tokenizer_round_trips_unicode() -> None:
@@ -46,87 +69,222 @@ def test_bad_tokenizer_file_is_a_config_error(tmp_path: Path) -> None:
         build_tokenizer(str(tmp_path / "empty"))
 
 
-def test_packing_is_the_bos_eos_joined_stream_cut_into_windows(tmp_path: Path) -> None:
-    texts = ["ab", "cdef", "", "ghijklmnop", "q"]
-    corpus = PackedCorpus(Data(path=str(write_jsonl(tmp_path / "d.jsonl", texts))), ByteTokenizer(), window=5)
-    stream = [t for text in texts for t in (256, *text.encode(), 257)]
-    assert corpus.num_tokens == len(stream)
-    assert corpus.num_windows == len(stream) // 5
-    for i in range(corpus.num_windows):
-        assert corpus[i].tolist() == stream[5 * i : 5 * i + 5]
-    assert corpus[corpus.num_windows].tolist() == stream[:5]  # epochs wrap around
+# ------------------------------------------------------------------ preparation
 
 
-@pytest.mark.parametrize("fmt", ["text", "parquet"])
-def test_other_local_formats(tmp_path: Path, fmt: str) -> None:
-    if fmt == "text":
-        path = tmp_path / "d.txt"
-        path.write_text("first paragraph\nstill first\n\nsecond one\n")
-    else:
-        import datasets
-
-        path = tmp_path / "d.parquet"
-        datasets.Dataset.from_dict({"text": ["first", "second"]}).to_parquet(str(path))
-    corpus = PackedCorpus(Data(path=str(path)), ByteTokenizer(), window=4)
-    assert corpus.num_tokens > 10 and corpus[0][0] == 256
+TEXTS = [f"document {i}: " + "words " * (i % 11) for i in range(300)]
 
 
-def test_empty_or_short_data_and_missing_column_are_config_errors(tmp_path: Path) -> None:
-    empty = tmp_path / "empty.jsonl"
-    empty.write_text("")
-    with pytest.raises(ConfigError, match="data.path"):
-        PackedCorpus(Data(path=str(empty)), ByteTokenizer(), window=8)
+def test_prepared_stream_is_bos_text_eos_in_order_in_uint16_with_document_ends(tmp_path: Path) -> None:
+    corpus = prepared(tmp_path / "out", write_jsonl(tmp_path / "d.jsonl", TEXTS), chunk_bytes=500)
+    expected = stream(TEXTS)
+    assert corpus.num_tokens == len(expected) and len(corpus.tokens) > 10  # many shards
+    assert corpus.read(0, len(expected)).tolist() == expected
+    assert {t.dtype for t in corpus.tokens} == {np.dtype(np.uint16)}  # 258 tokens fit in 16 bits
+    # Any range, across shard boundaries, and the documents that begin in it, against brute force.
+    starts = np.flatnonzero(np.array(expected) == 256)
+    for start, length in [(0, 7), (3, 40), (int(corpus.shard_starts[2]) - 5, 30), (len(expected) - 9, 9)]:
+        assert corpus.read(start, length).tolist() == expected[start : start + length]
+        inside = starts[(starts >= start) & (starts < start + length)] - start
+        assert corpus.doc_starts(start, length).tolist() == inside.tolist(), (start, length)
+    manifest = corpus.manifest
+    assert (manifest["documents"], manifest["tokens"], manifest["dtype"]) == (300, len(expected), "uint16")
+    assert manifest["tokenizer"]["fingerprint"] == "byte-v1" and manifest["source"]["text_column"] == "text"
+
+
+def test_the_output_does_not_depend_on_the_number_of_workers(tmp_path: Path) -> None:
+    source = write_jsonl(tmp_path / "d.jsonl", TEXTS * 4)
+    one = prepared(tmp_path / "one", source, chunk_bytes=4096, workers=1)
+    two = prepared(tmp_path / "two", source, chunk_bytes=4096, workers=2)
+    assert len(one.tokens) == len(two.tokens) > 3
+    for shard in one.manifest["shards"]:
+        for kind in ("tokens_file", "doc_ends_file"):
+            assert (tmp_path / "one" / shard[kind]).read_bytes() == (tmp_path / "two" / shard[kind]).read_bytes()
+    assert (tmp_path / "one" / "manifest.json").read_bytes() == (tmp_path / "two" / "manifest.json").read_bytes()
+
+
+def test_an_interrupted_preparation_resumes_without_redoing_finished_shards(tmp_path: Path) -> None:
+    source = find_source(str(write_jsonl(tmp_path / "d.jsonl", TEXTS)))
+    out = tmp_path / "out"
+    chunks = tokenize(source, "byte", out, workers=0, chunk_bytes=500, share=(0, 2))  # half, then "killed"
+    assert not (out / "manifest.json").exists()
+    done = {i: (out / shard_name(i, "tokens")).stat().st_mtime_ns for i in range(0, chunks, 2)}
+    time.sleep(0.01)
+    prepare(source, "byte", out, workers=0, chunk_bytes=500)
+    assert {i: (out / shard_name(i, "tokens")).stat().st_mtime_ns for i in done} == done  # not rewritten
+    assert TokenCorpus(out).read(0, len(stream(TEXTS))).tolist() == stream(TEXTS)
+    with pytest.raises(ConfigError, match=r"holds another preparation \(its chunk_bytes differ\)"):
+        prepare(source, "byte", out, workers=0, chunk_bytes=501)
+
+
+@pytest.mark.parametrize("kind", ["json_array", "jsonl_gz", "text", "parquet", "folder"])
+def test_source_formats(tmp_path: Path, kind: str) -> None:
+    texts = ["first doc", "second\nwith two lines", "third"]
+    match kind:
+        case "json_array":
+            (path := tmp_path / "d.json").write_text(json.dumps([{"text": t} for t in texts]))
+        case "jsonl_gz":
+            path = tmp_path / "d.jsonl.gz"
+            path.write_bytes(gzip.compress("".join(json.dumps({"text": t}) + "\n" for t in texts).encode()))
+        case "text":
+            (path := tmp_path / "d.txt").write_text("\n\n".join(texts) + "\n")
+        case "parquet":
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            pq.write_table(pa.table({"text": texts, "id": [1, 2, 3]}), path := tmp_path / "d.parquet")
+        case "folder":
+            (path := tmp_path / "docs").mkdir()
+            write_jsonl(path / "a.jsonl", texts[:2])
+            write_jsonl(path / "b.jsonl", texts[2:])
+            (path / "README").write_text("not data")  # files of unknown kinds are skipped
+    corpus = prepared(tmp_path / "out", path)
+    assert corpus.read(0, corpus.num_tokens).tolist() == stream(texts)
+
+
+def test_short_data_and_a_missing_column_are_named(tmp_path: Path) -> None:
     short = write_jsonl(tmp_path / "short.jsonl", ["hi"])
+    corpus = prepared(tmp_path / "out", short)
     with pytest.raises(ConfigError, match="fewer than one sequence"):
-        PackedCorpus(Data(path=str(short)), ByteTokenizer(), window=64)
-    with pytest.raises(ConfigError, match="no column 'body'"):
-        PackedCorpus(Data(path=str(short), text_column="body"), ByteTokenizer(), window=2)
+        GlobalBatchLoader(corpus, window=64, local_batch_size=1, global_batch_size=1, dp_rank=0, dp_degree=1)
+    with pytest.raises(ConfigError, match="has no column 'body'"):
+        prepare(find_source(str(short), text_column="body"), "byte", tmp_path / "body", workers=0)
+
+
+def test_raw_data_is_cached_and_too_much_of_it_is_refused_with_the_command(tmp_path: Path) -> None:
+    data = Data(path=str(write_jsonl(tmp_path / "d.jsonl", TEXTS)), cache_folder=str(tmp_path / "cache"))
+    first = open_corpus(data, BYTE, "byte")
+    manifest = first.folder / "manifest.json"
+    written = manifest.stat().st_mtime_ns
+    assert open_corpus(data, BYTE, "byte").folder == first.folder and manifest.stat().st_mtime_ns == written
+    assert first.read(0, first.num_tokens).tolist() == stream(TEXTS)
+    # A prepared folder is read as it is; one of another tokenizer is refused.
+    assert open_corpus(Data(path=str(first.folder)), BYTE, "byte").num_tokens == first.num_tokens
+    with pytest.raises(ConfigError, match="was tokenized by byte, not by model.tokenizer_path"):
+        open_corpus(Data(path=str(first.folder)), build_tokenizer(str(REPO / "assets/tokenizer")), "assets/tokenizer")
+    big = tmp_path / "big.jsonl"
+    with open(big, "wb") as f:  # sparse: the size is what counts, nothing is read
+        f.truncate(MAX_RAW_BYTES + 1)
+    with pytest.raises(ConfigError) as info:
+        open_corpus(Data(path=str(big)), BYTE, "byte")
+    (line,) = info.value.problems
+    assert line.startswith(f"data.path: {big} is 256 MiB of raw text: too much to tokenize at every start")
+    assert f"scripts/prepare_data.py --source {big} --split train --text-column text --tokenizer byte" in line
+
+
+def test_prepare_data_script(tmp_path: Path) -> None:
+    source = write_jsonl(tmp_path / "d.jsonl", TEXTS)
+    proc = python("scripts/prepare_data.py", "--source", str(source), "--tokenizer", "byte", "--output",
+                  str(tmp_path / "out"), "--workers", "1")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "300 documents, 13,618 tokens (uint16, 2.01 bytes per token on disk), 1 shards" in proc.stdout
+    proc = python("scripts/prepare_data.py", "--source", str(tmp_path / "nope"), "--tokenizer", "byte", "--output",
+                  str(tmp_path / "x"))  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --source: ") and "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------------- loader
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> PackedCorpus:
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> TokenCorpus:
+    folder = tmp_path_factory.mktemp("c")
     texts = [f"document number {i} " * (1 + i % 7) for i in range(200)]
-    path = write_jsonl(tmp_path_factory.mktemp("c") / "d.jsonl", texts)
-    return PackedCorpus(Data(path=str(path)), ByteTokenizer(), window=17)
+    return prepared(folder / "out", write_jsonl(folder / "d.jsonl", texts), chunk_bytes=2000)
 
 
-def global_batches(corpus: PackedCorpus, *, dp: int, local: int, global_: int, steps: int) -> list[torch.Tensor]:
+def loader(
+    corpus: TokenCorpus, *, local: int, global_: int, rank: int = 0, dp: int = 1, **kw: object
+) -> GlobalBatchLoader:
+    return GlobalBatchLoader(corpus, window=17, local_batch_size=local, global_batch_size=global_, dp_rank=rank,
+                             dp_degree=dp, **kw)  # type: ignore[arg-type]  # fmt: skip
+
+
+def global_batches(corpus: TokenCorpus, *, dp: int, local: int, steps: int, **kw: object) -> list[torch.Tensor]:
     """Per step: every rank's inputs, stacked in (micro-batch, rank) order."""
-    loaders = [GlobalBatchLoader(corpus, local, global_, dp_rank=r, dp_degree=dp) for r in range(dp)]
+    loaders = [loader(corpus, local=local, global_=8, rank=r, dp=dp, **kw) for r in range(dp)]
     out = []
     for _ in range(steps):
-        per_rank = [list(loader.next_step()) for loader in loaders]
-        micro = [torch.cat([per_rank[r][m][0] for r in range(dp)]) for m in range(loaders[0].grad_accum)]
+        per_rank = [list(ld.next_step()) for ld in loaders]
+        micro = [torch.cat([per_rank[r][m].inputs for r in range(dp)]) for m in range(loaders[0].grad_accum)]
         out.append(torch.cat(micro))
     return out
 
 
+@pytest.mark.parametrize("shuffle", [False, True])
 @pytest.mark.parametrize(("dp", "local"), [(2, 4), (4, 2), (2, 2), (8, 1)])
-def test_a_step_sees_the_same_sequences_on_any_number_of_ranks(corpus: PackedCorpus, dp: int, local: int) -> None:
-    reference = global_batches(corpus, dp=1, local=8, global_=8, steps=3)
-    sharded = global_batches(corpus, dp=dp, local=local, global_=8, steps=3)
+def test_a_step_sees_the_same_sequences_on_any_number_of_ranks(
+    corpus: TokenCorpus, dp: int, local: int, shuffle: bool
+) -> None:
+    reference = global_batches(corpus, dp=1, local=8, steps=3, shuffle=shuffle, seed=3)
+    sharded = global_batches(corpus, dp=dp, local=local, steps=3, shuffle=shuffle, seed=3)
     for ref, got in zip(reference, sharded, strict=True):
         assert torch.equal(ref, got)
 
 
-def test_inputs_and_labels_are_shifted_by_one(corpus: PackedCorpus) -> None:
-    loader = GlobalBatchLoader(corpus, 2, 2, dp_rank=0, dp_degree=1)
-    ((inputs, labels),) = list(loader.next_step())
-    assert inputs.shape == labels.shape == (2, 16)
+def test_inputs_labels_and_segments(corpus: TokenCorpus) -> None:
+    ld = loader(corpus, local=2, global_=2)
+    ((inputs, labels, segments),) = list(ld.next_step())
+    assert inputs.shape == labels.shape == segments.shape == (2, 16)
     assert torch.equal(inputs[:, 1:], labels[:, :-1])
-    assert np.array_equal(torch.cat([inputs[0, :1], labels[0]]).numpy(), corpus[0])
+    window = corpus.read(0, 17)
+    assert np.array_equal(torch.cat([inputs[0, :1], labels[0]]).numpy(), window)
+    # A new document (BOS = 256) starts a new segment; what came before the window is segment 0.
+    bos = (inputs == 256).int()
+    bos[:, 0] = 0
+    assert torch.equal(segments, torch.cumsum(bos, dim=1).int())
 
 
-def test_loader_state_resumes_exactly(corpus: PackedCorpus) -> None:
-    straight = GlobalBatchLoader(corpus, 2, 4, dp_rank=1, dp_degree=2)
+def test_shuffle_is_a_seeded_permutation_that_changes_every_epoch(corpus: TokenCorpus) -> None:
+    for size in (1, 2, 7, 100, 1001):
+        assert sorted(permute(i, size, 5) for i in range(size)) == list(range(size))
+    ld = loader(corpus, local=1, global_=1, shuffle=True, seed=1)
+    n = ld.num_windows
+    first, second = [ld.window_of(k) for k in range(n)], [ld.window_of(n + k) for k in range(n)]
+    assert sorted(first) == sorted(second) == list(range(n))
+    assert first != list(range(n)) and first != second
+    assert first == [loader(corpus, local=1, global_=1, shuffle=True, seed=1).window_of(k) for k in range(n)]
+    assert first != [loader(corpus, local=1, global_=1, shuffle=True, seed=2).window_of(k) for k in range(n)]
+
+
+def test_loader_state_resumes_exactly_on_another_world_size_and_refuses_other_data(corpus: TokenCorpus) -> None:
+    straight = loader(corpus, local=4, global_=4, shuffle=True, seed=9)  # one rank
     for _ in range(3):
         list(straight.next_step())
-    resumed = GlobalBatchLoader(corpus, 2, 4, dp_rank=1, dp_degree=2)
-    resumed.load_state_dict(straight.state_dict())
-    for a, b in zip(straight.next_step(), resumed.next_step(), strict=True):
-        assert torch.equal(a[0], b[0])
+    on_two = [loader(corpus, local=2, global_=4, rank=r, dp=2, shuffle=True, seed=9) for r in range(2)]
+    for ld in on_two:
+        ld.load_state_dict(straight.state_dict())
+    expected = next(straight.next_step()).inputs
+    assert torch.equal(torch.cat([next(ld.next_step()).inputs for ld in on_two]), expected)
+
+    state = straight.state_dict()
+    with pytest.raises(ConfigError, match=r"data.ignore_resume_mismatch: .*\(global_batch_size 4 -> 8\)"):
+        loader(corpus, local=4, global_=8).load_state_dict(state | {"shuffle": False, "seed": 0})
+    with pytest.raises(ConfigError, match=r"dataset 'other' -> "):
+        loader(corpus, local=4, global_=4, shuffle=True, seed=9).load_state_dict(state | {"dataset": "other"})
+    lenient = loader(corpus, local=4, global_=8, strict_resume=False)
+    lenient.load_state_dict(state)
+    assert lenient.sample_index == state["sample_index"]
 
 
-def test_global_batch_must_split_evenly(corpus: PackedCorpus) -> None:
+def test_global_batch_must_split_evenly(corpus: TokenCorpus) -> None:
     with pytest.raises(ConfigError, match="training.global_batch_size"):
-        GlobalBatchLoader(corpus, 3, 8, dp_rank=0, dp_degree=2)
+        loader(corpus, local=3, global_=8, dp=2)
+
+
+def test_reading_a_window_costs_the_same_inside_a_huge_document(tmp_path: Path) -> None:
+    """One 2-million-token document vs many short ones: a window is a memory-map slice either way."""
+    long_doc = write_jsonl(tmp_path / "long.jsonl", ["x" * 2_000_000])
+    short_docs = write_jsonl(tmp_path / "short.jsonl", ["y" * 100] * 20_000)
+    timings = {}
+    for name, source in (("long", long_doc), ("short", short_docs)):
+        ld = GlobalBatchLoader(prepared(tmp_path / name, source, chunk_bytes=2**20), window=8193,
+                               local_batch_size=4, global_batch_size=4, dp_rank=0, dp_degree=1)  # fmt: skip
+        begin = time.perf_counter()
+        for _ in range(20):
+            list(ld.next_step())
+        timings[name] = time.perf_counter() - begin
+    # Not a speed target (a shared machine): within one order of magnitude, where per-document
+    # work would make the long document thousands of times slower.
+    assert timings["long"] < 10 * timings["short"] + 0.05, timings
+    assert os.path.getsize(tmp_path / "long" / "tokens-00000.npy") < 2 * 2_000_002 + 1024

@@ -27,6 +27,7 @@ def recipe(**keys: Any) -> JobConfig:
     """A clean CPU recipe (float32, one rank) with `section__key=value` changes."""
     cfg = JobConfig()
     cfg.training.mixed_precision_param = "float32"
+    cfg.training.steps = 1  # inside one pass over the shipped corpus, even on many ranks
     for dotted, value in keys.items():
         section, key = dotted.split("__")
         assert hasattr(getattr(cfg, section), key), dotted
@@ -148,9 +149,15 @@ def test_cpu_offload_without_cuda_is_a_warning() -> None:
 # ----------------------------------------------------------------------- memory
 
 
-def test_8b_does_not_fit_this_24_gib_cpu_machine() -> None:
+def llama3_8b(stand_ins: tuple[Path, Path]) -> list[str]:
+    """configs/llama3_8b.toml with stand-ins for the tokenizer and corpus it downloads and prepares."""
+    tokenizer, corpus = stand_ins
+    return ["--config", "configs/llama3_8b.toml", f"--model.tokenizer_path={tokenizer}", f"--data.path={corpus}"]
+
+
+def test_8b_does_not_fit_this_24_gib_cpu_machine(llama3_stand_ins: tuple[Path, Path]) -> None:
     """The issue's case: llama3_8b on one CPU process of a 24 GiB machine is flagged before allocation."""
-    cfg = load_config(["--config", "configs/llama3_8b.toml"])
+    cfg = load_config(llama3_8b(llama3_stand_ins))
     findings = check(cfg, device_memory_gib=24.0)
     assert keys(findings) == [("error", "memory")]
     # 16 bytes of state per parameter alone: 8.03e9 x 16 B = 120 GiB on one rank.
@@ -159,13 +166,17 @@ def test_8b_does_not_fit_this_24_gib_cpu_machine() -> None:
     assert "24.0 GiB of host memory shared by 1 rank(s)" in findings[0].message
     # Two ranks share the same host memory: still far too much.
     two = recipe(model__flavor="llama3_8b", training__seq_len=512, training__local_batch_size=1)
+    two.model.tokenizer_path = str(llama3_stand_ins[0])
     assert keys(check(two, world_size=2, device_memory_gib=24.0)) == [("error", "memory")]
 
 
-def test_train_py_stops_8b_on_this_machine_before_allocating(tmp_path: Path) -> None:
+def test_train_py_stops_8b_on_this_machine_before_allocating(
+    tmp_path: Path, llama3_stand_ins: tuple[Path, Path]
+) -> None:
     """The command users type, from another folder: one line, exit 2, nothing written, in seconds."""
     proc = subprocess.run(
-        [sys.executable, str(REPO / "train.py"), "--config", "llama3_8b.toml"],
+        [sys.executable, str(REPO / "train.py"), *llama3_8b(llama3_stand_ins)[:1], "llama3_8b.toml",
+         *llama3_8b(llama3_stand_ins)[2:]],  # fmt: skip
         cwd=tmp_path, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
@@ -175,8 +186,8 @@ def test_train_py_stops_8b_on_this_machine_before_allocating(tmp_path: Path) -> 
     assert not (tmp_path / "outputs").exists()
 
 
-def test_memory_fit_on_gpus() -> None:
-    cfg = load_config(["--config", "configs/llama3_8b.toml"])
+def test_memory_fit_on_gpus(llama3_stand_ins: tuple[Path, Path]) -> None:
+    cfg = load_config(llama3_8b(llama3_stand_ins))
     assert check(cfg, world_size=8, machine=GPUS, device_memory_gib=80.0) == []
     # The same job without activation checkpointing at batch 4: tens of GiB of saved activations more.
     cfg.activation_checkpoint.mode, cfg.training.local_batch_size = "none", 4
@@ -187,6 +198,28 @@ def test_memory_fit_on_gpus() -> None:
 def test_the_debug_model_fits() -> None:
     cfg = load_config(["--config", "configs/debug.toml"])
     assert check(cfg, world_size=2, device_memory_gib=4.0) == []
+
+
+# ------------------------------------------------------------------------- data
+
+
+def test_a_run_that_repeats_its_corpus_is_a_warning() -> None:
+    # 628,705 tokens shipped; 100 steps x 8 x 2049 = 1.6M tokens is 2.6 epochs: fine; 10x that is not.
+    assert check(recipe(training__steps=100)) == []
+    findings = check(recipe(training__steps=1000))
+    assert keys(findings) == [("warning", "data.path")]
+    assert "from a corpus of 628,705: 26 epochs" in findings[0].message or "about" in findings[0].message
+
+
+def test_a_tokenizer_far_smaller_than_the_embedding_is_a_warning(llama3_stand_ins: tuple[Path, Path]) -> None:
+    small = recipe(model__flavor="llama3_1b", training__seq_len=256)  # the shipped 2,048-token tokenizer
+    findings = check(small, device_memory_gib=None)
+    assert ("warning", "model.tokenizer_path") in keys(findings)
+    assert "98% of the embedding and output rows are never trained" in findings[0].message
+    tokenizer, corpus = llama3_stand_ins
+    llama = recipe(model__flavor="llama3_1b", training__seq_len=256, model__tokenizer_path=str(tokenizer))
+    llama.data.path = str(corpus)
+    assert check(llama) == []
 
 
 # ------------------------------------------------------------- shipped configs
@@ -215,15 +248,18 @@ def test_shipped_configs_have_no_findings_on_their_machines(shipped_config: tupl
 # ----------------------------------------------------------------- entry points
 
 
-def test_main_exit_codes(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_main_exit_codes(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, llama3_stand_ins: tuple[Path, Path]
+) -> None:
     monkeypatch.delenv("RANK", raising=False)
     assert doctor.main(["--config", "configs/debug.toml", "--world-size", "2"]) == 0
     assert "no known pitfalls found" in capsys.readouterr().out
     assert doctor.main(["--config", "configs/debug.toml", "--training.mixed_precision_reduce=bfloat16"]) == 0
     assert "warning: training.mixed_precision_reduce: " in capsys.readouterr().out
-    assert doctor.main(["--config", "llama3_8b.toml", "--device-memory-gib=24"]) == 1
+    assert doctor.main([*llama3_8b(llama3_stand_ins), "--device-memory-gib=24"]) == 1
     assert "error: memory: " in capsys.readouterr().out
-    args = ["--config", "configs/llama3_70b.toml", "--world-size=64", "--gpus-per-node=8", "--cuda"]
+    args = ["--config", "configs/llama3_70b.toml", *llama3_8b(llama3_stand_ins)[2:], "--world-size=64",
+            "--gpus-per-node=8", "--cuda"]  # fmt: skip
     assert doctor.main(args) == 0
     assert doctor.main(["--config", "configs/debug.toml", "--training.stepz=3"]) == 2
     assert "error: training.stepz: unknown key" in capsys.readouterr().err

@@ -28,7 +28,8 @@ import torch.distributed.checkpoint as dcp
 
 from checkpoint import CheckpointManager, DumpFolderLock, prepare_dump_folder, verify
 from config import Checkpoint, Data, LRScheduler, Optimizer, load_config
-from data import PackedCorpus, build_tokenizer
+from data.corpus import TokenCorpus, open_corpus
+from data.tokenizers import build_tokenizer
 from errors import ConfigError
 from tests.conftest import TINY, losses
 from tests.launch import REPO, free_port, python
@@ -384,10 +385,10 @@ def test_config_values_that_mean_nothing_are_refused(tmp_path: Path, capsys: pyt
     assert "warning: lr_scheduler.warmup_steps = 20 is not below training.steps = 10" in capsys.readouterr().err
 
 
-def corpus(tmp_path: Path, content: bytes, suffix: str = ".jsonl") -> PackedCorpus:
+def corpus(tmp_path: Path, content: bytes, suffix: str = ".jsonl") -> TokenCorpus:
     path = tmp_path / f"data{suffix}"
     path.write_bytes(content)
-    return PackedCorpus(Data(path=str(path)), build_tokenizer("byte"), window=4)
+    return open_corpus(Data(path=str(path), cache_folder=str(tmp_path / "cache")), build_tokenizer("byte"), "byte")
 
 
 def test_data_that_cannot_be_trained_on_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -395,7 +396,7 @@ def test_data_that_cannot_be_trained_on_is_named(tmp_path: Path, capsys: pytest.
         corpus(tmp_path, b"")
     with pytest.raises(ConfigError, match=r"data.path: .*data.txt is not UTF-8 text"):
         corpus(tmp_path, b"\xff\xfe caf\xe9\n", suffix=".txt")
-    with pytest.raises(ConfigError, match=r"data.text_column: column 'text' of .* holds Value\('int64'\), not text"):
+    with pytest.raises(ConfigError, match=r"data.text_column: column 'text' of .* holds int values \(document 0\)"):
         corpus(tmp_path, b'{"text": 1}\n{"text": 2}\n')
     nulls = corpus(tmp_path, b'{"text": "abc"}\n{"text": null}\n{"text": "de"}\n')
     assert "warning: data.path: 1 of 3 documents of" in capsys.readouterr().err

@@ -20,7 +20,9 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from config import Checkpoint, Data, load_config
-from data import GlobalBatchLoader, PackedCorpus, build_tokenizer
+from data.corpus import open_corpus
+from data.loader import GlobalBatchLoader
+from data.tokenizers import build_tokenizer
 from errors import ConfigError
 from models.llama3 import FLAVORS, Transformer, num_params
 from models.llama3.hf import from_hf, hf_config, hf_to_ours, model_args_from_hf_config, to_hf
@@ -311,13 +313,12 @@ def test_two_rank_fsdp_fine_tune_from_converted_hf_matches_hf_loss_then_exports(
     assert step1["step"] == 1
 
     # The same first global batch (2 ranks x local_bs sequences) through transformers, one process.
-    corpus = PackedCorpus(
-        Data(path=str(REPO / "assets/corpus/stories.jsonl")), build_tokenizer(str(hf_folder)), window=seq + 1
-    )
+    data = Data(path=str(REPO / "assets/corpus/stories.jsonl"))
+    corpus = open_corpus(data, build_tokenizer(str(hf_folder)), str(hf_folder))
     loader = GlobalBatchLoader(
-        corpus, local_batch_size=2 * local_bs, global_batch_size=2 * local_bs, dp_rank=0, dp_degree=1
+        corpus, window=seq + 1, local_batch_size=2 * local_bs, global_batch_size=2 * local_bs, dp_rank=0, dp_degree=1
     )
-    ((inputs, labels),) = loader.next_step()
+    ((inputs, labels, _),) = loader.next_step()
     hf = AutoModelForCausalLM.from_pretrained(hf_folder)
     with torch.no_grad():
         hf_loss = F.cross_entropy(hf(inputs).logits.flatten(0, 1), labels.flatten()).item()

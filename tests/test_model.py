@@ -138,3 +138,28 @@ def test_rope_llama3_scaling_matches_transformers() -> None:
     hf_inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
     ours = rope_inv_freq(args.head_dim, args.rope_theta, scaling)
     torch.testing.assert_close(ours, hf_inv_freq.float(), rtol=1e-6, atol=0)
+
+
+def test_block_causal_logits_of_a_packed_window_are_those_of_each_document_alone() -> None:
+    """RoPE depends on relative positions only, so a document attending to itself alone computes
+    what it computes alone, wherever it sits in the window."""
+    args = with_seq_len(dataclasses.replace(FLAVORS["debugmodel"], attn_mask_type="block_causal"), 96)
+    torch.manual_seed(0)
+    model = Transformer(args).float()
+    model.init_weights()
+    generator = torch.Generator().manual_seed(1)
+    docs = [torch.randint(0, args.vocab_size, (n,), generator=generator) for n in (37, 20, 39)]
+    tokens = torch.cat(docs)[None]  # (1, 96)
+    segments = torch.cat([torch.full((len(d),), i) for i, d in enumerate(docs)])[None]
+    with torch.no_grad():
+        packed = model(tokens, segments=segments)
+        causal = model(tokens)  # no segments: causal over the whole window
+        offset, worst = 0, 0.0
+        for doc in docs:
+            alone = model(doc[None])
+            worst = max(worst, (alone[0] - packed[0, offset : offset + len(doc)]).abs().max().item())
+            offset += len(doc)
+    assert worst < 1e-5, worst
+    # The first document sees nothing else either way; the later ones see the earlier ones under causal.
+    assert torch.allclose(causal[0, :37], packed[0, :37], atol=1e-5)
+    assert (causal[0, 37:] - packed[0, 37:]).abs().max().item() > 0.1
