@@ -28,12 +28,13 @@ from typing import Any
 
 import torch
 
-from benchmarks import comm_volume, compile_cache, harness, memory, metadata, recompute
+from benchmarks import comm_volume, compile_cache, data_pipeline, harness, memory, metadata, recompute
 from benchmarks.harness import Row
 from config import REPO
 
 BENCHMARKS = {
-    m.__name__.removeprefix("benchmarks."): m for m in (recompute, metadata, comm_volume, compile_cache, memory)
+    m.__name__.removeprefix("benchmarks."): m
+    for m in (recompute, metadata, comm_volume, compile_cache, memory, data_pipeline)
 }
 
 
@@ -189,7 +190,7 @@ def draw_panel(ax: Any, panel: Panel) -> None:
 
 
 def plot(rows: list[Row], path: Path) -> None:
-    """A 2 x 3 grid of `panels(rows)`, sized to be read at ~900 px wide (e.g. in the README)."""
+    """A grid of `panels(rows)`, 3 per row, sized to be read at ~900 px wide (e.g. in the README)."""
     import matplotlib
 
     matplotlib.use("Agg")
