@@ -1,17 +1,21 @@
 """Job configuration: TOML file -> nested dataclasses, overridable from the command line.
 
-Each TOML section is a dataclass below and each key a field; the string under a field is
-its documentation and becomes `--help`. Section and key names follow torchtitan's TOML
-configs where one exists. Precedence: `--section.key=value` on the command line > the TOML
-file > the defaults written here.
+Each TOML section is a dataclass below and each key a field; the string under a field is its
+documentation and becomes `--help`. Sections may nest (`[training.dataloader]`,
+`[quantize.linear.float8]`). Section and key names are torchtitan v0.2.2's wherever it has one, with
+its meaning, so its TOMLs run unchanged; a torchtitan key that asks for something this recipe does
+not do is accepted at its default value (which changes nothing) and refused in one line otherwise
+(`unsupported` below). Precedence: `--section.key=value` on the command line > the TOML file > the
+defaults written here. `--job.config_file FILE` (torchtitan's flag) is `--config FILE`.
 
-Every user mistake raises `ConfigError` (errors.py) with one line per problem, naming the key
-and the fix; `train.py` prints it once and exits with status 2. Each rule about the values of
-one config lives in `validate` below; rules that need the process group or the model live
-next to the fact they check (ParallelDims, apply_tp, the data loader) and run at start-up.
+Every user mistake raises `ConfigError` (errors.py) with one line per problem, naming the key and
+the fix: unknown keys, wrong types and bad values of one command, all in one round. Each rule about
+the values of a config lives in `validate` below; rules that need the process group or the model
+live next to the fact they check (ParallelDims, apply_tp, the data loader) and run at start-up.
 
-Relative input paths (fields marked `input_path`) are read from the current directory, else
-from the repo: a shipped config works from any working directory.
+Relative input paths (fields marked `input_path`) are read from the current directory, else from
+the repo: a shipped config works from any working directory, and a torchtitan TOML from the user's
+own folder (./assets/hf/..., ./tests/assets/...).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import math
 import textwrap
 import types
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -39,8 +44,16 @@ from errors import ConfigError, warn
 from models.llama3 import FLAVORS, ModelArgs
 
 REPO = Path(__file__).resolve().parent
+SHIPPED_TOKENIZER, SHIPPED_CORPUS = "assets/tokenizer", "assets/corpus/stories.jsonl"
 # A field that names a file or folder to read; see resolve_input_paths.
 INPUT_PATH = {"input_path": True}
+
+
+def unsupported(what: str, default: Any) -> Any:
+    """A torchtitan key this recipe takes at its default only; any other value asks for `what` and is refused."""
+    kind = "default_factory" if isinstance(default, list) else "default"
+    value = (lambda: list(default)) if isinstance(default, list) else default
+    return field(**{kind: value}, metadata={"unsupported": what})
 
 
 # ------------------------------------------------------------------------ sections
@@ -52,6 +65,14 @@ class Job:
     """Folder for everything a run writes: checkpoints, metrics.jsonl, TensorBoard events."""
     description: str = ""
     """Free text describing the run, printed by rank 0 at start-up."""
+    print_config: bool = False
+    """Print the resolved config (rank 0) at start-up."""
+    config_file: str | None = None
+    """The TOML file to read (torchtitan's --job.config_file; the same as --config)."""
+    save_config_file: str | None = None
+    """Also write the resolved config to this file (relative to job.dump_folder) at start-up."""
+    custom_config_module: str = unsupported("a custom config module", "")
+    """torchtitan's extension point; not used by this recipe."""
 
 
 @dataclass
@@ -59,17 +80,39 @@ class Model:
     name: Literal["llama3"] = "llama3"
     """Model family (torchtitan's key); this recipe implements llama3."""
     flavor: str = "debugmodel"
-    """Model size, a key of models/llama3/model.py FLAVORS: debugmodel, llama3_1b, llama3_3b, llama3_8b, llama3_70b, llama3_405b."""
-    tokenizer_path: str = field(default="assets/tokenizer", metadata=INPUT_PATH)
-    """A tokenizer.json file, a Hugging Face tokenizer folder, or "byte" for the built-in byte-level tokenizer."""
+    """Model size, a key of models/llama3/model.py FLAVORS: debugmodel, llama3_1b, llama3_3b, llama3_8b, llama3_70b, llama3_405b (or torchtitan's 8B, 70B, 405B)."""
     hf_assets_path: str | None = field(default=None, metadata=INPUT_PATH)
-    """A Hugging Face Llama folder whose config.json sets the model shape instead of flavor (fine-tuning HF weights; see scripts/convert_hf.py)."""
+    """A Hugging Face Llama folder: the tokenizer when tokenizer_path is unset, and the weights with checkpoint.initial_load_in_hf."""
+    tokenizer_path: str | None = field(default=None, metadata=INPUT_PATH)
+    """A tokenizer.json file, a Hugging Face tokenizer folder, or "byte"; unset: hf_assets_path, else the shipped assets/tokenizer."""
+    shape_from_hf_config: bool = False
+    """Take the model shape from hf_assets_path's config.json instead of flavor (a Llama whose size is no flavor)."""
+    converters: list[str] = field(default_factory=list)
+    """Model converters applied before parallelizing: "quantize.linear.float8" (alias "float8")."""
+    print_after_conversion: bool = False
+    """Print the model (rank 0) after the converters ran."""
     attn_mask_type: Literal["causal", "block_causal"] = "causal"
     """causal: every token sees all earlier tokens of its window; block_causal: only those of its own document (FlexAttention on CUDA)."""
 
 
 @dataclass
+class DataLoader:
+    num_workers: int = unsupported("worker processes for data loading (windows are memory-map slices)", 0)
+    """Loader processes; this recipe reads memory-mapped shards in the training process."""
+    persistent_workers: bool = unsupported("persistent data-loading workers", False)
+    """torchtitan's DataLoader option; no workers here."""
+    pin_memory: bool = unsupported("pinned data-loading buffers", False)
+    """torchtitan's DataLoader option; not used here."""
+    prefetch_factor: int | None = unsupported("data prefetching by workers", None)
+    """torchtitan's DataLoader option; not used here."""
+
+
+@dataclass
 class Training:
+    dataset: str | None = None
+    """torchtitan's dataset name: c4 or c4_validation (hub, prepared with scripts/prepare_data.py), c4_test (./tests/assets/c4_test); unset: data.path."""
+    dataset_path: str | None = field(default=None, metadata=INPUT_PATH)
+    """A local path for training.dataset (the same as data.path)."""
     steps: int = 10000
     """Number of optimizer steps to train for."""
     local_batch_size: int = 8
@@ -80,18 +123,21 @@ class Training:
     """Tokens per sequence."""
     max_norm: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
-    seed: int = 42
-    """Seed of every random number generator, identical on all ranks."""
-    deterministic: bool = False
-    """Use deterministic algorithms only (slower), so that reruns give bit-identical losses."""
     mixed_precision_param: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     """Dtype FSDP gathers parameters in for forward and backward; the sharded master copy stays float32. float16 is refused: it needs loss scaling."""
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
     """Dtype FSDP reduces gradients in."""
+    dtype: Literal["float32", "bfloat16"] = unsupported("pure bfloat16 training (no float32 master weights)", "float32")
+    """Dtype of parameters and optimizer state; float32 here (training.mixed_precision_param sets the compute dtype)."""
     enable_cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state in host memory (FSDP CPUOffloadPolicy)."""
     skip_nonfinite_steps: int = 0
     """Steps with a non-finite loss or gradient norm to tolerate: their update is skipped (weights and optimizer state unchanged). One more stops the run, naming the step and the last checkpoint; 0 stops at the first."""
+    gc_freq: int = 50
+    """Python's garbage collector runs every gc_freq steps on every rank at once, instead of whenever it likes (a pause on one rank stalls all)."""
+    gc_debug: bool = unsupported("garbage-collector debugging", False)
+    """torchtitan's gc debugging; not implemented here."""
+    dataloader: DataLoader = field(default_factory=DataLoader)
 
 
 @dataclass
@@ -110,14 +156,18 @@ class Optimizer:
     """Decoupled weight decay."""
     implementation: Literal["fused", "foreach", "for-loop"] = "fused"
     """AdamW kernel: fused (one kernel, CUDA and CPU), foreach (multi-tensor) or for-loop."""
+    early_step_in_backward: bool = unsupported("optimizer steps inside backward", False)
+    """torchtitan's memory optimization; not implemented here."""
 
 
 @dataclass
 class LRScheduler:
     warmup_steps: int = 200
-    """Steps of linear warmup from near zero to optimizer.lr."""
+    """Steps of linear warmup: step s (from 0) uses lr x (s + 1) / warmup_steps (torchtitan's schedule)."""
+    total_steps: int | None = None
+    """Steps the schedule spans; unset: training.steps."""
     decay_ratio: float | None = None
-    """Fraction of the steps spent decaying at the end of training; None = decay over all steps after warmup."""
+    """Fraction of the steps spent decaying at the end; unset: decay over all steps after warmup."""
     decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
     """Shape of the decay from optimizer.lr to lr x min_lr_factor."""
     min_lr_factor: float = 0.0
@@ -126,8 +176,8 @@ class LRScheduler:
 
 @dataclass
 class Data:
-    path: str = field(default="assets/corpus/stories.jsonl", metadata=INPUT_PATH)
-    """A folder prepared by scripts/prepare_data.py, or raw json/jsonl(.gz)/parquet/txt files (a file or folder, up to 256 MiB: prepared into cache_folder at start-up)."""
+    path: str | None = field(default=None, metadata=INPUT_PATH)
+    """A folder prepared by scripts/prepare_data.py, or raw json/jsonl(.gz)/parquet/txt files (up to 256 MiB: prepared into cache_folder at start-up); unset: training.dataset_path or training.dataset, else the shipped corpus."""
     format: Literal["auto", "json", "parquet", "text", "hub"] = "auto"
     """How to read raw data.path; auto picks it from the file extensions. hub: a Hugging Face dataset name, prepared with scripts/prepare_data.py."""
     text_column: str = "text"
@@ -137,11 +187,30 @@ class Data:
     name: str | None = None
     """Dataset configuration of a hub dataset (e.g. sample-10BT of HuggingFaceFW/fineweb-edu)."""
     shuffle: bool = False
-    """Read the windows of seq_len + 1 tokens in a pseudo-random order (training.seed, new each epoch) instead of corpus order."""
+    """Read the windows of seq_len + 1 tokens in a pseudo-random order (debug.seed, new each epoch) instead of corpus order."""
     cache_folder: str = "~/.cache/llama3-recipe/tokens"
     """Where raw data.path is prepared at start-up, one folder per (files, tokenizer)."""
     ignore_resume_mismatch: bool = False
     """Resume a checkpoint trained on other data, tokenizer, seq_len, global batch or shuffle order anyway (from its sample count)."""
+
+
+@dataclass
+class Validation:
+    enable: bool = False
+    """Compute the loss on held-out data every freq steps (no effect on training)."""
+    dataset: str = "c4_validation"
+    """torchtitan's name of the held-out data (c4_validation: the validation split of allenai/c4, prepared first)."""
+    dataset_path: str | None = field(default=None, metadata=INPUT_PATH)
+    """The held-out data: a prepared folder or raw files, like data.path."""
+    local_batch_size: int = 8
+    """Sequences per rank per validation step."""
+    seq_len: int = 2048
+    """Tokens per validation sequence."""
+    freq: int = 10
+    """Validate after step 1, every this many training steps, and after the last one."""
+    steps: int = -1
+    """Validation steps per validation; -1 reads the held-out data once."""
+    dataloader: DataLoader = field(default_factory=DataLoader)
 
 
 @dataclass
@@ -150,30 +219,136 @@ class Parallelism:
     """Replicas of the model (HSDP outer dimension, usually the number of nodes)."""
     data_parallel_shard_degree: int = -1
     """Ranks a replica is sharded over with FSDP; -1 = whatever the other degrees leave."""
-    tensor_parallel_degree: int = 1
-    """Ranks each layer's matrices are split over (tensor + sequence parallel)."""
-    enable_async_tensor_parallel: bool = False
-    """Overlap TP communication with matmuls (inductor micro-pipeline TP); needs compile, CUDA and NCCL."""
-    disable_loss_parallel: bool = False
-    """Under TP, gather the full logits for the loss instead of computing cross-entropy on vocabulary shards."""
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """Free gathered parameters after forward: always (least memory), never (no re-gather in backward, ZeRO-2-like), default (always, except the last unit)."""
+    tensor_parallel_degree: int = 1
+    """Ranks each layer's matrices are split over (tensor + sequence parallel)."""
+    disable_loss_parallel: bool = False
+    """Under TP, gather the full logits for the loss instead of computing cross-entropy on vocabulary shards."""
+    enable_async_tensor_parallel: bool = False
+    """Overlap TP communication with matmuls (inductor micro-pipeline TP); needs compile, CUDA and NCCL."""
+    pipeline_parallel_degree: int = unsupported("pipeline parallel", 1)
+    """Pipeline stages; 1 here (no pipeline parallel yet)."""
+    pipeline_parallel_schedule: str = "1F1B"
+    """Pipeline schedule (with pipeline_parallel_degree > 1)."""
+    pipeline_parallel_schedule_csv: str | None = unsupported("a pipeline schedule from a CSV file", "")
+    """torchtitan's custom pipeline schedule."""
+    pipeline_parallel_microbatch_size: int = 1
+    """Sequences per pipeline micro-batch (with pipeline_parallel_degree > 1)."""
+    pipeline_parallel_layers_per_stage: int | None = None
+    """Transformer blocks per pipeline stage (with pipeline_parallel_degree > 1)."""
+    pipeline_parallel_first_stage_less_layers: int = 1
+    """Blocks fewer in the first stage, which also holds the embedding (with pipeline_parallel_degree > 1)."""
+    pipeline_parallel_last_stage_less_layers: int = 1
+    """Blocks fewer in the last stage, which also holds the output and loss (with pipeline_parallel_degree > 1)."""
+    pipeline_parallel_expert_parallel_overlap: bool = True
+    """torchtitan's MoE option; no experts in Llama 3."""
+    module_fqns_per_model_part: list[list[str]] | None = unsupported("hand-written pipeline stages", None)
+    """torchtitan's manual pipeline split."""
+    context_parallel_degree: int = unsupported("context parallel", 1)
+    """Ranks a sequence is split over for attention; 1 here (no context parallel)."""
+    context_parallel_load_balancer: str | None = "headtail"
+    """torchtitan's context-parallel option (with context_parallel_degree > 1)."""
+    context_parallel_rotate_method: Literal["allgather", "alltoall"] = "allgather"
+    """torchtitan's context-parallel option (with context_parallel_degree > 1)."""
+    expert_parallel_degree: int = unsupported("expert parallel (Llama 3 has no experts)", 1)
+    """torchtitan's MoE option."""
+    expert_tensor_parallel_degree: int = unsupported("expert tensor parallel (Llama 3 has no experts)", 1)
+    """torchtitan's MoE option."""
+    expert_parallel_comm_backend: Literal["standard", "deepep"] = "standard"
+    """torchtitan's MoE option; no experts in Llama 3."""
 
 
 @dataclass
 class ActivationCheckpoint:
-    mode: Literal["none", "full", "selective"] = "none"
+    mode: Literal["none", "full", "selective", "memory_budget"] = "none"
     """Recompute activations in backward: none, full (every block) or selective."""
     selective_ac_option: str = "op"
     """For mode = selective: "op" (save chosen ops' outputs) or an integer k (checkpoint every k-th block)."""
     use_reentrant: bool = False
     """Use the legacy reentrant checkpoint. It skips the recomputed-metadata checks (docs/failures.md #2); only for reproducing old setups."""
+    early_stop: bool = True
+    """Stop each recomputation as soon as backward has what it needs (torch.utils.checkpoint's early stop)."""
+    preserve_rng_state: bool = True
+    """Replay the forward's RNG state in the recomputation (what dropout would need; none here)."""
+    determinism_check: str = "default"
+    """torch.utils.checkpoint's check of recomputed tensors: "default" (shapes, dtypes, devices) or "none"."""
+    debug: bool = False
+    """torch.utils.checkpoint's debug mode: a trace of the forward and recomputation on a mismatch."""
+    per_op_sac_force_recompute_mm_shapes_by_fqns: list[str] = field(default_factory=lambda: ["moe.router.gate"])
+    """torchtitan's MoE option; no experts in Llama 3."""
+    memory_budget: float = 0.5
+    """torchtitan's memory_budget mode (refused)."""
+    visualize_memory_budget_pareto: bool = unsupported("the memory_budget mode", False)
+    """torchtitan's memory_budget mode."""
 
 
 @dataclass
 class Compile:
     enable: bool = False
-    """torch.compile each transformer block."""
+    """torch.compile the components below."""
+    components: list[str] = field(default_factory=lambda: ["model", "loss"])
+    """What to compile: "model" (each transformer block) and/or "loss" (cross-entropy)."""
+    backend: str = "inductor"
+    """torch.compile backend (inductor; aot_eager or eager to debug a compile problem)."""
+
+
+@dataclass
+class Float8Linear:
+    recipe_name: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] | None = None
+    """torchao float8 recipe; unset: tensorwise."""
+    enable_fsdp_float8_all_gather: bool = False
+    """All-gather FSDP parameters in float8 (tensorwise only): half the bf16 all-gather bytes."""
+    precompute_float8_dynamic_scale_for_fsdp: bool = False
+    """Compute every float8 weight scale in one fused step after the optimizer (with the float8 all-gather)."""
+    filter_fqns: list[str] = field(default_factory=lambda: ["output"])
+    """Linear layers left in high precision: those whose name contains one of these."""
+    emulate: bool = False
+    """Emulate float8 matmuls in high precision (any device; for tests)."""
+
+
+@dataclass
+class MXLinear:
+    """torchtitan's MX (microscaling, Blackwell) linears: read only with the quantize.linear.mx converter, which is refused."""
+
+    mxfp8_dim1_cast_kernel_choice: Literal["triton", "cuda", "torch"] = "triton"
+    """torchtitan's MX option."""
+    recipe_name: str = "mxfp8_cublas"
+    """torchtitan's MX option."""
+    filter_fqns: list[str] = field(default_factory=lambda: ["output"])
+    """torchtitan's MX option."""
+
+
+@dataclass
+class QuantizeLinear:
+    float8: Float8Linear = field(default_factory=Float8Linear)
+    mx: MXLinear = field(default_factory=MXLinear)
+
+
+@dataclass
+class Float8GroupedMM:
+    fqns: list[str] = unsupported("float8 grouped GEMMs (MoE experts; Llama 3 has none)", [])
+    """torchtitan's MoE option."""
+
+
+@dataclass
+class MXGroupedMM:
+    recipe_name: Literal["mxfp8"] = "mxfp8"
+    """torchtitan's MoE option."""
+    fqns: list[str] = unsupported("MX grouped GEMMs (MoE experts; Llama 3 has none)", [])
+    """torchtitan's MoE option."""
+
+
+@dataclass
+class QuantizeGroupedMM:
+    float8: Float8GroupedMM = field(default_factory=Float8GroupedMM)
+    mx: MXGroupedMM = field(default_factory=MXGroupedMM)
+
+
+@dataclass
+class Quantize:
+    linear: QuantizeLinear = field(default_factory=QuantizeLinear)
+    grouped_mm: QuantizeGroupedMM = field(default_factory=QuantizeGroupedMM)
 
 
 @dataclass
@@ -184,16 +359,36 @@ class Checkpoint:
     """Checkpoint folder, relative to job.dump_folder."""
     interval: int = 500
     """Save every this many steps (and at the last step)."""
-    keep_latest_k: int = 0
-    """Keep only the newest k checkpoints; 0 keeps all."""
+    keep_latest_k: int = 10
+    """Keep only the newest k checkpoints; 0 keeps all. Seed checkpoints (step 0) are never pruned."""
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
     """async: write checkpoints in a background thread while training goes on; async_with_pinned_mem (CUDA): also stage them through pinned host memory in a background process."""
+    load_step: int = -1
+    """Resume from this step's checkpoint; -1: the newest."""
+    exclude_from_loading: list[str] = field(default_factory=list)
+    """Parts of a checkpoint not restored on resume: model, optimizer, dataloader, train_state (lr_scheduler: nothing to restore)."""
     initial_load_path: str | None = field(default=None, metadata=INPUT_PATH)
     """Checkpoint to initialize the model weights from when the run has no checkpoint of its own yet (e.g. a seed checkpoint)."""
+    initial_load_model_only: bool = unsupported("optimizer state from initial_load_path", True)
+    """initial_load_path holds the model only (torchtitan's default)."""
+    initial_load_in_hf: bool = False
+    """initial_load_path (else model.hf_assets_path) is a Hugging Face folder of safetensors weights."""
+    initial_load_in_hf_quantized: bool = unsupported("quantized Hugging Face weights", False)
+    """torchtitan's quantized HF loading."""
+    last_save_model_only: bool = False
+    """The checkpoint of the last step holds the model weights only (in export_dtype): smaller, not resumable."""
+    last_save_in_hf: bool = False
+    """Also write the last step's weights as a Hugging Face folder to <folder>/step-N-hf (safetensors, config.json)."""
+    export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype of the weights of a model-only last save and of last_save_in_hf."""
     create_seed_checkpoint: bool = False
     """Initialize the model, save it as step 0 and exit. Run on one process; load it in parallel runs with initial_load_path so every layout starts from the same weights."""
-    export_safetensors: bool = False
-    """After the last step also write the model weights alone, unsharded, to <folder>/step-N/model.safetensors."""
+    enable_first_step_checkpoint: bool = False
+    """Also save after step 1 (to find out early that saving works)."""
+    enable_ft_dataloader_checkpoints: bool = True
+    """torchtitan's fault-tolerance option; no effect here."""
+    load_only: bool = unsupported("loading without ever saving", False)
+    """torchtitan's option."""
 
 
 @dataclass
@@ -202,6 +397,16 @@ class Comm:
     """Timeout of collectives until the first step is done (process-group set-up, tokenization, loading a checkpoint)."""
     train_timeout_seconds: int = 100
     """Timeout of collectives from the second step on: a rank that stops answering fails the job after this long instead of hanging it."""
+    trace_buf_size: int = 20000
+    """NCCL flight recorder: collectives kept per rank to dump when one hangs (CUDA; 0 turns it off)."""
+    save_traces_folder: str = "comm_traces"
+    """Where the flight recorder dumps, relative to job.dump_folder."""
+    save_traces_file_prefix: str = "rank_"
+    """File name prefix of the flight recorder dumps."""
+    mode: Literal["default", "fake_backend", "local_tensor"] = unsupported(
+        "a dry run on a fake process group", "default"
+    )
+    """torchtitan's dry-run modes."""
 
 
 @dataclass
@@ -212,6 +417,12 @@ class Metrics:
     """Also write TensorBoard events to <dump_folder>/<save_tb_folder>."""
     save_tb_folder: str = "tb"
     """TensorBoard folder, relative to job.dump_folder."""
+    enable_wandb: bool = False
+    """Also log to Weights & Biases (the wandb package; WANDB_PROJECT, WANDB_MODE=offline, ... as usual)."""
+    disable_color_printing: bool = False
+    """torchtitan's option; this recipe prints no colors."""
+    save_for_all_ranks: bool = unsupported("metrics files of every rank", False)
+    """torchtitan's option; rank 0 logs here."""
 
 
 @dataclass
@@ -222,10 +433,62 @@ class Profiling:
     """Profiler trace folder, relative to job.dump_folder (open the JSON files in Perfetto or chrome://tracing)."""
     profile_freq: int = 10
     """Profile (and snapshot memory) every this many steps."""
+    profiler_active: int = 1
+    """Steps recorded per profile."""
+    profiler_warmup: int = 3
+    """Steps the profiler runs unrecorded before them (its own start-up costs); at most profile_freq - profiler_active."""
     enable_memory_snapshot: bool = False
     """CUDA only: record allocator history and dump a snapshot per rank every profile_freq steps and on OOM."""
     save_memory_snapshot_folder: str = "memory_snapshot"
     """Memory snapshot folder, relative to job.dump_folder (open the pickles at pytorch.org/memory_viz)."""
+
+
+@dataclass
+class Debug:
+    seed: int | None = 42
+    """Seed of every random number generator, identical on all ranks; unset: 42."""
+    deterministic: bool = False
+    """Use deterministic algorithms only (slower), so that reruns give bit-identical losses."""
+    deterministic_warn_only: bool = False
+    """With deterministic: warn about an operation with no deterministic implementation instead of failing."""
+    moe_force_load_balance: bool = unsupported("MoE load balancing (Llama 3 has no experts)", False)
+    """torchtitan's MoE option."""
+
+
+@dataclass
+class MemoryEstimation:
+    enable: bool = unsupported(
+        "torchtitan's memory estimation (python estimate_memory.py and the doctor do it here)", False
+    )
+    """torchtitan's option."""
+    disable_fake_mode: bool = False
+    """torchtitan's option."""
+
+
+@dataclass
+class FaultTolerance:
+    enable: bool = unsupported("torchft fault tolerance", False)
+    """torchtitan's option."""
+    process_group: str = "gloo"
+    """torchtitan's option."""
+    process_group_timeout_ms: int = 10000
+    """torchtitan's option."""
+    replica_id: int = 0
+    """torchtitan's option."""
+    group_size: int = 0
+    """torchtitan's option."""
+    min_replica_size: int = 1
+    """torchtitan's option."""
+    semi_sync_method: str | None = None
+    """torchtitan's option."""
+
+
+@dataclass
+class Experimental:
+    custom_import: str = unsupported("custom imports", "")
+    """torchtitan's extension point."""
+    custom_args_module: str = unsupported("a custom config module", "")
+    """torchtitan's extension point."""
 
 
 @dataclass
@@ -236,21 +499,57 @@ class JobConfig:
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     data: Data = field(default_factory=Data)
+    validation: Validation = field(default_factory=Validation)
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
+    quantize: Quantize = field(default_factory=Quantize)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     comm: Comm = field(default_factory=Comm)
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
+    debug: Debug = field(default_factory=Debug)
+    memory_estimation: MemoryEstimation = field(default_factory=MemoryEstimation)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
+    experimental: Experimental = field(default_factory=Experimental)
 
-    def to_dict(self) -> dict[str, dict[str, Any]]:
+    def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(JobConfig)}
-# `from __future__ import annotations` leaves field types as strings; resolve them once.
-SECTIONS = {name: globals()[cls] if isinstance(cls, str) else cls for name, cls in SECTIONS.items()}
+# ---------------------------------------------------------------- the section tree
+
+
+def _types(section: type) -> dict[str, Any]:
+    return typing.get_type_hints(section)
+
+
+def _is_section(tp: Any) -> bool:
+    return dataclasses.is_dataclass(tp) and isinstance(tp, type)
+
+
+def sections(root: type = JobConfig, prefix: str = "") -> Iterator[tuple[str, type]]:
+    """(dotted name, dataclass) of every section and sub-section, in order."""
+    for f in dataclasses.fields(root):
+        tp = _types(root)[f.name]
+        if _is_section(tp):
+            yield prefix + f.name, tp
+            yield from sections(tp, prefix + f.name + ".")
+
+
+SECTIONS: dict[str, type] = dict(sections())
+
+
+def keys(section: type) -> list[dataclasses.Field]:
+    """The fields of a section that are values, not sub-sections."""
+    return [f for f in dataclasses.fields(section) if not _is_section(_types(section)[f.name])]
+
+
+def section_of(cfg: JobConfig, name: str) -> Any:
+    obj: Any = cfg
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def field_docs(section: type) -> dict[str, str]:
@@ -273,15 +572,13 @@ def field_docs(section: type) -> dict[str, str]:
 # ----------------------------------------------------------------- type coercion
 
 
-def _field_types(section: type) -> dict[str, Any]:
-    return typing.get_type_hints(section)
-
-
 def _describe(tp: Any) -> str:
     if typing.get_origin(tp) is Literal:
         return " | ".join(repr(c) for c in typing.get_args(tp))
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         return " | ".join("none" if a is type(None) else _describe(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is list:
+        return f"list of {_describe(typing.get_args(tp)[0])}"
     return "finite float" if tp is float else getattr(tp, "__name__", str(tp))
 
 
@@ -302,6 +599,13 @@ def _coerce(value: Any, tp: Any, *, from_cli: bool) -> Any:
         if value not in typing.get_args(tp):
             raise ValueError
         return value
+    if origin is list:
+        if from_cli:  # `a,b,c`, or a TOML/JSON array `["a", "b"]`
+            value = json.loads(value) if value.strip().startswith("[") else [v for v in value.split(",") if v]
+        if not isinstance(value, list):
+            raise ValueError
+        (item,) = typing.get_args(tp)
+        return [_coerce(v, item, from_cli=False) for v in value]
     if tp is bool:
         if from_cli:
             if value.lower() in ("true", "1", "yes"):
@@ -332,24 +636,27 @@ def _coerce(value: Any, tp: Any, *, from_cli: bool) -> Any:
 
 
 def _did_you_mean(name: str, choices: typing.Iterable[str]) -> str:
-    close = difflib.get_close_matches(name, list(choices), n=1)
+    # A high cutoff: a wrong suggestion (pipeline_parallel_degree -> tensor_parallel_degree) misleads
+    # more than none; typos of one or two letters still get theirs.
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.8)
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
 def _set(cfg: JobConfig, dotted: str, value: Any, *, source: str, from_cli: bool) -> str | None:
     """Set section.key = value on cfg; return a problem line instead of raising."""
-    section_name, _, key = dotted.partition(".")
-    if section_name not in SECTIONS or not key:
-        hint = _did_you_mean(section_name, SECTIONS)
+    section_name, _, key = dotted.rpartition(".")
+    if section_name not in SECTIONS:
+        top = section_name.split(".")[0]
+        hint = _did_you_mean(section_name, SECTIONS) if top not in SECTIONS else ""
         return f"{dotted}: unknown section '{section_name}' in {source}{hint}"
-    section = getattr(cfg, section_name)
-    types_ = _field_types(type(section))
+    section = section_of(cfg, section_name)
+    types_ = {f.name: _types(type(section))[f.name] for f in keys(type(section))}
     if key not in types_:
         hint = _did_you_mean(key, types_)
         return f"{dotted}: unknown key in {source}{hint}"
     try:
         setattr(section, key, _coerce(value, types_[key], from_cli=from_cli))
-    except ValueError:
+    except (ValueError, json.JSONDecodeError):
         return f"{dotted}: expected {_describe(types_[key])}, got {value!r} in {source}"
     return None
 
@@ -362,6 +669,16 @@ def find_config(name: str) -> Path | None:
     path = Path(name)
     candidates = [path] if path.is_absolute() else [path, REPO / path, REPO / "configs" / path]
     return next((c for c in candidates if c.is_file()), None)
+
+
+def _flatten(table: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """TOML tables -> (dotted key, value); a table whose name is a section nests, any other is a value."""
+    for key, value in table.items():
+        dotted = prefix + key
+        if isinstance(value, dict) and (dotted in SECTIONS or not prefix):
+            yield from _flatten(value, dotted + ".")
+        else:
+            yield dotted, value
 
 
 def load_toml(cfg: JobConfig, name: str) -> list[str]:
@@ -380,14 +697,12 @@ def load_toml(cfg: JobConfig, name: str) -> list[str]:
     except tomllib.TOMLDecodeError as e:
         return [f"--config: {path} is not valid TOML ({e})"]
     problems = []
-    for section_name, table in data.items():
-        if not isinstance(table, dict):
-            hint = _did_you_mean(section_name, SECTIONS)
-            problems.append(f"{section_name}: expected a [section] in {path}, got a value{hint}")
-            continue
-        for key, value in table.items():
-            if problem := _set(cfg, f"{section_name}.{key}", value, source=str(path), from_cli=False):
-                problems.append(problem)
+    for dotted, value in _flatten(data):
+        if "." not in dotted:
+            hint = _did_you_mean(dotted, SECTIONS)
+            problems.append(f"{dotted}: expected a [section] in {path}, got a value{hint}")
+        elif problem := _set(cfg, dotted, value, source=str(path), from_cli=False):
+            problems.append(problem)
     return problems
 
 
@@ -397,7 +712,7 @@ def parse_overrides(args: list[str]) -> tuple[list[tuple[str, str]], list[str]]:
     i = 0
     while i < len(args):
         arg = args[i]
-        if not arg.startswith("--") or "." not in arg:
+        if not arg.startswith("--") or ("." not in arg and arg.partition("=")[0] != "--config"):
             problems.append(f"{arg}: unexpected argument; use --section.key=value (see --help)")
             i += 1
             continue
@@ -414,63 +729,104 @@ def parse_overrides(args: list[str]) -> tuple[list[tuple[str, str]], list[str]]:
 
 
 def load_config(argv: list[str]) -> JobConfig:
-    """defaults < `--config FILE` < `--section.key value` overrides; raises ConfigError."""
+    """defaults < `--config FILE` < `--section.key value` overrides; raises ConfigError with every problem."""
     cfg = JobConfig()
-    problems: list[str] = []
-    rest: list[str] = []
-    config_name: str | None = None
-    i = 0
-    while i < len(argv):
-        if argv[i] == "--config" and i + 1 < len(argv):
-            config_name, i = argv[i + 1], i + 2
-        elif argv[i].startswith("--config="):
-            config_name, i = argv[i].split("=", 1)[1], i + 1
-        else:
-            rest.append(argv[i])
-            i += 1
-    if config_name is not None:
-        problems += load_toml(cfg, config_name)
-    overrides, bad = parse_overrides(rest)
-    problems += bad
+    overrides, problems = parse_overrides(argv)
+    files = [value for name, value in overrides if name in ("config", "job.config_file")]
+    overrides = [(name, value) for name, value in overrides if name not in ("config", "job.config_file")]
+    if len(files) > 1:
+        problems.append(f"--config: one file only, got {', '.join(files)}")
+    elif files:
+        problems += load_toml(cfg, files[0])
     for dotted, value in overrides:
         if problem := _set(cfg, dotted, value, source="the command line", from_cli=True):
             problems.append(problem)
-    if not problems:
-        resolve_input_paths(cfg)
-        problems = validate(cfg)
+    resolve(cfg)
+    problems += validate(cfg)  # in the same round: a typo elsewhere does not hide a bad value
     if problems:
         raise ConfigError(*problems)
     return cfg
 
 
+# ------------------------------------------------------------------- resolving
+
+# torchtitan's dataset names -> where they are here: (path, hub dataset name, split).
+DATASETS = {
+    "c4": ("allenai/c4", "en", "train"),
+    "c4_validation": ("allenai/c4", "en", "validation"),
+    "c4_test": ("tests/assets/c4_test", None, "train"),  # torchtitan's repo layout, in the user's folder
+}
+# torchtitan's other converters, refused by name.
+OTHER_CONVERTERS = {
+    "quantize.linear.mx": "MX (microscaling) linears, a Blackwell format",
+    "quantize.grouped_mm.float8": "float8 grouped GEMMs for MoE experts (Llama 3 has none)",
+    "quantize.grouped_mm.mx": "MX grouped GEMMs for MoE experts (Llama 3 has none)",
+}
+FLAVOR_ALIASES = {"8B": "llama3_8b", "70B": "llama3_70b", "405B": "llama3_405b"}  # torchtitan's names
+
+
+def resolve(cfg: JobConfig) -> None:
+    """Settings that follow from others, written in: afterwards every field holds what the run uses."""
+    m, t, d = cfg.model, cfg.training, cfg.data
+    m.flavor = FLAVOR_ALIASES.get(m.flavor, m.flavor)
+    if m.tokenizer_path is None:
+        m.tokenizer_path = m.hf_assets_path or SHIPPED_TOKENIZER
+    if d.path is None:
+        if t.dataset_path is not None:
+            d.path = t.dataset_path
+        elif t.dataset is not None and t.dataset in DATASETS:
+            d.path, hub_name, d.split = DATASETS[t.dataset]
+            if hub_name is not None:
+                d.format, d.name = "hub", hub_name
+        elif t.dataset is None:
+            d.path = SHIPPED_CORPUS
+    if cfg.debug.seed is None:
+        cfg.debug.seed = 42
+    cfg.model.converters = ["quantize.linear.float8" if c == "float8" else c for c in cfg.model.converters]
+    resolve_input_paths(cfg)
+
+
 def resolve_input_paths(cfg: JobConfig) -> None:
     """A relative input path missing from the current directory but present in the repo means the repo's."""
-    for section_name in SECTIONS:
-        section = getattr(cfg, section_name)
-        for f in dataclasses.fields(section):
-            value = getattr(section, f.name)
+    for name, section in SECTIONS.items():
+        obj = section_of(cfg, name)
+        for f in keys(section):
+            value = getattr(obj, f.name)
             if not (f.metadata.get("input_path") and isinstance(value, str)) or Path(value).exists():
                 continue
             if not Path(value).is_absolute() and (REPO / value).exists():
-                setattr(section, f.name, str(REPO / value))
+                setattr(obj, f.name, str(REPO / value))
 
 
 def model_args(cfg: Model) -> ModelArgs:
-    """The model shape this config names: hf_assets_path's config.json when set, else the flavor."""
-    if cfg.hf_assets_path is None:
+    """The model shape this config names: the flavor, or hf_assets_path's config.json with shape_from_hf_config."""
+    if not cfg.shape_from_hf_config:
         return FLAVORS[cfg.flavor]
     # Imported here: reading HF configs is interop, which a flavor-only run never needs.
     from models.llama3.hf import model_args_from_hf_config
 
-    return model_args_from_hf_config(cfg.hf_assets_path)
+    return model_args_from_hf_config(cfg.hf_assets_path or "")
+
+
+def validation_path(cfg: Validation) -> str | None:
+    """Where the held-out data is: dataset_path, else the local folder torchtitan's name stands for."""
+    if cfg.dataset_path is not None:
+        return cfg.dataset_path
+    path, hub_name, _ = DATASETS.get(cfg.dataset, (None, None, None))
+    return path if hub_name is None else None
+
+
+# ------------------------------------------------------------------- validating
 
 
 def validate(cfg: JobConfig) -> list[str]:
     """Cross-field checks that need no process group; every problem, not just the first."""
-    p: list[str] = []
+    p: list[str] = _unsupported(cfg)
     t, m, o, s = cfg.training, cfg.model, cfg.optimizer, cfg.lr_scheduler
-    p += _check_model(m, seq_len=t.seq_len)
-    for key in ("steps", "local_batch_size"):
+    p += (model_problems := _check_model(m, seq_len=t.seq_len))
+    if cfg.validation.enable and not model_problems:  # the same rule for held-out sequences
+        p += [f"validation.{q.removeprefix('training.')}" for q in _check_model(m, seq_len=cfg.validation.seq_len)]
+    for key in ("steps", "local_batch_size", "gc_freq"):
         if getattr(t, key) < 1:
             p.append(f"training.{key}: must be >= 1, got {getattr(t, key)}")
     if t.seq_len < 2:
@@ -494,13 +850,16 @@ def validate(cfg: JobConfig) -> list[str]:
         p.append(f"optimizer.eps: must be > 0 (it keeps AdamW's division away from zero), got {o.eps}")
     if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
         p.append(f"optimizer.beta1/beta2: must lie in [0, 1), got {o.beta1}, {o.beta2}")
+    total = s.total_steps if s.total_steps is not None else t.steps
     if s.warmup_steps < 0:
         p.append(f"lr_scheduler.warmup_steps: must be >= 0, got {s.warmup_steps}")
-    elif s.warmup_steps >= t.steps > 1:
+    elif s.warmup_steps > total:
         warn(
-            f"lr_scheduler.warmup_steps = {s.warmup_steps} is not below training.steps = {t.steps}: the run ends "
-            f"before the learning rate reaches optimizer.lr = {o.lr:g}"
+            f"lr_scheduler.warmup_steps = {s.warmup_steps} exceeds the {total} steps of the schedule; warming up "
+            f"over {total} steps instead (as torchtitan does)"
         )
+    if s.total_steps is not None and s.total_steps < 1:
+        p.append(f"lr_scheduler.total_steps: must be >= 1 or unset, got {s.total_steps}")
     if s.decay_ratio is not None and not 0 < s.decay_ratio <= 1:
         p.append(f"lr_scheduler.decay_ratio: must lie in (0, 1] or be unset, got {s.decay_ratio}")
     if not 0 <= s.min_lr_factor <= 1:
@@ -513,29 +872,122 @@ def validate(cfg: JobConfig) -> list[str]:
     if par.tensor_parallel_degree < 1:
         p.append(f"parallelism.tensor_parallel_degree: must be >= 1, got {par.tensor_parallel_degree}")
     ac = cfg.activation_checkpoint
+    if ac.mode == "memory_budget":
+        p.append(
+            "activation_checkpoint.mode: memory_budget asks for torchtitan's memory-budget AC, which this recipe does not do; use selective or full"
+        )
     if ac.mode == "selective" and ac.selective_ac_option != "op" and selective_ac_every(ac.selective_ac_option) is None:
         p.append(
             f"activation_checkpoint.selective_ac_option: expected 'op' or a positive integer k, got {ac.selective_ac_option!r}"
         )
+    if ac.determinism_check not in ("default", "none"):
+        p.append(f"activation_checkpoint.determinism_check: expected 'default' or 'none', got {ac.determinism_check!r}")
+    if unknown := sorted(set(cfg.compile.components) - {"model", "loss"}):
+        p.append(f'compile.components: unknown {", ".join(unknown)}; use "model" and/or "loss"')
+    for converter in m.converters:
+        if converter in OTHER_CONVERTERS:
+            p.append(
+                f"model.converters: {converter!r} asks for {OTHER_CONVERTERS[converter]}, which this recipe does not do; remove it"
+            )
+        elif converter != "quantize.linear.float8":
+            p.append(
+                f'model.converters: {converter!r} is not a converter of this recipe; use "quantize.linear.float8" (float8 linears)'
+            )
     ck = cfg.checkpoint
     if ck.interval < 1:
         p.append(f"checkpoint.interval: must be >= 1, got {ck.interval}")
     if ck.keep_latest_k < 0:
         p.append(f"checkpoint.keep_latest_k: must be >= 0 (0 keeps all), got {ck.keep_latest_k}")
+    if unknown := sorted(
+        set(ck.exclude_from_loading) - {"model", "optimizer", "dataloader", "train_state", "lr_scheduler"}
+    ):
+        p.append(
+            f"checkpoint.exclude_from_loading: unknown {', '.join(unknown)}; use model, optimizer, dataloader or train_state"
+        )
+    if ck.initial_load_in_hf and (ck.initial_load_path or m.hf_assets_path) is None:
+        p.append(
+            "checkpoint.initial_load_in_hf: set checkpoint.initial_load_path or model.hf_assets_path to the Hugging Face folder"
+        )
     for key in ("init_timeout_seconds", "train_timeout_seconds"):
         if getattr(cfg.comm, key) < 1:
             p.append(f"comm.{key}: must be >= 1, got {getattr(cfg.comm, key)}")
     if cfg.metrics.log_freq < 1:
         p.append(f"metrics.log_freq: must be >= 1, got {cfg.metrics.log_freq}")
-    if cfg.profiling.profile_freq < 1:
-        p.append(f"profiling.profile_freq: must be >= 1, got {cfg.profiling.profile_freq}")
-    if cfg.data.format != "hub" and not Path(cfg.data.path).exists():
-        p.append(_missing_data(cfg.data.path, tokenizer=m.tokenizer_path))
-    if m.tokenizer_path != "byte" and not Path(m.tokenizer_path).exists():
+    if cfg.metrics.enable_wandb:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            p.append("metrics.enable_wandb: the wandb package is not installed; pip install wandb, or set it to false")
+    prof = cfg.profiling
+    for key in ("profile_freq", "profiler_active"):
+        if getattr(prof, key) < 1:
+            p.append(f"profiling.{key}: must be >= 1, got {getattr(prof, key)}")
+    if prof.profiler_warmup < 0:
+        p.append(f"profiling.profiler_warmup: must be >= 0, got {prof.profiler_warmup}")
+    if prof.profiler_active > prof.profile_freq:
+        p.append(
+            f"profiling.profiler_active: {prof.profiler_active} steps recorded per profile do not fit in profile_freq = {prof.profile_freq}"
+        )
+    p += _check_data(cfg)
+    p += _check_validation(cfg.validation)
+    if m.tokenizer_path != "byte" and not Path(m.tokenizer_path or "").exists():
         p.append(_missing_tokenizer(m))
     if ck.initial_load_path is not None and not Path(ck.initial_load_path).is_dir():
         p.append(
-            f"checkpoint.initial_load_path: {ck.initial_load_path} is not a folder; point it at a checkpoint step folder (contains .metadata)"
+            f"checkpoint.initial_load_path: {ck.initial_load_path} is not a folder; point it at a checkpoint step folder (contains .metadata) or a Hugging Face folder (initial_load_in_hf)"
+        )
+    return p  # fmt: skip
+
+
+def _unsupported(cfg: JobConfig) -> list[str]:
+    """A torchtitan key set to anything but its default asks for something this recipe does not do."""
+    problems = []
+    defaults = JobConfig()
+    for name, section in SECTIONS.items():
+        for f in keys(section):
+            if "unsupported" not in f.metadata:
+                continue
+            value, default = getattr(section_of(cfg, name), f.name), getattr(section_of(defaults, name), f.name)
+            if value != default:
+                problems.append(
+                    f"{name}.{f.name}: {value!r} asks for {f.metadata['unsupported']}, which this recipe does not do; "
+                    f"remove the key or set it to {default!r}"
+                )
+    return problems
+
+
+def _check_data(cfg: JobConfig) -> list[str]:
+    d, t = cfg.data, cfg.training
+    if d.path is None:  # training.dataset names no dataset this recipe knows
+        known = ", ".join(name for name in DATASETS if "validation" not in name)
+        return [
+            f"training.dataset: unknown dataset {t.dataset!r} ({known}, or set training.dataset_path / data.path to your data)"
+        ]
+    if d.format == "hub" or Path(d.path).exists():
+        return []
+    return [_missing_data(d.path, tokenizer=cfg.model.tokenizer_path or "")]
+
+
+def _check_validation(v: Validation) -> list[str]:
+    if not v.enable:
+        return []
+    p = []
+    for key in ("local_batch_size", "freq", "seq_len"):
+        if getattr(v, key) < 1:
+            p.append(f"validation.{key}: must be >= 1, got {getattr(v, key)}")
+    if v.steps == 0 or v.steps < -1:
+        p.append(f"validation.steps: must be -1 (the whole held-out data) or >= 1, got {v.steps}")
+    path = validation_path(v)
+    if path is None:
+        hub = DATASETS.get(v.dataset)
+        source = f"--source {hub[0]} --format hub --name {hub[1]} --split {hub[2]}" if hub else "--source SOURCE"
+        p.append(
+            f"validation.dataset: {v.dataset!r} is not local; prepare it with `python scripts/prepare_data.py {source} "
+            "--tokenizer TOKENIZER --output OUT` and set validation.dataset_path = OUT"
+        )
+    elif not Path(path).exists():
+        p.append(
+            f"validation.dataset_path: {path} not found; point it at a prepared folder or raw json/jsonl/parquet/txt files"
         )
     return p  # fmt: skip
 
@@ -553,12 +1005,11 @@ def _missing_tokenizer(m: Model) -> str:
     from models.llama3.hf import PUBLISHED  # interop: only for this message
 
     # A folder named after a published repo (assets/hf/Llama-3.1-8B) comes from it; else the flavor's repo.
-    by_name = [repo for repo in PUBLISHED.values() if repo.split("/")[1] == Path(m.tokenizer_path).name]
-    repo = by_name[0] if by_name else PUBLISHED.get(m.flavor) if m.hf_assets_path is None else None
-    fetch = (
-        f"; download it with `hf download {repo} --include 'tokenizer*' --local-dir {m.tokenizer_path}`" if repo else ""
-    )
-    return f"model.tokenizer_path: {m.tokenizer_path} not found{fetch or ''}" + (
+    folder = Path(m.tokenizer_path or "")
+    by_name = [repo for repo in PUBLISHED.values() if repo.split("/")[1] == folder.name]
+    repo = by_name[0] if by_name else PUBLISHED.get(m.flavor)
+    fetch = f"; download it with `hf download {repo} --include 'tokenizer*' --local-dir {folder}`" if repo else ""
+    return f"model.tokenizer_path: {folder} not found{fetch}" + (
         "" if fetch else '; point it at a tokenizer.json or tokenizer folder, or use "byte"'
     )
 
@@ -569,24 +1020,38 @@ def selective_ac_every(option: str) -> int | None:
 
 
 def _check_model(m: Model, *, seq_len: int) -> list[str]:
-    """The flavor or HF folder exists and supports seq_len."""
-    if m.hf_assets_path is None and m.flavor not in FLAVORS:
-        hint = _did_you_mean(m.flavor, FLAVORS)
-        return [f"model.flavor: unknown flavor '{m.flavor}'{hint} (choose from {', '.join(FLAVORS)})"]
-    if m.hf_assets_path is not None and not (Path(m.hf_assets_path) / "config.json").is_file():
+    """The flavor exists, hf_assets_path agrees with it, and the model supports seq_len."""
+    if m.flavor not in FLAVORS and not m.shape_from_hf_config:
+        hint = _did_you_mean(m.flavor, FLAVORS) or _did_you_mean(m.flavor.upper(), FLAVOR_ALIASES)
+        names = ", ".join([*FLAVORS, *FLAVOR_ALIASES])
+        return [f"model.flavor: unknown flavor '{m.flavor}'{hint} (choose from {names})"]
+    config_json = Path(m.hf_assets_path or "") / "config.json"
+    if m.shape_from_hf_config and (m.hf_assets_path is None or not config_json.is_file()):
         return [
-            f"model.hf_assets_path: {m.hf_assets_path} has no config.json; point it at a downloaded Hugging Face Llama folder"
+            f"model.shape_from_hf_config: {m.hf_assets_path} has no config.json; point model.hf_assets_path at a Hugging Face Llama folder"
         ]
-    try:
-        args = model_args(m)
-    except ConfigError as e:
-        return [f"model.hf_assets_path: {problem}" for problem in e.problems]
-    if m.hf_assets_path is not None and m.flavor != Model.flavor:
-        warn(f"model.flavor = {m.flavor!r} is ignored: model.hf_assets_path sets the model shape")
+    if m.hf_assets_path is not None and config_json.is_file():
+        # Imported here: reading HF configs is interop, which a flavor-only run never needs.
+        from models.llama3.hf import model_args_from_hf_config
+
+        try:
+            hf = model_args_from_hf_config(m.hf_assets_path)
+        except ConfigError as e:
+            return [f"model.hf_assets_path: {problem}" for problem in e.problems]
+        if not m.shape_from_hf_config and _shape(hf) != _shape(FLAVORS[m.flavor]):
+            return [
+                f"model.flavor: {m.flavor} is not the model of {config_json} (dim, layers, heads, KV heads, FFN width, "
+                f"vocabulary: {_shape(FLAVORS[m.flavor])} vs {_shape(hf)}); fix the flavor, or set model.shape_from_hf_config = true"
+            ]
+    args = model_args(m)
     if seq_len > args.max_seq_len:
-        source = m.flavor if m.hf_assets_path is None else f"{m.hf_assets_path} (max_position_embeddings)"
+        source = f"{m.hf_assets_path} (max_position_embeddings)" if m.shape_from_hf_config else m.flavor
         return [f"training.seq_len: {seq_len} exceeds the {args.max_seq_len} tokens {source} supports; lower it"]
-    return []
+    return []  # fmt: skip
+
+
+def _shape(args: ModelArgs) -> tuple[int, ...]:
+    return (args.dim, args.n_layers, args.n_heads, args.kv_heads, args.ffn_hidden_dim, args.vocab_size)
 
 
 # ------------------------------------------------------------------ presentation
@@ -596,35 +1061,44 @@ def help_text() -> str:
     lines = [
         "usage: train.py [--config FILE.toml] [--section.key=value ...] [--print-config] [--help]",
         "",
-        "--config: a TOML file; a name such as llama3_8b.toml is also looked up in configs/.",
+        "--config (or --job.config_file): a TOML file; a name such as llama3_8b.toml is also looked up in configs/.",
         "--print-config: print the resolved config and derived numbers, then exit.",
         "",
         "Precedence: command line > TOML file > defaults. Options:",
     ]
     defaults = JobConfig()
     for name, section in SECTIONS.items():
+        fields = keys(section)
+        if not fields:
+            continue
         lines.append(f"\n[{name}]")
         docs = field_docs(section)
-        for f in dataclasses.fields(section):
-            default = getattr(getattr(defaults, name), f.name)
-            lines.append(f"  --{name}.{f.name} ({_describe(_field_types(section)[f.name])}, default {default!r})")
+        for f in fields:
+            default = getattr(section_of(defaults, name), f.name)
+            lines.append(f"  --{name}.{f.name} ({_describe(_types(section)[f.name])}, default {default!r})")
             lines.append(f"      {docs.get(f.name, '')}")
     return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (str, list)):
+        return json.dumps(value)
+    return str(value)
 
 
 def to_toml(cfg: JobConfig) -> str:
     """The resolved config as TOML (unset optional values are left out, as TOML has no null)."""
     out = []
-    for name, values in cfg.to_dict().items():
+    for name, section in SECTIONS.items():
+        fields = keys(section)
+        if not fields:
+            continue
         out.append(f"[{name}]")
-        for key, value in values.items():
-            if value is None:
-                out.append(f"# {key} = (unset)")
-            elif isinstance(value, bool):
-                out.append(f"{key} = {str(value).lower()}")
-            elif isinstance(value, str):
-                out.append(f"{key} = {json.dumps(value)}")
-            else:
-                out.append(f"{key} = {value}")
+        obj = section_of(cfg, name)
+        for f in fields:
+            value = getattr(obj, f.name)
+            out.append(f"# {f.name} = (unset)" if value is None else f"{f.name} = {_toml_value(value)}")
         out.append("")
     return "\n".join(out)

@@ -214,7 +214,7 @@ def _probe_cpu_bf16() -> bool | None:
 
 
 def _toolchain(cfg: JobConfig, machine: Machine) -> list[Finding]:
-    if not cfg.compile.enable:
+    if not cfg.compile.enable or cfg.compile.backend != "inductor":
         return []
     environ = machine.environ or {}
     findings = []
@@ -233,11 +233,11 @@ def _toolchain(cfg: JobConfig, machine: Machine) -> list[Finding]:
     # use_deterministic_algorithms steers inductor's lowerings, but not which Triton configuration on-device
     # benchmarking picks for a kernel (a different reduction order between runs); inductor's own
     # deterministic mode (torch._inductor.config.deterministic) skips that benchmarking.
-    if cfg.training.deterministic and machine.cuda and environ.get("TORCHINDUCTOR_DETERMINISTIC") != "1":
+    if cfg.debug.deterministic and machine.cuda and environ.get("TORCHINDUCTOR_DETERMINISTIC") != "1":
         findings.append(
             Finding(
                 "warning",
-                "training.deterministic",
+                "debug.deterministic",
                 "compiled kernels are autotuned by benchmarking on the device, which can pick a different "
                 "reduction order in another run, so losses are not bit-identical; also set "
                 "TORCHINDUCTOR_DETERMINISTIC=1 (slower) or compile.enable = false",

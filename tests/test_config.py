@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
 
-from config import REPO, SECTIONS, JobConfig, field_docs, help_text, load_config, to_toml
+from config import REPO, SECTIONS, JobConfig, field_docs, help_text, keys, load_config, to_toml
 from errors import ConfigError
 from tests.conftest import SHIPPED, Launch
 
@@ -44,7 +43,7 @@ def test_every_field_has_a_docstring_and_appears_in_help() -> None:
     text = help_text()
     for name, section in SECTIONS.items():
         docs = field_docs(section)
-        for f in dataclasses.fields(section):
+        for f in keys(section):
             assert docs.get(f.name), f"{name}.{f.name} has no docstring"
             assert f"--{name}.{f.name} " in text
 
@@ -60,8 +59,8 @@ def test_precedence_cli_over_toml_over_defaults(tmp_path: Path) -> None:
 
 
 def test_cli_value_forms() -> None:
-    cfg = load_config(["--compile.enable", "--training.deterministic=true", "--checkpoint.initial_load_path=none"])
-    assert cfg.compile.enable is True and cfg.training.deterministic is True
+    cfg = load_config(["--compile.enable", "--debug.deterministic=true", "--checkpoint.initial_load_path=none"])
+    assert cfg.compile.enable is True and cfg.debug.deterministic is True
     assert cfg.checkpoint.initial_load_path is None
     cfg = load_config(["--lr_scheduler.decay_ratio", "0.5", "--compile.enable", "false"])
     assert cfg.lr_scheduler.decay_ratio == 0.5 and cfg.compile.enable is False
@@ -94,11 +93,11 @@ def test_unknown_section_and_key_suggest_the_right_name(tmp_path: Path) -> None:
 def test_wrong_types_are_errors(tmp_path: Path) -> None:
     toml = tmp_path / "c.toml"
     toml.write_text(
-        '[training]\nsteps = "ten"\ndeterministic = 1\nmax_norm = true\n[activation_checkpoint]\nmode = "ful"\n'
+        '[training]\nsteps = "ten"\nmax_norm = true\n[debug]\ndeterministic = 1\n[activation_checkpoint]\nmode = "ful"\n'
     )
     found = problems(["--config", str(toml)])
     assert [p.split(":")[0] for p in found] == [
-        "training.steps", "training.deterministic", "training.max_norm", "activation_checkpoint.mode",
+        "training.steps", "training.max_norm", "debug.deterministic", "activation_checkpoint.mode",
     ]  # fmt: skip
     assert "expected int, got 'ten'" in found[0]
     assert "'none' | 'full' | 'selective'" in found[3]
