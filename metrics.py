@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from config import Metrics
+from errors import ConfigError
 
 # Dense (no sparsity) bf16 tensor-core peak, FLOP/s, by a substring of the device name.
 # Order matters: the first match wins ("H100 NVL" before "H100").
@@ -74,18 +75,29 @@ class StepMetrics:
 
 
 class MetricsLogger:
-    """Rank 0 prints a line per logged step and appends it to <dump_folder>/metrics.jsonl.
+    """Rank 0 prints a line per logged step and appends it to <dump_folder>/metrics.jsonl, and to
+    TensorBoard and Weights & Biases when enabled; validations get a line and a row of their own
+    (`validation_loss`).
 
     A run that starts at `start_step` (resumed, or 0) first drops the rows of later steps that an
     earlier run of this folder logged, so each step appears once, from the run that trained it.
     """
 
-    def __init__(self, cfg: Metrics, *, dump_folder: str, total_steps: int, start_step: int, enabled: bool):
+    def __init__(
+        self,
+        cfg: Metrics,
+        *,
+        dump_folder: str,
+        total_steps: int,
+        start_step: int,
+        enabled: bool,
+        run_config: dict[str, Any] | None = None,
+    ):
         self.total_steps, self.start_step = total_steps, start_step
         self.enabled = enabled
         self.start = time.perf_counter()
         self.jsonl = Path(dump_folder) / "metrics.jsonl"
-        self.tb = None
+        self.tb = self.wandb = None
         if enabled:
             self.jsonl.parent.mkdir(parents=True, exist_ok=True)
             if self.jsonl.exists():
@@ -97,6 +109,19 @@ class MetricsLogger:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self.tb = SummaryWriter(str(Path(dump_folder) / cfg.save_tb_folder))
+            if cfg.enable_wandb:
+                # The usual WANDB_* variables apply (WANDB_PROJECT, WANDB_MODE=offline, WANDB_API_KEY, ...).
+                import wandb
+
+                try:
+                    self.wandb = wandb.init(
+                        project=os.environ.get("WANDB_PROJECT", "llama3-recipe"), dir=dump_folder, config=run_config
+                    )
+                except (wandb.Error, OSError) as e:
+                    raise ConfigError(
+                        f"metrics.enable_wandb: wandb could not start a run ({str(e).strip().splitlines()[0]}); run "
+                        "`wandb login` or set WANDB_API_KEY, or log locally with WANDB_MODE=offline"
+                    ) from None
 
     def log(self, m: StepMetrics) -> None:
         if not self.enabled:
@@ -113,17 +138,29 @@ class MetricsLogger:
             f" | step {m.step_time_s * 1000:.0f} ms | eta {_duration(eta)}",
             flush=True,
         )
+        scalars = {k: getattr(m, k) for k in ("loss", "grad_norm", "lr", "tps", "mfu", "memory_gib", "step_time_s")}
+        self._write(m.step, scalars)
+
+    def log_validation(self, step: int, loss: float, tokens: int, seconds: float) -> None:
+        if not self.enabled:
+            return
+        print(f"validation at step {step}: loss {loss:7.4f} | {tokens:,} tokens | {seconds:.1f} s", flush=True)
+        self._write(step, {"validation_loss": loss, "validation_tokens": tokens, "validation_s": seconds})
+
+    def _write(self, step: int, values: dict[str, float | None]) -> None:
         with self.jsonl.open("a") as f:
-            f.write(json.dumps(m.__dict__) + "\n")
-        if self.tb is not None:
-            for key in ("loss", "grad_norm", "lr", "tps", "mfu", "memory_gib"):
-                value = getattr(m, key)
-                if value is not None:
-                    self.tb.add_scalar(key, value, m.step)
+            f.write(json.dumps({"step": step, **values}) + "\n")
+        known = {key: value for key, value in values.items() if value is not None}  # MFU off a GPU
+        for key, value in known.items() if self.tb is not None else ():
+            self.tb.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log(known, step=step)
 
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
 
 
 def _duration(seconds: float) -> str:

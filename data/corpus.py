@@ -101,34 +101,35 @@ class TokenCorpus:
 # ------------------------------------------------------------------ train.py's corpus
 
 
-def open_corpus(cfg: Data, tokenizer: Tokenizer, tokenizer_path: str) -> TokenCorpus:
+def open_corpus(cfg: Data, tokenizer: Tokenizer, tokenizer_path: str, *, key: str = "data.path") -> TokenCorpus:
     """The corpus `[data] path` names; raw files are prepared into the cache first (a collective).
 
     Every rank calls it. Under torch.distributed the ranks share the tokenizing and wait for each other.
+    key: the config key that named the path (validation.dataset_path for held-out data), for errors.
     """
     path = Path(cfg.path)
     if is_prepared(path):
-        corpus = TokenCorpus(path)
+        corpus = TokenCorpus(path, key=key)
         if corpus.tokenizer_fingerprint != tokenizer.fingerprint:
             raise ConfigError(
-                f"data.path: {path} was tokenized by {corpus.manifest['tokenizer']['path']}, not by "
+                f"{key}: {path} was tokenized by {corpus.manifest['tokenizer']['path']}, not by "
                 f"model.tokenizer_path; point model.tokenizer_path at that tokenizer, or prepare the data again"
             )
         return corpus
-    source = find_source(cfg.path, fmt=cfg.format, text_column=cfg.text_column, split=cfg.split)
+    source = find_source(cfg.path, fmt=cfg.format, text_column=cfg.text_column, split=cfg.split, key=key)
     if source.format == "hub" or source.input_bytes > MAX_RAW_BYTES:
         size = "a hub dataset" if source.format == "hub" else f"{source.input_bytes / 2**20:,.0f} MiB of raw text"
         raise ConfigError(
-            f"data.path: {cfg.path} is {size}: too much to tokenize at every start; prepare it once with "
-            f"`{prepare_command(cfg, tokenizer_path)}`, then set data.path to that --output folder"
+            f"{key}: {cfg.path} is {size}: too much to tokenize at every start; prepare it once with "
+            f"`{prepare_command(cfg, tokenizer_path)}`, then set {key} to that --output folder"
         )
     cache = cache_folder(cfg, tokenizer, source.describe())
     if not is_prepared(cache):
         _prepare_shared(source, tokenizer_path, cache)
-    corpus = TokenCorpus(cache)
+    corpus = TokenCorpus(cache, key=key)
     if nulls := corpus.manifest["null_documents"]:
         total = nulls + corpus.manifest["documents"]
-        warn(f"data.path: {nulls:,} of {total:,} documents of {cfg.path} have no text (null); they are skipped")
+        warn(f"{key}: {nulls:,} of {total:,} documents of {cfg.path} have no text (null); they are skipped")
     return corpus
 
 

@@ -20,6 +20,9 @@ places carry accents, so the tokenizer sees some non-ASCII text).
 
 Usage:
     python scripts/make_corpus.py --out assets/corpus/stories.jsonl --seed 1234 --target-mb 2.5
+    # the held-out split: other documents, none of the training ones
+    python scripts/make_corpus.py --out assets/corpus/stories_validation.jsonl --seed 4321 --target-mb 0.25 \
+        --exclude assets/corpus/stories.jsonl
 """
 
 from __future__ import annotations
@@ -1046,8 +1049,8 @@ DOCUMENT_KINDS: list[tuple[Callable[[random.Random], str], int]] = [
 ]
 
 
-def generate(seed: int, target_bytes: int) -> list[str]:
-    """Draw documents until their JSONL encoding reaches ``target_bytes``."""
+def generate(seed: int, target_bytes: int, exclude: frozenset[str] = frozenset()) -> list[str]:
+    """Draw documents until their JSONL encoding reaches ``target_bytes``, skipping those in ``exclude``."""
     rng = random.Random(seed)
     makers = [maker for maker, _ in DOCUMENT_KINDS]
     weights = [weight for _, weight in DOCUMENT_KINDS]
@@ -1055,6 +1058,8 @@ def generate(seed: int, target_bytes: int) -> list[str]:
     size = 0
     while size < target_bytes:
         text = rng.choices(makers, weights=weights)[0](rng)
+        if text in exclude:
+            continue
         docs.append(text)
         size += len(json.dumps({"text": text}, ensure_ascii=False).encode("utf-8")) + 1
     return docs
@@ -1065,9 +1070,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("assets/corpus/stories.jsonl"))
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--target-mb", type=float, default=2.5, help="output size in MB (10^6 bytes)")
+    parser.add_argument("--exclude", type=Path, help="a corpus whose documents to leave out (a held-out split)")
     args = parser.parse_args()
 
-    docs = generate(args.seed, int(args.target_mb * 1_000_000))
+    exclude = (
+        frozenset(json.loads(line)["text"] for line in args.exclude.open(encoding="utf-8"))
+        if args.exclude
+        else frozenset()
+    )
+    docs = generate(args.seed, int(args.target_mb * 1_000_000), exclude)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("w", encoding="utf-8", newline="\n") as f:
         for text in docs:

@@ -1,0 +1,90 @@
+"""The held-out loss ([validation]): after step 1, every `validation.freq` steps and after the last
+one, the model's mean loss on data it does not train on.
+
+The held-out data is read like the training data (data/loader.py), from its first window every time,
+without shuffling, in global batches of validation.local_batch_size x data-parallel degree sequences
+split over the data-parallel ranks. It runs under `torch.no_grad()`: no gradients, no optimizer, no
+effect on the training stream or its RNG.
+
+`validation.steps = -1` reads every window of the held-out data once: the same sequences whatever the
+number of ranks, so the loss is the same on 1 or 64 GPUs (up to summation order). The last global
+batch may be partial: every rank still runs its forward (FSDP and TP need all of them), and the rows
+past the end count for nothing. `validation.steps = k` reads the first k global batches, as torchtitan
+does: k x local_batch_size x data-parallel degree sequences, which depends on the number of ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from config import Data, Validation, validation_path
+from data.corpus import open_corpus
+from data.loader import Batch, GlobalBatchLoader
+from data.tokenizers import Tokenizer
+from parallelisms.tp import loss_parallel_context
+
+
+class Validator:
+    def __init__(
+        self,
+        cfg: Validation,
+        *,
+        data: Data,
+        tokenizer: Tokenizer,
+        tokenizer_path: str,
+        dp_rank: int,
+        dp_degree: int,
+        device: torch.device,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        loss_parallel: bool,
+    ):
+        path = validation_path(cfg)
+        assert path is not None, "config.validate checks that the held-out data is local"
+        # Raw files are prepared into the same cache as training data; a prepared folder is read as it is.
+        held_out = dataclasses.replace(data, path=path, format="auto", shuffle=False)
+        corpus = open_corpus(held_out, tokenizer, tokenizer_path, key="validation.dataset_path")
+        global_batch = cfg.local_batch_size * dp_degree
+        self.loader = GlobalBatchLoader(
+            corpus, window=cfg.seq_len + 1, local_batch_size=cfg.local_batch_size, global_batch_size=global_batch,
+            dp_rank=dp_rank, dp_degree=dp_degree,
+        )  # fmt: skip
+        windows = self.loader.num_windows
+        self.sequences = windows if cfg.steps == -1 else min(cfg.steps * global_batch, windows)
+        self.steps = -(-self.sequences // global_batch)
+        self.first_row = dp_rank * cfg.local_batch_size  # this rank's rows of each global batch
+        self.local_batch_size, self.global_batch = cfg.local_batch_size, global_batch
+        self.tokens = self.sequences * cfg.seq_len
+        self.device, self.loss_fn, self.loss_parallel = device, loss_fn, loss_parallel
+        self.seconds = 0.0  # how long the last validation took
+
+    @torch.no_grad()
+    def validate(self, model: torch.nn.Module) -> tuple[float, int, float]:
+        """(mean loss over the held-out sequences, tokens read, seconds). Every rank calls it."""
+        begin = time.perf_counter()
+        self.loader.sample_index = 0  # the same sequences every time
+        model.eval()
+        total = torch.zeros(2, device=self.device)  # [sum of per-sequence mean losses, sequences]
+        for step in range(self.steps):
+            # Rows of this rank's micro-batch that lie inside the held-out data (all but in a last, partial batch).
+            rows = min(max(self.sequences - step * self.global_batch - self.first_row, 0), self.local_batch_size)
+            (batch,) = self.loader.next_step()
+            inputs, labels, segments = Batch(*batch)
+            with loss_parallel_context(self.loss_parallel):
+                segments = segments.to(self.device) if segments is not None else None
+                logits = model(inputs.to(self.device), segments=segments)
+                if rows:
+                    loss = self.loss_fn(logits[:rows], labels[:rows].to(self.device))
+                    loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
+                    total += torch.stack([loss * rows, torch.tensor(float(rows), device=self.device)])
+        model.train()
+        # The ranks of a TP group hold the same sums: they count alike in numerator and denominator.
+        dist.all_reduce(total)
+        self.seconds = time.perf_counter() - begin
+        loss_sum, sequences = total.tolist()
+        return loss_sum / sequences, self.tokens, self.seconds
