@@ -27,6 +27,7 @@ from __future__ import annotations
 import atexit
 import errno
 import io
+import json
 import os
 import pickle
 import re
@@ -34,6 +35,7 @@ import shutil
 import socket
 import tempfile
 import time
+import warnings
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -44,7 +46,6 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -55,6 +56,7 @@ from torch.distributed.tensor import DTensor
 
 from config import Checkpoint
 from errors import ConfigError
+from models.llama3 import ModelArgs
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _PARTIAL_DIR = re.compile(r"^step-(\d+)\.partial$")
@@ -283,13 +285,22 @@ def nonfinite_parameters(model: nn.Module) -> list[str]:
 
 
 class ModelAndOptimizer(Stateful):
-    """Model and optimizer state in the form DCP reshards: FQN-keyed, DTensors kept sharded."""
+    """Model and optimizer state in the form DCP reshards: FQN-keyed, DTensors kept sharded.
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None):
-        self.model, self.optimizer = model, optimizer
+    optimizer None: the model alone (seed checkpoints, model-only last saves, loading without it).
+    model_dtype: the dtype the model weights are saved in (a model-only last save's export_dtype).
+    """
+
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, model_dtype: torch.dtype | None = None
+    ):
+        self.model, self.optimizer, self.model_dtype = model, optimizer, model_dtype
 
     def state_dict(self) -> dict[str, Any]:
-        state = {"model": get_model_state_dict(self.model)}
+        model = get_model_state_dict(self.model)
+        if self.model_dtype is not None:
+            model = {name: tensor.to(self.model_dtype) for name, tensor in model.items()}
+        state = {"model": model}
         if self.optimizer is not None:
             state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
         return state
@@ -298,6 +309,13 @@ class ModelAndOptimizer(Stateful):
         set_model_state_dict(self.model, state["model"])
         if self.optimizer is not None:
             set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+
+
+def is_model_only(metadata: Metadata) -> bool:
+    """Whether a checkpoint holds model weights and nothing else (a seed, or a model-only last save)."""
+    return not any(
+        fqn.startswith(("model_and_optimizer.optimizer", "train_state")) for fqn in metadata.state_dict_metadata
+    )
 
 
 class CheckpointManager:
@@ -310,12 +328,23 @@ class CheckpointManager:
         optimizer: torch.optim.Optimizer | None,
         stateful: dict[str, Stateful],
         process_group: dist.ProcessGroup | None = None,
+        model_args: ModelArgs | None = None,
+        hf_assets_path: str | None = None,
+        tokenizer_path: str | None = None,
     ):
-        """`stateful`: everything else to save and restore (loader, train state)."""
+        """`stateful`: everything else to save and restore (loader, train state).
+        model_args: the model's shape as published (Hugging Face names and config.json; default model.args).
+        hf_assets_path: the Hugging Face folder initial_load_in_hf reads when initial_load_path is unset.
+        last_save_in_hf copies the tokenizer files of hf_assets_path, else of a tokenizer_path folder."""
         self.cfg = cfg
         self.folder = Path(dump_folder) / cfg.folder
         self.model, self.optimizer = model, optimizer
+        self.model_args: ModelArgs = model_args or model.args
         self.stateful = stateful
+        self.hf_assets_path = hf_assets_path
+        self.side_files = hf_assets_path or (
+            tokenizer_path if tokenizer_path and Path(tokenizer_path).is_dir() else None
+        )
         # DCP's collectives go over a gloo group so an async save in a background thread
         # never competes with NCCL training collectives; on CPU this is the default group.
         self.process_group = process_group
@@ -331,36 +360,68 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------- loading
 
-    def resume_step(self) -> int:
-        """The step `load` resumes from: the newest published checkpoint's, else 0."""
+    def _resume_from(self) -> tuple[int, Path] | None:
+        """The checkpoint a run of this folder continues from: checkpoint.load_step's, else the newest."""
         found = complete_checkpoints(self.folder) if self.cfg.enable else []
-        return found[-1][0] if found else 0
+        if self.cfg.load_step == -1 or not found:
+            return found[-1] if found else None
+        if match := [(step, path) for step, path in found if step == self.cfg.load_step]:
+            return match[0]
+        steps = ", ".join(str(step) for step, _ in found)
+        raise ConfigError(
+            f"checkpoint.load_step: {self.folder} has no step-{self.cfg.load_step} (it has steps {steps}); "
+            "pick one of those, or -1 for the newest"
+        )
+
+    def resume_step(self) -> int:
+        """The step `load` resumes from: load_step's or the newest published checkpoint's, else 0."""
+        found = self._resume_from()
+        return found[0] if found and "train_state" not in self.cfg.exclude_from_loading else 0
 
     def load(self) -> int:
-        """Resume from the newest published checkpoint, else initialize from initial_load_path.
-
-        Returns the step to continue from (0 for a fresh run).
-        """
-        if self.cfg.enable and (found := complete_checkpoints(self.folder)):
-            step, path = found[-1]
-            self._load(path, model_only=step == 0, key="checkpoint.folder")  # step 0: a seed, weights only
-            _log(f"resumed from {path}")
-            return step
-        if self.cfg.initial_load_path is not None:
+        """Resume from this run's checkpoint, else initialize the weights from initial_load_path (DCP,
+        or Hugging Face safetensors with initial_load_in_hf). Returns the step to continue from (0: a fresh run)."""
+        if found := self._resume_from():
+            step, path = found
+            metadata = verify(path, key="checkpoint.folder")
+            excluded = set(self.cfg.exclude_from_loading)
+            if (
+                is_model_only(metadata)
+                and step > 0
+                and excluded < {"optimizer", "dataloader", "train_state", "lr_scheduler"}
+            ):
+                raise ConfigError(
+                    f"checkpoint.folder: {path} holds the model weights only (checkpoint.last_save_model_only), not the "
+                    "optimizer and data position a resume needs; start a new run from it (another job.dump_folder, "
+                    f"checkpoint.initial_load_path = {path}), or set checkpoint.load_step to an earlier step"
+                )
+            model_only = is_model_only(metadata) or {"optimizer", "train_state", "dataloader"} <= excluded
+            parts = {} if model_only else {k: v for k, v in self.stateful.items() if k not in excluded}
+            optimizer = None if model_only or "optimizer" in excluded else self.optimizer
+            self._load(path, metadata, ModelAndOptimizer(self.model, optimizer), parts, key="checkpoint.folder",
+                       load_model="model" not in excluded)  # fmt: skip
+            _log(f"resumed from {path}" + (f" (not restored: {', '.join(sorted(excluded))})" if excluded else ""))
+            return step if "train_state" not in excluded and not model_only else 0
+        if self.cfg.initial_load_in_hf:
+            folder = Path(self.cfg.initial_load_path or self.hf_assets_path or "")
+            self._load_hf(folder)
+            _log(f"initialized model weights from the Hugging Face folder {folder}")
+        elif self.cfg.initial_load_path is not None:
             path = Path(self.cfg.initial_load_path)
-            self._load(path, model_only=True, key="checkpoint.initial_load_path")
+            metadata = verify(path, key="checkpoint.initial_load_path")
+            self._load(path, metadata, ModelAndOptimizer(self.model, None), {}, key="checkpoint.initial_load_path")
             _log(f"initialized model weights from {path}")
         return 0
 
-    def _load(self, path: Path, *, model_only: bool, key: str) -> None:
-        metadata = verify(path, key=key)
+    def _load(
+        self, path: Path, metadata: Metadata, weights: ModelAndOptimizer, parts: dict[str, Stateful], *, key: str,
+        load_model: bool = True,
+    ) -> None:  # fmt: skip
         model_state = get_model_state_dict(self.model)
         check_holds(path, metadata, {f"model_and_optimizer.model.{k}": v for k, v in model_state.items()}, key=key)
-        state: dict[str, Any] = {
-            "model_and_optimizer": ModelAndOptimizer(self.model, None if model_only else self.optimizer)
-        }
-        if not model_only:
-            state.update(self.stateful)
+        state: dict[str, Any] = {**parts}
+        if load_model or weights.optimizer is not None:
+            state["model_and_optimizer"] = weights if load_model else _OptimizerOnly(weights)
         try:
             dcp.load(state, checkpoint_id=str(path), process_group=self.process_group)
         except ConfigError:  # a Stateful refusing what it was given (e.g. the loader: other data)
@@ -370,6 +431,28 @@ class CheckpointManager:
             raise ConfigError(
                 f"{key}: {path} could not be read ({first[:300]}); delete it or point elsewhere"
             ) from None
+        self._refuse_nonfinite(path, key=key)
+
+    def _load_hf(self, folder: Path) -> None:
+        """Every rank reads its own shard of each weight from the safetensors files (DCP's Hugging Face
+        reader), converting to the parameters' dtype as it copies."""
+        from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+        from models.llama3.hf import check_hf_weights, hf_to_ours
+
+        key = "checkpoint.initial_load_path" if self.cfg.initial_load_path else "model.hf_assets_path"
+        args = self.model_args
+        try:
+            check_hf_weights(folder, args)
+        except ConfigError as e:
+            raise ConfigError(*(f"{key}: {problem}" for problem in e.problems)) from None
+        state = get_model_state_dict(self.model)
+        hf_state = {hf: state[ours] for hf, ours in hf_to_ours(args).items()}
+        dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(str(folder)), process_group=self.process_group)
+        set_model_state_dict(self.model, state)
+        self._refuse_nonfinite(folder, key=key)
+
+    def _refuse_nonfinite(self, path: Path, *, key: str) -> None:
         if bad := nonfinite_parameters(self.model):
             raise ConfigError(
                 f"{key}: {path} holds non-finite weights ({len(bad)} tensors, e.g. {bad[0]}); resume from an "
@@ -379,10 +462,15 @@ class CheckpointManager:
     # ----------------------------------------------------------------- saving
 
     def should_save(self, step: int, *, last: bool) -> bool:
-        return self.cfg.enable and (step % self.cfg.interval == 0 or last)
+        first = step == 1 and self.cfg.enable_first_step_checkpoint
+        return self.cfg.enable and (step % self.cfg.interval == 0 or last or first)
 
-    def save(self, step: int, *, model_only: bool = False, wait: bool = False) -> None:
-        """Write step-<step>; async when configured (published by `poll` once done, or by the next save)."""
+    def save(self, step: int, *, last: bool = False, model_only: bool = False, wait: bool = False) -> None:
+        """Write step-<step>; async when configured (published by `poll` once done, or by the next save).
+
+        last: the run's final save: the model alone in export_dtype with last_save_model_only, then
+        exported to Hugging Face with last_save_in_hf (both block). model_only: seed checkpoints.
+        """
         self._finish_pending()
         if bad := nonfinite_parameters(self.model):
             raise ConfigError(
@@ -394,17 +482,43 @@ class CheckpointManager:
         if _rank() == 0:  # before DCP's first collective, so before any rank writes into it
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True, exist_ok=True)
+        model_only = model_only or (last and self.cfg.last_save_model_only)
+        dtype = getattr(torch, self.cfg.export_dtype) if last and self.cfg.last_save_model_only else None
         state: dict[str, Any] = {
-            "model_and_optimizer": ModelAndOptimizer(self.model, None if model_only else self.optimizer)
+            "model_and_optimizer": ModelAndOptimizer(
+                self.model, None if model_only else self.optimizer, model_dtype=dtype
+            )
         }
         if not model_only:
             state.update(self.stateful)
         with self._out_of_space(step):
-            if self.cfg.async_mode != "disabled" and not wait:
+            if self.cfg.async_mode != "disabled" and not (wait or last):
                 self._pending = (self._async_save(state, partial), step)
             else:
                 dcp.save(state, checkpoint_id=str(partial), process_group=self.process_group)
                 self._publish(step)
+        if last and self.cfg.last_save_in_hf and _rank() == 0:
+            self.export_hf(step)
+
+    def export_hf(self, step: int) -> Path:
+        """step-<step> as a Hugging Face folder, <folder>/step-<step>-hf (export_dtype), tokenizer files included.
+
+        Rank 0 alone, one output shard in memory at a time; the other ranks do not wait for it.
+        """
+        target = self.folder / f"step-{step}-hf"
+        partial = target.with_name(target.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        begin = time.perf_counter()
+        with _OutOfSpace(partial):
+            export_hf_folder(
+                self.folder / f"step-{step}", partial, args=self.model_args,
+                dtype=getattr(torch, self.cfg.export_dtype), side_files_from=self.side_files,
+            )  # fmt: skip
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(partial, target)
+        _log(f"exported step {step} to the Hugging Face folder {target} ({time.perf_counter() - begin:.1f} s)")
+        return target
 
     def _async_save(self, state: dict[str, Any], partial: Path) -> Future:
         if self.cfg.async_mode == "async":
@@ -472,25 +586,92 @@ class CheckpointManager:
         found = complete_checkpoints(self.folder)
         return str(found[-1][1]) if found else "none (checkpoint.enable is off or nothing was saved yet)"
 
-    def export_safetensors(self, step: int) -> Path:
-        """Unsharded model weights alone as <folder>/step-<step>/model.safetensors."""
-        from safetensors.torch import save_file
-
-        self._finish_pending()
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = get_model_state_dict(self.model, options=options)  # every rank takes part
-        target = self.folder / f"step-{step}" / "model.safetensors"
-        if _rank() == 0:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_suffix(".tmp")
-            with _OutOfSpace(tmp):
-                save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata={"step": str(step)})
-            os.replace(tmp, target)
-            _log(f"exported weights to {target}")
-        return target
-
     def close(self) -> None:
         self._finish_pending()
+
+
+class _OptimizerOnly(Stateful):
+    """exclude_from_loading = ["model"]: the optimizer state is restored, the weights are not."""
+
+    def __init__(self, weights: ModelAndOptimizer):
+        self.weights = weights
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.weights.state_dict()["optimizer"]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.weights.model, self.weights.optimizer, state["optimizer"])
+
+
+# --------------------------------------------------------------- Hugging Face export
+
+MODEL_PREFIX = "model_and_optimizer.model."  # where CheckpointManager keeps the weights in a checkpoint
+HF_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+def export_hf_folder(
+    checkpoint: Path,
+    out: Path,
+    *,
+    args: ModelArgs,
+    dtype: torch.dtype | None,
+    max_shard_bytes: int | None = None,
+    side_files_from: str | Path | None = None,
+) -> list[str]:
+    """Write the model weights of a DCP checkpoint (any step, saved on any number of ranks) as a
+    Hugging Face folder, one output shard in memory at a time; one process, no group.
+
+    dtype None keeps the stored dtype. side_files_from: a Hugging Face folder whose config.json gives
+    the token ids and whose tokenizer files and generation_config.json are copied (those names are returned).
+    """
+    # Imported here: Hugging Face interop, which a run without HF folders never needs.
+    from models.llama3.hf import (
+        DEFAULT_MAX_SHARD_BYTES,
+        expected_shapes,
+        hf_config,
+        hf_to_ours,
+        plan_shards,
+        write_hf_folder,
+    )
+
+    metadata = verify(checkpoint)  # read without running anything from the folder
+    shapes = expected_shapes(args)
+    check_holds(checkpoint, metadata, {MODEL_PREFIX + n: torch.empty(s, device="meta") for n, s in shapes.items()})
+    stored = metadata.state_dict_metadata
+    ours_to_hf = {ours: hf for hf, ours in hf_to_ours(args).items()}
+    stored_dtype = {n: stored[MODEL_PREFIX + n].properties.dtype for n in shapes}
+    out_dtype = {ours_to_hf[n]: dtype or stored_dtype[n] for n in shapes}
+    sizes = {ours_to_hf[n]: shapes[n].numel() * out_dtype[ours_to_hf[n]].itemsize for n in shapes}
+    hf_to_name = {hf: ours for ours, hf in ours_to_hf.items()}
+
+    def load_shard(names: list[str]) -> dict[str, torch.Tensor]:
+        # DCP reads only the keys asked for, so memory holds this shard and nothing more.
+        state = {
+            MODEL_PREFIX + hf_to_name[h]: torch.empty(shapes[hf_to_name[h]], dtype=stored_dtype[hf_to_name[h]])
+            for h in names
+        }
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+        return {h: state[MODEL_PREFIX + hf_to_name[h]].to(out_dtype[h]) for h in names}
+
+    source = Path(side_files_from) if side_files_from is not None else None
+    token_ids: dict[str, int] = {}
+    if source is not None and (source / "config.json").is_file():
+        config = json.loads((source / "config.json").read_text())
+        token_ids = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config.get(k) is not None}
+    write_hf_folder(
+        out,
+        config=hf_config(args, dtype=dtype or next(iter(out_dtype.values())), **token_ids),
+        shards=plan_shards(sizes, max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES),
+        load_shard=load_shard,
+    )
+    copied = []
+    for name in HF_SIDE_FILES if source is not None and source.is_dir() else ():
+        if (source / name).is_file():
+            shutil.copy2(source / name, out / name)
+            copied.append(name)
+    return copied
 
 
 class _OutOfSpace:

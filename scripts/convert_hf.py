@@ -18,7 +18,6 @@ the exported weights, so the folder is complete for transformers, vLLM and frien
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -31,24 +30,12 @@ import torch.distributed.checkpoint as dcp
 # Runnable without installing the repo: its root holds config.py and models/.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from checkpoint import check_holds, verify  # noqa: E402
+from checkpoint import HF_SIDE_FILES, export_hf_folder  # noqa: E402
 from errors import ConfigError  # noqa: E402
-from models.llama3 import FLAVORS, ModelArgs  # noqa: E402
-from models.llama3.hf import (  # noqa: E402
-    DEFAULT_MAX_SHARD_BYTES,
-    expected_shapes,
-    hf_config,
-    hf_to_ours,
-    model_args_from_hf_config,
-    plan_shards,
-    read_hf_weights,
-    write_hf_folder,
-)
+from models.llama3 import FLAVORS  # noqa: E402
+from models.llama3.hf import DEFAULT_MAX_SHARD_BYTES, model_args_from_hf_config, read_hf_weights  # noqa: E402
 
-# Where CheckpointManager keeps the model weights inside a DCP checkpoint.
-MODEL_PREFIX = "model_and_optimizer.model."
 DTYPES = {"keep": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-HF_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
 def hf_to_dcp(hf_folder: Path, out: Path, *, dtype: torch.dtype | None) -> None:
@@ -64,57 +51,6 @@ def hf_to_dcp(hf_folder: Path, out: Path, *, dtype: torch.dtype | None) -> None:
     dcp.save({"model_and_optimizer": {"model": state}}, checkpoint_id=str(partial))  # one process, no group
     os.replace(partial, out)
     print(f"wrote {out}: {len(state)} tensors, {sum(t.numel() for t in state.values()):,} parameters")
-
-
-def dcp_to_hf(
-    checkpoint: Path,
-    out: Path,
-    *,
-    args: ModelArgs,
-    dtype: torch.dtype | None,
-    max_shard_bytes: int,
-    token_ids: dict[str, int],
-) -> None:
-    """Write the model weights of a DCP checkpoint as an HF folder, one shard at a time."""
-    metadata = verify(checkpoint)  # read without running anything from the folder
-    shapes = expected_shapes(args)
-    check_holds(
-        checkpoint, metadata, {MODEL_PREFIX + n: torch.empty(shape, device="meta") for n, shape in shapes.items()}
-    )
-    stored = metadata.state_dict_metadata
-
-    ours_to_hf = {ours: hf for hf, ours in hf_to_ours(args).items()}
-    stored_dtype = {n: stored[MODEL_PREFIX + n].properties.dtype for n in shapes}
-    out_dtype = {ours_to_hf[n]: dtype or stored_dtype[n] for n in shapes}
-    sizes = {ours_to_hf[n]: shapes[n].numel() * out_dtype[ours_to_hf[n]].itemsize for n in shapes}
-    hf_to_name = {hf: ours for ours, hf in ours_to_hf.items()}
-
-    def load_shard(names: list[str]) -> dict[str, torch.Tensor]:
-        # DCP reads only the keys asked for, so memory holds this shard and nothing more.
-        state = {
-            MODEL_PREFIX + hf_to_name[h]: torch.empty(shapes[hf_to_name[h]], dtype=stored_dtype[hf_to_name[h]])
-            for h in names
-        }
-        dcp.load(state, checkpoint_id=str(checkpoint))  # one process, no group
-        return {h: state[MODEL_PREFIX + hf_to_name[h]].to(out_dtype[h]) for h in names}
-
-    config_dtype = dtype or next(iter(out_dtype.values()))
-    write_hf_folder(
-        out,
-        config=hf_config(args, dtype=config_dtype, **token_ids),
-        shards=plan_shards(sizes, max_shard_bytes=max_shard_bytes),
-        load_shard=load_shard,
-    )
-    print(f"wrote {out}: {len(sizes)} tensors as {config_dtype}")
-
-
-def copy_side_files(source: Path, out: Path) -> list[str]:
-    copied = []
-    for name in HF_SIDE_FILES:
-        if (source / name).is_file():
-            shutil.copy2(source / name, out / name)
-            copied.append(name)
-    return copied
 
 
 def main(argv: list[str]) -> int:
@@ -148,24 +84,21 @@ def main(argv: list[str]) -> int:
         hf_to_dcp(opts.hf_folder, opts.out, dtype=DTYPES[opts.dtype])
         return 0
 
-    token_ids: dict[str, int] = {}
-    if opts.hf_assets_path is not None:
-        args = model_args_from_hf_config(opts.hf_assets_path)
-        source = json.loads((opts.hf_assets_path / "config.json").read_text())
-        token_ids = {k: source[k] for k in ("bos_token_id", "eos_token_id") if source.get(k) is not None}
-    else:
-        args = FLAVORS[opts.flavor]
+    args = model_args_from_hf_config(opts.hf_assets_path) if opts.hf_assets_path else FLAVORS[opts.flavor]
     tokenizer_path = opts.tokenizer_path or opts.hf_assets_path
     if tokenizer_path is not None and not tokenizer_path.is_dir():
         raise ConfigError(f"--tokenizer-path: {tokenizer_path} is not a folder; point it at a tokenizer folder")
-    dcp_to_hf(
+    copied = export_hf_folder(
         opts.checkpoint, opts.out, args=args, dtype=DTYPES[opts.dtype],
-        max_shard_bytes=int(opts.max_shard_gb * 2**30), token_ids=token_ids,
+        max_shard_bytes=int(opts.max_shard_gb * 2**30), side_files_from=opts.hf_assets_path,
     )  # fmt: skip
-    if tokenizer_path is not None:
-        print(
-            f"copied {', '.join(copy_side_files(tokenizer_path, opts.out)) or 'no tokenizer files'} from {tokenizer_path}"
-        )
+    if opts.tokenizer_path is not None:  # another folder's tokenizer files
+        copied = [name for name in HF_SIDE_FILES if (opts.tokenizer_path / name).is_file()]
+        for name in copied:
+            shutil.copy2(opts.tokenizer_path / name, opts.out / name)
+    print(
+        f"wrote {opts.out} ({DTYPES[opts.dtype] or 'stored dtype'}); copied {', '.join(copied) or 'no tokenizer files'}"
+    )
     return 0
 
 

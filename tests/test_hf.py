@@ -253,9 +253,7 @@ def test_missing_or_foreign_weights_are_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"weights missing, e.g. model.layers.1.self_attn.q_proj.weight"):
         from_hf(folder)
     write_config(folder, {**config, "intermediate_size": 100})
-    with pytest.raises(
-        ConfigError, match=r"mlp.down_proj.weight has shape \(64, 192\), config.json implies \(64, 100\)"
-    ):
+    with pytest.raises(ConfigError, match=r"mlp.down_proj.weight has shape \(64, 192\), the model expects \(64, 100\)"):
         from_hf(folder)
 
 
@@ -279,36 +277,42 @@ def test_bf16_hf_checkpoint_converts_and_loads_into_fp32_parameters(tmp_path: Pa
     assert python("scripts/convert_hf.py", "to-dcp", str(folder), str(tmp_path / "dcp")).returncode == 2  # exists
 
 
-def test_describe_takes_the_shape_from_the_hf_folder_and_warns_about_flavor(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_hf_assets_path_gives_the_tokenizer_and_the_flavor_the_shape(tmp_path: Path) -> None:
+    """torchtitan's meaning: the flavor is the shape, and config.json must agree with it; a Llama of
+    another size takes its shape from config.json with shape_from_hf_config."""
     from train import describe
 
     folder = tiny_hf_folder(tmp_path / "hf")
-    cfg = load_config(
-        ["--config", str(REPO / "configs/finetune_hf.toml"), f"--model.hf_assets_path={folder}",
-         f"--model.tokenizer_path={folder}", *REPO_DATA[1:], "--checkpoint.initial_load_path=none",
-         "--training.seq_len=64", "--model.flavor=llama3_8b"]
-    )  # fmt: skip
-    assert "warning: model.flavor = 'llama3_8b' is ignored: model.hf_assets_path sets" in capsys.readouterr().err
-    text = describe(cfg)
-    assert f"# parameters: {num_params(model_args_from_hf_config(folder)):,}" in text
+    base = ["--config", str(REPO / "configs/finetune_hf.toml"), f"--model.hf_assets_path={folder}", *REPO_DATA[1:]]
+    (problem,) = problems_of([*base, "--training.seq_len=64"])
+    assert problem.startswith(f"model.flavor: llama3_1b is not the model of {folder / 'config.json'}"), problem
+    assert problem.endswith("fix the flavor, or set model.shape_from_hf_config = true"), problem
+    cfg = load_config([*base, "--training.seq_len=64", "--model.shape_from_hf_config"])
+    assert cfg.model.tokenizer_path == str(folder)  # no tokenizer_path: the HF folder's tokenizer
+    assert f"# parameters: {num_params(model_args_from_hf_config(folder)):,}" in describe(cfg)
+
+
+def problems_of(argv: list[str]) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_config(argv)
+    return info.value.problems
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_two_rank_fsdp_fine_tune_from_converted_hf_matches_hf_loss_then_exports(tmp_path: Path) -> None:
+def test_two_rank_fsdp_fine_tune_from_hf_weights_matches_hf_loss_then_exports(tmp_path: Path) -> None:
+    """configs/finetune_hf.toml as torchtitan runs it: the safetensors read straight into FSDP shards
+    (initial_load_in_hf), the last step written back as a Hugging Face folder (last_save_in_hf)."""
     hf_folder = tiny_hf_folder(tmp_path / "hf", seed=7, tie_word_embeddings=False, rope_scaling=LLAMA3_ROPE)
-    proc = python("scripts/convert_hf.py", "to-dcp", str(hf_folder), str(tmp_path / "hf_dcp"))
-    assert proc.returncode == 0, proc.stderr
     dump, seq, local_bs = tmp_path / "run", 32, 2
     run = torchrun(
         "train.py", "--config", "configs/finetune_hf.toml", f"--model.hf_assets_path={hf_folder}",
-        f"--model.tokenizer_path={hf_folder}", f"--checkpoint.initial_load_path={tmp_path / 'hf_dcp'}",
-        f"--job.dump_folder={dump}", "--training.steps=1", f"--training.seq_len={seq}",
+        "--model.shape_from_hf_config", f"--job.dump_folder={dump}", "--training.steps=1", f"--training.seq_len={seq}",
         f"--training.local_batch_size={local_bs}", "--training.mixed_precision_param=float32",
-        "--activation_checkpoint.mode=none", "--metrics.log_freq=1", "--optimizer.lr=1e-3", nproc=2,
+        "--activation_checkpoint.mode=none", "--metrics.log_freq=1", "--optimizer.lr=1e-3",
+        "--checkpoint.export_dtype=float32", nproc=2,
     )  # fmt: skip
-    assert "world 2 = replicate 1 x shard 2 x tp 1" in run.stdout and "initialized model weights from" in run.stdout
+    assert "world 2 = replicate 1 x shard 2 x tp 1" in run.stdout
+    assert f"initialized model weights from the Hugging Face folder {hf_folder}" in run.stdout
     step1 = json.loads((dump / "metrics.jsonl").read_text().splitlines()[0])
     assert step1["step"] == 1
 
@@ -326,7 +330,12 @@ def test_two_rank_fsdp_fine_tune_from_converted_hf_matches_hf_loss_then_exports(
     print(measured)
     assert abs(step1["loss"] - hf_loss) <= 1e-5, measured
 
-    # Export the trained (FSDP-sharded, with optimizer state) checkpoint back to HF.
+    # The run's own export of its last step, and convert_hf.py's of the same (FSDP-sharded, with
+    # optimizer state) checkpoint, in several files: the same weights.
+    own = dump / "checkpoint" / "step-1-hf"
+    assert (own / "tokenizer.json").is_file() and json.loads((own / "config.json").read_text())[
+        "torch_dtype"
+    ] == "float32"
     exported = tmp_path / "exported"
     proc = python(
         "scripts/convert_hf.py", "to-hf", str(dump / "checkpoint" / "step-1"), str(exported),
@@ -341,6 +350,9 @@ def test_two_rank_fsdp_fine_tune_from_converted_hf_matches_hf_loss_then_exports(
     dcp.load(stored, checkpoint_id=str(dump / "checkpoint" / "step-1"))
     for name, tensor in ours.state_dict().items():
         assert torch.equal(stored[f"model_and_optimizer.model.{name}"], tensor), name
+    own_model, _ = from_hf(own)
+    for name, tensor in ours.state_dict().items():
+        assert torch.equal(own_model.state_dict()[name], tensor), name
     initial, _ = from_hf(hf_folder)
     assert not torch.equal(initial.norm.weight, ours.norm.weight)  # the step did train
     with torch.no_grad():

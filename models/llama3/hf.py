@@ -249,9 +249,9 @@ def _weight_files(folder: Path) -> list[Path]:
     return files
 
 
-def read_hf_weights(path: str | Path, args: ModelArgs) -> Iterator[tuple[str, torch.Tensor]]:
-    """(our name, tensor) for every weight of an HF folder, one tensor at a time, checked
-    against `args`: an unknown, missing or misshapen weight is a ConfigError naming it."""
+def check_hf_weights(path: str | Path, args: ModelArgs) -> None:
+    """Every weight of a model of `args` is in the folder with its shape, and nothing else is: read
+    from the safetensors headers alone. Raises ConfigError naming the first problem."""
     from safetensors import safe_open
 
     folder = Path(path)
@@ -260,25 +260,33 @@ def read_hf_weights(path: str | Path, args: ModelArgs) -> Iterator[tuple[str, to
     for file in _weight_files(folder):
         with safe_open(str(file), framework="pt") as f:
             for hf_name in f.keys():  # noqa: SIM118 (safe_open is no dict)
-                if hf_name.endswith(_IGNORED_SUFFIX):
-                    continue
-                if hf_name == "lm_head.weight" and args.tie_word_embeddings:
-                    # transformers also ignores a stored lm_head when tie_word_embeddings is set.
+                if hf_name.endswith(_IGNORED_SUFFIX) or (hf_name == "lm_head.weight" and args.tie_word_embeddings):
                     continue
                 if hf_name not in names:
+                    raise ConfigError(f"{file}: unexpected weight {hf_name}; is this a Llama model of this size?")
+                shape = tuple(f.get_slice(hf_name).get_shape())
+                if shape != tuple(shapes[names[hf_name]]):
                     raise ConfigError(
-                        f"{file}: unexpected weight {hf_name}; the folder does not hold a Llama model of its config.json"
-                    )
-                tensor = f.get_tensor(hf_name)
-                ours = names[hf_name]
-                if tensor.shape != shapes[ours]:
-                    raise ConfigError(
-                        f"{file}: {hf_name} has shape {tuple(tensor.shape)}, config.json implies {tuple(shapes[ours])}"
+                        f"{file}: {hf_name} has shape {shape}, the model expects {tuple(shapes[names[hf_name]])}; "
+                        "check model.flavor"
                     )
                 seen.add(hf_name)
-                yield ours, tensor
     if missing := [name for name in names if name not in seen]:
         raise ConfigError(f"{folder}: {len(missing)} weights missing, e.g. {missing[0]}; is the download complete?")
+
+
+def read_hf_weights(path: str | Path, args: ModelArgs) -> Iterator[tuple[str, torch.Tensor]]:
+    """(our name, tensor) for every weight of an HF folder, one tensor at a time, checked against
+    `args` first (`check_hf_weights`)."""
+    from safetensors import safe_open
+
+    check_hf_weights(path, args)
+    names = hf_to_ours(args)
+    for file in _weight_files(Path(path)):
+        with safe_open(str(file), framework="pt") as f:
+            for hf_name in f.keys():  # noqa: SIM118 (safe_open is no dict)
+                if hf_name in names:
+                    yield names[hf_name], f.get_tensor(hf_name)
 
 
 def from_hf(
