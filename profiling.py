@@ -5,8 +5,8 @@
             ...                                   # one training step
             profiler.step()
 
-Traces (`enable_profiling`): every `profile_freq`-th step is recorded by torch.profiler, the steps
-just before it warm the profiler up, and each rank writes
+Traces (`enable_profiling`): the last `profiler_active` steps of every `profile_freq` are recorded by
+torch.profiler, up to `profiler_warmup` steps before them warm the profiler up, and each rank writes
 `<dump_folder>/<save_traces_folder>/iteration_<step>/rank<r>_trace.json`, a Chrome trace: open it in
 https://ui.perfetto.dev or chrome://tracing. CPU ops always, CUDA kernels where there is a GPU.
 Inside, the step is labelled `ProfilerStep#<k>`: the profiler's own count, from 0 in this run.
@@ -49,12 +49,13 @@ def maybe_profile(cfg: Profiling, *, dump_folder: str | Path, rank: int, start_s
         yield _Off()
         return
     folder = Path(dump_folder) / cfg.save_traces_folder
-    # The active (recorded) step is the profile_freq-th of each cycle; up to 3 warm-up steps before it
-    # (the first steps after the profiler starts carry its own start-up overhead).
-    warmup = min(3, cfg.profile_freq - 1)
+    # The recorded (active) steps end each cycle of profile_freq steps; up to profiler_warmup steps
+    # before them run the profiler unrecorded (its first steps carry its own start-up overhead).
+    active = cfg.profiler_active
+    warmup = min(cfg.profiler_warmup, cfg.profile_freq - active)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Profiler won't be using warmup")  # profile_freq = 1
-        cycle = torch.profiler.schedule(wait=cfg.profile_freq - 1 - warmup, warmup=warmup, active=1)
+        cycle = torch.profiler.schedule(wait=cfg.profile_freq - active - warmup, warmup=warmup, active=active)
 
     def schedule(n: int) -> torch.profiler.ProfilerAction:
         # The profiler counts from 0 at the first step of this run; a resumed run starts at start_step.

@@ -26,7 +26,12 @@ from torch import nn
 # CheckpointWrapper (FSDP1-era `checkpoint_wrapper`) lives in a private torch module (2.13); it is
 # imported only to recognise blocks wrapped outside this repo, nothing here creates one.
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    set_checkpoint_early_stop,
+)
 
 from config import ActivationCheckpoint, selective_ac_every
 from errors import ConfigError, warn
@@ -81,10 +86,17 @@ def apply_ac(model: Transformer, cfg: ActivationCheckpoint) -> None:
             "activation_checkpoint.use_reentrant = true: reentrant checkpointing skips the check that recomputed "
             "tensors match the forward ones (docs/failures.md #2) and can silently give wrong gradients"
         )
+    # torch.utils.checkpoint's own switches; the recomputed-tensor checks and debug traces exist in
+    # non-reentrant checkpointing only.
+    options: dict[str, Any] = {"preserve_rng_state": cfg.preserve_rng_state}
+    if not cfg.use_reentrant:
+        options.update(determinism_check=cfg.determinism_check, debug=cfg.debug)
     # Block i is checkpointed when (i + 1) % k == 0: k = 2 -> blocks 1, 3, 5, ... (torchtitan's choice).
     for i, block in enumerate(model.layers.values()):
         if (i + 1) % every == 0:
-            checkpoint_module(block, use_reentrant=cfg.use_reentrant, context_fn=context_fn)
+            checkpoint_module(
+                block, use_reentrant=cfg.use_reentrant, context_fn=context_fn, early_stop=cfg.early_stop, **options
+            )
 
 
 class CheckpointedModule:
@@ -94,14 +106,16 @@ class CheckpointedModule:
     hooks) stay outside the checkpointed region, so they do not run again during recomputation.
     """
 
-    _ac_use_reentrant: bool
-    _ac_context_fn: Callable[[], tuple[Any, Any]] | None
+    _ac_options: dict[str, Any]  # torch.utils.checkpoint's keyword arguments
+    _ac_early_stop: bool
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         inner = super().forward  # type: ignore[misc]  # the wrapped module class's forward
-        if self._ac_context_fn is None:
-            return checkpoint(inner, *args, use_reentrant=self._ac_use_reentrant, **kwargs)
-        return checkpoint(inner, *args, use_reentrant=False, context_fn=self._ac_context_fn, **kwargs)
+        if self._ac_early_stop:  # torch's default
+            return checkpoint(inner, *args, **self._ac_options, **kwargs)
+        # Read when the forward runs, not when backward recomputes.
+        with set_checkpoint_early_stop(False):
+            return checkpoint(inner, *args, **self._ac_options, **kwargs)
 
 
 @functools.cache
@@ -115,16 +129,22 @@ def checkpoint_module(
     *,
     use_reentrant: bool = False,
     context_fn: Callable[[], tuple[Any, Any]] | None = None,
+    early_stop: bool = True,
+    **options: Any,
 ) -> None:
     """Make `module.forward` run under torch.utils.checkpoint, in place, keeping every name.
 
     context_fn: a selective-AC policy from `create_selective_checkpoint_contexts` (non-reentrant).
+    early_stop: stop each recomputation once backward has what it needs. options: the other keyword
+    arguments of `torch.utils.checkpoint.checkpoint` (preserve_rng_state, determinism_check, debug).
     """
     assert not isinstance(module, CheckpointedModule), "module is already checkpointed"
     assert not (use_reentrant and context_fn is not None), "context_fn needs non-reentrant checkpointing"
     module.__class__ = _checkpointed_class(type(module))
-    module._ac_use_reentrant = use_reentrant
-    module._ac_context_fn = context_fn
+    module._ac_options = {"use_reentrant": use_reentrant, **options}
+    if context_fn is not None:
+        module._ac_options["context_fn"] = context_fn
+    module._ac_early_stop = early_stop
 
 
 def refuse_nested_checkpointing(model: nn.Module) -> None:

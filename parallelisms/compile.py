@@ -66,16 +66,17 @@ def use_inductor_cache_dir(path: str | Path) -> None:
     os.environ["TRITON_CACHE_DIR"] = str(path / "triton")
 
 
-def apply_compile(model: Transformer, *, cache_dir: str | Path | None = None) -> None:
+def apply_compile(model: Transformer, *, backend: str = "inductor", cache_dir: str | Path | None = None) -> None:
     """Compile each transformer block in place (`Module.compile`), one graph per block.
 
     Per block rather than the whole model: all blocks share one compiled graph (same code, weights
     as inputs), compile time does not grow with depth, and the FSDP hooks between blocks are
     not traced. `Module.compile` keeps parameter names (no `_orig_mod.` prefix). fullgraph=True
     turns a graph break inside a block into an error instead of a silent slowdown.
+    backend: torch.compile's (aot_eager or eager to tell a compiler problem from a model problem).
     cache_dir: the `inductor_cache_dir(...)` of this recipe; None keeps the current cache.
     """
     if cache_dir is not None:
         use_inductor_cache_dir(cache_dir)
     for block in model.layers.values():
-        block.compile(fullgraph=True)
+        block.compile(fullgraph=True, backend=backend)

@@ -52,11 +52,11 @@ def parallelize_llama(
     if dims.tp_enabled:
         apply_tp(model, mesh["tp"], loss_parallel=not parallelism.disable_loss_parallel, seq_len=training.seq_len)
     if parallelism.enable_async_tensor_parallel:
-        apply_async_tp(mesh["tp"], compile_enabled=compile.enable)
+        apply_async_tp(mesh["tp"], compile_enabled=compile.enable and "model" in compile.components)
 
     apply_ac(model, ac)
 
-    if compile.enable:
+    if compile.enable and "model" in compile.components:
         # Every setting that changes the generated code; docs/failures.md #4.
         recipe = {
             "tp_degree": dims.tp,
@@ -65,7 +65,7 @@ def parallelize_llama(
             # The option only means something for selective AC; full AC with a stale option is the same recipe.
             "ac_option": ac.selective_ac_option if ac.mode == "selective" else "",
         }
-        apply_compile(model, cache_dir=inductor_cache_dir(recipe, root=inductor_cache_root))
+        apply_compile(model, backend=compile.backend, cache_dir=inductor_cache_dir(recipe, root=inductor_cache_root))
 
     if dims.dp > 1 or training.mixed_precision_param != "float32" or training.enable_cpu_offload:
         dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.hsdp_enabled else mesh["dp_shard"]

@@ -16,7 +16,7 @@ from tests.launch import python, torchrun
 
 COMMON = [
     "--training.steps=3", "--training.seq_len=64", "--training.global_batch_size=8", "--training.local_batch_size=2",
-    "--training.deterministic", "--metrics.log_freq=1", "--lr_scheduler.warmup_steps=1",
+    "--debug.deterministic", "--metrics.log_freq=1", "--lr_scheduler.warmup_steps=1",
 ]  # fmt: skip
 
 # config -> ranks; compile is run in test_compiled_config_matches (its first step compiles).

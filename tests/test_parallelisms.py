@@ -229,6 +229,19 @@ def test_recomputation_is_counted_not_assumed() -> None:
     assert op.backward_flops - none.backward_flops == recomputed_op
     assert full.backward_flops - none.backward_flops == recomputed_full
 
+    # activation_checkpoint.early_stop = false (torchtitan's default): the recomputation runs the whole
+    # block, w2 included, though nothing needs its output.
+    late = _one_step_counts(ActivationCheckpoint(mode="full", early_stop=False))
+    assert late.backward_ops[mm] - none.backward_ops[mm] == 7 * layers
+
+
+def test_checkpoint_options_reach_torch_utils_checkpoint() -> None:
+    model = build_tiny()
+    apply_ac(model, ActivationCheckpoint(mode="full", preserve_rng_state=False, determinism_check="none", debug=True))
+    options = model.layers["0"]._ac_options
+    assert options == {"use_reentrant": False, "preserve_rng_state": False, "determinism_check": "none", "debug": True}
+    model(random_batch()[:, :-1]).sum().backward()  # torch.utils.checkpoint takes them
+
 
 # ---------------------------------------------------------------- nesting refused
 

@@ -18,7 +18,7 @@ def test_two_rank_run_writes_a_trace_per_rank_every_profile_freq_steps(tmp_path:
     dump = tmp_path / "run"
     proc = torchrun(
         "train.py", "--config", "configs/debug.toml", "--training.steps=4", "--training.seq_len=64",
-        "--training.local_batch_size=2", "--profiling.enable_profiling", "--profiling.profile_freq=2",
+        "--training.local_batch_size=2", "--profiling.enable_profiling", "--profiling.profile_freq=2", "--validation.enable=false",
         "--profiling.enable_memory_snapshot", f"--job.dump_folder={dump}", nproc=2,
     )  # fmt: skip
     traces = dump / "profile_traces"
