@@ -24,8 +24,9 @@ def torchrun(
     timeout: float = 600,
     env: dict[str, str] | None = None,
     check: bool = True,
+    cwd: str | Path = REPO,
 ) -> subprocess.CompletedProcess[str]:
-    """Run `torchrun --nproc_per_node=nproc script args...` from the repo root on CPU/gloo."""
+    """Run `torchrun --nproc_per_node=nproc script args...` on CPU/gloo, from the repo root unless `cwd`."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
         "--nproc_per_node", str(nproc),
@@ -33,7 +34,7 @@ def torchrun(
         str(script), *args,
     ]  # fmt: skip
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
-    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}"
@@ -41,9 +42,11 @@ def torchrun(
     return proc
 
 
-def python(*args: str, timeout: float = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Run `python args...` from the repo root (world size 1, no torchrun)."""
+def python(
+    *args: str, timeout: float = 600, env: dict[str, str] | None = None, cwd: str | Path = REPO
+) -> subprocess.CompletedProcess[str]:
+    """Run `python args...` (world size 1, no torchrun), from the repo root unless `cwd`."""
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     return subprocess.run(
-        [sys.executable, *args], cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout
     )

@@ -1,0 +1,367 @@
+"""torchtitan users at home: its v0.2.2 llama3 TOMLs run here unchanged, from the user's own folder.
+
+tests/torchtitan/*.toml hold the keys and values of torchtitan's four llama3 train configs; the
+installed torchtitan package (0.2.2, a dev dependency) is the reference for the key list, the
+learning-rate schedule and the defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import shutil
+import typing
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from config import SECTIONS, JobConfig, LRScheduler, keys, load_config, section_of
+from errors import ConfigError
+from tests.conftest import losses
+from tests.launch import REPO, python, torchrun
+from train import lr_factor
+
+TORCHTITAN = REPO / "tests" / "torchtitan"
+NAMES = ["debug_model", "llama3_8b", "llama3_70b", "llama3_405b"]
+
+
+def torchtitan_keys() -> dict[str, Any]:
+    """section.key -> default of every leaf of torchtitan's JobConfig."""
+    from torchtitan.config.job_config import JobConfig as TorchtitanJobConfig
+
+    found: dict[str, Any] = {}
+
+    def walk(obj: Any, prefix: str) -> None:
+        hints = typing.get_type_hints(type(obj))
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(hints[f.name]):
+                walk(value, f"{prefix}{f.name}.")
+            else:
+                found[prefix + f.name] = value
+
+    walk(TorchtitanJobConfig(), "")
+    return found
+
+
+def our_keys() -> dict[str, Any]:
+    defaults = JobConfig()
+    return {
+        f"{name}.{f.name}": getattr(section_of(defaults, name), f.name)
+        for name, section in SECTIONS.items()
+        for f in keys(section)
+    }
+
+
+def test_every_torchtitan_key_is_a_key_here_and_differing_defaults_are_documented() -> None:
+    theirs, ours = torchtitan_keys(), our_keys()
+    assert len(theirs) > 140  # 149 in 0.2.2
+    assert sorted(set(theirs) - set(ours)) == []
+    # A default that differs changes what a torchtitan TOML that leaves the key out does: each one
+    # must be in the README's "Coming from torchtitan" section, which says why.
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Coming from torchtitan") :]
+    section = section[: section.index("\n## ", 4)]
+    differing = sorted(key for key in theirs if theirs[key] != ours[key])
+    assert differing, "torchtitan's defaults all match: drop the README's list"
+    for key in differing:
+        assert f"`{key}`" in section, f"{key}: ours {ours[key]!r}, torchtitan's {theirs[key]!r}, not in the README"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fixture_holds_torchtitans_keys(name: str) -> None:
+    """The fixtures use torchtitan's keys only (no key of ours slipped in), with values of its types."""
+    import tomllib
+
+    theirs = torchtitan_keys()
+    data = tomllib.loads((TORCHTITAN / f"{name}.toml").read_text())
+
+    def leaves(table: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+        out = []
+        for key, value in table.items():
+            out += leaves(value, f"{prefix}{key}.") if isinstance(value, dict) else [(prefix + key, value)]
+        return out
+
+    for key, value in leaves(data):
+        assert key in theirs, key
+        default = theirs[key]
+        assert default is None or isinstance(value, type(default)) or isinstance(default, float), (key, value)
+
+
+@pytest.fixture
+def user_folder(tmp_path: Path, llama3_stand_ins: tuple[Path, Path]) -> Path:
+    """A torchtitan user's working folder: ./assets/hf/Llama-3.1-*/ (tokenizers only: the Llama 3
+    stand-in), ./tests/assets/tokenizer (the debug tokenizer, here ours) and ./tests/assets/c4_test."""
+    tokenizer, _ = llama3_stand_ins
+    for size in ("8B", "70B", "405B"):
+        folder = tmp_path / "assets" / "hf" / f"Llama-3.1-{size}"
+        folder.mkdir(parents=True)
+        (folder / "tokenizer.json").symlink_to(tokenizer)
+    shutil.copytree(REPO / "assets" / "tokenizer", tmp_path / "tests" / "assets" / "tokenizer")
+    c4_test = tmp_path / "tests" / "assets" / "c4_test"
+    c4_test.mkdir()
+    shutil.copy(REPO / "assets" / "corpus" / "stories_validation.jsonl", c4_test / "data.json")
+    for name in NAMES:
+        shutil.copy(TORCHTITAN / f"{name}.toml", tmp_path / f"{name}.toml")
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("name", "parameters", "flavor"),
+    [
+        ("debug_model", "5,770,496", "debugmodel"),
+        ("llama3_8b", "8,030,261,248", "llama3_8b"),
+        ("llama3_70b", "70,553,706,496", "llama3_70b"),
+        ("llama3_405b", "405,853,388,800", "llama3_405b"),
+    ],
+)
+def test_torchtitan_toml_prints_its_config_unchanged(
+    user_folder: Path, name: str, parameters: str, flavor: str
+) -> None:
+    """`python path/to/train.py --config their.toml --print-config`, from their folder, no PYTHONPATH."""
+    proc = python(
+        str(REPO / "train.py"), "--config", f"{name}.toml", "--print-config", cwd=user_folder, env={"PYTHONPATH": ""}
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert f'flavor = "{flavor}"' in proc.stdout and f"# parameters: {parameters} " in proc.stdout
+    tokenizer = "./tests/assets/tokenizer" if name == "debug_model" else f"./assets/hf/Llama-3.1-{name[7:].upper()}"
+    assert f'tokenizer_path = "{tokenizer}"' in proc.stdout  # from hf_assets_path, in their folder
+    if name == "debug_model":
+        assert 'path = "tests/assets/c4_test"' in proc.stdout
+    else:  # c4 is a hub dataset: prepared once with scripts/prepare_data.py (the start-up error says how)
+        assert 'path = "allenai/c4"' in proc.stdout and 'format = "hub"' in proc.stdout
+    if name == "llama3_405b":
+        assert 'converters = ["quantize.linear.float8"]' in proc.stdout  # torchtitan's alias "float8"
+
+
+def test_torchtitan_debug_model_trains_on_two_cpu_ranks(user_folder: Path) -> None:
+    """debug_model.toml under torchrun from the user's folder, on a local file; torchtitan's schedule."""
+    data = REPO / "assets" / "corpus" / "stories.jsonl"
+    torchrun(
+        str(REPO / "train.py"), "--config", "debug_model.toml", f"--training.dataset_path={data}",
+        "--training.steps=2", nproc=2, cwd=user_folder, env={"PYTHONPATH": ""},
+    )  # fmt: skip
+    rows = [json.loads(line) for line in (user_folder / "outputs" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2]
+    assert all(math.isfinite(row["loss"]) for row in rows) and rows[0]["loss"] > 7  # ln(2048) = 7.6 at the start
+    # warmup 2, decay_ratio 0.8 of 2 steps (clamped to the 0 steps warmup leaves): lr x 1/2, then x 1.
+    assert [row["lr"] for row in rows] == pytest.approx([4e-4, 8e-4], rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        LRScheduler(warmup_steps=2, decay_ratio=0.8),
+        LRScheduler(warmup_steps=200),
+        LRScheduler(warmup_steps=5, decay_type="cosine", min_lr_factor=0.1),
+        LRScheduler(warmup_steps=3, decay_ratio=0.5, decay_type="sqrt", total_steps=40),
+        LRScheduler(warmup_steps=0, decay_type="linear"),
+        LRScheduler(warmup_steps=30, decay_ratio=0.9),  # warmup + decay exceed the steps: clamped
+    ],
+    ids=str,
+)
+def test_lr_schedule_is_torchtitans_step_for_step(schedule: LRScheduler) -> None:
+    from torchtitan.components.lr_scheduler import build_lr_schedulers
+    from torchtitan.components.optimizer import build_optimizers
+    from torchtitan.config.job_config import LRScheduler as TorchtitanLRScheduler
+    from torchtitan.config.job_config import Optimizer as TorchtitanOptimizer
+
+    steps = 25
+    model = torch.nn.Linear(2, 2)
+    optimizers = build_optimizers([model], TorchtitanOptimizer(lr=1.0, implementation="for-loop"), None)
+    theirs = build_lr_schedulers(optimizers, TorchtitanLRScheduler(**dataclasses.asdict(schedule)), steps)
+    for step in range(steps):
+        assert optimizers.optimizers[0].param_groups[0]["lr"] == pytest.approx(
+            lr_factor(step, schedule, training_steps=steps), abs=1e-12
+        ), step
+        theirs.step()
+
+
+def problems(argv: list[str]) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_config(argv)
+    return info.value.problems
+
+
+def test_a_key_asking_for_what_this_recipe_does_not_do_is_refused_and_a_neutral_value_accepted() -> None:
+    cfg = load_config(["--parallelism.context_parallel_degree=1", "--memory_estimation.enable=false"])
+    assert cfg.parallelism.context_parallel_degree == 1
+    (problem,) = problems(["--parallelism.context_parallel_degree=2"])
+    assert problem == (
+        "parallelism.context_parallel_degree: 2 asks for context parallel, which this recipe does not do; "
+        "remove the key or set it to 1"
+    )
+    (problem,) = problems(["--model.converters=quantize.linear.mx"])
+    assert problem.startswith("model.converters: 'quantize.linear.mx' asks for MX (microscaling) linears")
+
+
+def test_all_problems_come_in_one_round(tmp_path: Path) -> None:
+    """Unknown keys, wrong types and bad values together, as torchtitan users met them in two rounds."""
+    toml = tmp_path / "c.toml"
+    toml.write_text(
+        '[training]\nsteps = 0\nseq_len = "long"\n[parallelism]\ncontext_parallel_degree = 2\n[metricz]\nx = 1\n'
+    )
+    found = problems(["--config", str(toml), "--optimizer.lr=-1"])
+    assert [p.split(":")[0] for p in found] == [
+        "training.seq_len", "metricz.x", "parallelism.context_parallel_degree", "training.steps", "optimizer.lr",
+    ], found  # fmt: skip
+
+
+def test_did_you_mean_names_close_keys_only() -> None:
+    assert "did you mean 'enable_wandb'" in problems(["--metrics.enable_wandbb"])[0]
+    assert "did you mean 'total_steps'" in problems(["--lr_scheduler.total_step=3"])[0]
+    assert "did you mean 'initial_load_in_hf'" in problems(["--checkpoint.initial_load_in_hff"])[0]
+    # Far from every key: no suggestion rather than a wrong one.
+    (problem,) = problems(["--parallelism.pipeline_degree=2"])
+    assert problem == "parallelism.pipeline_degree: unknown key in the command line"
+
+
+def test_flavors_and_datasets_by_torchtitans_names() -> None:
+    assert load_config(["--model.flavor=8B", "--training.seq_len=64"]).model.flavor == "llama3_8b"
+    (problem,) = problems(["--model.flavor=9B"])
+    assert problem.startswith("model.flavor: unknown flavor '9B'") and "8B, 70B, 405B" in problem
+    cfg = load_config(["--training.dataset=c4"])
+    assert (cfg.data.path, cfg.data.format, cfg.data.name, cfg.data.split) == ("allenai/c4", "hub", "en", "train")
+    (problem,) = problems(["--training.dataset=c4_test"])  # torchtitan's test folder, not in this folder
+    assert problem.startswith("data.path: tests/assets/c4_test not found")
+    (problem,) = problems(["--training.dataset=wikitext"])
+    assert problem.startswith("training.dataset: unknown dataset 'wikitext' (c4, c4_test, or set")
+    data = str(REPO / "assets/corpus/stories.jsonl")
+    assert load_config(["--training.dataset=c4", f"--training.dataset_path={data}"]).data.path == data
+
+
+def test_validation_is_dp_invariant_leaves_training_alone_and_reaches_every_logger(tmp_path: Path, seed: Path) -> None:
+    """Held-out loss on 1 and 2 ranks agrees; training losses with and without validation are identical;
+    the values reach metrics.jsonl, TensorBoard and (offline) Weights & Biases."""
+    from tests.conftest import TINY
+
+    # Held-out data of ~50 windows of 65 tokens: one pass (steps = -1) ends in a partial global batch.
+    held_out = tmp_path / "held_out.jsonl"
+    lines = (REPO / "assets/corpus/stories_validation.jsonl").read_text().splitlines(keepends=True)
+    held_out.write_text("".join(lines[:29]))
+    common = [
+        *TINY, "--training.steps=4", "--training.global_batch_size=4", "--debug.deterministic",
+        "--validation.enable", f"--validation.dataset_path={held_out}", "--validation.freq=2",
+        "--validation.seq_len=64", "--validation.local_batch_size=4", "--validation.steps=-1",
+        f"--checkpoint.initial_load_path={seed}",  # the same weights on 1 and 2 ranks
+    ]  # fmt: skip
+    one, two, off = tmp_path / "one", tmp_path / "two", tmp_path / "off"
+    proc = python("train.py", *common, f"--job.dump_folder={one}")
+    assert proc.returncode == 0, proc.stderr
+    wandb_env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_PROJECT": "test"}
+    torchrun(
+        "train.py", *common, f"--job.dump_folder={two}", "--metrics.enable_tensorboard", "--metrics.enable_wandb",
+        nproc=2, env=wandb_env,
+    )  # fmt: skip
+    torchrun("train.py", *common, f"--job.dump_folder={off}", "--validation.enable=false", nproc=2)
+
+    def validations(dump: Path) -> dict[int, float]:
+        rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+        return {row["step"]: row["validation_loss"] for row in rows if "validation_loss" in row}
+
+    assert sorted(validations(two)) == [1, 2, 4]  # step 1, every freq, the last
+    # The same held-out sequences on 1 and 2 ranks; only the reduction order differs.
+    assert validations(one) == pytest.approx(validations(two), rel=1e-5)
+    assert validations(two)[4] < validations(two)[1]  # the model learns
+    assert losses(two) == losses(off)  # validation changes nothing in training (bit for bit)
+    tokens = int(re.search(r"validation at step 4: loss +[0-9.]+ \| ([0-9,]+) tokens", proc.stdout)[1].replace(",", ""))
+    assert tokens % 64 == 0 and (tokens // 64) % 4 != 0  # whole windows, a partial last batch on 1 rank
+    assert (tokens // 64) % 8 != 0  # and on 2
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(two / "tb"))
+    events.Reload()
+    logged = {e.step: e.value for e in events.Scalars("validation_loss")}
+    assert logged == pytest.approx(validations(two), rel=1e-6)
+    # wandb's offline run file holds each logged value as JSON text.
+    (run_file,) = (two / "wandb").glob("offline-run-*/run-*.wandb")
+    blob = run_file.read_bytes()
+    for value in [*validations(two).values(), *losses(two).values()]:
+        assert json.dumps(value).encode() in blob, value
+
+
+def test_wandb_without_credentials_stops_in_one_line(tmp_path: Path) -> None:
+    from tests.conftest import TINY
+
+    env = {
+        "WANDB_MODE": "online",
+        "WANDB_API_KEY": "",
+        "WANDB_SILENT": "true",
+        "HOME": str(tmp_path),
+        "NETRC": str(tmp_path / "none"),
+    }
+    proc = python(
+        "train.py", *TINY, "--training.steps=1", f"--job.dump_folder={tmp_path}", "--metrics.enable_wandb", env=env
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "error: metrics.enable_wandb: wandb could not start a run" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_gc_runs_every_gc_freq_steps_on_every_rank_and_only_then(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gc
+
+    from train import GarbageCollection
+
+    collected: list[int] = []
+    monkeypatch.setattr(gc, "collect", lambda generation=2: collected.append(generation))
+    was_enabled = gc.isenabled()
+    schedule = GarbageCollection(every=3)
+    try:
+        assert not gc.isenabled()  # no collection at a random moment of a step
+        steps = []
+        for step in range(1, 8):
+            before = len(collected)
+            schedule.step(step)
+            steps += [step] * (len(collected) - before)
+        assert steps == [3, 6] and collected == [1, 1, 1]  # one at start-up, then every 3 steps
+    finally:
+        schedule.close()
+        assert gc.isenabled()
+        if not was_enabled:
+            gc.disable()
+
+
+def test_compile_components_choose_what_is_compiled() -> None:
+    from config import ActivationCheckpoint, Compile, Parallelism, Training
+    from models.llama3 import FLAVORS, Transformer
+    from parallelisms.parallel_dims import ParallelDims
+    from parallelisms.parallelize import parallelize_llama
+    from train import build_loss_fn, cross_entropy_loss
+
+    assert build_loss_fn(Compile(enable=True, components=["model"])) is cross_entropy_loss
+    compiled = build_loss_fn(Compile(enable=True, components=["loss"], backend="eager"))
+    assert compiled is not cross_entropy_loss
+    logits, labels = torch.randn(2, 8, 32), torch.randint(0, 32, (2, 8))
+    assert torch.equal(compiled(logits, labels), cross_entropy_loss(logits, labels))
+
+    def blocks_compiled(components: list[str]) -> bool:
+        with torch.device("meta"):
+            model = Transformer(FLAVORS["debugmodel"])
+        dims = ParallelDims.from_config(Parallelism(), world_size=1)
+        parallelize_llama(
+            model, dims=dims, mesh=None, training=Training(mixed_precision_param="float32"),
+            parallelism=Parallelism(), ac=ActivationCheckpoint(), compile=Compile(enable=True, components=components),
+        )  # fmt: skip
+        return all(block._compiled_call_impl is not None for block in model.layers.values())
+
+    assert blocks_compiled(["model", "loss"]) and not blocks_compiled(["loss"])
+
+
+def test_profiler_records_profiler_active_steps_after_profiler_warmup(tmp_path: Path) -> None:
+    from config import Profiling
+    from profiling import maybe_profile
+
+    cfg = Profiling(enable_profiling=True, profile_freq=4, profiler_warmup=1, profiler_active=2)
+    with maybe_profile(cfg, dump_folder=tmp_path, rank=0, start_step=0) as profiler:
+        for _ in range(8):
+            torch.mm(torch.randn(16, 16), torch.randn(16, 16))
+            profiler.step()
+    assert sorted(p.name for p in (tmp_path / "profile_traces").iterdir()) == ["iteration_4", "iteration_8"]
+    trace = json.loads((tmp_path / "profile_traces" / "iteration_8" / "rank0_trace.json").read_text())
+    recorded = sorted({e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("ProfilerStep#")})
+    assert recorded == ["ProfilerStep#6", "ProfilerStep#7"]  # steps 7 and 8, counted from 0
