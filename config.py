@@ -133,6 +133,8 @@ class Training:
     """Keep sharded parameters, gradients and optimizer state in host memory (FSDP CPUOffloadPolicy)."""
     skip_nonfinite_steps: int = 0
     """Steps with a non-finite loss or gradient norm to tolerate: their update is skipped (weights and optimizer state unchanged). One more stops the run, naming the step and the last checkpoint; 0 stops at the first."""
+    loss_chunk_tokens: int = 2048
+    """Output projection + cross-entropy on this many tokens at a time, recomputed in backward (loss.py): the peak holds one chunk's logits instead of the micro-batch's. 0 = all at once; a micro-batch of at most this many tokens is one chunk."""
     gc_freq: int = 50
     """Python's garbage collector runs every gc_freq steps on every rank at once, instead of whenever it likes (a pause on one rank stalls all)."""
     gc_debug: bool = unsupported("garbage-collector debugging", False)
@@ -844,6 +846,8 @@ def validate(cfg: JobConfig) -> list[str]:
         )
     if t.skip_nonfinite_steps < 0:
         p.append(f"training.skip_nonfinite_steps: must be >= 0, got {t.skip_nonfinite_steps}")
+    if t.loss_chunk_tokens < 0:
+        p.append(f"training.loss_chunk_tokens: must be >= 0 (0 = no chunks), got {t.loss_chunk_tokens}")
     if o.lr <= 0:
         p.append(f"optimizer.lr: must be > 0, got {o.lr}")
     if o.eps <= 0:
@@ -892,6 +896,24 @@ def validate(cfg: JobConfig) -> list[str]:
         elif converter != "quantize.linear.float8":
             p.append(
                 f'model.converters: {converter!r} is not a converter of this recipe; use "quantize.linear.float8" (float8 linears)'
+            )
+    f8 = cfg.quantize.linear.float8
+    if "quantize.linear.float8" in m.converters:
+        rowwise = f8.recipe_name not in (None, "tensorwise")
+        if rowwise and f8.enable_fsdp_float8_all_gather:
+            p.append(
+                f"quantize.linear.float8.enable_fsdp_float8_all_gather: the float8 all-gather needs tensorwise "
+                f"scales, and recipe_name is {f8.recipe_name!r}; set it to false or use recipe_name = 'tensorwise'"
+            )
+        if f8.precompute_float8_dynamic_scale_for_fsdp and not f8.enable_fsdp_float8_all_gather:
+            p.append(
+                "quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp: precomputes the scales of the "
+                "float8 all-gather, which is off; set enable_fsdp_float8_all_gather = true or this to false"
+            )
+        if f8.emulate and cfg.compile.enable and "model" in cfg.compile.components:
+            p.append(
+                "quantize.linear.float8.emulate: emulated float8 is for eager tests (torchao does not support it "
+                "under torch.compile); set compile.enable = false or emulate = false"
             )
     ck = cfg.checkpoint
     if ck.interval < 1:

@@ -270,7 +270,7 @@ def _memory(cfg: JobConfig, dims: ParallelDims, machine: Machine) -> list[Findin
             replicate=dims.dp_replicate, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
             param_dtype=t.mixed_precision_param, reduce_dtype=t.mixed_precision_reduce,
             ac=f"selective-{ac.selective_ac_option}" if ac.mode == "selective" else ac.mode,
-            cpu_offload=t.enable_cpu_offload and machine.cuda,
+            cpu_offload=t.enable_cpu_offload and machine.cuda, loss_chunk_tokens=t.loss_chunk_tokens,
             # Eager CPU RMSNorm is the composite one; a CPU process has no CUDA context or NCCL buffers.
             rmsnorm="fused" if machine.cuda else "composite", overhead_gib=2.0 if machine.cuda else 0.5,
         )  # fmt: skip

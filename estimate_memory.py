@@ -9,9 +9,9 @@ Components, per GPU (formulas below, where each term is one tensor):
   sharded state     fp32 params, fp32 grads, AdamW exp_avg + exp_avg_sq: 4 + 4 + 8 bytes per
                     parameter / (dp_shard x tp) (norm weights are not TP-sharded). bf16
                     param_dtype does not shrink them; --cpu-offload moves all three to host memory.
-  gathered params   FSDP units all-gathered in param_dtype: the norm + output unit (not resharded
-                    after forward by default) while backward starts, later two blocks (the one in
-                    backward and the prefetched one). bf16 halves them.
+  gathered params   FSDP units all-gathered in param_dtype: the root unit (norm + output), gathered
+                    for the whole step, and in backward two blocks (the one in backward and the
+                    prefetched one). bf16 halves them.
   activations       per block as documented under "Activations" below (no AC: norms, q/k/v/out
                     and logsumexp of SDPA, four T x F tensors of the SwiGLU; full AC: the block
                     input; selective op: the block input + every other matmul output + SDPA's
@@ -24,7 +24,10 @@ Components, per GPU (formulas below, where each term is one tensor):
                     cross-entropy); under loss parallel (tp > 1) torch's DTensor backward keeps up
                     to 4 fp32 temporaries (zeros_like(x), exp(x), their sum, the product): 16 bytes.
                     train.py (like torchtitan) frees the logits before backward; --keep-logits adds
-                    2 bytes per logit for a loop that holds them.
+                    2 bytes per logit for a loop that holds them. The chunked loss
+                    (--loss-chunk-tokens C, training.loss_chunk_tokens, loss.py) saves no logits:
+                    backward recomputes C tokens at a time, a + 4 + 4 + (8 or 12) bytes per
+                    logit of C x V/tp, plus the fp32 gradient of the final norm's output (4*T*D).
   block backward    the recomputation of one checkpointed block (what it did not keep), its
                     activation gradients (~2 T x D + 2 T x F) and its unsharded gradient in
                     param_dtype + the reduce_dtype copy FSDP reduce-scatters.
@@ -82,7 +85,7 @@ import sys
 from dataclasses import dataclass
 from typing import Literal
 
-from config import Parallelism
+from config import Parallelism, Training
 from errors import ConfigError
 from models.llama3 import FLAVORS, ModelArgs, num_params
 from parallelisms.parallel_dims import ParallelDims
@@ -188,6 +191,8 @@ class Job:
     # train.py, like torchtitan, deletes the logits before loss.backward(); a loop that keeps
     # them alive holds T x V/tp more elements in param_dtype through the loss backward.
     logits_kept_in_backward: bool = False
+    # training.loss_chunk_tokens; 0 (torchtitan's loss, the references') = all logits at once.
+    loss_chunk_tokens: int = 0
     overhead_gib: float = 2.0
     model: ModelArgs | None = None  # a shape that is not a flavor (a Hugging Face config.json); flavor names it
 
@@ -239,7 +244,8 @@ def estimate(job: Job) -> dict[str, float | int | str]:
     block_unit = a * (block_sharded / t + block_replicated)
     output_unit = a * (V * D / t + D)
     gathered_loss_phase = output_unit
-    gathered_block_phase = 2 * block_unit
+    # The root unit (norm + output) stays gathered until the end of backward (parallelisms/fsdp.py).
+    gathered_block_phase = 2 * block_unit + output_unit
 
     acts = activation_bytes(
         args, batch=job.local_batch_size, seq_len=job.seq_len, act_bytes=a, ac=job.ac, tp=t, rmsnorm=job.rmsnorm
@@ -250,6 +256,11 @@ def estimate(job: Job) -> dict[str, float | int | str]:
     # (up to 4 x 4 alive). Plus the logits in param_dtype while train.py still holds them.
     logits = a * T * V / t if job.logits_kept_in_backward else 0.0
     loss_backward = acts["log_softmax"] + (8 if t == 1 else 12) * T * V / t + logits
+    if 0 < job.loss_chunk_tokens < T:
+        # Chunked (loss.py): forward keeps no logits; backward recomputes one chunk (bf16 logits, fp32
+        # copy, log-softmax, gradients) while the gradient of the final norm's output accumulates.
+        C = job.loss_chunk_tokens
+        loss_backward = (a + 4 + 4 + (8 if t == 1 else 12)) * C * V / t + 4 * T * D
     # Backward of one block: recomputation (AC) of what it did not keep, its activation
     # gradients (about two T x D and two T x F tensors alive at once; under TP one T x D is the
     # full-size partial gradient of a gathered input) and its unsharded gradient in param_dtype
@@ -356,6 +367,9 @@ def breakdown(job: Job) -> str:
     T = job.local_batch_size * job.seq_len
     per_logit = (12 if job.tp == 1 else 16) + (DTYPE_BYTES[job.param_dtype] if job.logits_kept_in_backward else 0)
     kept = "logits held through backward" if job.logits_kept_in_backward else "logits freed before backward"
+    if 0 < job.loss_chunk_tokens < T:
+        T, per_logit = job.loss_chunk_tokens, 8 + DTYPE_BYTES[job.param_dtype] + (8 if job.tp == 1 else 12)
+        kept = f"chunked: one chunk of {T:,} tokens at a time + the final norm's fp32 gradient"
     checkpointed = f", {e['act_per_block_checkpointed'] / GiB:.3f} checkpointed" if job.ac != "none" else ""
     return "\n".join(
         [
@@ -370,7 +384,7 @@ def breakdown(job: Job) -> str:
             _row(
                 "gathered params in flight",
                 max(e["gathered_loss_phase"], e["gathered_block_phase"]),
-                f"norm+output unit {e['output_unit'] / GiB:.2f}, or 2 blocks x {e['block_unit'] / GiB:.2f}",
+                f"norm+output unit {e['output_unit'] / GiB:.2f}, + 2 blocks x {e['block_unit'] / GiB:.2f} in backward",
             ),
             _row(
                 f"activations, {a.n_layers} blocks",
@@ -429,6 +443,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--rmsnorm", default="fused", choices=["fused", "composite"], help="fused kernel (torch >= 2.8 CUDA)"
     )
     p.add_argument("--keep-logits", action="store_true", help="a loop that holds the logits through backward")
+    p.add_argument(
+        "--loss-chunk-tokens", type=int, default=Training().loss_chunk_tokens,
+        help="training.loss_chunk_tokens (0: the whole micro-batch's logits at once)",
+    )  # fmt: skip
     p.add_argument("--overhead-gib", type=float, default=2.0, help="CUDA context + NCCL, outside the allocator")
     p.add_argument("--references", action="store_true", help="compare with torchtitan's published peaks and exit")
     return p.parse_args(argv)
@@ -444,7 +462,8 @@ def main(argv: list[str] | None = None) -> int:
             flavor=args.flavor, ngpu=args.ngpu, tp=args.tp, replicate=args.replicate, seq_len=args.seq_len,
             local_batch_size=args.local_batch_size, param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype,
             ac=args.ac, cpu_offload=args.cpu_offload, rmsnorm=args.rmsnorm,
-            logits_kept_in_backward=args.keep_logits, overhead_gib=args.overhead_gib,
+            logits_kept_in_backward=args.keep_logits, loss_chunk_tokens=args.loss_chunk_tokens,
+            overhead_gib=args.overhead_gib,
         )  # fmt: skip
     except ConfigError as e:
         print("\n".join(f"error: {problem}" for problem in e.problems), file=sys.stderr)

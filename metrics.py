@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.multiprocessing.reductions import StorageWeakRef
 
 # TorchDispatchMode is the documented way to see every aten op, in a private module (PyTorch 2.13).
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -235,3 +236,31 @@ def count_ops() -> Iterator[Counter[torch._ops.OpOverload]]:
     counts: Counter[torch._ops.OpOverload] = Counter()
     with observe_ops(lambda op, *_: counts.update([op])):
         yield counts
+
+
+class LiveBytes:
+    """Bytes of the tensors created inside `track()` that are still alive, and their peak.
+
+    Every op output's storage is remembered through a weak reference; after each op the storages
+    still alive are summed. The peak is thus what the ops of the block held at once on top of what
+    existed before it (inputs, parameters), temporaries and autograd's saved tensors included.
+    Eager mode, one thread (CPU backward runs on the caller's thread): what the tests and
+    `make bench` use to weigh the loss on machines without a CUDA allocator to ask.
+    """
+
+    def __init__(self) -> None:
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = 0
+
+    def _on_op(self, op: torch._ops.OpOverload, args: Any, kwargs: Any, out: Any) -> None:
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
+                storage = t.untyped_storage()
+                self.live.setdefault(storage.data_ptr(), (StorageWeakRef(storage), storage.nbytes()))
+        self.live = {ptr: (ref, n) for ptr, (ref, n) in self.live.items() if not ref.expired()}
+        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator[LiveBytes]:
+        with observe_ops(self._on_op):
+            yield self

@@ -25,7 +25,6 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 import doctor
@@ -35,9 +34,11 @@ from data.corpus import open_corpus
 from data.loader import Batch, GlobalBatchLoader
 from data.tokenizers import build_tokenizer
 from errors import ConfigError, is_rank0, warn
+from loss import Loss, build_loss_fn
 from metrics import MetricsLogger, StepMetrics, peak_flops, peak_memory_gib
 from models.llama3 import Transformer, num_flops_per_token, num_params
 from models.llama3.model import with_seq_len
+from parallelisms.float8 import precompute_scales_after_each_step
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import parallelize_llama
 from parallelisms.tp import loss_parallel_context
@@ -111,16 +112,14 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
         )
     with torch.device("meta"):
         model = Transformer(args)
-    if cfg.model.converters:
-        raise ConfigError(
-            f"model.converters: {', '.join(cfg.model.converters)} is not implemented in this recipe yet; remove it"
-        )
-    if cfg.model.print_after_conversion and rank == 0:
-        print(model, flush=True)
+    # config.validate accepts one converter: torchao float8 linears, applied first by parallelize_llama.
+    float8 = cfg.quantize.linear.float8 if "quantize.linear.float8" in cfg.model.converters else None
     model = parallelize_llama(
         model, dims=dims, mesh=mesh, training=t, parallelism=cfg.parallelism,
-        ac=cfg.activation_checkpoint, compile=cfg.compile,
+        ac=cfg.activation_checkpoint, compile=cfg.compile, float8=float8, device=device,
     )  # fmt: skip
+    if cfg.model.print_after_conversion and rank == 0:
+        print(model, flush=True)
     model.to_empty(device=device)
     with warnings.catch_warnings():
         # On a CPU mesh DTensor's RNG cannot make sharded init match unsharded init; runs
@@ -139,6 +138,8 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
 
     # Optimizer and state; a resumed run continues the same stream with the settings given now.
     optimizer = build_optimizer(cfg.optimizer, model)
+    if float8 is not None and float8.precompute_float8_dynamic_scale_for_fsdp and dims.dp_shard > 1:
+        precompute_scales_after_each_step(optimizer, model)
     train_state = TrainState(settings=schedule_settings(cfg))
     checkpoint = CheckpointManager(
         cfg.checkpoint, dump_folder=cfg.job.dump_folder, model=model, optimizer=optimizer,
@@ -164,7 +165,7 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
     set_hyperparameters(optimizer, cfg.optimizer)  # the checkpoint's param_groups carry the old ones
 
     loss_parallel = dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
-    loss_fn = build_loss_fn(cfg.compile)
+    loss_fn = build_loss_fn(cfg.compile, chunk_tokens=cfg.training.loss_chunk_tokens)
     validator = (
         Validator(
             cfg.validation, data=cfg.data, tokenizer=tokenizer, tokenizer_path=cfg.model.tokenizer_path,
@@ -256,14 +257,14 @@ def train_step(
     *,
     grad_accum: int,
     max_norm: float,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    loss_fn: Loss | None = None,
     loss_parallel: bool,
     device: torch.device,
 ) -> StepResult:
     """One optimizer step over `grad_accum` micro-batches; a step whose gradient norm is not finite (on
     any rank: it is global) leaves weights and optimizer state as they were. Returns device tensors:
     no host sync."""
-    loss_fn = loss_fn or cross_entropy_loss
+    loss_fn = loss_fn or build_loss_fn(Compile())
     optimizer.zero_grad(set_to_none=True)
     total_loss = torch.zeros((), device=device)
     for batch in microbatches:
@@ -272,10 +273,11 @@ def train_step(
         # cross-entropy runs on the shards; the context must cover backward too.
         with loss_parallel_context(loss_parallel):
             segments = segments.to(device) if segments is not None else None
-            logits = model(inputs.to(device), segments=segments)  # (bs, seqlen, vocab)
+            labels = labels.to(device)
+            # The loss applies the output projection itself, inside the model's forward (loss.py).
+            loss = model(inputs.to(device), segments=segments, head=functools.partial(loss_fn, model, labels=labels))
             # / grad_accum: the accumulated gradient is the mean over the whole global batch.
-            loss = loss_fn(logits, labels.to(device)) / grad_accum
-            del logits  # autograd keeps what backward needs; this frees bs x seqlen x vocab early
+            loss = loss / grad_accum
             loss.backward()
         total_loss += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
     grad_norm = clip_grad_norm_(model.parameters(), max_norm)
@@ -400,19 +402,6 @@ def lr_factor(step: int, cfg: LRScheduler, *, training_steps: int) -> float:
         case "cosine":
             decayed = 0.5 * (1.0 + math.cos(math.pi * progress))
     return cfg.min_lr_factor + (1.0 - cfg.min_lr_factor) * decayed
-
-
-def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy, in fp32 whatever the compute dtype."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-
-
-def build_loss_fn(cfg: Compile) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The loss, compiled when compile.components has "loss" (inductor fuses the fp32 upcast into
-    the log-softmax instead of materializing an fp32 copy of the logits)."""
-    if cfg.enable and "loss" in cfg.components:
-        return torch.compile(cross_entropy_loss, backend=cfg.backend)
-    return cross_entropy_loss
 
 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:

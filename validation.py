@@ -16,8 +16,8 @@ does: k x local_batch_size x data-parallel degree sequences, which depends on th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,7 @@ from config import Data, Validation, validation_path
 from data.corpus import open_corpus
 from data.loader import Batch, GlobalBatchLoader
 from data.tokenizers import Tokenizer
+from loss import Loss
 from parallelisms.tp import loss_parallel_context
 
 
@@ -41,7 +42,7 @@ class Validator:
         dp_rank: int,
         dp_degree: int,
         device: torch.device,
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        loss_fn: Loss,
         loss_parallel: bool,
     ):
         path = validation_path(cfg)
@@ -77,9 +78,12 @@ class Validator:
             inputs, labels, segments = Batch(*batch)
             with loss_parallel_context(self.loss_parallel):
                 segments = segments.to(self.device) if segments is not None else None
-                logits = model(inputs.to(self.device), segments=segments)
+                labels = labels[:rows].to(self.device)
+                # Every rank runs the model (its collectives); only rows inside the held-out data are scored.
+                loss = model(
+                    inputs.to(self.device), segments=segments, head=functools.partial(self._loss, model, rows, labels)
+                )
                 if rows:
-                    loss = self.loss_fn(logits[:rows], labels[:rows].to(self.device))
                     loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
                     total += torch.stack([loss * rows, torch.tensor(float(rows), device=self.device)])
         model.train()
@@ -88,3 +92,6 @@ class Validator:
         self.seconds = time.perf_counter() - begin
         loss_sum, sequences = total.tolist()
         return loss_sum / sequences, self.tokens, self.seconds
+
+    def _loss(self, model: torch.nn.Module, rows: int, labels: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(model, h[:rows], labels) if rows else torch.zeros((), device=self.device)

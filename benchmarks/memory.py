@@ -22,9 +22,9 @@ Columns, bytes per rank:
   activations               tensors kept from forward to backward (below), unique storages.
   gathered                  parameters all-gathered at once in forward, in param_dtype: the most
                             seen by any FSDP unit's forward pre-hook (which runs after FSDP's
-                            all-gather), here one block, the largest unit; bf16 halves it. In
-                            backward FSDP also prefetches the next unit and keeps norm + output
-                            gathered from forward (estimate_memory.py models that overlap).
+                            all-gather), here one block plus the root unit (norm + output, gathered
+                            for the whole step); bf16 halves it. In backward FSDP also prefetches
+                            the next unit (estimate_memory.py models that overlap).
   device total              what a GPU would hold: the sum, minus state that CPU offload keeps
                             in host memory.
 
@@ -75,7 +75,8 @@ from benchmarks import harness
 from benchmarks.harness import MiB, Row
 from config import ActivationCheckpoint, Compile, Parallelism, Training
 from estimate_memory import DTYPE_BYTES, activation_bytes
-from metrics import observe_ops
+from loss import chunked_cross_entropy_loss, cross_entropy_loss
+from metrics import LiveBytes, observe_ops
 from models.llama3 import FLAVORS, ModelArgs, Transformer
 from models.llama3.model import with_seq_len
 from parallelisms.ac import CheckpointedModule
@@ -364,10 +365,15 @@ def rows(results: dict[str, Any]) -> list[Row]:
     row = functools.partial(
         Row, problem=PROBLEM, metric="device memory per rank: state + saved activations", unit="MiB"
     )
+    loss = results["loss_phase"]
     return [
         row(broken=before, broken_value=setups[b]["device_total_bytes"] / MiB,
             fixed=after, fixed_value=setups[a]["device_total_bytes"] / MiB)
         for (b, before), (a, after) in itertools.pairwise(labels)
+    ] + [
+        Row(problem=PROBLEM, metric=f"loss phase peak, {loss['tokens']:,} tokens x vocab {loss['vocab']:,}", unit="MiB",
+            broken="whole logits", broken_value=loss["peak_bytes"]["whole"] / MiB,
+            fixed=f"chunks of {loss['chunk_tokens']}", fixed_value=loss["peak_bytes"]["chunked"] / MiB),
     ]  # fmt: skip
 
 
@@ -395,7 +401,38 @@ def table(results: dict[str, Any]) -> str:
             f"{r['activation_bytes'] / MiB:>8.2f} {r['gathered_unit_peak_bytes'] / MiB:>8.2f} "
             f"{r['device_total_bytes'] / MiB:>9.2f} {ratio:>7}  {','.join(r['param_shard_devices'])}"
         )
+    loss = results["loss_phase"]
+    lines.append(
+        f"loss phase (output projection + cross-entropy, forward + backward, fp32), {loss['tokens']:,} tokens, "
+        f"dim {loss['dim']}, vocab {loss['vocab']:,}: peak {loss['peak_bytes']['whole'] / MiB:.0f} MiB with the whole "
+        f"logits, {loss['peak_bytes']['chunked'] / MiB:.0f} MiB in chunks of {loss['chunk_tokens']} tokens "
+        f"({loss['seconds']['whole']:.1f} s vs {loss['seconds']['chunked']:.1f} s)"
+    )
     return "\n".join(lines)
+
+
+# The loss phase at Llama 3's vocabulary: the whole micro-batch's logits vs one chunk at a time (loss.py).
+LOSS_PHASE = {"tokens": 2048, "dim": 256, "vocab": 128_256, "chunk_tokens": 512}
+
+
+def loss_phase(*, tokens: int, dim: int, vocab: int, chunk_tokens: int) -> dict[str, Any]:
+    """Peak bytes the output projection + loss hold in forward and backward (metrics.LiveBytes), fp32."""
+    torch.manual_seed(0)
+    project = nn.Linear(dim, vocab, bias=False)
+    h = torch.randn(1, tokens, dim, requires_grad=True)
+    labels = torch.randint(0, vocab, (1, tokens))
+    peaks, seconds = {}, {}
+    for name, chunk in (("whole", 0), ("chunked", chunk_tokens)):
+        start = time.perf_counter()
+        with LiveBytes().track() as live:
+            if chunk:
+                loss = chunked_cross_entropy_loss(project, h, labels, chunk_tokens=chunk)
+            else:
+                loss = cross_entropy_loss(project(h), labels)
+            loss.backward()
+        peaks[name], seconds[name] = live.peak, time.perf_counter() - start
+    return {"tokens": tokens, "dim": dim, "vocab": vocab, "chunk_tokens": chunk_tokens,
+            "logits_bytes": 4 * tokens * vocab, "peak_bytes": peaks, "seconds": seconds}  # fmt: skip
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -425,8 +462,9 @@ def measure_args(args: argparse.Namespace) -> dict[str, Any]:
                 row[key] = max(r[key] for r in everyone)
             row["per_rank_device_total_bytes"] = [r["device_total_bytes"] for r in everyone]
             setups[name] = row
+        loss = loss_phase(**LOSS_PHASE) if dist.get_rank() == 0 else {}
     meta = {"flavor": args.flavor, "seq_len": args.seq_len, "local_batch_size": args.batch_size, "world": world}
-    return {**meta, "setups": setups}
+    return {**meta, "setups": setups, "loss_phase": loss}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -63,10 +63,13 @@ def test_bf16_changes_gathered_params_and_activations_not_the_sharded_state(rows
     for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
         assert bf16[key] == fp32[key], key
     assert bf16["param_dtype_of_shards"] == ["torch.float32"]
-    # The all-gathered unit (the largest is one block) halves.
-    block = sum(p.numel() for p in Transformer(ARGS).layers["0"].parameters())
-    assert fp32["gathered_unit_peak_bytes"] == 4 * block
-    assert bf16["gathered_unit_peak_bytes"] == 2 * block
+    # What is gathered at once (one block + the root unit, norm + output, gathered for the whole step) halves.
+    model = Transformer(ARGS)
+    gathered = sum(
+        p.numel() for p in [*model.layers["0"].parameters(), *model.norm.parameters(), *model.output.parameters()]
+    )
+    assert fp32["gathered_unit_peak_bytes"] == 4 * gathered
+    assert bf16["gathered_unit_peak_bytes"] == 2 * gathered
     assert rows["no_shard_fp32"]["gathered_unit_peak_bytes"] == 0
 
 
@@ -125,7 +128,8 @@ def test_each_technique_lowers_device_memory(rows: dict[str, dict]) -> None:
 
 def test_bench_rows_are_the_staircase(results: dict[str, Any], rows: dict[str, dict]) -> None:
     """`make bench` charts no sharding -> FSDP(2) -> + bf16 -> + op SAC -> + full AC -> + offload."""
-    steps = memory.rows(results)
+    *steps, loss = memory.rows(results)
+    assert (loss.broken, loss.fixed) == ("whole logits", "chunks of 512") and loss.ratio < 0.35
     staircase = ["no sharding", "FSDP(2)", "+ bf16 params", "+ op SAC", "+ full AC", "+ CPU offload"]
     assert [r.broken for r in steps] == staircase[:-1] and [r.fixed for r in steps] == staircase[1:]
     assert steps[0].broken_value == rows["no_shard_fp32"]["device_total_bytes"] / MiB
@@ -145,3 +149,18 @@ def test_activation_formula_matches_measurement(rows: dict[str, dict], name: str
     measured = rows[name]["activation_bytes"]
     # Measured adds only FSDP's bf16 copies of the RoPE table (16 KiB per block) and scalars.
     assert _close(measured, predicted, 0.02), (measured, predicted)
+
+
+# ------------------------------------------------------------------ the loss phase
+
+
+def test_chunked_loss_holds_a_fraction_of_the_whole_logits(results: dict[str, Any]) -> None:
+    """loss.py at Llama 3's vocabulary: the whole loss holds ~3 fp32 logits' worth (logits, log-softmax,
+    their gradients in turn), chunks of 1/4 of the tokens about 1/4 of that plus weight- and h-sized gradients."""
+    loss = results["loss_phase"]
+    whole, chunked, logits = loss["peak_bytes"]["whole"], loss["peak_bytes"]["chunked"], loss["logits_bytes"]
+    assert 2.9 * logits <= whole <= 3.2 * logits
+    share = loss["chunk_tokens"] / loss["tokens"]
+    # + the projection's weight gradient, accumulated over chunks (2 alive: the sum and one chunk's).
+    assert chunked <= 3.2 * logits * share + 2 * 4 * loss["vocab"] * loss["dim"] + 4 * 4 * loss["tokens"] * loss["dim"]
+    assert whole / chunked > 3

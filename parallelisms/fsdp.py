@@ -22,7 +22,7 @@ def apply_fsdp(
     cpu_offload: bool = False,
     reshard_after_forward: Literal["default", "always", "never"] = "default",
 ) -> None:
-    """Shard the embedding, each block, and norm + output as separate units, then the root.
+    """Shard the embedding and each block as separate units, then the root (norm + output).
 
     `mesh` is 1-D for FSDP and 2-D ("dp_replicate", "dp_shard") for HSDP: parameters are
     sharded over the inner dimension and replicated over the outer one, so all-gathers and
@@ -33,22 +33,16 @@ def apply_fsdp(
     the gathered parameters and the all-gather traffic; fp32 `reduce_dtype` keeps gradient
     reductions exact.
 
-    reshard_after_forward (parallelism.fsdp_reshard_after_forward): "default" frees the gathered
-    parameters of the embedding and of every block after their forward, but keeps the last unit
-    (norm + output) gathered; "always" frees every unit; "never" keeps all gathered from forward
-    to backward (no second all-gather, ZeRO-2-like memory).
+    reshard_after_forward (parallelism.fsdp_reshard_after_forward): "default" and "always" free the
+    gathered parameters of the embedding and of every block after their forward (torchtitan's
+    "always" also frees a norm + output unit, which this recipe keeps in the root, see below);
+    "never" keeps all gathered from forward to backward (no second all-gather, ZeRO-2-like memory).
     """
-    match reshard_after_forward:
-        case "default":
-            reshard, reshard_last = True, False
-        case "always":
-            reshard, reshard_last = True, True
-        case "never":
-            reshard, reshard_last = False, False
-        case _:
-            raise ValueError(
-                f"reshard_after_forward: expected 'default', 'always' or 'never', got {reshard_after_forward!r}"
-            )
+    if reshard_after_forward not in ("default", "always", "never"):
+        raise ValueError(
+            f"reshard_after_forward: expected 'default', 'always' or 'never', got {reshard_after_forward!r}"
+        )
+    reshard = reshard_after_forward != "never"
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     # Pinned host memory needs a CUDA driver; on a CPU-only machine the default
     # pin_memory=True fails, so pin only where CUDA exists.
@@ -61,8 +55,9 @@ def apply_fsdp(
         fully_shard(model.tok_embeddings, **kw, reshard_after_forward=reshard)
     for block in model.layers.values():
         fully_shard(block, **kw, reshard_after_forward=reshard)
-    if model.output is not None:
-        # The output layer runs last; its parameters are needed again at once by backward,
-        # so by default resharding them after forward would only add an all-gather.
-        fully_shard([model.norm, model.output], **kw, reshard_after_forward=reshard_last)
-    fully_shard(model, **kw, reshard_after_forward=reshard_last)
+    # The final norm and the output projection stay in the root unit, which FSDP never reshards
+    # between forward and backward: the chunked loss (loss.py) calls the projection once per chunk
+    # in forward and again in backward's recomputation, and a unit of their own would be gathered
+    # once more per step for it (counted: 8 all-gathers instead of 7, 10 instead of 8 under
+    # "always", tests/test_loss.py). The peak, at the loss, holds these parameters either way.
+    fully_shard(model, **kw, reshard_after_forward=False)  # FSDP never reshards the root after forward anyway

@@ -15,13 +15,17 @@ pieces (tiny model, train loop). Every layout and the reference step with train.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sys
 import time
 import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from config import ActivationCheckpoint, Compile, Optimizer, Parallelism, Training
 from data.loader import Batch
 from errors import ConfigError
+from loss import build_loss_fn
 from models.llama3 import FLAVORS, ModelArgs, Transformer
 from models.llama3.model import with_seq_len
 from parallelisms.parallel_dims import ParallelDims
@@ -59,6 +64,7 @@ class Layout:
     compile: bool = False
     reshard_after_forward: str = "default"
     block_causal: bool = False  # attention within the documents of random_segments()
+    loss_chunk_tokens: int = 0  # training.loss_chunk_tokens (each rank scores 64 or 128 tokens)
 
     @property
     def world_size(self) -> int:
@@ -77,6 +83,9 @@ LAYOUTS: dict[str, Layout] = {
     "tp2_op_sac": Layout(tp=2, ac=OP_SAC),
     "fsdp2_compile_op_sac": Layout(dp_shard=2, ac=OP_SAC, compile=True),
     "tp2_block_causal": Layout(tp=2, block_causal=True),
+    "fsdp2_chunked_loss": Layout(dp_shard=2, loss_chunk_tokens=16),
+    "tp2_chunked_loss": Layout(tp=2, loss_chunk_tokens=16),
+    "tp2_no_loss_parallel_chunked_loss": Layout(tp=2, loss_parallel=False, loss_chunk_tokens=24),
     # 4 ranks
     "hsdp2x2_reshard_always": Layout(dp_replicate=2, dp_shard=2, reshard_after_forward="always"),
     "fsdp2_tp2": Layout(dp_shard=2, tp=2),
@@ -85,6 +94,7 @@ LAYOUTS: dict[str, Layout] = {
     # Also covers TP + compile's first-block input (see parallelisms.tp._wait_async_output).
     "fsdp2_tp2_compile_op_sac": Layout(dp_shard=2, tp=2, ac=OP_SAC, compile=True),
     "fsdp2_tp2_compile_op_sac_block_causal": Layout(dp_shard=2, tp=2, ac=OP_SAC, compile=True, block_causal=True),
+    "fsdp2_tp2_chunked_loss": Layout(dp_shard=2, tp=2, loss_chunk_tokens=16),
 }
 
 
@@ -122,6 +132,8 @@ def train(
     segments: torch.Tensor | None = None,
     steps: int = STEPS,
     loss_parallel: bool = False,
+    loss_chunk_tokens: int = 0,
+    collectives: Counter[str] | None = None,
 ) -> tuple[list[float], list[float]]:
     """`steps` steps of train.py's `train_step` on `tokens` (this rank's slice); (losses, seconds per step).
 
@@ -132,16 +144,43 @@ def train(
     """
     optimizer = build_optimizer(Optimizer(lr=LR), model)
     batch = [Batch(tokens[:, :-1], tokens[:, 1:], segments)]
+    loss_fn = build_loss_fn(Compile(), chunk_tokens=loss_chunk_tokens)
     losses, times = [], []
-    for _ in range(steps):
+    for step in range(steps):
         start = time.perf_counter()
-        loss = train_step(
-            model, optimizer, batch, grad_accum=1, max_norm=MAX_NORM, loss_parallel=loss_parallel,
-            device=torch.device("cpu"),
-        ).loss  # fmt: skip
+        # The collectives of the last step (FSDP's lazy initialization is behind it).
+        with count_collectives(collectives if step == steps - 1 else None):
+            loss = train_step(
+                model, optimizer, batch, grad_accum=1, max_norm=MAX_NORM, loss_fn=loss_fn, loss_parallel=loss_parallel,
+                device=torch.device("cpu"),
+            ).loss  # fmt: skip
         losses.append(world_mean(loss) if dist.is_initialized() else loss.item())
         times.append(time.perf_counter() - start)
     return losses, times
+
+
+@contextlib.contextmanager
+def count_collectives(counts: Counter[str] | None) -> Iterator[None]:
+    """Count FSDP's all-gathers and reduce-scatters (torch.distributed's *_single calls) into `counts`."""
+    if counts is None:
+        yield
+        return
+    saved = {name: getattr(dist, name) for name in ("all_gather_single", "reduce_scatter_single")}
+
+    def counting(name: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts[name] += 1
+            return saved[name](*args, **kwargs)
+
+        return call
+
+    try:
+        for name in saved:
+            setattr(dist, name, counting(name))
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
 
 
 def write_reference(path: Path) -> dict:
@@ -200,9 +239,11 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
     dp_rank = dims.dp_rank(mesh)
     rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
     segments = ref["segments"][rows] if layout.block_causal else None
+    collectives: Counter[str] = Counter()
     losses, times = train(
-        model, ref["tokens"][rows], segments=segments, loss_parallel=dims.tp_enabled and layout.loss_parallel
-    )
+        model, ref["tokens"][rows], segments=segments, loss_parallel=dims.tp_enabled and layout.loss_parallel,
+        loss_chunk_tokens=layout.loss_chunk_tokens, collectives=collectives,
+    )  # fmt: skip
     expected = ref["block_causal"] if layout.block_causal else ref
 
     final = get_model_state_dict(model, options=options)
@@ -213,6 +254,7 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
         # Step 1 includes lazy initialization (FSDP) and compilation.
         "step_time_s": sum(times[1:]) / len(times[1:]),
         "param_types": sorted({type(p).__name__ for p in model.parameters()}),
+        "collectives": dict(collectives),
     }
 
 

@@ -328,13 +328,13 @@ def test_gc_runs_every_gc_freq_steps_on_every_rank_and_only_then(monkeypatch: py
 
 def test_compile_components_choose_what_is_compiled() -> None:
     from config import ActivationCheckpoint, Compile, Parallelism, Training
+    from loss import build_loss_fn, cross_entropy_loss
     from models.llama3 import FLAVORS, Transformer
     from parallelisms.parallel_dims import ParallelDims
     from parallelisms.parallelize import parallelize_llama
-    from train import build_loss_fn, cross_entropy_loss
 
-    assert build_loss_fn(Compile(enable=True, components=["model"])) is cross_entropy_loss
-    compiled = build_loss_fn(Compile(enable=True, components=["loss"], backend="eager"))
+    assert build_loss_fn(Compile(enable=True, components=["model"])).whole is cross_entropy_loss
+    compiled = build_loss_fn(Compile(enable=True, components=["loss"], backend="eager")).whole
     assert compiled is not cross_entropy_loss
     logits, labels = torch.randn(2, 8, 32), torch.randint(0, 32, (2, 8))
     assert torch.equal(compiled(logits, labels), cross_entropy_loss(logits, labels))

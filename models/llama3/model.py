@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -256,10 +257,21 @@ class Transformer(nn.Module):
         # Derived from args, never trained or checkpointed: recomputed by init_weights().
         self.register_buffer("rope_cos_sin", rope_cos_sin(args), persistent=False)
 
-    def forward(self, tokens: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        segments: torch.Tensor | None = None,
+        *,
+        head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """tokens (bs, seqlen) int64 -> logits (bs, seqlen, vocab).
 
         segments (bs, seqlen): each token's document index in its window, used by block_causal.
+        head: what to apply to the final norm's output (bs, seqlen, dim) instead of `project`; the
+            training loss passes itself, to project and score a chunk of tokens at a time (loss.py).
+            It runs inside this forward on purpose: FSDP gathers the projection's parameters for
+            the root's forward, and a projection called after it costs one more all-gather and
+            one more reduce-scatter per step (counted in tests/test_loss.py).
         """
         mask = None
         if self.args.attn_mask_type == "block_causal" and segments is not None:
@@ -268,6 +280,10 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             h = layer(h, self.rope_cos_sin, mask)
         h = self.norm(h)
+        return head(h) if head is not None else self.project(h)
+
+    def project(self, h: torch.Tensor) -> torch.Tensor:
+        """The output projection: (..., dim) -> logits (..., vocab)."""
         if self.output is None:
             return F.linear(h, self.tok_embeddings.weight)
         return self.output(h)

@@ -1,0 +1,101 @@
+"""The loss: next-token cross-entropy in fp32, computed from the final hidden states.
+
+The model stops at its final norm (`model(tokens, skip_output=True)`); the loss applies the output
+projection (`model.project`) itself, because the projection is where the memory goes. A plain loss
+materialises the logits of the whole micro-batch (tokens x vocab) and cross-entropy upcasts them to
+fp32: at 8B with local batch 2 x seq 8192 and a 128,256-token vocabulary that is 3.9 GiB of bf16
+logits plus a 7.8 GiB fp32 log-softmax kept for backward, and backward's temporaries about as much
+again, the largest single item after the blocks' activations.
+
+The chunked loss (training.loss_chunk_tokens > 0) projects and scores `loss_chunk_tokens` tokens at
+a time, each chunk under activation checkpointing: forward keeps only each chunk's summed loss;
+backward recomputes one chunk's logits at a time. The peak holds one chunk's logits instead of all
+of them; the price is the output projection's forward run twice (at 8B about 2% of a step's FLOPs).
+Summing chunk sums in another order than one mean is the only difference: fp32 rounding
+(tests/test_loss.py: 1e-6 relative, loss and gradients, with and without loss parallel).
+
+Under TP with loss parallel the projection's output is a vocabulary-sharded DTensor and both the
+loss and its backward must run under `parallelisms.tp.loss_parallel_context`; the chunks need
+nothing more. Under FSDP the projection's parameters are gathered once per step and their
+gradient reduce-scattered once, however many chunks (tests/test_loss.py counts the collectives).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Replicate
+from torch.utils.checkpoint import checkpoint
+
+from config import Compile
+
+
+def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy, in fp32 whatever the compute dtype."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
+
+
+def _summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float(), labels, reduction="sum")
+
+
+@dataclass(frozen=True)
+class Loss:
+    """The training loss: `loss(model, h, labels)` projects the final norm's output `h` (bs, seqlen, dim)
+    with `model.project` and returns the mean cross-entropy against `labels` (bs, seqlen)."""
+
+    chunk_tokens: int = 0  # training.loss_chunk_tokens; 0 = the whole micro-batch at once
+    whole: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_loss
+    summed: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = _summed_cross_entropy
+
+    def __call__(self, model: torch.nn.Module, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.chunk_tokens <= 0 or labels.numel() <= self.chunk_tokens:
+            return self.whole(model.project(h), labels)
+        return chunked_cross_entropy_loss(model.project, h, labels, chunk_tokens=self.chunk_tokens, summed=self.summed)
+
+
+def build_loss_fn(compile: Compile, *, chunk_tokens: int = 0) -> Loss:
+    """The loss of training.loss_chunk_tokens; its cross-entropy is compiled when compile.components has
+    "loss" (inductor fuses the fp32 upcast into the log-softmax instead of materialising an fp32 copy
+    of the logits)."""
+    if not (compile.enable and "loss" in compile.components):
+        return Loss(chunk_tokens)
+    return Loss(
+        chunk_tokens,
+        whole=torch.compile(cross_entropy_loss, backend=compile.backend),
+        summed=torch.compile(_summed_cross_entropy, backend=compile.backend),
+    )
+
+
+def chunked_cross_entropy_loss(
+    project: Callable[[torch.Tensor], torch.Tensor],
+    h: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    chunk_tokens: int,
+    summed: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = _summed_cross_entropy,
+) -> torch.Tensor:
+    """cross_entropy_loss(project(h), labels), `chunk_tokens` tokens at a time, never holding more than
+    one chunk's logits (forward and backward)."""
+    if isinstance(h, DTensor):
+        # Sequence parallel leaves the final norm's output sharded over the sequence; the projection
+        # would gather it anyway. Gather it once here, then split the gathered tokens.
+        h = h.redistribute(placements=[Replicate()] * h.device_mesh.ndim)
+    tokens, labels = h.flatten(0, 1), labels.flatten()
+    total = torch.zeros((), device=labels.device)
+    for h_chunk, labels_chunk in zip(tokens.split(chunk_tokens), labels.split(chunk_tokens), strict=True):
+        chunk_sum = checkpoint(_project_and_sum, project, summed, h_chunk, labels_chunk, use_reentrant=False)
+        total = total + (chunk_sum.full_tensor() if isinstance(chunk_sum, DTensor) else chunk_sum)
+    return total / labels.numel()
+
+
+def _project_and_sum(
+    project: Callable[[torch.Tensor], torch.Tensor],
+    summed: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    h_chunk: torch.Tensor,
+    labels_chunk: torch.Tensor,
+) -> torch.Tensor:
+    return summed(project(h_chunk), labels_chunk)

@@ -1,0 +1,83 @@
+"""loss.py: the chunked loss is the plain loss (fp32, 1e-6 relative, loss and every gradient), holds
+one chunk's logits instead of all, and adds no FSDP collective (tests/test_parallelisms.py runs it
+under FSDP, TP with and without loss parallel, and FSDP x TP)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from config import Compile
+from loss import build_loss_fn, chunked_cross_entropy_loss, cross_entropy_loss
+from metrics import LiveBytes
+from models.llama3 import Transformer
+from tests.parity_worker import TINY, build_tiny, random_batch
+
+
+def _loss_and_grads(
+    model: Transformer, tokens: torch.Tensor, chunk_tokens: int
+) -> tuple[float, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss_fn = build_loss_fn(Compile(), chunk_tokens=chunk_tokens)
+    labels = tokens[:, 1:]
+    loss = model(tokens[:, :-1], head=lambda h: loss_fn(model, h, labels))
+    loss.backward()
+    return loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["output", "tied"])
+def test_chunked_loss_is_the_plain_loss(tied: bool) -> None:
+    """4 rows x 32 tokens in chunks of 1, 16, 48 (uneven last chunk) and 128 (one chunk = the plain path)."""
+    torch.manual_seed(0)
+    model = Transformer(dataclasses.replace(TINY, tie_word_embeddings=tied))
+    model.init_weights()
+    tokens = random_batch()
+    loss, grads = _loss_and_grads(model, tokens, chunk_tokens=0)
+    assert loss == pytest.approx(cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:]).item(), rel=1e-7)
+    for chunk in (1, 16, 48, 128):
+        chunked, chunked_grads = _loss_and_grads(model, tokens, chunk_tokens=chunk)
+        assert chunked == pytest.approx(loss, rel=1e-6), chunk
+        assert chunked_grads.keys() == grads.keys()
+        for name, grad in grads.items():
+            assert _max_rel(chunked_grads[name], grad) <= 1e-6, (chunk, name)
+
+
+def test_chunked_loss_holds_one_chunk_of_logits() -> None:
+    """Peak bytes the loss's forward + backward hold: whole logits vs one 512-token chunk of 4096."""
+    torch.manual_seed(0)
+    tokens, dim, vocab = 4096, 64, 4096
+    project = torch.nn.Linear(dim, vocab, bias=False)
+    h = torch.randn(1, tokens, dim, requires_grad=True)
+    labels = torch.randint(0, vocab, (1, tokens))
+    peaks = {}
+    for chunk in (0, 512):
+        with LiveBytes().track() as live:
+            if chunk:
+                loss = chunked_cross_entropy_loss(project, h, labels, chunk_tokens=chunk)
+            else:
+                loss = cross_entropy_loss(project(h), labels)
+            loss.backward()
+        peaks[chunk] = live.peak
+    logits = tokens * vocab * 4  # fp32 here: the logits and their log-softmax are the same size
+    # Whole: logits + log-softmax kept, then backward's gradient of each: at least 3 logits' worth.
+    assert peaks[0] >= 3 * logits
+    # Chunked: the same pattern on 1/8 of the tokens, plus h-sized gradients.
+    assert peaks[512] <= 3 * logits / 8 + 4 * tokens * dim * 4
+    assert peaks[0] / peaks[512] > 5
+
+
+def test_compiled_loss_component() -> None:
+    model = build_tiny()
+    tokens = random_batch()
+    compiled = build_loss_fn(Compile(enable=True, components=["loss"], backend="eager"), chunk_tokens=16)
+    plain = build_loss_fn(Compile(), chunk_tokens=16)
+    labels = tokens[:, 1:]
+    a = model(tokens[:, :-1], head=lambda h: compiled(model, h, labels))
+    b = model(tokens[:, :-1], head=lambda h: plain(model, h, labels))
+    assert torch.equal(a, b)
