@@ -303,12 +303,26 @@ class ModelAndOptimizer(Stateful):
         state = {"model": model}
         if self.optimizer is not None:
             state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
-        return state
+        return torch.utils._pytree.tree_map_only(torch.Tensor, _plain, state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         set_model_state_dict(self.model, state["model"])
         if self.optimizer is not None:
             set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A tensor subclass that wraps one plain tensor (torchao's float8 FSDP weights:
+    WeightWithDynamicFloat8CastTensor) as that tensor, same storage: checkpoints hold plain tensors
+    that any run reads, float8 or not, with or without torchao."""
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    if type(local) in (torch.Tensor, nn.Parameter) or not hasattr(local, "__tensor_flatten__"):
+        return t
+    inner_names, _ = local.__tensor_flatten__()
+    inner = getattr(local, inner_names[0])
+    if not isinstance(t, DTensor):
+        return inner
+    return DTensor.from_local(inner, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
 
 
 def is_model_only(metadata: Metadata) -> bool:

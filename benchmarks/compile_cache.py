@@ -77,7 +77,7 @@ MODEL_ARGS = dataclasses.replace(
 BATCH, SEQ = 2, 32
 # The two recipes of #1185 (Llama 3 8B, DP2 x TP4, op SAC), differing only in async TP, keyed as
 # parallelize_llama keys them (the AC option only for selective AC).
-RECIPE = {"tp_degree": 4, "async_tp": False, "ac_mode": "selective", "ac_option": "op"}
+RECIPE = {"tp_degree": 4, "async_tp": False, "ac_mode": "selective", "ac_option": "op", "float8": ""}
 VARIANTS: dict[str, dict[str, Any]] = {
     "plain_tp": RECIPE,
     "async_tp": {**RECIPE, "async_tp": True},

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from config import ActivationCheckpoint, Compile, Parallelism, Training
+from config import ActivationCheckpoint, Compile, Float8Linear, Parallelism, Training
 from models.llama3 import Transformer
 from parallelisms.ac import apply_ac
 from parallelisms.async_tp import apply_async_tp
 from parallelisms.compile import apply_compile, inductor_cache_dir
+from parallelisms.float8 import adapt_tp_plan, apply_float8, float8_tp_plan
 from parallelisms.fsdp import DTYPES, apply_fsdp
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.tp import apply_tp
@@ -25,12 +27,18 @@ def parallelize_llama(
     parallelism: Parallelism,
     ac: ActivationCheckpoint,
     compile: Compile,
+    float8: Float8Linear | None = None,
+    device: torch.device | None = None,
     inductor_cache_root: str | Path | None = None,
 ) -> Transformer:
-    """Apply, in order, TP (+ async TP) -> activation checkpointing -> compile -> FSDP to a (meta) model.
+    """Apply, in order, float8 -> TP (+ async TP) -> activation checkpointing -> compile -> FSDP to a (meta) model.
 
     The order is not a matter of taste:
-      1. TP first: it replaces parameters by DTensors sharded over "tp" and installs the
+      0. float8 first (when `float8` is given: [model] converters has "quantize.linear.float8"): it
+         swaps modules (nn.Linear -> torchao Float8Linear), and the TP plan, compile and FSDP must all
+         see the final modules: the float8 TP styles apply to Float8Linear only, compile traces their
+         casts, FSDP's float8 all-gather hooks into their weights.
+      1. TP: it replaces parameters by DTensors sharded over "tp" and installs the
          input/output redistributions; every later step must see those final parameters.
          Async TP only sets the compiler pass that overlaps TP's collectives, so it must be on
          before compile.
@@ -49,8 +57,13 @@ def parallelize_llama(
     inductor_cache_root: parent folder of the per-recipe inductor caches (see
     `parallelisms.compile.inductor_cache_dir`); None = TORCHINDUCTOR_CACHE_DIR or inductor's default.
     """
+    if float8 is not None:
+        apply_float8(model, float8, device=device or torch.device("cpu"), fsdp_sharded=dims.dp_shard > 1)
     if dims.tp_enabled:
-        apply_tp(model, mesh["tp"], loss_parallel=not parallelism.disable_loss_parallel, seq_len=training.seq_len)
+        apply_tp(
+            model, mesh["tp"], loss_parallel=not parallelism.disable_loss_parallel, seq_len=training.seq_len,
+            adapt_block_plan=adapt_tp_plan if float8 is not None and float8_tp_plan(float8, mesh["tp"]) else None,
+        )  # fmt: skip
     if parallelism.enable_async_tensor_parallel:
         apply_async_tp(mesh["tp"], compile_enabled=compile.enable and "model" in compile.components)
 
@@ -64,6 +77,7 @@ def parallelize_llama(
             "ac_mode": ac.mode,
             # The option only means something for selective AC; full AC with a stale option is the same recipe.
             "ac_option": ac.selective_ac_option if ac.mode == "selective" else "",
+            "float8": (float8.recipe_name or "tensorwise") if float8 is not None else "",
         }
         apply_compile(model, backend=compile.backend, cache_dir=inductor_cache_dir(recipe, root=inductor_cache_root))
 

@@ -19,6 +19,7 @@ the matmuls) is a compile pass on top of this plan: parallelisms/async_tp.py.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
@@ -58,12 +60,21 @@ def check_tp(args: ModelArgs, *, tp_degree: int, seq_len: int) -> None:
         raise ConfigError(*problems)
 
 
-def apply_tp(model: Transformer, tp_mesh: DeviceMesh, *, loss_parallel: bool, seq_len: int) -> None:
+def apply_tp(
+    model: Transformer,
+    tp_mesh: DeviceMesh,
+    *,
+    loss_parallel: bool,
+    seq_len: int,
+    adapt_block_plan: Callable[[nn.Module, dict[str, ParallelStyle]], dict[str, ParallelStyle]] | None = None,
+) -> None:
     """Shard `model` (on any device, meta included) over `tp_mesh` in place.
 
     loss_parallel: leave the logits as a DTensor sharded over the vocabulary; the loss and its
         backward must then run under `loss_parallel_context(True)`.
     seq_len: the training sequence length, which sequence parallel splits over the TP ranks.
+    adapt_block_plan: rewrites each block's plan for that block's modules (float8's styles:
+        parallelisms/float8.py `adapt_tp_plan`).
     """
     check_tp(model.args, tp_degree=tp_mesh.size(), seq_len=seq_len)
 
@@ -86,31 +97,28 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, *, loss_parallel: bool, se
     )
     model.tok_embeddings.register_forward_hook(_wait_async_output)
     for block in model.layers.values():
-        parallelize_module(
-            block,
-            tp_mesh,
-            {
-                "attention_norm": SequenceParallel(),
-                # `cos_sin` and the attention mask (None layouts) are plain tensors (or None) every
-                # rank holds in full: left alone. Attention sees the whole sequence, so does the mask.
-                "attention": PrepareModuleInput(
-                    input_layouts=(Shard(1), None, None),
-                    desired_input_layouts=(Replicate(), None, None),
-                ),
-                "attention.wq": ColwiseParallel(),
-                "attention.wk": ColwiseParallel(),
-                "attention.wv": ColwiseParallel(),
-                "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-                "ffn_norm": SequenceParallel(),
-                "feed_forward": PrepareModuleInput(
-                    input_layouts=(Shard(1),),
-                    desired_input_layouts=(Replicate(),),
-                ),
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-                "feed_forward.w3": ColwiseParallel(),
-            },
-        )
+        plan: dict[str, ParallelStyle] = {
+            "attention_norm": SequenceParallel(),
+            # `cos_sin` and the attention mask (None layouts) are plain tensors (or None) every
+            # rank holds in full: left alone. Attention sees the whole sequence, so does the mask.
+            "attention": PrepareModuleInput(
+                input_layouts=(Shard(1), None, None),
+                desired_input_layouts=(Replicate(), None, None),
+            ),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(
+                input_layouts=(Shard(1),),
+                desired_input_layouts=(Replicate(),),
+            ),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        }
+        parallelize_module(block, tp_mesh, adapt_block_plan(block, plan) if adapt_block_plan else plan)
 
 
 def _wait_async_output(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:

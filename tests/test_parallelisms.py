@@ -82,6 +82,15 @@ def test_loss_and_parameter_parity(name: str, request: pytest.FixtureRequest) ->
     assert result["param_types"] == ["DTensor"]  # every parameter really is sharded or replicated by a mesh
 
 
+def test_chunked_loss_adds_no_fsdp_collective(results_2: dict[str, dict]) -> None:
+    """The projection runs 4 times in forward and 4 in backward (recomputed), its parameters are still
+    gathered once and their gradient reduce-scattered once (loss.py, parallelisms/fsdp.py)."""
+    plain, chunked = results_2["fsdp2"]["collectives"], results_2["fsdp2_chunked_loss"]["collectives"]
+    assert (
+        plain == chunked == {"all_gather_single": 7, "reduce_scatter_single": 4}
+    )  # 4 units: embedding, 2 blocks, root
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_compiled_layouts_use_their_recipe_cache_folder(world_size: int, request: pytest.FixtureRequest) -> None:
     """parallelize_llama compiled into root/recipe-<hash of this recipe>, and inductor really wrote there.
@@ -94,7 +103,7 @@ def test_compiled_layouts_use_their_recipe_cache_folder(world_size: int, request
     compiled = {layout.tp for layout in LAYOUTS.values() if layout.compile and layout.world_size == world_size}
     assert all(layout.ac == OP_SAC for layout in LAYOUTS.values() if layout.compile)
     (tp,) = compiled  # the compiled layouts of one world size share one recipe (the mask is not in it)
-    recipe = {"tp_degree": tp, "async_tp": False, "ac_mode": "selective", "ac_option": "op"}
+    recipe = {"tp_degree": tp, "async_tp": False, "ac_mode": "selective", "ac_option": "op", "float8": ""}
     expected = inductor_cache_dir(recipe, root=root)
     assert sorted(root.glob("recipe-*")) == [expected]
     assert any((expected / "fxgraph").rglob("*")), f"no FX graph cached in {expected}"
@@ -277,7 +286,13 @@ def test_inductor_cache_dir_is_keyed_on_the_recipe(tmp_path: Path) -> None:
     assert same.parent == tmp_path and same.name.startswith("recipe-")
     # docs/failures.md #4: plain TP must never be served async TP's graphs.
     assert inductor_cache_dir({**base, "async_tp": True}, root=tmp_path) != same
-    for change in ({"tp_degree": 4}, {"ac_mode": "full"}, {"ac_option": "2"}, {"float8": True}):
+    for change in (
+        {"tp_degree": 4},
+        {"ac_mode": "full"},
+        {"ac_option": "2"},
+        {"float8": "tensorwise"},
+        {"float8": "rowwise"},
+    ):
         assert inductor_cache_dir({**base, **change}, root=tmp_path) != same, change
     assert inductor_cache_dir(base, torch_version="2.7", root=tmp_path) != same
 
