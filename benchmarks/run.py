@@ -28,13 +28,13 @@ from typing import Any
 
 import torch
 
-from benchmarks import comm_volume, compile_cache, data_pipeline, harness, memory, metadata, recompute
+from benchmarks import comm_volume, compile_cache, data_pipeline, float8, harness, memory, metadata, recompute
 from benchmarks.harness import Row
 from config import REPO
 
 BENCHMARKS = {
     m.__name__.removeprefix("benchmarks."): m
-    for m in (recompute, metadata, comm_volume, compile_cache, memory, data_pipeline)
+    for m in (recompute, metadata, comm_volume, compile_cache, memory, data_pipeline, float8)
 }
 
 

@@ -1,0 +1,159 @@
+"""float8 (parallelisms/float8.py): FSDP's all-gather bytes in bf16 vs float8, and the step time.
+
+    python -m benchmarks.float8 --out outputs/bench/float8.json   # starts torchrun (2 ranks) itself
+
+One training step (after a warm-up step) of the debug model under FSDP over the ranks, bf16
+parameters, built by the recipe's own parallelize_llama, in three setups:
+
+    bf16                 no converter
+    float8               tensorwise float8 linears, bf16 all-gather
+    float8_all_gather    + enable_fsdp_float8_all_gather + precompute_float8_dynamic_scale_for_fsdp
+
+Bytes are read off the tensors FSDP hands to `torch.distributed.all_gather_single` (its all-gather
+of each unit's flat buffer): the block weights travel as 1-byte float8 instead of 2-byte bf16,
+the embedding, norms and (filtered) output projection stay bf16. Without a float8-capable GPU the
+linears run with `emulate = true` (torchao's casts, high-precision matmuls): the bytes are the
+real ones, the step time is not a float8 speed (emulation is slower); on a GPU of compute
+capability 8.9+ nothing is emulated and the step time is the one to read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from benchmarks import harness
+from benchmarks.harness import MiB, Row
+from config import ActivationCheckpoint, Compile, Float8Linear, Optimizer, Parallelism, Training
+from models.llama3 import FLAVORS, Transformer
+from models.llama3.model import with_seq_len
+from parallelisms.float8 import float8_problems
+from parallelisms.parallel_dims import ParallelDims
+from parallelisms.parallelize import parallelize_llama
+from train import build_optimizer, train_step
+
+PROBLEM = "float8"
+SETUPS = ("bf16", "float8", "float8_all_gather")
+
+
+@contextmanager
+def all_gather_bytes(counts: dict[str, int]) -> Iterator[None]:
+    """Sum the output bytes of every `dist.all_gather_single` call (FSDP's all-gathers) into counts["bytes"]."""
+    original = dist.all_gather_single
+
+    def counting(output: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        counts["bytes"] += output.numel() * output.element_size()
+        counts["calls"] += 1
+        return original(output, *args, **kwargs)
+
+    dist.all_gather_single = counting
+    try:
+        yield
+    finally:
+        dist.all_gather_single = original
+
+
+def measure(setup: str, *, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    world = dist.get_world_size()
+    parallelism = Parallelism(data_parallel_shard_degree=world)
+    dims = ParallelDims.from_config(parallelism, world_size=world)
+    mesh = dims.build_mesh(device.type)
+    emulate = bool(float8_problems(Float8Linear(), device=device))
+    float8 = None
+    if setup != "bf16":
+        gather = setup == "float8_all_gather"
+        float8 = Float8Linear(
+            enable_fsdp_float8_all_gather=gather, precompute_float8_dynamic_scale_for_fsdp=gather, emulate=emulate
+        )
+    model_args = dataclasses.replace(with_seq_len(FLAVORS[args.flavor], args.seq_len), n_layers=args.n_layers)
+    with torch.device("meta"):
+        model = Transformer(model_args)
+    training = Training(seq_len=args.seq_len, mixed_precision_param="bfloat16")
+    parallelize_llama(
+        model, dims=dims, mesh=mesh, training=training, parallelism=parallelism, ac=ActivationCheckpoint(),
+        compile=Compile(), float8=float8, device=device,
+    )  # fmt: skip
+    model.to_empty(device=device)
+    model.init_weights()
+    optimizer = build_optimizer(Optimizer(lr=1e-4), model)
+    if float8 is not None and float8.precompute_float8_dynamic_scale_for_fsdp:
+        from parallelisms.float8 import precompute_scales_after_each_step
+
+        precompute_scales_after_each_step(optimizer, model)
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    tokens = torch.randint(0, model_args.vocab_size, (args.batch_size, args.seq_len + 1), generator=generator)
+
+    def step() -> float:
+        batch = [(tokens[:, :-1], tokens[:, 1:])]
+        result = train_step(model, optimizer, batch, grad_accum=1, max_norm=1.0, loss_parallel=False, device=device)
+        return result.loss.item()
+
+    first_loss = step()  # warm-up: lazy init, optimizer state
+    counts = {"bytes": 0, "calls": 0}
+    dist.barrier()
+    start = time.perf_counter()
+    with all_gather_bytes(counts):
+        step()
+    seconds = time.perf_counter() - start
+    return {
+        "setup": setup, "emulate": emulate, "all_gather_bytes": counts["bytes"], "all_gathers": counts["calls"],
+        "step_seconds": seconds, "first_loss": first_loss,
+    }  # fmt: skip
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--flavor", default="debugmodel", choices=sorted(FLAVORS))
+    p.add_argument("--n-layers", type=int, default=2, help="blocks of the flavor to keep (smaller, faster)")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=2)
+
+
+def measure_args(args: argparse.Namespace) -> dict[str, Any]:
+    with harness.process_group() as device:
+        setups = {setup: measure(setup, args=args, device=device) for setup in SETUPS}
+        world = dist.get_world_size()
+    return {"flavor": args.flavor, "n_layers": args.n_layers, "world": world, "device": device.type, "setups": setups}
+
+
+def rows(results: dict[str, Any]) -> list[Row]:
+    s = results["setups"]
+    out = [
+        Row(problem=PROBLEM, metric="FSDP all-gather bytes per step (rank 0)", unit="MiB",
+            broken="bf16 all-gather", broken_value=s["float8"]["all_gather_bytes"] / MiB,
+            fixed="float8 all-gather", fixed_value=s["float8_all_gather"]["all_gather_bytes"] / MiB),
+    ]  # fmt: skip
+    if not s["float8"]["emulate"]:
+        out.append(
+            Row(problem=PROBLEM, metric="step time", unit="ms", broken="bf16", broken_value=1e3 * s["bf16"]["step_seconds"],
+                fixed="float8 + float8 all-gather", fixed_value=1e3 * s["float8_all_gather"]["step_seconds"])
+        )  # fmt: skip
+    return out
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = [
+        f"one FSDP({results['world']}) step of {results['flavor']} ({results['n_layers']} blocks), bf16 params, "
+        f"on {results['device']}" + (" (float8 emulated: step times are not float8 speed)" if results["device"] != "cuda" else ""),
+        f"{'setup':<20} {'all-gather MiB':>14} {'calls':>6} {'step ms':>8} {'warm-up loss':>12}",
+    ]  # fmt: skip
+    for name, r in results["setups"].items():
+        lines.append(
+            f"{name:<20} {r['all_gather_bytes'] / MiB:>14.3f} {r['all_gathers']:>6} "
+            f"{1e3 * r['step_seconds']:>8.1f} {r['first_loss']:>12.5f}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return harness.main("float8", argv, doc=__doc__, add_args=add_args, measure=measure_args, table=table, world=2)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
