@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 import doctor
 from checkpoint import CheckpointManager, prepare_dump_folder
-from config import Comm, Compile, Debug, JobConfig, LRScheduler, Optimizer, help_text, load_config, model_args, to_toml
+from config import Comm, Debug, JobConfig, LRScheduler, Optimizer, help_text, load_config, model_args, to_toml
 from data.corpus import open_corpus
 from data.loader import Batch, GlobalBatchLoader
 from data.tokenizers import build_tokenizer
@@ -76,7 +76,8 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
     doctor.check_startup(cfg, world_size=world_size, device=device)
     # The RoPE table covers the longest sequence trained or validated on; the attention mask is the config's.
     longest = max(t.seq_len, cfg.validation.seq_len if cfg.validation.enable else 0)
-    args = dataclasses.replace(with_seq_len(model_args(cfg.model), longest), attn_mask_type=cfg.model.attn_mask_type)
+    published = model_args(cfg.model)  # the flavor's (or config.json's) shape, as checkpoints export it
+    args = dataclasses.replace(with_seq_len(published, longest), attn_mask_type=cfg.model.attn_mask_type)
     bytes_per_param = 4 if cfg.checkpoint.create_seed_checkpoint else 12  # fp32 weights (+ AdamW's two moments)
     on_rank0(
         lambda: prepare_dump_folder(
@@ -138,13 +139,13 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
 
     # Optimizer and state; a resumed run continues the same stream with the settings given now.
     optimizer = build_optimizer(cfg.optimizer, model)
-    if float8 is not None and float8.precompute_float8_dynamic_scale_for_fsdp and dims.dp_shard > 1:
+    if float8 is not None and float8.precompute_float8_dynamic_scale_for_fsdp:
         precompute_scales_after_each_step(optimizer, model)
     train_state = TrainState(settings=schedule_settings(cfg))
     checkpoint = CheckpointManager(
         cfg.checkpoint, dump_folder=cfg.job.dump_folder, model=model, optimizer=optimizer,
         stateful={"dataloader": loader, "train_state": train_state}, process_group=checkpoint_group,
-        model_args=model_args(cfg.model), hf_assets_path=cfg.model.hf_assets_path, tokenizer_path=cfg.model.tokenizer_path,
+        model_args=published, hf_assets_path=cfg.model.hf_assets_path, tokenizer_path=cfg.model.tokenizer_path,
     )  # fmt: skip
     if (resume := checkpoint.resume_step()) >= t.steps:
         if resume == t.steps:  # a finished run started again
@@ -264,7 +265,7 @@ def train_step(
     """One optimizer step over `grad_accum` micro-batches; a step whose gradient norm is not finite (on
     any rank: it is global) leaves weights and optimizer state as they were. Returns device tensors:
     no host sync."""
-    loss_fn = loss_fn or build_loss_fn(Compile())
+    loss_fn = loss_fn or Loss()  # the whole micro-batch's logits at once, eager
     optimizer.zero_grad(set_to_none=True)
     total_loss = torch.zeros((), device=device)
     for batch in microbatches:

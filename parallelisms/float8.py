@@ -166,7 +166,10 @@ def _all_float8(module: nn.Module, tensorwise: Any, prefix: str) -> bool:
 
 def precompute_scales_after_each_step(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
     """After every optimizer step, compute the float8 scales of all FSDP-sharded float8 weights at once
-    (precompute_float8_dynamic_scale_for_fsdp); the next forward's all-gathers use them."""
+    (precompute_float8_dynamic_scale_for_fsdp); the next forward's all-gathers use them. Nothing to do
+    where apply_float8 left the float8 all-gather off (rowwise, or no FSDP sharding)."""
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+    from torchao.float8.float8_linear import Float8Linear
 
-    optimizer.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))
+    if any(isinstance(m, Float8Linear) and m.config.enable_fsdp_float8_all_gather for m in model.modules()):
+        optimizer.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))

@@ -130,3 +130,17 @@ def test_float8_tp_styles_replace_the_plain_ones_where_the_linears_are_float8() 
     with torch.device("meta"):
         plain = Transformer(TINY_ARGS)
     assert all(type(adapt_tp_plan(plain.layers["0"], plan)[k]) is type(v) for k, v in plan.items())
+
+
+@pytest.mark.parametrize(
+    ("recipe", "sharded", "hooks"), [("tensorwise", True, 1), ("tensorwise", False, 0), ("rowwise", True, 0)]
+)
+def test_scales_are_precomputed_only_where_the_float8_all_gather_is_on(recipe: str, sharded: bool, hooks: int) -> None:
+    from parallelisms.float8 import precompute_scales_after_each_step
+
+    model = build_tiny()
+    cfg = dataclasses.replace(EMULATE, recipe_name=recipe, enable_fsdp_float8_all_gather=recipe == "tensorwise")
+    apply_float8(model, cfg, device=CPU, fsdp_sharded=sharded)
+    optimizer = torch.optim.AdamW(model.parameters())
+    precompute_scales_after_each_step(optimizer, model)
+    assert len(optimizer._optimizer_step_post_hooks) == hooks
