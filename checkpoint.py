@@ -399,17 +399,14 @@ class CheckpointManager:
             step, path = found
             metadata = verify(path, key="checkpoint.folder")
             excluded = set(self.cfg.exclude_from_loading)
-            if (
-                is_model_only(metadata)
-                and step > 0
-                and excluded < {"optimizer", "dataloader", "train_state", "lr_scheduler"}
-            ):
+            weights_only = {"optimizer", "train_state", "dataloader"} <= excluded  # asked for the model alone
+            if is_model_only(metadata) and step > 0 and not weights_only:
                 raise ConfigError(
                     f"checkpoint.folder: {path} holds the model weights only (checkpoint.last_save_model_only), not the "
                     "optimizer and data position a resume needs; start a new run from it (another job.dump_folder, "
                     f"checkpoint.initial_load_path = {path}), or set checkpoint.load_step to an earlier step"
                 )
-            model_only = is_model_only(metadata) or {"optimizer", "train_state", "dataloader"} <= excluded
+            model_only = is_model_only(metadata) or weights_only
             parts = {} if model_only else {k: v for k, v in self.stateful.items() if k not in excluded}
             optimizer = None if model_only or "optimizer" in excluded else self.optimizer
             self._load(path, metadata, ModelAndOptimizer(self.model, optimizer), parts, key="checkpoint.folder",
