@@ -229,16 +229,16 @@ class Parallelism:
     """Under TP, gather the full logits for the loss instead of computing cross-entropy on vocabulary shards."""
     enable_async_tensor_parallel: bool = False
     """Overlap TP communication with matmuls (inductor micro-pipeline TP); needs compile, CUDA and NCCL."""
-    pipeline_parallel_degree: int = unsupported("pipeline parallel", 1)
-    """Pipeline stages; 1 here (no pipeline parallel yet)."""
+    pipeline_parallel_degree: int = 1
+    """Ranks the model's layers are split over (pipeline parallel, parallelisms/pp.py; the outermost dimension)."""
     pipeline_parallel_schedule: str = "1F1B"
-    """Pipeline schedule (with pipeline_parallel_degree > 1)."""
+    """Pipeline schedule: 1F1B, GPipe (one stage per rank), Interleaved1F1B, InterleavedZeroBubble (2+ stages per rank)."""
     pipeline_parallel_schedule_csv: str | None = unsupported("a pipeline schedule from a CSV file", "")
     """torchtitan's custom pipeline schedule."""
     pipeline_parallel_microbatch_size: int = 1
     """Sequences per pipeline micro-batch (with pipeline_parallel_degree > 1)."""
     pipeline_parallel_layers_per_stage: int | None = None
-    """Transformer blocks per pipeline stage (with pipeline_parallel_degree > 1)."""
+    """Transformer blocks per pipeline stage (embedding and output count as first/last_stage_less_layers blocks); unset: 1 stage per rank (2 for interleaved schedules)."""
     pipeline_parallel_first_stage_less_layers: int = 1
     """Blocks fewer in the first stage, which also holds the embedding (with pipeline_parallel_degree > 1)."""
     pipeline_parallel_last_stage_less_layers: int = 1
@@ -405,10 +405,8 @@ class Comm:
     """Where the flight recorder dumps, relative to job.dump_folder."""
     save_traces_file_prefix: str = "rank_"
     """File name prefix of the flight recorder dumps."""
-    mode: Literal["default", "fake_backend", "local_tensor"] = unsupported(
-        "a dry run on a fake process group", "default"
-    )
-    """torchtitan's dry-run modes."""
+    mode: Literal["default", "fake_backend", "local_tensor"] = "default"
+    """fake_backend: a dry run of rank 0 of a WORLD_SIZE-rank job on this machine, on a fake process group and no real tensors (dry_run.py); local_tensor is refused."""
 
 
 @dataclass
@@ -875,6 +873,17 @@ def validate(cfg: JobConfig) -> list[str]:
         p.append(f"parallelism.data_parallel_shard_degree: must be -1 or >= 1, got {par.data_parallel_shard_degree}")
     if par.tensor_parallel_degree < 1:
         p.append(f"parallelism.tensor_parallel_degree: must be >= 1, got {par.tensor_parallel_degree}")
+    if par.pipeline_parallel_degree < 1:
+        p.append(f"parallelism.pipeline_parallel_degree: must be >= 1, got {par.pipeline_parallel_degree}")
+    if par.pipeline_parallel_degree > 1 and cfg.validation.enable:
+        p.append(
+            "validation.enable: validation runs the whole model's forward, which a pipeline-parallel rank does not "
+            "hold; set it to false with pipeline_parallel_degree > 1 (or validate a checkpoint in a run without PP)"
+        )
+    if cfg.comm.mode == "local_tensor":
+        p.append(
+            'comm.mode: "local_tensor" is torchtitan\'s single-process simulation, not done here; use "fake_backend"'
+        )
     ac = cfg.activation_checkpoint
     if ac.mode == "memory_budget":
         p.append(

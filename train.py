@@ -41,6 +41,7 @@ from models.llama3.model import with_seq_len
 from parallelisms.float8 import precompute_scales_after_each_step
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import parallelize_llama
+from parallelisms.pp import Pipeline, pipeline_llama
 from parallelisms.tp import loss_parallel_context
 from profiling import profile_loop
 from validation import Validator
@@ -115,18 +116,29 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
         model = Transformer(args)
     # config.validate accepts one converter: torchao float8 linears, applied first by parallelize_llama.
     float8 = cfg.quantize.linear.float8 if "quantize.linear.float8" in cfg.model.converters else None
-    model = parallelize_llama(
-        model, dims=dims, mesh=mesh, training=t, parallelism=cfg.parallelism,
+    parallelize = functools.partial(
+        parallelize_llama, dims=dims, mesh=mesh, training=t, parallelism=cfg.parallelism,
         ac=cfg.activation_checkpoint, compile=cfg.compile, float8=float8, device=device,
     )  # fmt: skip
+    loss_fn = build_loss_fn(cfg.compile, chunk_tokens=cfg.training.loss_chunk_tokens)
+    # Pipeline parallel: this rank holds some stages of the model, each parallelized on its own; `model`
+    # is then those stages as one module (the whole model's parameter names) and `pipeline` runs them.
+    pipeline = None
+    if dims.pp_enabled:
+        pipeline = pipeline_llama(
+            model, mesh=mesh, cfg=cfg.parallelism, local_batch_size=t.local_batch_size, loss_fn=loss_fn,
+            parallelize=parallelize, device=device,
+        )  # fmt: skip
+    model = pipeline.module if pipeline else parallelize(model)
     if cfg.model.print_after_conversion and rank == 0:
         print(model, flush=True)
-    model.to_empty(device=device)
-    with warnings.catch_warnings():
-        # On a CPU mesh DTensor's RNG cannot make sharded init match unsharded init; runs
-        # that must start from identical weights load a seed checkpoint (initial_load_path).
-        warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
-        model.init_weights(buffer_device=device)
+    for part in pipeline.parts if pipeline else [model]:
+        part.to_empty(device=device)
+        with warnings.catch_warnings():
+            # On a CPU mesh DTensor's RNG cannot make sharded init match unsharded init; runs
+            # that must start from identical weights load a seed checkpoint (initial_load_path).
+            warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
+            part.init_weights(buffer_device=device)
     model.train()
 
     # Stop requests need a CPU (gloo) group under NCCL. Checkpoints get a gloo group of their
@@ -166,7 +178,6 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
     set_hyperparameters(optimizer, cfg.optimizer)  # the checkpoint's param_groups carry the old ones
 
     loss_parallel = dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
-    loss_fn = build_loss_fn(cfg.compile, chunk_tokens=cfg.training.loss_chunk_tokens)
     validator = (
         Validator(
             cfg.validation, data=cfg.data, tokenizer=tokenizer, tokenizer_path=cfg.model.tokenizer_path,
@@ -190,7 +201,7 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
             print(cfg.job.description, flush=True)
         print(
             f"{model_name}: {num_params(args) / 1e6:,.1f}M parameters | world {world_size} = "
-            f"replicate {dims.dp_replicate} x shard {dims.dp_shard} x tp {dims.tp} | global batch {global_batch} "
+            f"pp {dims.pp} x replicate {dims.dp_replicate} x shard {dims.dp_shard} x tp {dims.tp} | global batch {global_batch} "
             f"x {t.seq_len} tokens, grad accumulation {loader.grad_accum} | {corpus.num_tokens:,} tokens in corpus "
             f"| device {device.type} | steps {start_step + 1}..{t.steps}",
             flush=True,
@@ -210,7 +221,7 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
             checkpoint.wait_for_staging()  # an async save's copy of the weights is complete
             result = train_step(
                 model, optimizer, loader.next_step(), grad_accum=loader.grad_accum, max_norm=t.max_norm,
-                loss_fn=loss_fn, loss_parallel=loss_parallel, device=device,
+                loss_fn=loss_fn, loss_parallel=loss_parallel, device=device, pipeline=pipeline,
             )  # fmt: skip
             nonfinite.record(step, result)
             if nonfinite.exceeded():
@@ -222,7 +233,7 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
 
             last = step == t.steps
             if step % cfg.metrics.log_freq == 0 or last:
-                loss_avg = world_mean(result.loss)  # the one host sync of a logged step
+                loss_avg = world_mean(result.loss, pp=dims.pp)  # the one host sync of a logged step
                 now = time.perf_counter()
                 step_time = (now - last_log_time) / (step - last_log_step)
                 tps = tokens_per_step / world_size / step_time
@@ -261,10 +272,12 @@ def train_step(
     loss_fn: Loss | None = None,
     loss_parallel: bool,
     device: torch.device,
+    pipeline: Pipeline | None = None,
 ) -> StepResult:
     """One optimizer step over `grad_accum` micro-batches; a step whose gradient norm is not finite (on
     any rank: it is global) leaves weights and optimizer state as they were. Returns device tensors:
-    no host sync."""
+    no host sync. With `pipeline` (parallelisms/pp.py) each micro-batch runs through its schedule,
+    which holds the loss function, and the loss is on the ranks of the last stage (0 elsewhere)."""
     loss_fn = loss_fn or Loss()  # the whole micro-batch's logits at once, eager
     optimizer.zero_grad(set_to_none=True)
     total_loss = torch.zeros((), device=device)
@@ -275,13 +288,18 @@ def train_step(
         with loss_parallel_context(loss_parallel):
             segments = segments.to(device) if segments is not None else None
             labels = labels.to(device)
-            # The loss applies the output projection itself, inside the model's forward (loss.py).
-            loss = model(inputs.to(device), segments=segments, head=functools.partial(loss_fn, model, labels=labels))
             # / grad_accum: the accumulated gradient is the mean over the whole global batch.
-            loss = loss / grad_accum
-            loss.backward()
+            if pipeline is not None:
+                loss = pipeline.step(inputs.to(device), labels, segments, scale=1 / grad_accum)
+            else:
+                # The loss applies the output projection itself, inside the model's forward (loss.py).
+                loss = model(
+                    inputs.to(device), segments=segments, head=functools.partial(loss_fn, model, labels=labels)
+                )
+                loss = loss / grad_accum
+                loss.backward()
         total_loss += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
-    grad_norm = clip_grad_norm_(model.parameters(), max_norm)
+    grad_norm = clip_grad_norm_(model.parameters(), max_norm, pp_group=pipeline.pp_group if pipeline else None)
     # The global norm is the same number on every rank, so every rank skips the same steps with no
     # extra collective; a non-finite loss on any rank means non-finite logits there, hence gradients.
     finite = torch.isfinite(grad_norm).float()
@@ -405,16 +423,23 @@ def lr_factor(step: int, cfg: LRScheduler, *, training_steps: int) -> float:
     return cfg.min_lr_factor + (1.0 - cfg.min_lr_factor) * decayed
 
 
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor], max_norm: float, *, pp_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """Global L2 gradient norm (and clipping to max_norm > 0) over plain or DTensor grads.
 
     With sharded (DTensor) gradients the per-shard norms are partial results; `full_tensor()`
-    reduces them across ranks, so every rank clips by the same, true global norm.
+    reduces them across ranks, so every rank clips by the same, true global norm. Pipeline stages
+    hold different parameters: their squared norms add up over `pp_group`.
     """
     parameters = [p for p in parameters if p.grad is not None]
     total_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters], foreach=True)
     if isinstance(total_norm, DTensor):
         total_norm = total_norm.full_tensor()
+    if pp_group is not None:
+        total_norm = total_norm**2
+        dist.all_reduce(total_norm, group=pp_group)
+        total_norm = total_norm.sqrt()
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=True)
     return total_norm
@@ -588,11 +613,12 @@ class NonFiniteSteps:
         )
 
 
-def world_mean(value: torch.Tensor) -> float:
-    """Mean over all ranks: the data-parallel mean, as TP ranks of a group hold equal values."""
+def world_mean(value: torch.Tensor, *, pp: int = 1) -> float:
+    """Mean over all ranks: the data-parallel mean, as TP ranks of a group hold equal values. Under
+    pipeline parallel (pp stages) only the ranks of the last stage hold the loss, the others 0."""
     value = value.detach().float().clone()
     dist.all_reduce(value)  # SUM: gloo has no AVG
-    return value.item() / dist.get_world_size()
+    return value.item() * pp / dist.get_world_size()
 
 
 def on_rank0(fn: Callable[[], T], *, rank: int) -> T | None:

@@ -21,6 +21,7 @@ def apply_fsdp(
     reduce_dtype: torch.dtype,
     cpu_offload: bool = False,
     reshard_after_forward: Literal["default", "always", "never"] = "default",
+    pp_enabled: bool = False,
 ) -> None:
     """Shard the embedding and each block as separate units, then the root (norm + output).
 
@@ -37,12 +38,15 @@ def apply_fsdp(
     gathered parameters of the embedding and of every block after their forward (torchtitan's
     "always" also frees a norm + output unit, which this recipe keeps in the root, see below);
     "never" keeps all gathered from forward to backward (no second all-gather, ZeRO-2-like memory).
+    Under pipeline parallel (pp_enabled, `model` is one stage) "default" means "never": a stage runs
+    several micro-batches' forwards before their backwards, and resharding would gather its
+    parameters again for each of them (torchtitan's rule).
     """
     if reshard_after_forward not in ("default", "always", "never"):
         raise ValueError(
             f"reshard_after_forward: expected 'default', 'always' or 'never', got {reshard_after_forward!r}"
         )
-    reshard = reshard_after_forward != "never"
+    reshard = reshard_after_forward == "always" or (reshard_after_forward == "default" and not pp_enabled)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     # Pinned host memory needs a CUDA driver; on a CPU-only machine the default
     # pin_memory=True fails, so pin only where CUDA exists.
@@ -51,7 +55,7 @@ def apply_fsdp(
 
     # With tied embeddings the matrix is used first and last: keep it in the root unit,
     # which stays gathered for the whole forward, instead of a unit of its own.
-    if model.output is not None:
+    if model.output is not None and model.tok_embeddings is not None:  # None: a pipeline stage without it
         fully_shard(model.tok_embeddings, **kw, reshard_after_forward=reshard)
     for block in model.layers.values():
         fully_shard(block, **kw, reshard_after_forward=reshard)

@@ -1,15 +1,16 @@
 """Parallel degrees -> one named DeviceMesh.
 
-The mesh always has the three dimensions ("dp_replicate", "dp_shard", "tp"), size 1 where a
+The mesh always has the four dimensions ("pp", "dp_replicate", "dp_shard", "tp"), size 1 where a
 technique is off, so every `apply_*` function can take the sub-mesh it needs by name:
 
-    world = dp_replicate x dp_shard x tp
+    world = pp x dp_replicate x dp_shard x tp
+    "pp"                          pipeline stages (outermost: only activations cross it, point to point)
     ("dp_replicate", "dp_shard")  HSDP: replicate across the outer dim, shard the inner one
     "dp_shard"                    FSDP alone
     "tp"                          tensor + sequence parallel (innermost: the fastest links)
 
-A rank's data-parallel index is `dp_rank(mesh)`; TP ranks of one group share it and so read
-the same micro-batch.
+A rank's data-parallel index is `dp_rank(mesh)`; the TP ranks of one group and the PP ranks of
+one pipeline share it and so read the same micro-batch.
 """
 
 from __future__ import annotations
@@ -28,29 +29,32 @@ class ParallelDims:
     dp_shard: int
     tp: int
     world_size: int
+    pp: int = 1
 
     @classmethod
     def from_config(cls, cfg: Parallelism, *, world_size: int) -> ParallelDims:
         """Resolve data_parallel_shard_degree = -1 and check that the degrees fill the world."""
-        rep, shard, tp = (
+        pp, rep, shard, tp = (
+            cfg.pipeline_parallel_degree,
             cfg.data_parallel_replicate_degree,
             cfg.data_parallel_shard_degree,
             cfg.tensor_parallel_degree,
         )
         if shard == -1:
-            if world_size % (rep * tp):
+            if world_size % (pp * rep * tp):
                 raise ConfigError(
-                    f"parallelism: data_parallel_replicate_degree ({rep}) x tensor_parallel_degree ({tp}) "
-                    f"does not divide the world size {world_size}; change the degrees or the number of processes"
+                    f"parallelism: pipeline_parallel_degree ({pp}) x data_parallel_replicate_degree ({rep}) x "
+                    f"tensor_parallel_degree ({tp}) does not divide the world size {world_size}; change the degrees "
+                    "or the number of processes"
                 )
-            shard = world_size // (rep * tp)
-        if rep * shard * tp != world_size:
+            shard = world_size // (pp * rep * tp)
+        if pp * rep * shard * tp != world_size:
             raise ConfigError(
-                f"parallelism: replicate {rep} x shard {shard} x tensor {tp} = {rep * shard * tp} ranks, "
-                f"but the world size is {world_size}; make the degrees multiply to the number of processes "
-                "(data_parallel_shard_degree = -1 takes whatever is left)"
+                f"parallelism: pipeline {pp} x replicate {rep} x shard {shard} x tensor {tp} = "
+                f"{pp * rep * shard * tp} ranks, but the world size is {world_size}; make the degrees multiply to "
+                "the number of processes (data_parallel_shard_degree = -1 takes whatever is left)"
             )
-        return cls(dp_replicate=rep, dp_shard=shard, tp=tp, world_size=world_size)
+        return cls(pp=pp, dp_replicate=rep, dp_shard=shard, tp=tp, world_size=world_size)
 
     @property
     def dp(self) -> int:
@@ -65,11 +69,15 @@ class ParallelDims:
     def tp_enabled(self) -> bool:
         return self.tp > 1
 
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
     def build_mesh(self, device_type: str) -> DeviceMesh:
         return init_device_mesh(
             device_type,
-            (self.dp_replicate, self.dp_shard, self.tp),
-            mesh_dim_names=("dp_replicate", "dp_shard", "tp"),
+            (self.pp, self.dp_replicate, self.dp_shard, self.tp),
+            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"),
         )
 
     def dp_rank(self, mesh: DeviceMesh) -> int:

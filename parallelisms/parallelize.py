@@ -90,5 +90,6 @@ def parallelize_llama(
             reduce_dtype=DTYPES[training.mixed_precision_reduce],
             cpu_offload=training.enable_cpu_offload,
             reshard_after_forward=parallelism.fsdp_reshard_after_forward,
+            pp_enabled=dims.pp_enabled,
         )
     return model

@@ -78,24 +78,26 @@ def apply_tp(
     """
     check_tp(model.args, tp_degree=tp_mesh.size(), seq_len=seq_len)
 
+    # Rowwise over the vocabulary: each rank looks up the tokens of its vocabulary slice, and the
+    # partial sums are reduce-scattered straight into sequence shards.
+    outer: dict[str, ParallelStyle] = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            # A DTensor is what loss_parallel's cross-entropy dispatches on; without loss
+            # parallel the gathered logits are an ordinary tensor again.
+            use_local_output=not loss_parallel,
+        ),
+    }
+    # A pipeline stage holds some of these (parallelisms/pp.py); the blocks pass plain sequence shards
+    # from stage to stage.
     parallelize_module(
-        model,
-        tp_mesh,
-        {
-            # Rowwise over the vocabulary: each rank looks up the tokens of its vocabulary slice,
-            # and the partial sums are reduce-scattered straight into sequence shards.
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            "output": ColwiseParallel(
-                input_layouts=Shard(1),
-                output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                # A DTensor is what loss_parallel's cross-entropy dispatches on; without loss
-                # parallel the gathered logits are an ordinary tensor again.
-                use_local_output=not loss_parallel,
-            ),
-        },
+        model, tp_mesh, {name: style for name, style in outer.items() if getattr(model, name) is not None}
     )
-    model.tok_embeddings.register_forward_hook(_wait_async_output)
+    if model.tok_embeddings is not None:
+        model.tok_embeddings.register_forward_hook(_wait_async_output)
     for block in model.layers.values():
         plan: dict[str, ParallelStyle] = {
             "attention_norm": SequenceParallel(),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -40,6 +41,7 @@ from models.llama3 import FLAVORS, ModelArgs, Transformer
 from models.llama3.model import with_seq_len
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import parallelize_llama
+from parallelisms.pp import Pipeline, pipeline_llama
 from train import build_optimizer, train_step, world_mean
 
 TINY: ModelArgs = with_seq_len(
@@ -65,10 +67,12 @@ class Layout:
     reshard_after_forward: str = "default"
     block_causal: bool = False  # attention within the documents of random_segments()
     loss_chunk_tokens: int = 0  # training.loss_chunk_tokens (each rank scores 64 or 128 tokens)
+    pp: int = 1
+    schedule: str = "1F1B"  # parallelism.pipeline_parallel_schedule (micro-batches of one sequence)
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.tp
 
 
 FULL = ActivationCheckpoint(mode="full")
@@ -86,6 +90,12 @@ LAYOUTS: dict[str, Layout] = {
     "fsdp2_chunked_loss": Layout(dp_shard=2, loss_chunk_tokens=16),
     "tp2_chunked_loss": Layout(tp=2, loss_chunk_tokens=16),
     "tp2_no_loss_parallel_chunked_loss": Layout(tp=2, loss_parallel=False, loss_chunk_tokens=24),
+    # Pipelines of TINY's 2 blocks: 1 + 1 over two stages; interleaved: 4 stages, the first with the
+    # embedding alone, the last with norm + output + loss alone.
+    "pp2_1f1b": Layout(pp=2, loss_chunk_tokens=24),
+    "pp2_gpipe": Layout(pp=2, schedule="GPipe"),
+    "pp2_interleaved_1f1b": Layout(pp=2, schedule="Interleaved1F1B"),
+    "pp2_interleaved_zero_bubble": Layout(pp=2, schedule="InterleavedZeroBubble"),
     # 4 ranks
     "hsdp2x2_reshard_always": Layout(dp_replicate=2, dp_shard=2, reshard_after_forward="always"),
     "fsdp2_tp2": Layout(dp_shard=2, tp=2),
@@ -95,6 +105,8 @@ LAYOUTS: dict[str, Layout] = {
     "fsdp2_tp2_compile_op_sac": Layout(dp_shard=2, tp=2, ac=OP_SAC, compile=True),
     "fsdp2_tp2_compile_op_sac_block_causal": Layout(dp_shard=2, tp=2, ac=OP_SAC, compile=True, block_causal=True),
     "fsdp2_tp2_chunked_loss": Layout(dp_shard=2, tp=2, loss_chunk_tokens=16),
+    "pp2_fsdp2": Layout(pp=2, dp_shard=2),
+    "pp2_tp2": Layout(pp=2, tp=2),
 }
 
 
@@ -134,6 +146,7 @@ def train(
     loss_parallel: bool = False,
     loss_chunk_tokens: int = 0,
     collectives: Counter[str] | None = None,
+    pipeline: Pipeline | None = None,
 ) -> tuple[list[float], list[float]]:
     """`steps` steps of train.py's `train_step` on `tokens` (this rank's slice); (losses, seconds per step).
 
@@ -152,9 +165,10 @@ def train(
         with count_collectives(collectives if step == steps - 1 else None):
             loss = train_step(
                 model, optimizer, batch, grad_accum=1, max_norm=MAX_NORM, loss_fn=loss_fn, loss_parallel=loss_parallel,
-                device=torch.device("cpu"),
+                device=torch.device("cpu"), pipeline=pipeline,
             ).loss  # fmt: skip
-        losses.append(world_mean(loss) if dist.is_initialized() else loss.item())
+        pp = dist.get_world_size(pipeline.pp_group) if pipeline else 1
+        losses.append(world_mean(loss, pp=pp) if dist.is_initialized() else loss.item())
         times.append(time.perf_counter() - start)
     return losses, times
 
@@ -216,22 +230,34 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
         tensor_parallel_degree=layout.tp,
         disable_loss_parallel=not layout.loss_parallel,
         fsdp_reshard_after_forward=layout.reshard_after_forward,  # type: ignore[arg-type]
+        pipeline_parallel_degree=layout.pp,
+        pipeline_parallel_schedule=layout.schedule,
     )
     dims = ParallelDims.from_config(parallelism, world_size=world)
     mesh = dims.build_mesh("cpu")
     with torch.device("meta"):
         model = Transformer(model_args(block_causal=layout.block_causal))
-    parallelize_llama(
-        model, dims=dims, mesh=mesh, training=TRAINING, parallelism=parallelism, ac=layout.ac,
+    parallelize = functools.partial(
+        parallelize_llama, dims=dims, mesh=mesh, training=TRAINING, parallelism=parallelism, ac=layout.ac,
         compile=Compile(enable=layout.compile),
     )  # fmt: skip
-    model.to_empty(device="cpu")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
-        model.init_weights()  # fills the RoPE buffer; the weights come from the reference next
+    pipeline = None
+    if dims.pp_enabled:  # as train.py builds it
+        pipeline = pipeline_llama(
+            model, mesh=mesh, cfg=parallelism, local_batch_size=GLOBAL_BATCH // dims.dp, parallelize=parallelize,
+            loss_fn=build_loss_fn(Compile(), chunk_tokens=layout.loss_chunk_tokens), device=torch.device("cpu"),
+        )  # fmt: skip
+    model = pipeline.module if pipeline else parallelize(model)
+    for part in pipeline.parts if pipeline else [model]:
+        part.to_empty(device="cpu")
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
+            part.init_weights()  # fills the RoPE buffer; the weights come from the reference next
     options = StateDictOptions(full_state_dict=True)
-    # A copy: set_model_state_dict replaces the dict's tensors with this layout's DTensors.
-    set_model_state_dict(model, dict(ref["initial"]), options=options)
+    # A copy (set_model_state_dict replaces the dict's tensors with this layout's DTensors) of the
+    # weights this rank holds (a pipeline stage holds some).
+    held = get_model_state_dict(model).keys()
+    set_model_state_dict(model, {k: v for k, v in ref["initial"].items() if k in held}, options=options)
 
     # Each data-parallel rank takes its slice of the global batch; the TP ranks of one
     # data-parallel group take the same slice.
@@ -242,15 +268,18 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
     collectives: Counter[str] = Counter()
     losses, times = train(
         model, ref["tokens"][rows], segments=segments, loss_parallel=dims.tp_enabled and layout.loss_parallel,
-        loss_chunk_tokens=layout.loss_chunk_tokens, collectives=collectives,
+        loss_chunk_tokens=layout.loss_chunk_tokens, collectives=collectives, pipeline=pipeline,
     )  # fmt: skip
     expected = ref["block_causal"] if layout.block_causal else ref
 
     final = get_model_state_dict(model, options=options)
+    # Every rank compares the weights it holds (a pipeline stage: its own); the worst over all ranks.
+    param_diff = torch.tensor(max_param_diff(final, {k: v for k, v in expected["final"].items() if k in final}))
+    dist.all_reduce(param_diff, op=dist.ReduceOp.MAX)
     return {
         "losses": losses,
         "max_loss_diff": max(abs(a - b) for a, b in zip(losses, expected["losses"], strict=True)),
-        "max_param_diff": max_param_diff(final, expected["final"]),
+        "max_param_diff": param_diff.item(),
         # Step 1 includes lazy initialization (FSDP) and compilation.
         "step_time_s": sum(times[1:]) / len(times[1:]),
         "param_types": sorted({type(p).__name__ for p in model.parameters()}),

@@ -264,7 +264,8 @@ class Transformer(nn.Module):
         *,
         head: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """tokens (bs, seqlen) int64 -> logits (bs, seqlen, vocab).
+        """tokens (bs, seqlen) int64 -> logits (bs, seqlen, vocab). On a pipeline stage: from hidden states
+        (bs, seqlen, dim) if it has no embedding, to hidden states if it has no final norm.
 
         segments (bs, seqlen): each token's document index in its window, used by block_causal.
         head: what to apply to the final norm's output (bs, seqlen, dim) instead of `project`; the
@@ -276,9 +277,13 @@ class Transformer(nn.Module):
         mask = None
         if self.args.attn_mask_type == "block_causal" and segments is not None:
             mask = document_mask(segments.to(tokens.device))
-        h = self.tok_embeddings(tokens)  # (bs, seqlen, dim)
+        # A pipeline stage (parallelisms/pp.py) may lack the embedding (it gets the previous stage's
+        # hidden states) or the final norm and output (it returns its last block's hidden states).
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (bs, seqlen, dim)
         for layer in self.layers.values():
             h = layer(h, self.rope_cos_sin, mask)
+        if self.norm is None:
+            return h
         h = self.norm(h)
         return head(h) if head is not None else self.project(h)
 
@@ -293,10 +298,12 @@ class Transformer(nn.Module):
         """Fill parameters and buffers in place; works on DTensor (sharded) parameters too."""
         device = buffer_device or self.rope_cos_sin.device
         self.rope_cos_sin = rope_cos_sin(self.args, device=device)
-        nn.init.normal_(self.tok_embeddings.weight)
+        if self.tok_embeddings is not None:  # None, as norm and output, on some pipeline stages
+            nn.init.normal_(self.tok_embeddings.weight)
         for layer in self.layers.values():
             layer.init_weights()
-        self.norm.reset_parameters()
+        if self.norm is not None:
+            self.norm.reset_parameters()
         if self.output is not None:
             # Logits start at unit scale: std dim^-0.5, truncated at 3 std.
             std = self.args.dim**-0.5

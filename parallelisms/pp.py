@@ -1,0 +1,234 @@
+"""Pipeline parallel (torch.distributed.pipelining): the model cut by layers into stages.
+
+    stage 0                      stage 1 ...                 stage S-1
+    tok_embeddings + blocks  ->  blocks  ->  ...  ->  blocks + norm + output + loss
+
+The stages are the model itself with the modules of other stages deleted (layers live in a
+ModuleDict keyed "0", "1", ..., so every parameter keeps its name and checkpoints do not care how
+the model was cut: a PP run resumes without PP and back). Each stage then goes through the same
+`parallelize_llama` as a whole model (TP, AC, compile, FSDP inside the stage's dp x tp ranks).
+
+Stages per pp rank: 1 for 1F1B and GPipe, 2 or more for the interleaved schedules (rank r holds
+stages r, r + pp, r + 2pp, ...), which shrink the pipeline bubble by (stages per rank). Layers are
+spread evenly, the first and last stages counting `first/last_stage_less_layers` blocks' worth for
+the embedding and for norm + output + loss (torchtitan's split, stage for stage).
+
+The loss runs on the last stage, inside its forward as without PP (`head`, loss.py): the schedule
+hands every stage the step's keyword tensors split per micro-batch, so the labels travel as one and
+a forward pre-hook turns them into the loss head on the last stage. Each micro-batch's mean loss is
+scaled by 1 / (micro-batches x gradient-accumulation steps), so gradients sum to the same mean as
+without PP (scale_grads=False: the schedule adds nothing of its own).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleSingle,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
+
+from config import Parallelism
+from errors import ConfigError
+from models.llama3 import ModelArgs, Transformer
+
+SCHEDULES = {
+    "1F1B": Schedule1F1B,
+    "GPipe": ScheduleGPipe,
+    "Interleaved1F1B": ScheduleInterleaved1F1B,
+    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+}
+
+
+def stage_layers(args: ModelArgs, cfg: Parallelism) -> list[list[int]]:
+    """The blocks of each stage (virtual stages in order; stage 0 also holds the embedding, the last
+    norm + output). Every problem of the PP keys for this model in one ConfigError."""
+    pp, name, per_stage = (
+        cfg.pipeline_parallel_degree,
+        cfg.pipeline_parallel_schedule,
+        cfg.pipeline_parallel_layers_per_stage,
+    )
+    first_less, last_less = cfg.pipeline_parallel_first_stage_less_layers, cfg.pipeline_parallel_last_stage_less_layers
+    key = "parallelism.pipeline_parallel"
+    if name not in SCHEDULES:
+        raise ConfigError(f"{key}_schedule: {name!r} is not one of {', '.join(SCHEDULES)}")
+    single = issubclass(SCHEDULES[name], PipelineScheduleSingle)
+    problems = []
+    if args.tie_word_embeddings:
+        problems.append(
+            f"{key}_degree: {pp} with a flavor that ties the output projection to the embedding (first and last "
+            "stage would share a matrix); use an untied flavor (e.g. llama3_8b) or no pipeline parallel"
+        )
+    if first_less < 0 or last_less < 0:
+        problems.append(f"{key}_first/last_stage_less_layers: expected >= 0, got {first_less} and {last_less}")
+    weighted = args.n_layers + max(first_less, 0) + max(last_less, 0)  # the embedding / the loss count as layers
+    if per_stage is None:
+        stages = pp * (1 if single else 2)
+    elif per_stage < 1:
+        problems.append(f"{key}_layers_per_stage: expected >= 1, got {per_stage}")
+        stages = pp
+    else:
+        stages = math.ceil(weighted / per_stage)
+        per_rank = stages // pp
+        if stages % pp:
+            problems.append(
+                f"{key}_layers_per_stage: {per_stage} makes {stages} stages ({args.n_layers} blocks + "
+                f"{first_less} + {last_less} for embedding and output), not a multiple of pipeline_parallel_degree {pp}"
+            )
+        elif single and per_rank != 1:
+            problems.append(
+                f"{key}_layers_per_stage: {per_stage} makes {per_rank} stages per rank, but {name} runs one; "
+                f"raise it to {math.ceil(weighted / pp)} or use Interleaved1F1B"
+            )
+        elif not single and per_rank < 2:
+            problems.append(
+                f"{key}_layers_per_stage: {per_stage} makes 1 stage per rank, but {name} interleaves 2 or more; "
+                f"lower it to {weighted // (2 * pp)} or less, or use 1F1B"
+            )
+    per, extra = divmod(weighted, stages)
+    if not problems and per < max(first_less, last_less, 1):
+        problems.append(
+            f"{key}_degree: {stages} stages of {args.n_layers} blocks leave {per} per stage, fewer than the "
+            f"first/last_stage_less_layers ({first_less}, {last_less}); use fewer stages or lower those"
+        )
+    if problems:
+        raise ConfigError(*problems)
+    layers, next_layer = [], 0
+    for stage in range(stages):
+        n = per + (stage < extra) - (first_less if stage == 0 else 0) - (last_less if stage == stages - 1 else 0)
+        n = min(n, args.n_layers - next_layer) if stage < stages - 1 else args.n_layers - next_layer
+        layers.append(list(range(next_layer, next_layer + n)))
+        next_layer += n
+    return layers
+
+
+def rank_stages(pp_rank: int, *, pp: int, stages: int) -> list[int]:
+    """The stages pp rank `pp_rank` runs: r, r + pp, r + 2pp, ... (the looped layout of the interleaved schedules)."""
+    return list(range(pp_rank, stages, pp))
+
+
+def check_microbatches(cfg: Parallelism, *, local_batch_size: int) -> int:
+    """Micro-batches per step of the pipeline: local_batch_size / pipeline_parallel_microbatch_size."""
+    mb = cfg.pipeline_parallel_microbatch_size
+    if mb < 1 or local_batch_size % mb:
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_microbatch_size: {mb} does not divide training.local_batch_size "
+            f"{local_batch_size}; the pipeline splits each local batch into micro-batches of this many sequences"
+        )
+    return local_batch_size // mb
+
+
+def stage_module(model: Transformer, layers: list[int], *, first: bool, last: bool) -> Transformer:
+    """A copy of the (meta) model with only these blocks, the embedding if first, norm + output if last."""
+    stage = copy.deepcopy(model)
+    keep = {str(i) for i in layers}
+    for name in [n for n in stage.layers if n not in keep]:
+        del stage.layers[name]
+    if not first:
+        stage.tok_embeddings = None
+    if not last:
+        stage.norm, stage.output = None, None
+    return stage
+
+
+class Pipeline:
+    """This rank's stages and the schedule that runs them, one `step` per micro-batch of the loader.
+
+    `module` is this rank's stages as one module with the whole model's parameter names (the
+    optimizer, gradient clipping and checkpoints use it); with one stage per rank, that stage.
+    """
+
+    def __init__(self, parts: list[Transformer], stages: list[PipelineStage], *, pp_group: Any, n_microbatches: int):
+        self.parts, self.pp_group, self.n_microbatches = parts, pp_group, n_microbatches
+        self.schedule: Any = None  # set by pipeline_llama: the schedule needs `scaled` as its loss function
+        self.has_first = any(s.is_first for s in stages)
+        self.has_last = any(s.is_last for s in stages)
+        self.module = parts[0] if len(parts) == 1 else _union(parts)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.module.parameters()
+
+    def step(
+        self, inputs: torch.Tensor, labels: torch.Tensor, segments: torch.Tensor | None, *, scale: float
+    ) -> torch.Tensor:
+        """Forward and backward of one local batch through every stage; returns this batch's mean loss x scale on
+        ranks with the last stage, 0 elsewhere."""
+        self._scale = scale / self.n_microbatches  # the mean over the micro-batches
+        kwargs = {"labels": labels} | ({"segments": segments} if segments is not None else {})
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first else ()
+        self.schedule.step(
+            *args, target=labels if self.has_last else None, losses=losses, return_outputs=False, **kwargs
+        )
+        if not self.has_last:
+            return torch.zeros((), device=labels.device)
+        return torch.stack([loss.detach() for loss in losses]).sum()
+
+    def scaled(self, loss: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss function: the last stage's forward already returned the micro-batch's mean loss."""
+        return loss * self._scale
+
+
+def pipeline_llama(
+    model: Transformer,
+    *,
+    mesh: DeviceMesh,
+    cfg: Parallelism,
+    local_batch_size: int,
+    loss_fn: Callable[..., torch.Tensor],
+    parallelize: Callable[[Transformer], Transformer],
+    device: torch.device,
+) -> Pipeline:
+    """Cut the (meta) model into this rank's stages, parallelize each with `parallelize`, build the schedule."""
+    pp = mesh["pp"].size()
+    layers = stage_layers(model.args, cfg)
+    n_microbatches = check_microbatches(cfg, local_batch_size=local_batch_size)
+    pp_group = mesh["pp"].get_group()
+    stages, parts = [], []
+    for index in rank_stages(mesh["pp"].get_local_rank(), pp=pp, stages=len(layers)):
+        first, last = index == 0, index == len(layers) - 1
+        part = parallelize(stage_module(model, layers[index], first=first, last=last))
+        part.register_forward_pre_hook(functools.partial(_labels_to_loss_head, loss_fn, last), with_kwargs=True)
+        stages.append(PipelineStage(part, index, len(layers), device, group=pp_group))
+        parts.append(part)
+    schedule_class = SCHEDULES[cfg.pipeline_parallel_schedule]
+    pipeline = Pipeline(parts, stages, pp_group=pp_group, n_microbatches=n_microbatches)
+    pipeline.schedule = schedule_class(
+        stages if len(stages) > 1 or not issubclass(schedule_class, PipelineScheduleSingle) else stages[0],
+        n_microbatches=n_microbatches,
+        loss_fn=pipeline.scaled,
+        scale_grads=False,
+    )
+    return pipeline
+
+
+def _labels_to_loss_head(
+    loss_fn: Callable[..., torch.Tensor], last: bool, module: nn.Module, args: tuple, kwargs: dict
+) -> tuple[tuple, dict]:
+    """The schedule passes the micro-batch's labels to every stage: the last one scores with them, the others drop them."""
+    labels = kwargs.pop("labels")
+    if last:
+        kwargs["head"] = functools.partial(loss_fn, module, labels=labels)
+    return args, kwargs
+
+
+def _union(parts: list[Transformer]) -> nn.Module:
+    """One module over several stages, holding the same submodules under the whole model's names."""
+    union = nn.Module()
+    union.tok_embeddings = next((p.tok_embeddings for p in parts if p.tok_embeddings is not None), None)
+    union.layers = nn.ModuleDict({name: block for p in parts for name, block in p.layers.items()})
+    union.norm = next((p.norm for p in parts if p.norm is not None), None)
+    union.output = next((p.output for p in parts if p.output is not None), None)
+    return union
