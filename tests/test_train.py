@@ -54,8 +54,9 @@ def test_resume_gives_the_losses_of_a_straight_run(tmp_path: Path, seed: Path) -
     run(resumed, nproc=2, steps=10, seed=seed, extra=("--checkpoint.async_mode=async", "--checkpoint.keep_latest_k=1"))
     assert sorted(p.name for p in (resumed / "checkpoint").iterdir()) == ["step-10"]
     run(resumed, nproc=2, steps=20, seed=seed)
-    # Saved on 4 ranks, resumed on 2: DCP reshards model and optimizer state.
-    run(resharded, nproc=4, steps=10, seed=seed)
+    # Saved on 4 ranks as 2 pipeline stages x FSDP 2, resumed on 2 without pipeline: DCP reshards
+    # model and optimizer state (parameter names do not depend on the stages).
+    run(resharded, nproc=4, steps=10, seed=seed, extra=("--parallelism.pipeline_parallel_degree=2",))
     run(resharded, nproc=2, steps=20, seed=seed)
 
     ref, same, other = losses(straight), losses(resumed), losses(resharded)
@@ -63,15 +64,15 @@ def test_resume_gives_the_losses_of_a_straight_run(tmp_path: Path, seed: Path) -
     assert ref[20] < ref[1] - 0.5
     # Same world size, deterministic mode: bit-identical.
     assert same == ref
-    # Another world size sums gradients in another order (4 partial sums instead of 2):
+    # Another layout sums gradients in another order (pipeline micro-batches, other partial sums):
     # float32 rounding, nothing more (relative 1e-5, as in the next test).
     assert max(abs(other[s] - ref[s]) / ref[s] for s in ref) < 1e-5
 
 
-def test_prepared_shuffled_block_causal_run_resumes_on_one_rank_with_the_same_stream(
+def test_prepared_shuffled_block_causal_run_resumes_as_a_pipeline_with_the_same_stream(
     tmp_path: Path, seed: Path
 ) -> None:
-    """Prepared shards, shuffled windows, block-causal attention: 2 ranks for 5 steps, then 1 rank on."""
+    """Prepared shards, shuffled windows, block-causal attention: 1 rank for 5 steps, then 2 pipeline stages on."""
     data = tmp_path / "stories"
     proc = python("scripts/prepare_data.py", "--source", "assets/corpus/stories.jsonl", "--tokenizer",
                   "assets/tokenizer", "--output", str(data), "--workers", "1")  # fmt: skip
@@ -79,11 +80,12 @@ def test_prepared_shuffled_block_causal_run_resumes_on_one_rank_with_the_same_st
     extra = (f"--data.path={data}", "--data.shuffle", "--model.attn_mask_type=block_causal")
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run(straight, nproc=1, steps=10, seed=seed, extra=extra)
-    run(resumed, nproc=2, steps=5, seed=seed, extra=extra)
-    run(resumed, nproc=1, steps=10, seed=seed, extra=extra)
+    run(resumed, nproc=1, steps=5, seed=seed, extra=extra)
+    # Resumed as a pipeline of 2 stages (each stage masks attention with the documents' segments).
+    run(resumed, nproc=2, steps=10, seed=seed, extra=(*extra, "--parallelism.pipeline_parallel_degree=2"))
     ref, got = losses(straight), losses(resumed)
     assert sorted(got) == list(range(1, 11))
-    # The same sequences at every step; 2 ranks sum their gradients in another order: rounding only
+    # The same sequences at every step; the pipeline sums gradients in another order: rounding only
     # (relative 1e-5; another window at any step moves the loss by more than 1e-2).
     assert max(abs(got[s] - ref[s]) / ref[s] for s in ref) < 1e-5, (got, ref)
     # Another dataset under the same checkpoint: refused, unless asked for.
