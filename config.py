@@ -959,11 +959,13 @@ def validate(cfg: JobConfig) -> list[str]:
         p.append(
             f"profiling.profiler_active: {prof.profiler_active} steps recorded per profile do not fit in profile_freq = {prof.profile_freq}"
         )
-    p += _check_data(cfg)
-    p += _check_validation(cfg.validation)
-    if m.tokenizer_path != "byte" and not Path(m.tokenizer_path or "").exists():
+    # A dry run (comm.mode = fake_backend, dry_run.py) opens no input file: it plans a job for machines that have them.
+    files = cfg.comm.mode != "fake_backend"
+    p += _check_data(cfg, files=files)
+    p += _check_validation(cfg.validation, files=files)
+    if files and m.tokenizer_path != "byte" and not Path(m.tokenizer_path or "").exists():
         p.append(_missing_tokenizer(m))
-    if ck.initial_load_path is not None and not Path(ck.initial_load_path).is_dir():
+    if files and ck.initial_load_path is not None and not Path(ck.initial_load_path).is_dir():
         p.append(
             f"checkpoint.initial_load_path: {ck.initial_load_path} is not a folder; point it at a checkpoint step folder (contains .metadata) or a Hugging Face folder (initial_load_in_hf)"
         )
@@ -987,19 +989,19 @@ def _unsupported(cfg: JobConfig) -> list[str]:
     return problems
 
 
-def _check_data(cfg: JobConfig) -> list[str]:
+def _check_data(cfg: JobConfig, *, files: bool = True) -> list[str]:
     d, t = cfg.data, cfg.training
     if d.path is None:  # training.dataset names no dataset this recipe knows
         known = ", ".join(name for name in DATASETS if "validation" not in name)
         return [
             f"training.dataset: unknown dataset {t.dataset!r} ({known}, or set training.dataset_path / data.path to your data)"
         ]
-    if d.format == "hub" or Path(d.path).exists():
+    if not files or d.format == "hub" or Path(d.path).exists():
         return []
     return [_missing_data(d.path, tokenizer=cfg.model.tokenizer_path or "")]
 
 
-def _check_validation(v: Validation) -> list[str]:
+def _check_validation(v: Validation, *, files: bool = True) -> list[str]:
     if not v.enable:
         return []
     p = []
@@ -1016,7 +1018,7 @@ def _check_validation(v: Validation) -> list[str]:
             f"validation.dataset: {v.dataset!r} is not local; prepare it with `python scripts/prepare_data.py {source} "
             "--tokenizer TOKENIZER --output OUT` and set validation.dataset_path = OUT"
         )
-    elif not Path(path).exists():
+    elif files and not Path(path).exists():
         p.append(
             f"validation.dataset_path: {path} not found; point it at a prepared folder or raw json/jsonl/parquet/txt files"
         )

@@ -4,6 +4,7 @@ torchrun --nproc_per_node=2 train.py --config configs/debug.toml    # 2 CPU rank
 torchrun --nproc_per_node=8 train.py --config configs/llama3_8b.toml
 python train.py --config configs/debug.toml --training.steps=20     # one process
 python train.py --help                                              # every option
+WORLD_SIZE=512 python train.py --config configs/llama3_405b.toml --comm.mode=fake_backend   # dry run
 """
 
 from __future__ import annotations
@@ -58,6 +59,10 @@ def main(argv: list[str]) -> int:
     if print_config:
         print(describe(cfg))
         return 0
+    if cfg.comm.mode == "fake_backend":  # a dry run of rank 0 of $WORLD_SIZE ranks (dry_run.py)
+        import dry_run
+
+        return dry_run.run(cfg)
 
     device, rank, world_size = init_distributed(cfg.comm, dump_folder=cfg.job.dump_folder)
     try:

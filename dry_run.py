@@ -1,0 +1,218 @@
+"""A dry run: rank 0's view of a WORLD_SIZE-rank job, on this machine, without GPUs or weights.
+
+    WORLD_SIZE=512 python train.py --config configs/llama3_405b.toml --comm.mode=fake_backend
+    WORLD_SIZE=64 LOCAL_WORLD_SIZE=8 python train.py --config configs/llama3_70b.toml --comm.mode=fake_backend
+
+`[comm] mode = "fake_backend"` (torchtitan's key) makes train.py call `run` instead of training. The
+process group is a fake one (torch's FakeProcessGroup: every collective returns at once, nothing is
+sent) with WORLD_SIZE ranks, of which this process is rank 0; the model lives on the meta device
+(shapes, no storage). Everything else is the real start-up: the config's and the doctor's rules,
+the mesh, the pipeline stages, and parallelize_llama's TP, AC, compile wrappers and FSDP on rank
+0's stages. Printed:
+
+    layout    the degrees, micro-batches, stages and the blocks of each
+    groups    the ranks rank 0 shares each mesh dimension with, and how many such groups exist
+    params    parameters rank 0 holds (its local shards, counted on the parallelized model)
+    memory    estimate_memory.py's prediction for the busiest rank, allocated and reserved
+    comm      bytes each rank moves per step, per mesh dimension (the formulas of `comm_per_step`)
+    doctor    doctor.py's findings for the target machine: CUDA, LOCAL_WORLD_SIZE GPUs per node
+              (default 8) of 80 GiB each
+
+Async TP (a CUDA-only compiler pass) is checked against a CUDA + NCCL machine and then left off,
+and nothing is compiled: compile wraps blocks lazily.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import doctor
+from config import JobConfig, model_args
+from errors import ConfigError
+from estimate_memory import GiB, Job, estimate
+from models.llama3 import ModelArgs, Transformer, num_params
+from models.llama3.model import with_seq_len
+from parallelisms.async_tp import async_tp_problems
+from parallelisms.fsdp import DTYPES
+from parallelisms.parallel_dims import ParallelDims
+from parallelisms.parallelize import parallelize_llama
+from parallelisms.pp import check_microbatches, pipeline_llama, rank_stages, stage_layers
+
+TARGET_GPU_GIB = 80.0  # an H100's memory: the machine the dry run plans for
+
+
+def run(cfg: JobConfig) -> int:
+    start = time.perf_counter()
+    world = os.environ.get("WORLD_SIZE", "")
+    if not world.isdigit() or int(world) < 1:
+        raise ConfigError(
+            f"comm.mode: fake_backend simulates rank 0 of WORLD_SIZE ranks, but WORLD_SIZE is {world or 'unset'!r}; "
+            "run e.g. WORLD_SIZE=64 python train.py --config ... --comm.mode=fake_backend (not under torchrun)"
+        )
+    world_size, t, par = int(world), cfg.training, cfg.parallelism
+    dims = ParallelDims.from_config(par, world_size=world_size)
+    gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "8"))
+    machine = doctor.Machine(cuda=True, gpus_per_node=gpus_per_node, device_memory_gib=TARGET_GPU_GIB)
+    findings = doctor.check_recipe(cfg, world_size=world_size, machine=machine)
+    if par.enable_async_tensor_parallel and (
+        missing := async_tp_problems(
+            compile_enabled=cfg.compile.enable and "model" in cfg.compile.components,
+            tp_degree=dims.tp,
+            device_type="cuda",
+            backend="nccl",
+        )  # fmt: skip
+    ):
+        raise ConfigError(f"parallelism.enable_async_tensor_parallel: async TP needs {', '.join(missing)} to be fixed")
+
+    # The fake process group: rank 0 of world_size. (A private module of torch's tests, PyTorch 2.13; torchtitan
+    # uses the same one for its fake_backend mode.)
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        mesh = dims.build_mesh("cpu")
+        args = dataclasses.replace(
+            with_seq_len(model_args(cfg.model), t.seq_len), attn_mask_type=cfg.model.attn_mask_type
+        )
+        with torch.device("meta"):
+            model = Transformer(args)
+        float8 = cfg.quantize.linear.float8 if "quantize.linear.float8" in cfg.model.converters else None
+        parallelize = functools.partial(
+            parallelize_llama, dims=dims, mesh=mesh, training=t, ac=cfg.activation_checkpoint, compile=cfg.compile,
+            parallelism=dataclasses.replace(par, enable_async_tensor_parallel=False), float8=float8,
+        )  # fmt: skip
+        if dims.pp_enabled:
+            parts = pipeline_llama(
+                model, mesh=mesh, cfg=par, local_batch_size=t.local_batch_size, loss_fn=lambda *a, **k: None,
+                parallelize=parallelize, device=torch.device("cpu"),
+            ).parts  # fmt: skip
+        else:
+            parts = [parallelize(model)]
+        local = sum(_local_numel(p) for part in parts for p in part.parameters())
+        lines = describe(cfg, dims, args, mesh=mesh, local_params=local)
+    finally:
+        dist.destroy_process_group()
+    lines += ["", "doctor (CUDA, {} GPUs per node, {:.0f} GiB each):".format(gpus_per_node, TARGET_GPU_GIB)]
+    lines += [f"  {f}" for f in findings] or ["  no known pitfalls found"]
+    lines.append(f"\ndry run of rank 0 of {world_size} in {time.perf_counter() - start:.1f} s; nothing was allocated")
+    print("\n".join(lines), flush=True)
+    return 1 if any(f.severity == "error" for f in findings) else 0
+
+
+def _local_numel(p: torch.Tensor) -> int:
+    return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+
+
+def describe(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, *, mesh, local_params: int) -> list[str]:
+    t, par = cfg.training, cfg.parallelism
+    global_batch = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dims.dp
+    grad_accum = global_batch // (t.local_batch_size * dims.dp)
+    total = num_params(args)
+    lines = [
+        f"{cfg.model.flavor}: {total / 1e9:.2f}B parameters on {dims.world_size} ranks = pp {dims.pp} x replicate "
+        f"{dims.dp_replicate} x shard {dims.dp_shard} x tp {dims.tp} | global batch {global_batch} x {t.seq_len} "
+        f"tokens, local batch {t.local_batch_size}, grad accumulation {grad_accum}",
+    ]
+    if dims.pp_enabled:
+        layers = stage_layers(args, par)
+        n_mb = check_microbatches(par, local_batch_size=t.local_batch_size)
+        ours = rank_stages(0, pp=dims.pp, stages=len(layers))
+        lines.append(
+            f"pipeline: {par.pipeline_parallel_schedule}, {len(layers)} stages ({len(layers) // dims.pp} per rank), "
+            f"{n_mb} micro-batches of {par.pipeline_parallel_microbatch_size} per step; blocks per stage: "
+            + " ".join(str(len(s)) for s in layers)
+            + f"; rank 0 runs stage(s) {', '.join(map(str, ours))} (embedding + blocks "
+            + ", ".join(f"{s[0]}-{s[-1]}" if s else "none" for s in (layers[i] for i in ours))
+            + ")"
+        )
+    lines += ["", "groups of rank 0 (ranks; how many such groups):"]
+    for name in mesh.mesh_dim_names:
+        ranks = mesh[name].mesh.flatten().tolist()
+        shown = ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
+        lines.append(f"  {name:<13} {len(ranks):>4} ranks [{shown}]; {dims.world_size // len(ranks)} groups")
+    even = total / dims.world_size * dims.dp_replicate
+    lines += [
+        "",
+        f"parameters on rank 0: {local_params:,} ({local_params / total:.3%} of {total:,}; an even split over the "
+        f"{dims.world_size // dims.dp_replicate} ranks of one replica would be {even:,.0f})",
+    ]
+    lines += ["", *memory_lines(cfg, dims, grad_accum=grad_accum)]
+    lines += ["", "communication per step and rank (ring algorithms: bytes each rank sends):"]
+    for name, (nbytes, what) in comm_per_step(cfg, dims, args, grad_accum=grad_accum).items():
+        lines.append(f"  {name:<13} {nbytes / GiB:9.2f} GiB   {what}")
+    return lines
+
+
+def memory_lines(cfg: JobConfig, dims: ParallelDims, *, grad_accum: int) -> list[str]:
+    t, ac, par = cfg.training, cfg.activation_checkpoint, cfg.parallelism
+    job = Job(
+        flavor=cfg.model.flavor, model=model_args(cfg.model), ngpu=dims.world_size, tp=dims.tp,
+        replicate=dims.dp_replicate, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
+        param_dtype=t.mixed_precision_param, reduce_dtype=t.mixed_precision_reduce,
+        ac=f"selective-{ac.selective_ac_option}" if ac.mode == "selective" else ac.mode,
+        cpu_offload=t.enable_cpu_offload, loss_chunk_tokens=t.loss_chunk_tokens, rmsnorm="fused",
+    )  # fmt: skip
+    e = estimate(job)
+    return [
+        f"memory per GPU (estimate_memory.py): {e['allocator_peak'] / GiB:.1f} GiB allocated at its peak "
+        f"({e['peak_phase']}), {e['total'] / GiB:.1f} GiB with CUDA context + NCCL"
+    ]
+
+
+def comm_per_step(
+    cfg: JobConfig, dims: ParallelDims, args: ModelArgs, *, grad_accum: int
+) -> dict[str, tuple[float, str]]:
+    """Bytes each rank sends per optimizer step over each mesh dimension, by ring algorithms: an all-gather or
+    reduce-scatter of N bytes (the full tensor) costs each of g ranks (g - 1) / g x N, an all-reduce twice that.
+
+    dp_shard  FSDP: each micro-batch's forward all-gathers the rank's stage in param_dtype, backward gathers the
+              blocks again (unless parallelism.fsdp_reshard_after_forward = "never"; under PP the stage stays
+              gathered for the whole step) and reduce-scatters every gradient in reduce_dtype.
+    dp_repl.  HSDP: an all-reduce of the gradient shards per micro-batch (of the step, under PP).
+    tp        sequence parallel, per block and micro-batch: forward all-gathers the attention and MLP inputs
+              and reduce-scatters their outputs (4 x tokens x dim), backward the same again, full AC's
+              recomputation the forward once more; plus the embedding and output projection.
+    pp        each micro-batch's activations forward and their gradients backward across each stage boundary.
+    """
+    t, par = cfg.training, cfg.parallelism
+    a, r = DTYPES[t.mixed_precision_param].itemsize, DTYPES[t.mixed_precision_reduce].itemsize
+    ring = lambda g: (g - 1) / g  # noqa: E731
+    pp, tp, shard, rep = dims.pp, dims.tp, dims.dp_shard, dims.dp_replicate
+    stage_params = num_params(args) / pp  # an average stage
+    local_tokens = t.local_batch_size * t.seq_len
+    gathers = (
+        1
+        if (pp > 1 and par.fsdp_reshard_after_forward != "always")
+        else (grad_accum * (1 if par.fsdp_reshard_after_forward == "never" else 2))
+    )
+    syncs = 1 if pp > 1 else grad_accum
+    out: dict[str, tuple[float, str]] = {}
+    if shard > 1:
+        nbytes = ring(shard) * stage_params / tp * (gathers * a + syncs * r)
+        out["dp_shard"] = (nbytes, f"FSDP: {gathers} all-gather(s) of the stage in {t.mixed_precision_param}, "
+                                   f"{syncs} reduce-scatter(s) of its gradients in {t.mixed_precision_reduce}")  # fmt: skip
+    if rep > 1:
+        out["dp_replicate"] = (
+            2 * ring(rep) * syncs * r * stage_params / tp / shard,
+            "HSDP: gradient shards all-reduced",
+        )
+    if tp > 1:
+        recompute = 1 if cfg.activation_checkpoint.mode == "full" else 0
+        blocks = args.n_layers / pp
+        per_pass = 4 * local_tokens * args.dim * a * blocks + 2 * local_tokens * args.dim * a
+        out["tp"] = (ring(tp) * per_pass * grad_accum * (2 + recompute), "sequence parallel: 4 collectives of tokens x dim "
+                     f"per block, forward, backward{' and full AC recomputation' if recompute else ''}")  # fmt: skip
+    if pp > 1:  # rank 0's stages: each but the last sends activations, each but the first gradients
+        ours = rank_stages(0, pp=pp, stages=len(stage_layers(args, par)))
+        crossings = sum(s != len(stage_layers(args, par)) - 1 for s in ours) + sum(s != 0 for s in ours)
+        boundary = local_tokens / tp * args.dim * a
+        out["pp"] = (crossings * boundary * grad_accum, f"sends of every micro-batch's hidden states: {crossings} per "
+                     "micro-batch (activations forward, their gradients backward)")  # fmt: skip
+    return out
