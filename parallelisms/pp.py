@@ -121,11 +121,17 @@ def rank_stages(pp_rank: int, *, pp: int, stages: int) -> list[int]:
 
 def check_microbatches(cfg: Parallelism, *, local_batch_size: int) -> int:
     """Micro-batches per step of the pipeline: local_batch_size / pipeline_parallel_microbatch_size."""
-    mb = cfg.pipeline_parallel_microbatch_size
+    mb, pp = cfg.pipeline_parallel_microbatch_size, cfg.pipeline_parallel_degree
     if mb < 1 or local_batch_size % mb:
         raise ConfigError(
             f"parallelism.pipeline_parallel_microbatch_size: {mb} does not divide training.local_batch_size "
             f"{local_batch_size}; the pipeline splits each local batch into micro-batches of this many sequences"
+        )
+    if cfg.pipeline_parallel_schedule == "1F1B" and local_batch_size // mb < pp:
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_microbatch_size: {mb} makes {local_batch_size // mb} micro-batches of "
+            f"local_batch_size {local_batch_size}, fewer than the {pp} stages 1F1B needs (more shrink the bubble); "
+            f"lower it or raise training.local_batch_size"
         )
     return local_batch_size // mb
 

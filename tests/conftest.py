@@ -35,6 +35,7 @@ SHIPPED: dict[str, Launch] = {
     "configs/debug_compile.toml": Launch(2),
     "configs/debug_fsdp_tp.toml": Launch(4),
     "configs/debug_hsdp.toml": Launch(4),
+    "configs/debug_pp.toml": Launch(2),
     "configs/debug_tp.toml": Launch(2),
     "configs/finetune_hf.toml": Launch(8, gpus_per_node=8),
     "configs/fixes/1_single_activation_checkpoint.toml": Launch(2),

@@ -28,6 +28,7 @@ LAYOUTS = {
     "configs/debug_ac_full.toml": 2,
     "configs/debug_ac_op.toml": 2,
     "configs/debug_ac_layer.toml": 2,
+    "configs/debug_pp.toml": 2,  # 2 stages, 2 micro-batches of 1 sequence, 4 accumulation steps (COMMON)
 }
 
 

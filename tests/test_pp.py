@@ -1,0 +1,99 @@
+"""Pipeline parallel's split and rules (parallelisms/pp.py), and the dry run (dry_run.py) of the big recipes.
+
+The pipelines themselves train in tests/test_parallelisms.py (loss parity of every schedule, x FSDP,
+x TP), tests/test_parallel_configs.py (configs/debug_pp.toml) and tests/test_train.py (resume PP <-> no PP).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+
+from config import Parallelism
+from errors import ConfigError
+from models.llama3 import FLAVORS
+from parallelisms.pp import check_microbatches, rank_stages, stage_layers
+from tests.launch import python
+
+
+def sizes(flavor: str, **keys: object) -> list[int]:
+    return [len(s) for s in stage_layers(FLAVORS[flavor], Parallelism(**keys))]  # type: ignore[arg-type]
+
+
+def test_layers_are_spread_like_torchtitan() -> None:
+    # The embedding and the output count as one block each (first/last_stage_less_layers = 1).
+    assert sizes("debugmodel", pipeline_parallel_degree=2) == [3, 3]
+    assert sizes("llama3_405b", pipeline_parallel_degree=8) == [15] + [16] * 6 + [15]
+    interleaved = sizes("llama3_405b", pipeline_parallel_degree=8, pipeline_parallel_schedule="Interleaved1F1B")
+    assert interleaved == [7] + [8] * 14 + [7]
+    keys = dict(
+        pipeline_parallel_degree=4, pipeline_parallel_layers_per_stage=11, pipeline_parallel_schedule="Interleaved1F1B"
+    )
+    assert sizes("llama3_70b", **keys) == [10, 11] + [10] * 5 + [9]  # (80 + 2) / 8 stages: 10, 2 of them 11
+    assert sizes("debugmodel", pipeline_parallel_degree=2, pipeline_parallel_first_stage_less_layers=0) == [4, 2]
+    layers = stage_layers(FLAVORS["llama3_8b"], Parallelism(pipeline_parallel_degree=4))
+    assert [i for s in layers for i in s] == list(range(32))  # every block once, in order
+    assert rank_stages(1, pp=4, stages=8) == [1, 5]
+
+
+@pytest.mark.parametrize(
+    ("flavor", "keys", "expected"),
+    [
+        ("debugmodel", {"pipeline_parallel_schedule": "ZBVZeroBubble"}, "is not one of 1F1B, GPipe"),
+        ("llama3_1b", {}, "ties the output projection to the embedding"),
+        ("llama3_8b", {"pipeline_parallel_layers_per_stage": 5}, "makes 7 stages"),
+        ("llama3_8b", {"pipeline_parallel_layers_per_stage": 3}, "makes 6 stages per rank, but 1F1B runs one"),
+        (
+            "llama3_8b",
+            {"pipeline_parallel_layers_per_stage": 17, "pipeline_parallel_schedule": "Interleaved1F1B"},
+            "makes 1 stage per rank, but Interleaved1F1B interleaves 2",
+        ),
+        ("debugmodel", {"pipeline_parallel_degree": 4, "pipeline_parallel_first_stage_less_layers": 3}, "fewer than"),
+    ],
+)
+def test_bad_pipeline_keys_name_key_and_fix(flavor: str, keys: dict, expected: str) -> None:
+    with pytest.raises(ConfigError, match=expected) as e:
+        stage_layers(FLAVORS[flavor], Parallelism(**{"pipeline_parallel_degree": 2, **keys}))
+    assert all(p.startswith("parallelism.pipeline_parallel_") for p in e.value.problems)
+
+
+def test_micro_batches() -> None:
+    cfg = Parallelism(pipeline_parallel_degree=4, pipeline_parallel_microbatch_size=2)
+    assert check_microbatches(cfg, local_batch_size=8) == 4
+    with pytest.raises(ConfigError, match="does not divide training.local_batch_size 7"):
+        check_microbatches(cfg, local_batch_size=7)
+    with pytest.raises(ConfigError, match="fewer than the 4 stages 1F1B needs"):
+        check_microbatches(cfg, local_batch_size=6)
+    assert check_microbatches(dataclasses.replace(cfg, pipeline_parallel_schedule="GPipe"), local_batch_size=6) == 3
+
+
+def dry_run(config: str, world_size: int | None) -> tuple[int, str, str]:
+    assert "WORLD_SIZE" not in os.environ
+    env = {"WORLD_SIZE": str(world_size)} if world_size is not None else {}
+    proc = python("train.py", "--config", config, "--comm.mode=fake_backend", env=env, timeout=120)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def test_dry_run_of_405b_on_512_ranks() -> None:
+    code, out, err = dry_run("configs/llama3_405b.toml", 512)
+    assert code == 0, out + err
+    args = FLAVORS["llama3_405b"]
+    # Rank 0: stages 0 and 8 (embedding + blocks 0-6 and 63-70), sharded over FSDP 8 x TP 8; the norm
+    # weights are not split by TP. Counted on the parallelized meta model, derived here by hand.
+    matmuls = args.dim * args.head_dim * (2 * args.n_heads + 2 * args.kv_heads) + 3 * args.dim * args.ffn_hidden_dim
+    expected = args.vocab_size * args.dim // 64 + 15 * (matmuls // 64 + 2 * args.dim // 8)
+    assert f"parameters on rank 0: {expected:,} " in out, out
+    assert "pipeline: Interleaved1F1B, 16 stages (2 per rank), 32 micro-batches" in out
+    assert "pp               8 ranks [0, 64, 128, 192, 256, 320, 384, 448]; 64 groups" in out
+    assert "tp               8 ranks [0, 1, 2, 3, 4, 5, 6, 7]; 64 groups" in out
+    assert "GiB allocated" in out and "dp_shard" in out and "nothing was allocated" in out
+
+
+def test_dry_run_of_8b_on_64_ranks_and_without_world_size() -> None:
+    code, out, err = dry_run("configs/llama3_8b.toml", 64)
+    assert code == 0, out + err
+    assert "parameters on rank 0: 125,472,832 " in out  # 8,030,261,248 / 64
+    code, out, err = dry_run("configs/llama3_8b.toml", None)
+    assert code == 2 and err.count("error: ") == 1 and "WORLD_SIZE is 'unset'" in err, err
