@@ -259,22 +259,36 @@ def _offload(cfg: JobConfig, machine: Machine) -> list[Finding]:
     return [Finding("warning", "training.enable_cpu_offload", message)]
 
 
+def memory_job(cfg: JobConfig, dims: ParallelDims, machine: Machine) -> Job:
+    """This run as estimate_memory.py's Job (also the dry run's, dry_run.py); ConfigError for a shape the
+    layout cannot split, which the run itself refuses with its own message."""
+    t, ac = cfg.training, cfg.activation_checkpoint
+    return Job(
+        flavor=cfg.model.flavor, model=model_args(cfg.model), ngpu=dims.world_size, tp=dims.tp,
+        replicate=dims.dp_replicate, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
+        grad_accum=max(1, t.global_batch_size // (t.local_batch_size * dims.dp)),  # -1: one micro-batch
+        param_dtype=t.mixed_precision_param, reduce_dtype=t.mixed_precision_reduce,
+        ac=f"selective-{ac.selective_ac_option}" if ac.mode == "selective" else ac.mode,
+        cpu_offload=t.enable_cpu_offload and machine.cuda, loss_chunk_tokens=t.loss_chunk_tokens,
+        pp=dims.pp, pp_schedule=cfg.parallelism.pipeline_parallel_schedule,
+        pp_microbatch_size=cfg.parallelism.pipeline_parallel_microbatch_size,
+        pp_layers_per_stage=cfg.parallelism.pipeline_parallel_layers_per_stage,
+        pp_first_stage_less_layers=cfg.parallelism.pipeline_parallel_first_stage_less_layers,
+        pp_last_stage_less_layers=cfg.parallelism.pipeline_parallel_last_stage_less_layers,
+        # Eager CPU RMSNorm is the composite one; a CPU process has no CUDA context, NCCL buffers or
+        # caching allocator.
+        rmsnorm="fused" if machine.cuda else "composite", overhead_gib=2.0 if machine.cuda else 0.5,
+        allocator="cuda" if machine.cuda else "cpu",
+        )  # fmt: skip
+
+
 def _memory(cfg: JobConfig, dims: ParallelDims, machine: Machine) -> list[Finding]:
     """The estimate of estimate_memory.py for this job against the memory one rank can use."""
     if machine.device_memory_gib is None:
         return []
-    t, ac = cfg.training, cfg.activation_checkpoint
     try:
-        job = Job(
-            flavor=cfg.model.flavor, model=model_args(cfg.model), ngpu=dims.world_size, tp=dims.tp,
-            replicate=dims.dp_replicate, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
-            param_dtype=t.mixed_precision_param, reduce_dtype=t.mixed_precision_reduce,
-            ac=f"selective-{ac.selective_ac_option}" if ac.mode == "selective" else ac.mode,
-            cpu_offload=t.enable_cpu_offload and machine.cuda, loss_chunk_tokens=t.loss_chunk_tokens,
-            # Eager CPU RMSNorm is the composite one; a CPU process has no CUDA context or NCCL buffers.
-            rmsnorm="fused" if machine.cuda else "composite", overhead_gib=2.0 if machine.cuda else 0.5,
-        )  # fmt: skip
-    except ConfigError:  # a shape TP cannot split: apply_tp refuses it at start-up, with its own message
+        job = memory_job(cfg, dims, machine)
+    except ConfigError:  # a shape TP or PP cannot split: the run refuses it at start-up, with its own message
         return []
     need = estimate(job)["total"] / GiB
     if machine.cuda:
