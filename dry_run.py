@@ -31,12 +31,13 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 import doctor
 from config import JobConfig, model_args
 from errors import ConfigError
-from estimate_memory import GiB, Job, estimate
+from estimate_memory import GiB, estimate
 from models.llama3 import ModelArgs, Transformer, num_params
 from models.llama3.model import with_seq_len
 from parallelisms.async_tp import async_tp_problems
@@ -96,10 +97,10 @@ def run(cfg: JobConfig) -> int:
         else:
             parts = [parallelize(model)]
         local = sum(_local_numel(p) for part in parts for p in part.parameters())
-        lines = describe(cfg, dims, args, mesh=mesh, local_params=local)
+        lines = describe(cfg, dims, args, mesh=mesh, local_params=local, machine=machine)
     finally:
         dist.destroy_process_group()
-    lines += ["", "doctor (CUDA, {} GPUs per node, {:.0f} GiB each):".format(gpus_per_node, TARGET_GPU_GIB)]
+    lines += ["", f"doctor (CUDA, {gpus_per_node} GPUs per node, {TARGET_GPU_GIB:.0f} GiB each):"]
     lines += [f"  {f}" for f in findings] or ["  no known pitfalls found"]
     lines.append(f"\ndry run of rank 0 of {world_size} in {time.perf_counter() - start:.1f} s; nothing was allocated")
     print("\n".join(lines), flush=True)
@@ -110,7 +111,9 @@ def _local_numel(p: torch.Tensor) -> int:
     return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
 
 
-def describe(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, *, mesh, local_params: int) -> list[str]:
+def describe(
+    cfg: JobConfig, dims: ParallelDims, args: ModelArgs, *, mesh: DeviceMesh, local_params: int, machine: doctor.Machine
+) -> list[str]:
     t, par = cfg.training, cfg.parallelism
     global_batch = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dims.dp
     grad_accum = global_batch // (t.local_batch_size * dims.dp)
@@ -143,26 +146,21 @@ def describe(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, *, mesh, local
         f"parameters on rank 0: {local_params:,} ({local_params / total:.3%} of {total:,}; an even split over the "
         f"{dims.world_size // dims.dp_replicate} ranks of one replica would be {even:,.0f})",
     ]
-    lines += ["", *memory_lines(cfg, dims, grad_accum=grad_accum)]
+    lines += ["", *memory_lines(cfg, dims, machine)]
     lines += ["", "communication per step and rank (ring algorithms: bytes each rank sends):"]
     for name, (nbytes, what) in comm_per_step(cfg, dims, args, grad_accum=grad_accum).items():
         lines.append(f"  {name:<13} {nbytes / GiB:9.2f} GiB   {what}")
     return lines
 
 
-def memory_lines(cfg: JobConfig, dims: ParallelDims, *, grad_accum: int) -> list[str]:
-    t, ac, par = cfg.training, cfg.activation_checkpoint, cfg.parallelism
-    job = Job(
-        flavor=cfg.model.flavor, model=model_args(cfg.model), ngpu=dims.world_size, tp=dims.tp,
-        replicate=dims.dp_replicate, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
-        param_dtype=t.mixed_precision_param, reduce_dtype=t.mixed_precision_reduce,
-        ac=f"selective-{ac.selective_ac_option}" if ac.mode == "selective" else ac.mode,
-        cpu_offload=t.enable_cpu_offload, loss_chunk_tokens=t.loss_chunk_tokens, rmsnorm="fused",
-    )  # fmt: skip
-    e = estimate(job)
+def memory_lines(cfg: JobConfig, dims: ParallelDims, machine: doctor.Machine) -> list[str]:
+    """estimate_memory.py's prediction for the pp rank that needs the most (the doctor's Job of this run)."""
+    e = estimate(doctor.memory_job(cfg, dims, machine))
+    where = f" on pp rank {e['pp_rank']}" if dims.pp_enabled else ""
     return [
-        f"memory per GPU (estimate_memory.py): {e['allocator_peak'] / GiB:.1f} GiB allocated at its peak "
-        f"({e['peak_phase']}), {e['total'] / GiB:.1f} GiB with CUDA context + NCCL"
+        f"memory per GPU{where} (estimate_memory.py): {e['allocator_peak'] / GiB:.1f} GiB allocated at the peak "
+        f"({e['peak_phase']}), {e['reserved'] / GiB:.1f} GiB reserved by the caching allocator, "
+        f"{e['total'] / GiB:.1f} GiB with CUDA context + NCCL"
     ]
 
 
