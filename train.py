@@ -206,7 +206,8 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
             print(cfg.job.description, flush=True)
         print(
             f"{model_name}: {num_params(args) / 1e6:,.1f}M parameters | world {world_size} = "
-            f"pp {dims.pp} x replicate {dims.dp_replicate} x shard {dims.dp_shard} x tp {dims.tp} | global batch {global_batch} "
+            + (f"pp {dims.pp} x " if dims.pp_enabled else "")
+            + f"replicate {dims.dp_replicate} x shard {dims.dp_shard} x tp {dims.tp} | global batch {global_batch} "
             f"x {t.seq_len} tokens, grad accumulation {loader.grad_accum} | {corpus.num_tokens:,} tokens in corpus "
             f"| device {device.type} | steps {start_step + 1}..{t.steps}",
             flush=True,
