@@ -798,6 +798,11 @@ def resolve_input_paths(cfg: JobConfig) -> None:
                 setattr(obj, f.name, str(REPO / value))
 
 
+def global_batch_size(t: Training, *, dp: int) -> int:
+    """Sequences per optimizer step: training.global_batch_size, or with -1 local_batch_size on each of the dp ranks."""
+    return t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dp
+
+
 def model_args(cfg: Model) -> ModelArgs:
     """The model shape this config names: the flavor, or hf_assets_path's config.json with shape_from_hf_config."""
     if not cfg.shape_from_hf_config:

@@ -36,7 +36,7 @@ from typing import Literal
 
 import torch
 
-from config import JobConfig, load_config, model_args
+from config import JobConfig, global_batch_size, load_config, model_args
 from data.corpus import corpus_size
 from data.tokenizers import build_tokenizer
 from errors import ConfigError, is_rank0, warn
@@ -266,7 +266,7 @@ def memory_job(cfg: JobConfig, dims: ParallelDims, machine: Machine) -> Job:
     return Job(
         flavor=cfg.model.flavor, model=model_args(cfg.model), ngpu=dims.world_size, tp=dims.tp,
         replicate=dims.dp_replicate, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
-        grad_accum=max(1, t.global_batch_size // (t.local_batch_size * dims.dp)),  # -1: one micro-batch
+        grad_accum=global_batch_size(t, dp=dims.dp) // (t.local_batch_size * dims.dp),
         param_dtype=t.mixed_precision_param, reduce_dtype=t.mixed_precision_reduce,
         ac=f"selective-{ac.selective_ac_option}" if ac.mode == "selective" else ac.mode,
         cpu_offload=t.enable_cpu_offload and machine.cuda, loss_chunk_tokens=t.loss_chunk_tokens,
@@ -335,7 +335,7 @@ def _data(cfg: JobConfig, dims: ParallelDims) -> list[Finding]:
             )
         )
     t = cfg.training
-    global_batch = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dims.dp
+    global_batch = global_batch_size(t, dp=dims.dp)
     needed = t.steps * global_batch * (t.seq_len + 1)
     if corpus_tokens and needed > MAX_EPOCHS * corpus_tokens:
         size = f"{corpus_tokens:,}" if exact else f"about {corpus_tokens:,} (estimated from its size)"

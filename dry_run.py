@@ -25,7 +25,6 @@ and nothing is compiled: compile wraps blocks lazily.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import time
 
@@ -35,16 +34,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 import doctor
-from config import JobConfig, model_args
+import train
+from config import JobConfig, global_batch_size, model_args
 from errors import ConfigError
 from estimate_memory import GiB, estimate
-from models.llama3 import ModelArgs, Transformer, num_params
+from loss import Loss
+from models.llama3 import ModelArgs, num_params
 from models.llama3.model import with_seq_len
 from parallelisms.async_tp import async_tp_problems
 from parallelisms.fsdp import DTYPES
 from parallelisms.parallel_dims import ParallelDims
-from parallelisms.parallelize import parallelize_llama
-from parallelisms.pp import check_microbatches, pipeline_llama, rank_stages, stage_layers
+from parallelisms.pp import check_microbatches, rank_stages, stage_layers
 
 TARGET_GPU_GIB = 80.0  # an H100's memory: the machine the dry run plans for
 
@@ -82,20 +82,12 @@ def run(cfg: JobConfig) -> int:
         args = dataclasses.replace(
             with_seq_len(model_args(cfg.model), t.seq_len), attn_mask_type=cfg.model.attn_mask_type
         )
-        with torch.device("meta"):
-            model = Transformer(args)
         float8 = cfg.quantize.linear.float8 if "quantize.linear.float8" in cfg.model.converters else None
-        parallelize = functools.partial(
-            parallelize_llama, dims=dims, mesh=mesh, training=t, ac=cfg.activation_checkpoint, compile=cfg.compile,
-            parallelism=dataclasses.replace(par, enable_async_tensor_parallel=False), float8=float8,
+        model, pipeline = train.build_model(
+            args, dims=dims, mesh=mesh, training=t, parallelism=dataclasses.replace(par, enable_async_tensor_parallel=False),
+            ac=cfg.activation_checkpoint, compile=cfg.compile, float8=float8, loss_fn=Loss(), device=torch.device("cpu"),
         )  # fmt: skip
-        if dims.pp_enabled:
-            parts = pipeline_llama(
-                model, mesh=mesh, cfg=par, local_batch_size=t.local_batch_size, loss_fn=lambda *a, **k: None,
-                parallelize=parallelize, device=torch.device("cpu"),
-            ).parts  # fmt: skip
-        else:
-            parts = [parallelize(model)]
+        parts = pipeline.parts if pipeline else [model]
         local = sum(_local_numel(p) for part in parts for p in part.parameters())
         lines = describe(cfg, dims, args, mesh=mesh, local_params=local, machine=machine)
     finally:
@@ -115,7 +107,7 @@ def describe(
     cfg: JobConfig, dims: ParallelDims, args: ModelArgs, *, mesh: DeviceMesh, local_params: int, machine: doctor.Machine
 ) -> list[str]:
     t, par = cfg.training, cfg.parallelism
-    global_batch = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dims.dp
+    global_batch = global_batch_size(t, dp=dims.dp)
     grad_accum = global_batch // (t.local_batch_size * dims.dp)
     total = num_params(args)
     lines = [
@@ -208,8 +200,9 @@ def comm_per_step(
         out["tp"] = (ring(tp) * per_pass * grad_accum * (2 + recompute), "sequence parallel: 4 collectives of tokens x dim "
                      f"per block, forward, backward{' and full AC recomputation' if recompute else ''}")  # fmt: skip
     if pp > 1:  # rank 0's stages: each but the last sends activations, each but the first gradients
-        ours = rank_stages(0, pp=pp, stages=len(stage_layers(args, par)))
-        crossings = sum(s != len(stage_layers(args, par)) - 1 for s in ours) + sum(s != 0 for s in ours)
+        stages = len(stage_layers(args, par))
+        ours = rank_stages(0, pp=pp, stages=stages)
+        crossings = sum(s != stages - 1 for s in ours) + sum(s != 0 for s in ours)
         boundary = local_tokens / tp * args.dim * a
         out["pp"] = (crossings * boundary * grad_accum, f"sends of every micro-batch's hidden states: {crossings} per "
                      "micro-batch (activations forward, their gradients backward)")  # fmt: skip

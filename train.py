@@ -26,18 +26,35 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 import doctor
 from checkpoint import CheckpointManager, prepare_dump_folder
-from config import Comm, Debug, JobConfig, LRScheduler, Optimizer, help_text, load_config, model_args, to_toml
+from config import (
+    ActivationCheckpoint,
+    Comm,
+    Compile,
+    Debug,
+    Float8Linear,
+    JobConfig,
+    LRScheduler,
+    Optimizer,
+    Parallelism,
+    Training,
+    global_batch_size,
+    help_text,
+    load_config,
+    model_args,
+    to_toml,
+)
 from data.corpus import open_corpus
 from data.loader import Batch, GlobalBatchLoader
 from data.tokenizers import build_tokenizer
 from errors import ConfigError, is_rank0, warn
 from loss import Loss, build_loss_fn
 from metrics import MetricsLogger, StepMetrics, peak_flops, peak_memory_gib
-from models.llama3 import Transformer, num_flops_per_token, num_params
+from models.llama3 import ModelArgs, Transformer, num_flops_per_token, num_params
 from models.llama3.model import with_seq_len
 from parallelisms.float8 import precompute_scales_after_each_step
 from parallelisms.parallel_dims import ParallelDims
@@ -100,7 +117,7 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
 
     # The data each rank reads.
     dp_rank = dims.dp_rank(mesh)
-    global_batch = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dims.dp
+    global_batch = global_batch_size(t, dp=dims.dp)
     tokenizer = build_tokenizer(cfg.model.tokenizer_path)
     # A prepared folder, memory-mapped; raw files are tokenized into a cache first, the ranks sharing the work.
     corpus = open_corpus(cfg.data, tokenizer, cfg.model.tokenizer_path)
@@ -110,41 +127,23 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
         strict_resume=not cfg.data.ignore_resume_mismatch,
     )  # fmt: skip
 
-    # Model: meta device -> parallelize -> allocate -> initialize.
+    # Model: meta device -> (pipeline stages) -> parallelize -> allocate -> initialize.
     model_name = cfg.model.hf_assets_path or cfg.model.flavor
     if tokenizer.vocab_size > args.vocab_size:
         raise ConfigError(
             f"model.tokenizer_path: the tokenizer has {tokenizer.vocab_size} tokens but {model_name} "
             f"embeds only {args.vocab_size}; use a matching tokenizer or flavor"
         )
-    with torch.device("meta"):
-        model = Transformer(args)
     # config.validate accepts one converter: torchao float8 linears, applied first by parallelize_llama.
     float8 = cfg.quantize.linear.float8 if "quantize.linear.float8" in cfg.model.converters else None
-    parallelize = functools.partial(
-        parallelize_llama, dims=dims, mesh=mesh, training=t, parallelism=cfg.parallelism,
-        ac=cfg.activation_checkpoint, compile=cfg.compile, float8=float8, device=device,
-    )  # fmt: skip
     loss_fn = build_loss_fn(cfg.compile, chunk_tokens=cfg.training.loss_chunk_tokens)
-    # Pipeline parallel: this rank holds some stages of the model, each parallelized on its own; `model`
-    # is then those stages as one module (the whole model's parameter names) and `pipeline` runs them.
-    pipeline = None
-    if dims.pp_enabled:
-        pipeline = pipeline_llama(
-            model, mesh=mesh, cfg=cfg.parallelism, local_batch_size=t.local_batch_size, loss_fn=loss_fn,
-            parallelize=parallelize, device=device,
-        )  # fmt: skip
-    model = pipeline.module if pipeline else parallelize(model)
+    model, pipeline = build_model(
+        args, dims=dims, mesh=mesh, training=t, parallelism=cfg.parallelism, ac=cfg.activation_checkpoint,
+        compile=cfg.compile, float8=float8, loss_fn=loss_fn, device=device,
+    )  # fmt: skip
     if cfg.model.print_after_conversion and rank == 0:
         print(model, flush=True)
-    for part in pipeline.parts if pipeline else [model]:
-        part.to_empty(device=device)
-        with warnings.catch_warnings():
-            # On a CPU mesh DTensor's RNG cannot make sharded init match unsharded init; runs
-            # that must start from identical weights load a seed checkpoint (initial_load_path).
-            warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
-            part.init_weights(buffer_device=device)
-    model.train()
+    init_model(model, pipeline, device=device)
 
     # Stop requests need a CPU (gloo) group under NCCL. Checkpoints get a gloo group of their
     # own: an async save runs collectives in a background thread, and two threads issuing
@@ -388,6 +387,50 @@ def build_optimizer(o: Optimizer, model: torch.nn.Module) -> torch.optim.Optimiz
             return torch.optim.AdamW(
                 model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, **impl
             )
+
+
+def build_model(
+    args: ModelArgs,
+    *,
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    training: Training,
+    parallelism: Parallelism,
+    ac: ActivationCheckpoint,
+    compile: Compile,
+    float8: Float8Linear | None,
+    loss_fn: Loss,
+    device: torch.device,
+) -> tuple[torch.nn.Module, Pipeline | None]:
+    """The model on the meta device, parallelized: shapes and shardings, no storage yet (`init_model`).
+
+    With pipeline parallel this rank holds some stages, each parallelized on its own; the module returned
+    is then those stages as one (the whole model's parameter names), and the Pipeline runs them."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    parallelize = functools.partial(
+        parallelize_llama, dims=dims, mesh=mesh, training=training, parallelism=parallelism, ac=ac,
+        compile=compile, float8=float8, device=device,
+    )  # fmt: skip
+    if not dims.pp_enabled:
+        return parallelize(model), None
+    pipeline = pipeline_llama(
+        model, mesh=mesh, cfg=parallelism, local_batch_size=training.local_batch_size, loss_fn=loss_fn,
+        parallelize=parallelize, device=device,
+    )  # fmt: skip
+    return pipeline.module, pipeline
+
+
+def init_model(model: torch.nn.Module, pipeline: Pipeline | None, *, device: torch.device) -> None:
+    """Allocate the (meta) parameters on `device` and initialize them, stage by stage under pipeline parallel."""
+    for part in pipeline.parts if pipeline else [model]:
+        part.to_empty(device=device)
+        with warnings.catch_warnings():
+            # On a CPU mesh DTensor's RNG cannot make sharded init match unsharded init; runs
+            # that must start from identical weights load a seed checkpoint (initial_load_path).
+            warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
+            part.init_weights(buffer_device=device)
+    model.train()
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> float:
@@ -652,7 +695,7 @@ def describe(cfg: JobConfig) -> str:
         or par.data_parallel_replicate_degree * max(par.data_parallel_shard_degree, 1) * par.tensor_parallel_degree
     )
     dims = ParallelDims.from_config(par, world_size=world)
-    global_batch = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dims.dp
+    global_batch = global_batch_size(t, dp=dims.dp)
     lines = [
         to_toml(cfg),
         "# derived",

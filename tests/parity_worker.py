@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import json
 import sys
 import time
-import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -41,8 +39,8 @@ from models.llama3 import FLAVORS, ModelArgs, Transformer
 from models.llama3.model import with_seq_len
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import parallelize_llama
-from parallelisms.pp import Pipeline, pipeline_llama
-from train import build_optimizer, train_step, world_mean
+from parallelisms.pp import Pipeline
+from train import build_model, build_optimizer, init_model, train_step, world_mean
 
 TINY: ModelArgs = with_seq_len(
     dataclasses.replace(FLAVORS["debugmodel"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128), 32
@@ -235,24 +233,15 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
     )
     dims = ParallelDims.from_config(parallelism, world_size=world)
     mesh = dims.build_mesh("cpu")
-    with torch.device("meta"):
-        model = Transformer(model_args(block_causal=layout.block_causal))
-    parallelize = functools.partial(
-        parallelize_llama, dims=dims, mesh=mesh, training=TRAINING, parallelism=parallelism, ac=layout.ac,
-        compile=Compile(enable=layout.compile),
+    # As train.py builds it (pipeline stages included); init_model fills the RoPE buffer, the weights come from
+    # the reference next.
+    model, pipeline = build_model(
+        model_args(block_causal=layout.block_causal), dims=dims, mesh=mesh,
+        training=dataclasses.replace(TRAINING, local_batch_size=GLOBAL_BATCH // dims.dp), parallelism=parallelism,
+        ac=layout.ac, compile=Compile(enable=layout.compile), float8=None,
+        loss_fn=build_loss_fn(Compile(), chunk_tokens=layout.loss_chunk_tokens), device=torch.device("cpu"),
     )  # fmt: skip
-    pipeline = None
-    if dims.pp_enabled:  # as train.py builds it
-        pipeline = pipeline_llama(
-            model, mesh=mesh, cfg=parallelism, local_batch_size=GLOBAL_BATCH // dims.dp, parallelize=parallelize,
-            loss_fn=build_loss_fn(Compile(), chunk_tokens=layout.loss_chunk_tokens), device=torch.device("cpu"),
-        )  # fmt: skip
-    model = pipeline.module if pipeline else parallelize(model)
-    for part in pipeline.parts if pipeline else [model]:
-        part.to_empty(device="cpu")
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
-            part.init_weights()  # fills the RoPE buffer; the weights come from the reference next
+    init_model(model, pipeline, device=torch.device("cpu"))
     options = StateDictOptions(full_state_dict=True)
     # A copy (set_model_state_dict replaces the dict's tensors with this layout's DTensors) of the
     # weights this rank holds (a pipeline stage holds some).
