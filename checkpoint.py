@@ -33,7 +33,6 @@ import pickle
 import re
 import shutil
 import socket
-import tempfile
 import time
 import warnings
 from concurrent.futures import Future
@@ -55,8 +54,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from config import Checkpoint
-from errors import ConfigError
-from models.llama3 import ModelArgs
+from errors import ConfigError, writable_folder
+from models import ModelFamily, parameter_shapes
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _PARTIAL_DIR = re.compile(r"^step-(\d+)\.partial$")
@@ -129,12 +128,12 @@ def prepare_dump_folder(dump_folder: str, cfg: Checkpoint, *, checkpoint_bytes: 
     checkpoint_bytes: what one checkpoint of this model and optimizer takes on disk (an estimate).
     """
     folder = Path(dump_folder)
-    _make_folder(folder, key="job.dump_folder")
+    writable_folder(folder, key="job.dump_folder")
     lock = DumpFolderLock(folder)
     lock.acquire()
     if cfg.enable or cfg.create_seed_checkpoint:
         ckpt = folder / cfg.folder
-        _make_folder(ckpt, key="checkpoint.folder")
+        writable_folder(ckpt, key="checkpoint.folder")
         free = shutil.disk_usage(ckpt).free
         if free < checkpoint_bytes:
             raise ConfigError(
@@ -144,23 +143,6 @@ def prepare_dump_folder(dump_folder: str, cfg: Checkpoint, *, checkpoint_bytes: 
             )
         recover_partial_checkpoints(ckpt)
     return lock
-
-
-def _make_folder(folder: Path, *, key: str) -> None:
-    """Create `folder` and prove a file can be written in it, or raise one line that says why not."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-test-"):
-            pass
-    except (FileExistsError, NotADirectoryError):
-        raise ConfigError(
-            f"{key}: {folder} exists and is not a folder (or a parent is a file); choose another"
-        ) from None
-    except OSError as e:
-        why = {errno.ENAMETOOLONG: "its name is too long", errno.EROFS: "the file system is read-only"}.get(
-            e.errno, e.strerror or type(e).__name__
-        )
-        raise ConfigError(f"{key}: cannot write to {folder} ({why}); choose a writable folder") from None
 
 
 def recover_partial_checkpoints(folder: Path) -> None:
@@ -228,17 +210,19 @@ def verify(path: Path, *, key: str = "checkpoint") -> Metadata:
         ) from None
     if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
         raise ConfigError(f"{key}: {path}/.metadata is not DCP metadata ({type(metadata).__name__})")
+    # The run's own checkpoint can go (an earlier one resumes); one the user points at is theirs to replace.
+    fix = f"delete {path}" if key == "checkpoint.folder" else f"point {key} at a complete checkpoint"
     sizes: dict[str, int] = {}
     for info in metadata.storage_data.values():
         file = path / info.relative_path
         if info.relative_path not in sizes:
             sizes[info.relative_path] = file.stat().st_size if file.is_file() else -1
         if sizes[info.relative_path] < 0:
-            raise ConfigError(f"{key}: {file} is missing; the checkpoint is incomplete (delete {path})")
+            raise ConfigError(f"{key}: {file} is missing; the checkpoint is incomplete ({fix})")
         if sizes[info.relative_path] < info.offset + info.length:
             raise ConfigError(
                 f"{key}: {file} is truncated ({sizes[info.relative_path]:,} bytes, needs "
-                f"{info.offset + info.length:,}); the checkpoint is incomplete (delete {path})"
+                f"{info.offset + info.length:,}); the checkpoint is incomplete ({fix})"
             )
     for fqn, item in metadata.state_dict_metadata.items():
         if isinstance(item, BytesStorageMetadata):
@@ -342,18 +326,20 @@ class CheckpointManager:
         optimizer: torch.optim.Optimizer | None,
         stateful: dict[str, Stateful],
         process_group: dist.ProcessGroup | None = None,
-        model_args: ModelArgs | None = None,
+        family: ModelFamily | None = None,
+        model_args: Any = None,
         hf_assets_path: str | None = None,
         tokenizer_path: str | None = None,
     ):
         """`stateful`: everything else to save and restore (loader, train state).
-        model_args: the model's shape as published (Hugging Face names and config.json; default model.args).
+        family, model_args: the model's family and its shape as published (Hugging Face names and
+        config.json; default model.args); only Hugging Face loading and export need them.
         hf_assets_path: the Hugging Face folder initial_load_in_hf reads when initial_load_path is unset.
         last_save_in_hf copies the tokenizer files of hf_assets_path, else of a tokenizer_path folder."""
         self.cfg = cfg
         self.folder = Path(dump_folder) / cfg.folder
         self.model, self.optimizer = model, optimizer
-        self.model_args: ModelArgs = model_args or model.args
+        self.family, self.model_args = family, model_args or model.args
         self.stateful = stateful
         self.hf_assets_path = hf_assets_path
         self.side_files = hf_assets_path or (
@@ -377,14 +363,19 @@ class CheckpointManager:
     def _resume_from(self) -> tuple[int, Path] | None:
         """The checkpoint a run of this folder continues from: checkpoint.load_step's, else the newest."""
         found = complete_checkpoints(self.folder) if self.cfg.enable else []
-        if self.cfg.load_step == -1 or not found:
+        if self.cfg.load_step == -1:
             return found[-1] if found else None
+        if not self.cfg.enable:
+            raise ConfigError(
+                f"checkpoint.load_step: {self.cfg.load_step} resumes from a checkpoint, but checkpoint.enable is "
+                "false; set it to true (or load_step = -1)"
+            )
         if match := [(step, path) for step, path in found if step == self.cfg.load_step]:
             return match[0]
-        steps = ", ".join(str(step) for step, _ in found)
+        steps = f"it has steps {', '.join(str(step) for step, _ in found)}" if found else "it has no checkpoint"
         raise ConfigError(
-            f"checkpoint.load_step: {self.folder} has no step-{self.cfg.load_step} (it has steps {steps}); "
-            "pick one of those, or -1 for the newest"
+            f"checkpoint.load_step: {self.folder} has no step-{self.cfg.load_step} ({steps}); pick one of those, "
+            "or -1 for the newest (a fresh run when there is none)"
         )
 
     def resume_step(self) -> int:
@@ -449,16 +440,17 @@ class CheckpointManager:
         reader), converting to the parameters' dtype as it copies."""
         from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-        from models.llama3.hf import check_hf_weights, hf_to_ours
+        from models.hf import check_hf_weights
 
         key = "checkpoint.initial_load_path" if self.cfg.initial_load_path else "model.hf_assets_path"
-        args = self.model_args
+        fam, args = self.family, self.model_args
+        assert fam is not None, "CheckpointManager(family=...) reads Hugging Face folders"
         try:
-            check_hf_weights(folder, args)
+            check_hf_weights(folder, fam, args)
         except ConfigError as e:
             raise ConfigError(*(f"{key}: {problem}" for problem in e.problems)) from None
         state = get_model_state_dict(self.model)
-        hf_state = {hf: state[ours] for hf, ours in hf_to_ours(args).items()}
+        hf_state = {hf: state[ours] for hf, ours in fam.hf.hf_to_ours(args).items()}
         dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(str(folder)), process_group=self.process_group)
         set_model_state_dict(self.model, state)
         self._refuse_nonfinite(folder, key=key)
@@ -521,8 +513,9 @@ class CheckpointManager:
         shutil.rmtree(partial, ignore_errors=True)
         begin = time.perf_counter()
         with _OutOfSpace(partial):
+            assert self.family is not None, "CheckpointManager(family=...) exports Hugging Face folders"
             export_hf_folder(
-                self.folder / f"step-{step}", partial, args=self.model_args,
+                self.folder / f"step-{step}", partial, family=self.family, args=self.model_args,
                 dtype=getattr(torch, self.cfg.export_dtype), side_files_from=self.side_files,
             )  # fmt: skip
         if target.exists():
@@ -624,7 +617,8 @@ def export_hf_folder(
     checkpoint: Path,
     out: Path,
     *,
-    args: ModelArgs,
+    family: ModelFamily,
+    args: Any,
     dtype: torch.dtype | None,
     max_shard_bytes: int | None = None,
     side_files_from: str | Path | None = None,
@@ -636,20 +630,13 @@ def export_hf_folder(
     the token ids and whose tokenizer files and generation_config.json are copied (those names are returned).
     """
     # Imported here: Hugging Face interop, which a run without HF folders never needs.
-    from models.llama3.hf import (
-        DEFAULT_MAX_SHARD_BYTES,
-        expected_shapes,
-        hf_config,
-        hf_to_ours,
-        plan_shards,
-        write_hf_folder,
-    )
+    from models.hf import DEFAULT_MAX_SHARD_BYTES, hf_config, plan_shards, write_hf_folder
 
     metadata = verify(checkpoint)  # read without running anything from the folder
-    shapes = expected_shapes(args)
+    shapes = parameter_shapes(family, args)
     check_holds(checkpoint, metadata, {MODEL_PREFIX + n: torch.empty(s, device="meta") for n, s in shapes.items()})
     stored = metadata.state_dict_metadata
-    ours_to_hf = {ours: hf for hf, ours in hf_to_ours(args).items()}
+    ours_to_hf = {ours: hf for hf, ours in family.hf.hf_to_ours(args).items()}
     stored_dtype = {n: stored[MODEL_PREFIX + n].properties.dtype for n in shapes}
     out_dtype = {ours_to_hf[n]: dtype or stored_dtype[n] for n in shapes}
     sizes = {ours_to_hf[n]: shapes[n].numel() * out_dtype[ours_to_hf[n]].itemsize for n in shapes}
@@ -673,7 +660,7 @@ def export_hf_folder(
         token_ids = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config.get(k) is not None}
     write_hf_folder(
         out,
-        config=hf_config(args, dtype=dtype or next(iter(out_dtype.values())), **token_ids),
+        config=hf_config(family, args, dtype=dtype or next(iter(out_dtype.values())), **token_ids),
         shards=plan_shards(sizes, max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES),
         load_shard=load_shard,
     )

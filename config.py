@@ -27,6 +27,7 @@ import inspect
 import itertools
 import json
 import math
+import os
 import textwrap
 import types
 import typing
@@ -41,7 +42,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from errors import ConfigError, warn
-from models.llama3 import FLAVORS, ModelArgs
+from models import NAMES, ModelFamily, family, parameter_shapes
 
 REPO = Path(__file__).resolve().parent
 SHIPPED_TOKENIZER, SHIPPED_CORPUS = "assets/tokenizer", "assets/corpus/stories.jsonl"
@@ -77,10 +78,10 @@ class Job:
 
 @dataclass
 class Model:
-    name: Literal["llama3"] = "llama3"
-    """Model family (torchtitan's key); this recipe implements llama3."""
+    name: str = "llama3"
+    """Model family, a folder of models/ (torchtitan's key): llama3 or qwen3 (models.NAMES)."""
     flavor: str = "debugmodel"
-    """Model size, a key of models/llama3/model.py FLAVORS: debugmodel, llama3_1b, llama3_3b, llama3_8b, llama3_70b, llama3_405b (or torchtitan's 8B, 70B, 405B)."""
+    """Model size: a key of the family's FLAVORS in models/<name>/model.py, or one of its aliases (torchtitan's 8B, ...); a wrong one lists them."""
     hf_assets_path: str | None = field(default=None, metadata=INPUT_PATH)
     """A Hugging Face Llama folder: the tokenizer when tokenizer_path is unset, and the weights with checkpoint.initial_load_in_hf."""
     tokenizer_path: str | None = field(default=None, metadata=INPUT_PATH)
@@ -652,8 +653,15 @@ def _set(cfg: JobConfig, dotted: str, value: Any, *, source: str, from_cli: bool
     section = section_of(cfg, section_name)
     types_ = {f.name: _types(type(section))[f.name] for f in keys(type(section))}
     if key not in types_:
+        if dotted in MOVED:
+            where = f"it is {MOVED[dotted]} now" if MOVED[dotted] else "this recipe has no such setting"
+            return f"{dotted}: a key of earlier torchtitan releases; {where}"
         hint = _did_you_mean(key, types_)
         return f"{dotted}: unknown key in {source}{hint}"
+    if value is None:  # a flag alone on the command line
+        if types_[key] is not bool:
+            return f"{dotted}: needs a value (--{dotted}=VALUE, {_describe(types_[key])})"
+        value = "true"
     try:
         setattr(section, key, _coerce(value, types_[key], from_cli=from_cli))
     except (ValueError, json.JSONDecodeError):
@@ -681,8 +689,8 @@ def _flatten(table: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any
             yield dotted, value
 
 
-def load_toml(cfg: JobConfig, name: str) -> list[str]:
-    """Apply a TOML file to cfg; return the problems found."""
+def load_toml(cfg: JobConfig, name: str, *, keys: set[str] | None = None) -> list[str]:
+    """Apply a TOML file to cfg; return the problems found. keys: gets the dotted keys the file set."""
     path = find_config(name)
     if path is None:
         shipped = [str(p.relative_to(REPO)) for p in sorted((REPO / "configs").rglob("*.toml"))]
@@ -703,49 +711,142 @@ def load_toml(cfg: JobConfig, name: str) -> list[str]:
             problems.append(f"{dotted}: expected a [section] in {path}, got a value{hint}")
         elif problem := _set(cfg, dotted, value, source=str(path), from_cli=False):
             problems.append(problem)
+        elif keys is not None:
+            keys.add(dotted)
     return problems
 
 
-def parse_overrides(args: list[str]) -> tuple[list[tuple[str, str]], list[str]]:
-    """`--a.b=v` and `--a.b v` -> [(a.b, v)]; a bare boolean flag means true."""
-    overrides, problems = [], []
+# torchtitan's names of earlier releases, and where the key lives now (here and in torchtitan v0.2.2).
+MOVED = {
+    "training.seed": "debug.seed",
+    "training.deterministic": "debug.deterministic",
+    "training.batch_size": "training.local_batch_size",
+    "training.compile": "compile.enable",
+    "training.data_parallel_replicate_degree": "parallelism.data_parallel_replicate_degree",
+    "training.data_parallel_shard_degree": "parallelism.data_parallel_shard_degree",
+    "training.tensor_parallel_degree": "parallelism.tensor_parallel_degree",
+    "training.disable_loss_parallel": "parallelism.disable_loss_parallel",
+    "training.fsdp_reshard_after_forward": "parallelism.fsdp_reshard_after_forward",
+    "experimental.enable_async_tensor_parallel": "parallelism.enable_async_tensor_parallel",
+    "experimental.pipeline_parallel_degree": "parallelism.pipeline_parallel_degree",
+    "experimental.pipeline_parallel_schedule": "parallelism.pipeline_parallel_schedule",
+    "experimental.pipeline_parallel_microbatches": "parallelism.pipeline_parallel_microbatch_size",
+    "experimental.context_parallel_degree": "parallelism.context_parallel_degree",
+    "checkpoint.model_weights_only": "checkpoint.last_save_model_only",
+    "model.norm_type": None,  # torchtitan <= 0.1: the norm is the model's own (RMSNorm) here
+}
+# The command line's own flags (not section.key), for --help and did-you-mean.
+FLAGS = ("--config", "--print-config", "--help")
+
+
+def parse_overrides(args: list[str]) -> tuple[list[tuple[str, str | None]], list[str]]:
+    """`--a.b=v` and `--a.b v` -> [(a.b, v)]; a flag without a value -> (a.b, None), which a boolean reads as
+    true and anything else refuses."""
+    overrides: list[tuple[str, str | None]] = []
+    problems = []
     i = 0
     while i < len(args):
         arg = args[i]
-        if not arg.startswith("--") or ("." not in arg and arg.partition("=")[0] != "--config"):
-            problems.append(f"{arg}: unexpected argument; use --section.key=value (see --help)")
+        name, eq, value = arg.partition("=")
+        if not arg.startswith("--") or ("." not in name and name not in ("--config",)):
+            hint = _did_you_mean(name, FLAGS) if arg.startswith("--") else ""
+            problems.append(f"{arg}: unexpected argument{hint or '; use --section.key=value (see --help)'}")
             i += 1
             continue
-        name, eq, value = arg[2:].partition("=")
         if not eq:
             nxt = args[i + 1] if i + 1 < len(args) else None
             if nxt is None or nxt.startswith("--"):
-                value = "true"  # `--compile.enable` alone switches a boolean on
+                value = None  # `--compile.enable` alone switches a boolean on
             else:
                 value, i = nxt, i + 1
-        overrides.append((name.replace("-", "_"), value))
+        overrides.append((name[2:].replace("-", "_"), value))
         i += 1
     return overrides, problems
 
 
-def load_config(argv: list[str]) -> JobConfig:
-    """defaults < `--config FILE` < `--section.key value` overrides; raises ConfigError with every problem."""
+def load_config(argv: list[str], *, inputs: bool = True, world_size: int | None = None) -> JobConfig:
+    """defaults < `--config FILE` < `--section.key value` overrides; raises ConfigError with every problem.
+
+    inputs: also require the input files (input_problems), unless the config is a dry run (comm.mode =
+    fake_backend), which plans a job for other machines; --print-config and doctor.py pass False and
+    print them as notes. world_size: the ranks of the run, whose layout rules (parallel degrees, what
+    TP and PP need of the model) then join the same round.
+    """
     cfg = JobConfig()
     overrides, problems = parse_overrides(argv)
     files = [value for name, value in overrides if name in ("config", "job.config_file")]
     overrides = [(name, value) for name, value in overrides if name not in ("config", "job.config_file")]
     if len(files) > 1:
-        problems.append(f"--config: one file only, got {', '.join(files)}")
-    elif files:
-        problems += load_toml(cfg, files[0])
+        problems.append(f"--config: one file only, got {', '.join(str(f) for f in files)}")
+    elif files and files[0] is None:
+        problems.append("--config: needs a file name (--config configs/debug.toml)")
+    toml_keys: set[str] = set()
+    if files and files[0] is not None:
+        problems += load_toml(cfg, files[0], keys=toml_keys)
     for dotted, value in overrides:
         if problem := _set(cfg, dotted, value, source="the command line", from_cli=True):
             problems.append(problem)
+    problems += _training_data_source(cfg, toml_keys=toml_keys, cli_keys={name for name, _ in overrides})
     resolve(cfg)
     problems += validate(cfg)  # in the same round: a typo elsewhere does not hide a bad value
+    if inputs and cfg.comm.mode != "fake_backend":
+        problems += input_problems(cfg)
+    if cfg.comm.mode == "fake_backend":  # a dry run plans the job for the world it is told
+        world, _, dry_run_problems = dry_run_world()
+        problems += dry_run_problems
+        world_size = world or None
+    if world_size is not None and not any(p.startswith(("model.", "training.seq_len")) for p in problems):
+        from parallelisms.parallel_dims import layout_problems  # the rules live with the mesh, TP and PP
+
+        t = cfg.training
+        problems += layout_problems(
+            cfg.parallelism, world_size=world_size, args=model_args(cfg.model), seq_len=t.seq_len,
+            local_batch_size=t.local_batch_size,
+        )  # fmt: skip
     if problems:
-        raise ConfigError(*problems)
+        raise ConfigError(*dict.fromkeys(problems))
     return cfg
+
+
+def dry_run_world() -> tuple[int, int, list[str]]:
+    """What a dry run (comm.mode = fake_backend) simulates: $WORLD_SIZE ranks, $LOCAL_WORLD_SIZE (default 8) per
+    node; and the problems with those variables."""
+    world, per_node = os.environ.get("WORLD_SIZE", ""), os.environ.get("LOCAL_WORLD_SIZE", "8")
+    problems = []
+    if not (world.isdigit() and int(world) >= 1):
+        problems.append(
+            f"comm.mode: fake_backend simulates rank 0 of WORLD_SIZE ranks, but WORLD_SIZE is {world or 'unset'!r}; run "
+            "e.g. WORLD_SIZE=64 python train.py --config ... --comm.mode=fake_backend (not under torchrun)"
+        )
+    if not (per_node.isdigit() and int(per_node) >= 1):
+        problems.append(
+            f"comm.mode: fake_backend plans nodes of LOCAL_WORLD_SIZE GPUs, but LOCAL_WORLD_SIZE is {per_node!r}; set "
+            "it to the GPUs per node (e.g. 8) or leave it unset"
+        )
+    return int(world) if not problems else 0, int(per_node) if not problems else 0, problems
+
+
+def _training_data_source(cfg: JobConfig, *, toml_keys: set[str], cli_keys: set[str]) -> list[str]:
+    """data.path (this recipe's key) and training.dataset / dataset_path (torchtitan's) name the same data: the
+    one given at the higher precedence wins (command line over TOML), with a warning; at the same level both are
+    a conflict."""
+    ours, theirs = {"data.path"}, {"training.dataset", "training.dataset_path"}
+    for level in (cli_keys, toml_keys):
+        mine, titan = ours & level, theirs & level
+        if mine and titan:
+            return [
+                f"data.path: {cfg.data.path!r} and training.{'dataset' if cfg.training.dataset else 'dataset_path'} "
+                f"both name the training data; keep one"
+            ]
+        if mine or titan:
+            if mine and (theirs & (toml_keys | cli_keys)):
+                warn("training.dataset/dataset_path: overridden by data.path from the command line")
+                cfg.training.dataset = cfg.training.dataset_path = None
+            elif titan and "data.path" in (toml_keys | cli_keys):
+                warn(f"data.path = {cfg.data.path!r} (from the TOML) is overridden by training.dataset / dataset_path")
+                cfg.data.path = None
+            return []
+    return []
 
 
 # ------------------------------------------------------------------- resolving
@@ -762,13 +863,13 @@ OTHER_CONVERTERS = {
     "quantize.grouped_mm.float8": "float8 grouped GEMMs for MoE experts (Llama 3 has none)",
     "quantize.grouped_mm.mx": "MX grouped GEMMs for MoE experts (Llama 3 has none)",
 }
-FLAVOR_ALIASES = {"8B": "llama3_8b", "70B": "llama3_70b", "405B": "llama3_405b"}  # torchtitan's names
 
 
 def resolve(cfg: JobConfig) -> None:
     """Settings that follow from others, written in: afterwards every field holds what the run uses."""
     m, t, d = cfg.model, cfg.training, cfg.data
-    m.flavor = FLAVOR_ALIASES.get(m.flavor, m.flavor)
+    if m.name in NAMES:
+        m.flavor = family(m.name).flavor_aliases.get(m.flavor, m.flavor)
     if m.tokenizer_path is None:
         m.tokenizer_path = m.hf_assets_path or SHIPPED_TOKENIZER
     if d.path is None:
@@ -803,14 +904,15 @@ def global_batch_size(t: Training, *, dp: int) -> int:
     return t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dp
 
 
-def model_args(cfg: Model) -> ModelArgs:
+def model_args(cfg: Model) -> Any:
     """The model shape this config names: the flavor, or hf_assets_path's config.json with shape_from_hf_config."""
+    fam = family(cfg.name)
     if not cfg.shape_from_hf_config:
-        return FLAVORS[cfg.flavor]
+        return fam.flavors[cfg.flavor]
     # Imported here: reading HF configs is interop, which a flavor-only run never needs.
-    from models.llama3.hf import model_args_from_hf_config
+    from models.hf import model_args_from_hf
 
-    return model_args_from_hf_config(cfg.hf_assets_path or "")
+    return model_args_from_hf(fam, cfg.hf_assets_path or "")
 
 
 def validation_path(cfg: Validation) -> str | None:
@@ -881,10 +983,14 @@ def validate(cfg: JobConfig) -> list[str]:
     if par.pipeline_parallel_degree < 1:
         p.append(f"parallelism.pipeline_parallel_degree: must be >= 1, got {par.pipeline_parallel_degree}")
     if par.pipeline_parallel_degree > 1 and cfg.validation.enable:
-        p.append(
-            "validation.enable: validation runs the whole model's forward, which a pipeline-parallel rank does not "
-            "hold; set it to false with pipeline_parallel_degree > 1 (or validate a checkpoint in a run without PP)"
-        )
+        v = cfg.validation
+        for key in ("local_batch_size", "seq_len"):
+            if getattr(v, key) != getattr(t, key):
+                p.append(
+                    f"validation.{key}: {getattr(v, key)} differs from training.{key} = {getattr(t, key)}; under "
+                    "pipeline parallel the stages' receive buffers hold one micro-batch shape, so validation "
+                    "uses training's: set it to that"
+                )
     if cfg.comm.mode == "local_tensor":
         p.append(
             'comm.mode: "local_tensor" is torchtitan\'s single-process simulation, not done here; use "fake_backend"'
@@ -949,11 +1055,16 @@ def validate(cfg: JobConfig) -> list[str]:
             p.append(f"comm.{key}: must be >= 1, got {getattr(cfg.comm, key)}")
     if cfg.metrics.log_freq < 1:
         p.append(f"metrics.log_freq: must be >= 1, got {cfg.metrics.log_freq}")
-    if cfg.metrics.enable_wandb:
-        import importlib.util
-
-        if importlib.util.find_spec("wandb") is None:
-            p.append("metrics.enable_wandb: the wandb package is not installed; pip install wandb, or set it to false")
+    if cfg.metrics.enable_wandb and not _importable("wandb"):
+        p.append("metrics.enable_wandb: the wandb package is not installed; pip install wandb, or set it to false")
+    # Optional parts a fork may have deleted (README.md, "Removing a part"): a setting that asks for one is refused.
+    for asks, module, key in (
+        ("quantize.linear.float8" in m.converters, "parallelisms.float8", "model.converters"),
+        (cfg.validation.enable, "validation", "validation.enable"),
+        (cfg.comm.mode == "fake_backend", "dry_run", "comm.mode"),
+    ):
+        if asks and not _importable(module):
+            p.append(f"{key}: needs {module.replace('.', '/')}.py, which this checkout does not have; turn it off")
     prof = cfg.profiling
     for key in ("profile_freq", "profiler_active"):
         if getattr(prof, key) < 1:
@@ -964,13 +1075,34 @@ def validate(cfg: JobConfig) -> list[str]:
         p.append(
             f"profiling.profiler_active: {prof.profiler_active} steps recorded per profile do not fit in profile_freq = {prof.profile_freq}"
         )
-    # A dry run (comm.mode = fake_backend, dry_run.py) opens no input file: it plans a job for machines that have them.
-    files = cfg.comm.mode != "fake_backend"
-    p += _check_data(cfg, files=files)
-    p += _check_validation(cfg.validation, files=files)
-    if files and m.tokenizer_path != "byte" and not Path(m.tokenizer_path or "").exists():
+    p += _check_data(cfg)
+    p += _check_validation(cfg.validation)
+    return p  # fmt: skip
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def input_problems(cfg: JobConfig) -> list[str]:
+    """The input files a run reads and this machine lacks: data, held-out data, tokenizer, Hugging Face
+    folder, initial checkpoint. Training refuses to start without them (load_config); --print-config,
+    doctor.py and the dry run plan jobs for machines that have them, and print these as notes."""
+    m, ck, p = cfg.model, cfg.checkpoint, []
+    if m.hf_assets_path is not None and not Path(m.hf_assets_path).is_dir():
+        p.append(
+            f"model.hf_assets_path: {m.hf_assets_path} not found; point it at a Hugging Face folder (config.json, "
+            "tokenizer files, *.safetensors)"
+        )
+    if cfg.data.path is not None and cfg.data.format != "hub" and not Path(cfg.data.path).exists():
+        p.append(_missing_data(cfg))
+    p += _missing_validation(cfg.validation)
+    tokenizer_missing = m.tokenizer_path != "byte" and not Path(m.tokenizer_path or "").exists()
+    if tokenizer_missing and m.tokenizer_path != m.hf_assets_path:  # a missing hf_assets_path is named above
         p.append(_missing_tokenizer(m))
-    if files and ck.initial_load_path is not None and not Path(ck.initial_load_path).is_dir():
+    if ck.initial_load_path is not None and not Path(ck.initial_load_path).is_dir():
         p.append(
             f"checkpoint.initial_load_path: {ck.initial_load_path} is not a folder; point it at a checkpoint step folder (contains .metadata) or a Hugging Face folder (initial_load_in_hf)"
         )
@@ -994,19 +1126,16 @@ def _unsupported(cfg: JobConfig) -> list[str]:
     return problems
 
 
-def _check_data(cfg: JobConfig, *, files: bool = True) -> list[str]:
-    d, t = cfg.data, cfg.training
-    if d.path is None:  # training.dataset names no dataset this recipe knows
+def _check_data(cfg: JobConfig) -> list[str]:
+    if cfg.data.path is None:  # training.dataset names no dataset this recipe knows
         known = ", ".join(name for name in DATASETS if "validation" not in name)
         return [
-            f"training.dataset: unknown dataset {t.dataset!r} ({known}, or set training.dataset_path / data.path to your data)"
+            f"training.dataset: unknown dataset {cfg.training.dataset!r} ({known}, or set training.dataset_path / data.path to your data)"
         ]
-    if not files or d.format == "hub" or Path(d.path).exists():
-        return []
-    return [_missing_data(d.path, tokenizer=cfg.model.tokenizer_path or "")]
+    return []
 
 
-def _check_validation(v: Validation, *, files: bool = True) -> list[str]:
+def _check_validation(v: Validation) -> list[str]:
     if not v.enable:
         return []
     p = []
@@ -1015,37 +1144,56 @@ def _check_validation(v: Validation, *, files: bool = True) -> list[str]:
             p.append(f"validation.{key}: must be >= 1, got {getattr(v, key)}")
     if v.steps == 0 or v.steps < -1:
         p.append(f"validation.steps: must be -1 (the whole held-out data) or >= 1, got {v.steps}")
+    return p
+
+
+def _missing_validation(v: Validation) -> list[str]:
+    if not v.enable:
+        return []
     path = validation_path(v)
     if path is None:
         hub = DATASETS.get(v.dataset)
         source = f"--source {hub[0]} --format hub --name {hub[1]} --split {hub[2]}" if hub else "--source SOURCE"
-        p.append(
-            f"validation.dataset: {v.dataset!r} is not local; prepare it with `python scripts/prepare_data.py {source} "
-            "--tokenizer TOKENIZER --output OUT` and set validation.dataset_path = OUT"
-        )
-    elif files and not Path(path).exists():
-        p.append(
+        return [
+            f"validation.dataset: {v.dataset!r} is not local; prepare it with `python {script('prepare_data.py')} "
+            f"{source} --tokenizer TOKENIZER --output OUT` and set validation.dataset_path = OUT"
+        ]
+    if not Path(path).exists():
+        return [
             f"validation.dataset_path: {path} not found; point it at a prepared folder or raw json/jsonl/parquet/txt files"
+        ]
+    return []
+
+
+def script(name: str) -> str:
+    """How to name scripts/<name> in a command: relative in the repo's folder, else its absolute path."""
+    path = REPO / "scripts" / name
+    return str(path.relative_to(REPO)) if Path.cwd().resolve() == REPO else str(path)
+
+
+def _missing_data(cfg: JobConfig) -> str:
+    path = cfg.data.path
+    if cfg.training.dataset == "c4_test" and path == DATASETS["c4_test"][0]:
+        return (
+            f"data.path: {path} not found: training.dataset = 'c4_test' is torchtitan's test corpus, read from "
+            "./tests/assets/c4_test in a torchtitan checkout; run from that folder, or set training.dataset_path "
+            "(or data.path) to your data"
         )
-    return p  # fmt: skip
-
-
-def _missing_data(path: str, *, tokenizer: str) -> str:
     if Path(path).suffix:
         return f"data.path: {path} not found; point it at a json/jsonl/parquet/txt file or folder, or a prepared folder"
     return (
-        f"data.path: {path} not found; prepare a corpus into it with `python scripts/prepare_data.py --source SOURCE "
-        f"--tokenizer {tokenizer} --output {path} --workers N` (a recipe's header names its SOURCE)"
+        f"data.path: {path} not found; prepare a corpus into it with `python {script('prepare_data.py')} --source "
+        f"SOURCE --tokenizer {cfg.model.tokenizer_path or ''} --output {path} --workers N` (a recipe's header names "
+        "its SOURCE)"
     )
 
 
 def _missing_tokenizer(m: Model) -> str:
-    from models.llama3.hf import PUBLISHED  # interop: only for this message
-
+    published = family(m.name).hf.PUBLISHED if m.name in NAMES else {}
     # A folder named after a published repo (assets/hf/Llama-3.1-8B) comes from it; else the flavor's repo.
     folder = Path(m.tokenizer_path or "")
-    by_name = [repo for repo in PUBLISHED.values() if repo.split("/")[1] == folder.name]
-    repo = by_name[0] if by_name else PUBLISHED.get(m.flavor)
+    by_name = [repo for repo in published.values() if repo.split("/")[1] == folder.name]
+    repo = by_name[0] if by_name else published.get(m.flavor)
     fetch = f"; download it with `hf download {repo} --include 'tokenizer*' --local-dir {folder}`" if repo else ""
     return f"model.tokenizer_path: {folder} not found{fetch}" + (
         "" if fetch else '; point it at a tokenizer.json or tokenizer folder, or use "byte"'
@@ -1058,28 +1206,41 @@ def selective_ac_every(option: str) -> int | None:
 
 
 def _check_model(m: Model, *, seq_len: int) -> list[str]:
-    """The flavor exists, hf_assets_path agrees with it, and the model supports seq_len."""
-    if m.flavor not in FLAVORS and not m.shape_from_hf_config:
-        hint = _did_you_mean(m.flavor, FLAVORS) or _did_you_mean(m.flavor.upper(), FLAVOR_ALIASES)
-        names = ", ".join([*FLAVORS, *FLAVOR_ALIASES])
-        return [f"model.flavor: unknown flavor '{m.flavor}'{hint} (choose from {names})"]
-    config_json = Path(m.hf_assets_path or "") / "config.json"
-    if m.shape_from_hf_config and (m.hf_assets_path is None or not config_json.is_file()):
+    """The family and flavor exist, hf_assets_path agrees with the flavor, and the model supports seq_len."""
+    if m.name not in NAMES:
         return [
-            f"model.shape_from_hf_config: {m.hf_assets_path} has no config.json; point model.hf_assets_path at a Hugging Face Llama folder"
+            f"model.name: unknown model family {m.name!r}{_did_you_mean(m.name, NAMES)} (choose from {', '.join(NAMES)})"
+        ]
+    fam = family(m.name)
+    if m.flavor not in fam.flavors and not m.shape_from_hf_config:
+        hint = _did_you_mean(m.flavor, fam.flavors) or _did_you_mean(m.flavor.upper(), fam.flavor_aliases)
+        names = ", ".join([*fam.flavors, *fam.flavor_aliases])
+        other = [n for n in NAMES if n != m.name and m.flavor in family(n).flavors]
+        switch = f"; or set model.name = {other[0]!r}" if other and not hint else ""
+        return [f"model.flavor: unknown {m.name} flavor '{m.flavor}'{hint} (choose from {names}){switch}"]
+    config_json = Path(m.hf_assets_path or "") / "config.json"
+    if m.shape_from_hf_config and m.hf_assets_path is None:
+        return [
+            "model.shape_from_hf_config: takes the shape from model.hf_assets_path's config.json, and "
+            "model.hf_assets_path is unset; set it to a Hugging Face folder"
+        ]
+    if m.shape_from_hf_config and not config_json.is_file():
+        return [
+            f"model.shape_from_hf_config: {m.hf_assets_path} has no config.json; point model.hf_assets_path at a "
+            "Hugging Face folder"
         ]
     if m.hf_assets_path is not None and config_json.is_file():
         # Imported here: reading HF configs is interop, which a flavor-only run never needs.
-        from models.llama3.hf import model_args_from_hf_config
+        from models.hf import model_args_from_hf
 
         try:
-            hf = model_args_from_hf_config(m.hf_assets_path)
+            hf = model_args_from_hf(fam, m.hf_assets_path)
         except ConfigError as e:
             return [f"model.hf_assets_path: {problem}" for problem in e.problems]
-        if not m.shape_from_hf_config and _shape(hf) != _shape(FLAVORS[m.flavor]):
+        if not m.shape_from_hf_config and (different := _differing_parameter(fam, hf, fam.flavors[m.flavor])):
             return [
-                f"model.flavor: {m.flavor} is not the model of {config_json} (dim, layers, heads, KV heads, FFN width, "
-                f"vocabulary: {_shape(FLAVORS[m.flavor])} vs {_shape(hf)}); fix the flavor, or set model.shape_from_hf_config = true"
+                f"model.flavor: {m.flavor} is not the model of {config_json} ({different}); fix the flavor, or set "
+                "model.shape_from_hf_config = true"
             ]
     args = model_args(m)
     if seq_len > args.max_seq_len:
@@ -1088,8 +1249,14 @@ def _check_model(m: Model, *, seq_len: int) -> list[str]:
     return []  # fmt: skip
 
 
-def _shape(args: ModelArgs) -> tuple[int, ...]:
-    return (args.dim, args.n_layers, args.n_heads, args.kv_heads, args.ffn_hidden_dim, args.vocab_size)
+def _differing_parameter(fam: ModelFamily, theirs: Any, ours: Any) -> str:
+    """How two shapes differ in their weights ('' when every parameter has the same name and shape)."""
+    a, b = parameter_shapes(fam, theirs), parameter_shapes(fam, ours)
+    if a.keys() != b.keys():
+        name = sorted(a.keys() ^ b.keys())[0]
+        return f"{name} is {'only there' if name in a else 'only in the flavor'}"
+    name = next((n for n in a if a[n] != b[n]), None)
+    return f"{name} is {tuple(a[name])} there, {tuple(b[name])} in the flavor" if name else ""
 
 
 # ------------------------------------------------------------------ presentation

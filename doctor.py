@@ -35,22 +35,24 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
-from config import JobConfig, global_batch_size, load_config, model_args
+from config import JobConfig, global_batch_size, input_problems, load_config, model_args
 from data.corpus import corpus_size
 from data.tokenizers import build_tokenizer
 from errors import ConfigError, is_rank0, warn
-from estimate_memory import GiB, Job, estimate
+from estimate_memory import GiB, estimate, job_of
 from parallelisms.parallel_dims import ParallelDims
 
-Severity = Literal["error", "warning"]
+Severity = Literal["error", "warning", "note"]
 
 USAGE = """\
 usage: python doctor.py [--config FILE.toml] [--world-size N] [--gpus-per-node N] [--cuda]
                         [--device-memory-gib G] [--section.key=value ...]
 
-Checks a job for known pitfalls on its machine; prints one line per finding; exit status 1 if
-any is an error, 2 if the config itself does not load, 0 otherwise.
+Checks a job for known pitfalls on its machine; prints one line per finding on stdout (notes name
+input files this machine lacks, which the job's machines need); exit status 1 if any finding is
+an error, 2 if the config itself does not load (one line per problem on stderr), 0 otherwise.
 
   --world-size N         ranks of the job (default: $WORLD_SIZE, else 1)
   --gpus-per-node N      ranks per node (default: $LOCAL_WORLD_SIZE, else the visible CUDA devices)
@@ -98,26 +100,46 @@ class Machine:
         )
 
 
-def check_recipe(cfg: JobConfig, *, world_size: int, machine: Machine) -> list[Finding]:
-    """Every finding for `cfg` on `world_size` ranks of `machine`; errors first, then warnings."""
+def check_recipe(
+    cfg: JobConfig, *, world_size: int, machine: Machine, tp_mesh: DeviceMesh | None = None
+) -> list[Finding]:
+    """Every finding for `cfg` on `world_size` ranks of `machine`; errors first, then warnings.
+
+    tp_mesh: the run's mesh["tp"] when a process group runs and TP is on (the memory estimate traces a
+    TP-split block over it); without a process group the estimate starts a fake one."""
     try:
         dims = ParallelDims.from_config(cfg.parallelism, world_size=world_size)
     except ConfigError as e:  # the run's own rule, reported by the pre-flight
         return [Finding("error", *problem.split(": ", 1)) for problem in e.problems]
     findings = _nodes(dims, machine) + _precision(cfg, machine) + _toolchain(cfg, machine) + _offload(cfg, machine)
-    findings += _memory(cfg, dims, machine) + _data(cfg, dims)
+    findings += _memory(cfg, dims, machine, tp_mesh=tp_mesh) + _data(cfg, dims)
     return sorted(findings, key=lambda f: f.severity != "error")  # stable: errors first, in check order
 
 
-def check_startup(cfg: JobConfig, *, world_size: int, device: torch.device) -> None:
-    """train.py's call: rank 0 prints the warnings; errors stop every rank as one ConfigError."""
-    findings = check_recipe(cfg, world_size=world_size, machine=Machine.this(cuda=device.type == "cuda"))
+def check_startup(cfg: JobConfig, *, world_size: int, device: torch.device, mesh: DeviceMesh | None = None) -> None:
+    """train.py's call: rank 0 prints the warnings; errors stop every rank as one ConfigError. mesh: the run's,
+    when a process group runs (see check_recipe's tp_mesh)."""
+    machine = Machine.this(cuda=device.type == "cuda")
+    tp_mesh = mesh["tp"] if mesh is not None else None
+    findings = check_recipe(cfg, world_size=world_size, machine=machine, tp_mesh=tp_mesh)
     for f in findings:
         if f.severity == "warning":
             warn(f"{f.key}: {f.message}")
     errors = [f"{f.key}: {f.message}" for f in findings if f.severity == "error"]
     if errors:
         raise ConfigError(*errors)
+
+
+def add_plan_report(
+    lines: list[str], cfg: JobConfig, *, world_size: int, gpus_per_node: int, device_memory_gib: float
+) -> bool:
+    """The dry run's section (dry_run.py): the findings for CUDA nodes of `gpus_per_node` GPUs of
+    `device_memory_gib` each, appended to `lines`; whether any is an error."""
+    machine = Machine(cuda=True, gpus_per_node=gpus_per_node, device_memory_gib=device_memory_gib)
+    findings = check_recipe(cfg, world_size=world_size, machine=machine)
+    lines += ["", f"doctor (CUDA, {gpus_per_node} GPUs per node, {device_memory_gib:.0f} GiB each):"]
+    lines += [f"  {f}" for f in findings] or ["  no known pitfalls found"]
+    return any(f.severity == "error" for f in findings)
 
 
 # ------------------------------------------------------------------------- nodes
@@ -259,38 +281,15 @@ def _offload(cfg: JobConfig, machine: Machine) -> list[Finding]:
     return [Finding("warning", "training.enable_cpu_offload", message)]
 
 
-def memory_job(cfg: JobConfig, dims: ParallelDims, machine: Machine) -> Job:
-    """This run as estimate_memory.py's Job (also the dry run's, dry_run.py); ConfigError for a shape the
-    layout cannot split, which the run itself refuses with its own message."""
-    t, ac = cfg.training, cfg.activation_checkpoint
-    return Job(
-        flavor=cfg.model.flavor, model=model_args(cfg.model), ngpu=dims.world_size, tp=dims.tp,
-        replicate=dims.dp_replicate, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
-        grad_accum=global_batch_size(t, dp=dims.dp) // (t.local_batch_size * dims.dp),
-        param_dtype=t.mixed_precision_param, reduce_dtype=t.mixed_precision_reduce,
-        ac=f"selective-{ac.selective_ac_option}" if ac.mode == "selective" else ac.mode,
-        cpu_offload=t.enable_cpu_offload and machine.cuda, loss_chunk_tokens=t.loss_chunk_tokens,
-        pp=dims.pp, pp_schedule=cfg.parallelism.pipeline_parallel_schedule,
-        pp_microbatch_size=cfg.parallelism.pipeline_parallel_microbatch_size,
-        pp_layers_per_stage=cfg.parallelism.pipeline_parallel_layers_per_stage,
-        pp_first_stage_less_layers=cfg.parallelism.pipeline_parallel_first_stage_less_layers,
-        pp_last_stage_less_layers=cfg.parallelism.pipeline_parallel_last_stage_less_layers,
-        # Eager CPU RMSNorm is the composite one; a CPU process has no CUDA context, NCCL buffers or
-        # caching allocator.
-        rmsnorm="fused" if machine.cuda else "composite", overhead_gib=2.0 if machine.cuda else 0.5,
-        allocator="cuda" if machine.cuda else "cpu",
-        )  # fmt: skip
-
-
-def _memory(cfg: JobConfig, dims: ParallelDims, machine: Machine) -> list[Finding]:
+def _memory(cfg: JobConfig, dims: ParallelDims, machine: Machine, *, tp_mesh: DeviceMesh | None) -> list[Finding]:
     """The estimate of estimate_memory.py for this job against the memory one rank can use."""
     if machine.device_memory_gib is None:
         return []
     try:
-        job = memory_job(cfg, dims, machine)
+        job = job_of(cfg, dims, cuda=machine.cuda)
     except ConfigError:  # a shape TP or PP cannot split: the run refuses it at start-up, with its own message
         return []
-    need = estimate(job)["total"] / GiB
+    need = estimate(job, tp_mesh=tp_mesh)["total"] / GiB
     if machine.cuda:
         have, what = machine.device_memory_gib, f"one GPU's {machine.device_memory_gib:.0f} GiB"
     else:  # the ranks of this host share its memory
@@ -369,27 +368,32 @@ def main(argv: list[str]) -> int:
         elif name in ("--world-size", "--gpus-per-node", "--device-memory-gib"):
             if not eq:
                 value, i = (argv[i + 1] if i + 1 < len(argv) else ""), i + 1
-            if not value.replace(".", "", 1).isdigit() or float(value) <= 0:
-                problems.append(f"{name}: expected a positive number, got {value!r}")
+            number = value.replace(".", "", 1) if name == "--device-memory-gib" else value
+            if not number.isdigit() or float(value) <= 0:
+                kind = "number" if name == "--device-memory-gib" else "integer"
+                problems.append(f"{name}: expected a positive {kind}, got {value!r}")
             options[name] = value
         else:
             rest.append(argv[i])
         i += 1
+    world = options.get("--world-size") or os.environ.get("WORLD_SIZE", "1")
+    if not world.isdigit() and "--world-size" not in options:
+        problems.append(f"WORLD_SIZE: {world!r} is not a number of ranks; pass --world-size N")
     try:
-        if problems:
-            raise ConfigError(*problems)
-        cfg = load_config(rest)
+        cfg = load_config(rest, inputs=False, world_size=int(world) if world.isdigit() else None)
     except ConfigError as e:
+        problems += e.problems
+    if problems:
         if is_rank0():
-            for problem in e.problems:
+            for problem in problems:
                 print(f"error: {problem}", file=sys.stderr)
         return 2
     memory = float(options["--device-memory-gib"]) if "--device-memory-gib" in options else None
     machine = Machine.this(cuda=True if "cuda" in options else None, device_memory_gib=memory)
     if "--gpus-per-node" in options:
         machine = dataclasses.replace(machine, gpus_per_node=int(options["--gpus-per-node"]))
-    world_size = int(options.get("--world-size") or os.environ.get("WORLD_SIZE", "1"))
-    findings = check_recipe(cfg, world_size=world_size, machine=machine)
+    findings = check_recipe(cfg, world_size=int(world), machine=machine)
+    findings += [Finding("note", *problem.split(": ", 1)) for problem in input_problems(cfg)]
     if is_rank0():
         print("\n".join(str(f) for f in findings) or "no known pitfalls found")
     return 1 if any(f.severity == "error" for f in findings) else 0

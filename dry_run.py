@@ -7,7 +7,7 @@
 process group is a fake one (torch's FakeProcessGroup: every collective returns at once, nothing is
 sent) with WORLD_SIZE ranks, of which this process is rank 0; the model lives on the meta device
 (shapes, no storage). Everything else is the real start-up: the config's and the doctor's rules,
-the mesh, the pipeline stages, and parallelize_llama's TP, AC, compile wrappers and FSDP on rank
+the mesh, the pipeline stages, and parallelize_model's TP, AC, compile wrappers and FSDP on rank
 0's stages. Printed:
 
     layout    the degrees, micro-batches, stages and the blocks of each
@@ -17,16 +17,17 @@ the mesh, the pipeline stages, and parallelize_llama's TP, AC, compile wrappers 
     comm      bytes each rank moves per step, per mesh dimension (the formulas of `comm_per_step`)
     doctor    doctor.py's findings for the target machine: CUDA, LOCAL_WORLD_SIZE GPUs per node
               (default 8) of 80 GiB each
+    inputs    the data, tokenizer and weights the job reads that this machine lacks: notes, not errors
 
-Async TP (a CUDA-only compiler pass) is checked against a CUDA + NCCL machine and then left off,
-and nothing is compiled: compile wraps blocks lazily.
+Async TP (a CUDA-only compiler pass) is checked against a CUDA + NCCL machine and then left off
+(parallelize_model's planning), and nothing is compiled: compile wraps blocks lazily.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,43 +36,24 @@ from torch.distributed.tensor import DTensor
 
 import doctor
 import train
-from config import JobConfig, global_batch_size, model_args
-from errors import ConfigError
-from estimate_memory import GiB, estimate
+from config import JobConfig, dry_run_world, global_batch_size, input_problems, model_args
+from estimate_memory import GiB, Job, estimate, job_costs, job_of
 from loss import Loss
-from models.llama3 import ModelArgs, num_params
-from models.llama3.model import with_seq_len
-from parallelisms.async_tp import async_tp_problems
+from models import family, with_seq_len
 from parallelisms.fsdp import DTYPES
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.pp import check_microbatches, rank_stages, stage_layers
 
-TARGET_GPU_GIB = 80.0  # an H100's memory: the machine the dry run plans for
-
 
 def run(cfg: JobConfig) -> int:
+    """Print the plan of rank 0 of $WORLD_SIZE ranks; exit status 1 when a check finds an error (the job would fail)."""
     start = time.perf_counter()
-    world = os.environ.get("WORLD_SIZE", "")
-    if not world.isdigit() or int(world) < 1:
-        raise ConfigError(
-            f"comm.mode: fake_backend simulates rank 0 of WORLD_SIZE ranks, but WORLD_SIZE is {world or 'unset'!r}; "
-            "run e.g. WORLD_SIZE=64 python train.py --config ... --comm.mode=fake_backend (not under torchrun)"
-        )
-    world_size, t, par = int(world), cfg.training, cfg.parallelism
+    world_size, gpus_per_node, problems = dry_run_world()  # load_config refused bad variables
+    assert not problems, problems
+    t, par = cfg.training, cfg.parallelism
     dims = ParallelDims.from_config(par, world_size=world_size)
-    gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "8"))
-    machine = doctor.Machine(cuda=True, gpus_per_node=gpus_per_node, device_memory_gib=TARGET_GPU_GIB)
-    findings = doctor.check_recipe(cfg, world_size=world_size, machine=machine)
-    if par.enable_async_tensor_parallel and (
-        missing := async_tp_problems(
-            compile_enabled=cfg.compile.enable and "model" in cfg.compile.components,
-            tp_degree=dims.tp,
-            device_type="cuda",
-            backend="nccl",
-        )  # fmt: skip
-    ):
-        raise ConfigError(f"parallelism.enable_async_tensor_parallel: async TP needs {', '.join(missing)} to be fixed")
-
+    lines: list[str] = []
+    errors = False
     # The fake process group: rank 0 of world_size. (A private module of torch's tests, PyTorch 2.13; torchtitan
     # uses the same one for its fake_backend mode.)
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -79,24 +61,31 @@ def run(cfg: JobConfig) -> int:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         mesh = dims.build_mesh("cpu")
+        fam = family(cfg.model.name)
         args = dataclasses.replace(
             with_seq_len(model_args(cfg.model), t.seq_len), attn_mask_type=cfg.model.attn_mask_type
         )
         float8 = cfg.quantize.linear.float8 if "quantize.linear.float8" in cfg.model.converters else None
         model, pipeline = train.build_model(
-            args, dims=dims, mesh=mesh, training=t, parallelism=dataclasses.replace(par, enable_async_tensor_parallel=False),
-            ac=cfg.activation_checkpoint, compile=cfg.compile, float8=float8, loss_fn=Loss(), device=torch.device("cpu"),
+            fam, args, dims=dims, mesh=mesh, training=t, parallelism=par, ac=cfg.activation_checkpoint,
+            compile=cfg.compile, float8=float8, loss_fn=Loss(), device=torch.device("cpu"), planning=True,
         )  # fmt: skip
         parts = pipeline.parts if pipeline else [model]
         local = sum(_local_numel(p) for part in parts for p in part.parameters())
-        lines = describe(cfg, dims, args, mesh=mesh, local_params=local, machine=machine)
+        lines += describe(cfg, dims, args, mesh=mesh, local_params=local, job=job_of(cfg, dims, cuda=True))
     finally:
         dist.destroy_process_group()
-    lines += ["", f"doctor (CUDA, {gpus_per_node} GPUs per node, {TARGET_GPU_GIB:.0f} GiB each):"]
-    lines += [f"  {f}" for f in findings] or ["  no known pitfalls found"]
+    # Optional parts (doctor.py): each adds its lines and says whether it found an error. The GPUs planned for
+    # are H100s, 80 GiB each.
+    errors |= doctor.add_plan_report(
+        lines, cfg, world_size=world_size, gpus_per_node=gpus_per_node, device_memory_gib=80
+    )
+    if notes := input_problems(cfg):
+        lines += ["", "inputs the job reads that this machine lacks (its machines need them, a dry run does not):"]
+        lines += [f"  {note}" for note in notes]
     lines.append(f"\ndry run of rank 0 of {world_size} in {time.perf_counter() - start:.1f} s; nothing was allocated")
     print("\n".join(lines), flush=True)
-    return 1 if any(f.severity == "error" for f in findings) else 0
+    return 1 if errors else 0
 
 
 def _local_numel(p: torch.Tensor) -> int:
@@ -104,16 +93,16 @@ def _local_numel(p: torch.Tensor) -> int:
 
 
 def describe(
-    cfg: JobConfig, dims: ParallelDims, args: ModelArgs, *, mesh: DeviceMesh, local_params: int, machine: doctor.Machine
+    cfg: JobConfig, dims: ParallelDims, args: Any, *, mesh: DeviceMesh, local_params: int, job: Job
 ) -> list[str]:
     t, par = cfg.training, cfg.parallelism
     global_batch = global_batch_size(t, dp=dims.dp)
     grad_accum = global_batch // (t.local_batch_size * dims.dp)
-    total = num_params(args)
+    total = family(cfg.model.name).num_params(args)
     lines = [
-        f"{cfg.model.flavor}: {total / 1e9:.2f}B parameters on {dims.world_size} ranks = pp {dims.pp} x replicate "
-        f"{dims.dp_replicate} x shard {dims.dp_shard} x tp {dims.tp} | global batch {global_batch} x {t.seq_len} "
-        f"tokens, local batch {t.local_batch_size}, grad accumulation {grad_accum}",
+        f"{train.model_label(cfg.model)}: {total / 1e9:.2f}B parameters on {dims.world_size} ranks = pp {dims.pp} x "
+        f"replicate {dims.dp_replicate} x shard {dims.dp_shard} x tp {dims.tp} | global batch {global_batch} x "
+        f"{t.seq_len} tokens, local batch {t.local_batch_size}, grad accumulation {grad_accum}",
     ]
     if dims.pp_enabled:
         layers = stage_layers(args, par)
@@ -138,17 +127,18 @@ def describe(
         f"parameters on rank 0: {local_params:,} ({local_params / total:.3%} of {total:,}; an even split over the "
         f"{dims.world_size // dims.dp_replicate} ranks of one replica would be {even:,.0f})",
     ]
-    lines += ["", *memory_lines(cfg, dims, machine)]
+    tp_mesh = mesh["tp"] if dims.tp_enabled else None
+    lines += ["", *memory_lines(job, pp=dims.pp_enabled, tp_mesh=tp_mesh)]
     lines += ["", "communication per step and rank (ring algorithms: bytes each rank sends):"]
-    for name, (nbytes, what) in comm_per_step(cfg, dims, args, grad_accum=grad_accum).items():
+    for name, (nbytes, what) in comm_per_step(cfg, dims, job, grad_accum=grad_accum, tp_mesh=tp_mesh).items():
         lines.append(f"  {name:<13} {nbytes / GiB:9.2f} GiB   {what}")
     return lines
 
 
-def memory_lines(cfg: JobConfig, dims: ParallelDims, machine: doctor.Machine) -> list[str]:
+def memory_lines(job: Job, *, pp: bool, tp_mesh: DeviceMesh | None) -> list[str]:
     """estimate_memory.py's prediction for the pp rank that needs the most (the doctor's Job of this run)."""
-    e = estimate(doctor.memory_job(cfg, dims, machine))
-    where = f" on pp rank {e['pp_rank']}" if dims.pp_enabled else ""
+    e = estimate(job, tp_mesh=tp_mesh)
+    where = f" on pp rank {e['pp_rank']}" if pp else ""
     return [
         f"memory per GPU{where} (estimate_memory.py): {e['allocator_peak'] / GiB:.1f} GiB allocated at the peak "
         f"({e['peak_phase']}), {e['reserved'] / GiB:.1f} GiB reserved by the caching allocator, "
@@ -157,7 +147,7 @@ def memory_lines(cfg: JobConfig, dims: ParallelDims, machine: doctor.Machine) ->
 
 
 def comm_per_step(
-    cfg: JobConfig, dims: ParallelDims, args: ModelArgs, *, grad_accum: int
+    cfg: JobConfig, dims: ParallelDims, job: Job, *, grad_accum: int, tp_mesh: DeviceMesh | None = None
 ) -> dict[str, tuple[float, str]]:
     """Bytes each rank sends per optimizer step over each mesh dimension, by ring algorithms: an all-gather or
     reduce-scatter of N bytes (the full tensor) costs each of g ranks (g - 1) / g x N, an all-reduce twice that.
@@ -166,16 +156,17 @@ def comm_per_step(
               blocks again (unless parallelism.fsdp_reshard_after_forward = "never"; under PP the stage stays
               gathered for the whole step) and reduce-scatters every gradient in reduce_dtype.
     dp_repl.  HSDP: an all-reduce of the gradient shards per micro-batch (of the step, under PP).
-    tp        sequence parallel, per block and micro-batch: forward all-gathers the attention and MLP inputs
-              and reduce-scatters their outputs (4 x tokens x dim), backward the same again, full AC's
-              recomputation the forward once more; plus the embedding and output projection.
+    tp        the collectives of the family's TP plan as one traced block runs them (estimate_memory.block_costs:
+              forward, backward, and what AC recomputes), per block and micro-batch, plus the embedding's and
+              the output projection's.
     pp        each micro-batch's activations forward and their gradients backward across each stage boundary.
     """
     t, par = cfg.training, cfg.parallelism
+    args = job.args
     a, r = DTYPES[t.mixed_precision_param].itemsize, DTYPES[t.mixed_precision_reduce].itemsize
     ring = lambda g: (g - 1) / g  # noqa: E731
     pp, tp, shard, rep = dims.pp, dims.tp, dims.dp_shard, dims.dp_replicate
-    stage_params = num_params(args) / pp  # an average stage
+    stage_params = family(cfg.model.name).num_params(args) / pp  # an average stage
     local_tokens = t.local_batch_size * t.seq_len
     gathers = (
         1
@@ -194,11 +185,11 @@ def comm_per_step(
             "HSDP: gradient shards all-reduced",
         )
     if tp > 1:
-        recompute = 1 if cfg.activation_checkpoint.mode == "full" else 0
-        blocks = args.n_layers / pp
-        per_pass = 4 * local_tokens * args.dim * a * blocks + 2 * local_tokens * args.dim * a
-        out["tp"] = (ring(tp) * per_pass * grad_accum * (2 + recompute), "sequence parallel: 4 collectives of tokens x dim "
-                     f"per block, forward, backward{' and full AC recomputation' if recompute else ''}")  # fmt: skip
+        costs = job_costs(job, tp_mesh=tp_mesh)
+        # A micro-batch of the pipeline is 1/microbatches of the local batch; the costs are per micro-batch.
+        per_local_batch = job.microbatches * (sum(costs.tp_block) * args.n_layers / pp + sum(costs.tp_outside))
+        out["tp"] = (ring(tp) * per_local_batch * grad_accum, "the TP plan's all-gathers and reduce-scatters, "
+                     "traced on one block: forward, backward and AC's recomputation")  # fmt: skip
     if pp > 1:  # rank 0's stages: each but the last sends activations, each but the first gradients
         stages = len(stage_layers(args, par))
         ours = rank_stages(0, pp=pp, stages=stages)

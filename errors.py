@@ -2,7 +2,11 @@
 
 `ConfigError` is every mistake in the user's input (config, data, tokenizer, checkpoint,
 launch): one line per problem, naming the key or file and the fix, all problems together.
-`train.py` prints it once (rank 0) and exits with status 2; nothing is written before.
+`train.py` prints it once (rank 0) and exits with status 2. What a run may have written before
+it (its dump folder and lock, a tokenization cache of raw data) is whole: nothing half-written
+that a rerun would trust (checkpoints publish only when complete, caches only with a manifest).
+
+`writable_folder` is the one rule for folders the recipe writes to (dump, checkpoint, cache).
 
 `warn` is the one way this repo tells a user that a setting is ignored or risky: one line on
 stderr, from global rank 0 only, once per message.
@@ -10,8 +14,11 @@ stderr, from global rank 0 only, once per message.
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
+import tempfile
+from pathlib import Path
 
 
 class ConfigError(ValueError):
@@ -35,3 +42,21 @@ def warn(message: str) -> None:
     if is_rank0() and message not in _warned:
         _warned.add(message)
         print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def writable_folder(folder: Path, *, key: str) -> Path:
+    """Create `folder` and prove a file can be written in it, or raise one line naming `key` that says why not."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-test-"):
+            pass
+    except (FileExistsError, NotADirectoryError):
+        raise ConfigError(
+            f"{key}: {folder} exists and is not a folder (or a parent is a file); choose another"
+        ) from None
+    except OSError as e:
+        why = {errno.ENAMETOOLONG: "its name is too long", errno.EROFS: "the file system is read-only"}.get(
+            e.errno, e.strerror or type(e).__name__
+        )
+        raise ConfigError(f"{key}: cannot write to {folder} ({why}); choose a writable folder") from None
+    return folder

@@ -20,12 +20,12 @@ Components, per GPU (formulas below, where each term is one tensor):
   gathered params   FSDP units all-gathered in param_dtype: the root unit (norm + output), gathered
                     for the whole step, and in backward two blocks (the one in backward and the
                     prefetched one). bf16 halves them.
-  activations       per block as documented under "Activations" below (no AC: norms, q/k/v/out
-                    and logsumexp of SDPA, four T x F tensors of the SwiGLU; full AC: the block
-                    input; selective op: the block input + every other matmul output + SDPA's
-                    outputs; selective k: full AC on every k-th block), plus the final norm and token
-                    ids. The same formulas agree with the bytes benchmarks/memory.py measures on the
-                    debug model to within 2% (benchmarks/test_memory.py).
+  activations       per block, what one block of the job's model really saves for backward (a
+                    trace on fake tensors, `block_costs`, under "Activations" below): without AC,
+                    with the job's AC (full: the block input; selective op: the input + what the
+                    family's SAC keeps; selective k: full AC on every k-th block), plus the final
+                    norm and token ids. benchmarks/test_memory.py checks them against the bytes
+                    benchmarks/memory.py measures per rank on real tensors.
   logits + loss     T x V/tp logits. Forward: bf16 logits + fp32 copy + fp32 log-softmax (saved)
                     = 2+4+4 bytes per logit. Start of backward (higher): the saved log-softmax +
                     the fp32 gradients of nll and of log-softmax = 12 bytes (tp = 1, fused
@@ -42,7 +42,7 @@ Components, per GPU (formulas below, where each term is one tensor):
                     is over (the root's inputs are token ids, so its post-backward hook is the final
                     callback), so it is alive through every block's backward.
   block backward    the recomputation of one checkpointed block (what it did not keep), its
-                    activation gradients (~2 T x D + 2 T x F) and its unsharded gradient in
+                    activation gradients (~2 T x D + 2 x the widest projection output) and its unsharded gradient in
                     param_dtype + the reduce_dtype copy FSDP reduce-scatters.
   peak (allocated)  state + the worst of the backward's phases, each a sum of what is alive then:
                       loss       root unit + all activations + logits/loss buffers (+ the chunked
@@ -107,7 +107,7 @@ reported (--pp-rank picks one). What changes on a rank:
                      (_calculate_single_rank_operations, torch 2.13), replayed; a micro-batch holds
                      one stage's activations. Zero bubble splits backward into input (I) and weight
                      (W) gradients: between the two a micro-batch is counted with the inputs its
-                     weight gradients need (per block a*T*(2D + (Dq + F)/tp)), an estimate that
+                     weight gradients need (per block: the activations its matmuls read, traced), an estimate that
                      ignores what autograd frees earlier.
   * the loss phase only on the rank with the last stage; the embedding phase only on stage 0.
   * pp send/recv buffers: one micro-batch's hidden states each way, 2*a*T*D/tp.
@@ -117,83 +117,65 @@ Not modelled: torch.compile (fuses norms/activations and lowers the transient te
 context parallel, fsdp_reshard_after_forward = "never", the optimizer step's temporaries (fused
 AdamW has none; the step comes after the activations are freed, and reuses their cached blocks).
 
-Fake-tensor step (fake_step_memory, fake_job_memory, --fake-step). torch's own count instead of
-these formulas: the job's model (or pp rank's stage) built on the meta device, parallelized by
-parallelize_llama on a fake process group of the job's ranks, materialized as fake tensors (no
+Fake-tensor step (fake_step_memory, fake_job_memory, --fake-step). torch's own count of a whole step
+instead of this model: the job's model (or pp rank's stage) built on the meta device, parallelized by
+parallelize_model on a fake process group of the job's ranks, materialized as fake tensors (no
 memory, no compute) and stepped as train.py steps it under torch's FSDPMemTracker, which files every
 tensor under a category (sharded/unsharded parameters and gradients, activations, backward
 temporaries, optimizer state, collective buffers) and keeps the breakdown at the peak. Without TP it
-counts to the byte what the same tracker counts on real tensors over gloo (debug model, 2 ranks:
-85.04 MiB op SAC, 65.54 MiB full AC with chunked loss), and the formula's allocated peak is within
-3% of it (1.9% below, 2.4% above; 8B on 64 ranks, seq 8192, op SAC, chunks of 2048: 23.7 GiB by
-the formula, 22.7 fake, the chunked loss's backward is where they differ). Under TP it over-counts
-(torch 2.13): the debug model on TP 2 peaks at 73.4 MiB on fake tensors, at 67.2 on real ones (the
-formula: 67.0); the extra is one fp32 logits-sized tensor in the loss-parallel forward, probably a
-collective's output that fake tensors allocate where the real all-reduce works in place. 405B's pp
-rank 0 (TP 8, PP 8) steps to 71.2 GiB fake against 50.8 by the formula, the difference in backward
-temporaries, not explained. So under TP read it as an upper bound. Time on this machine's 2 cores:
-~2 s for the debug model, ~12 s for 8B on 64 ranks, ~30 s for 405B's pp rank 0 on 512 ranks with 8
-micro-batches in flight (the time grows with the micro-batches and the blocks).
+counts what the same tracker counts on real tensors over gloo; under TP it over-counts (torch 2.13:
+one fp32 logits-sized tensor of the loss-parallel forward, probably a collective's output that fake
+tensors allocate where the real all-reduce works in place), so read it as an upper bound there. How
+close the two are, and how long each takes: docs/benchmarks.md ("Estimator").
 
-Activations. The formulas are checked against what `benchmarks/memory.py` measures on the debug
-model (benchmarks/test_memory.py): on CPU the saved bytes agree to within 2%, because every term
-below is one tensor that autograd, a checkpoint or selective AC's cache really keeps (the difference is FSDP's bf16 copy of the RoPE table that each
-block receives, 16 KiB there, and scalars). The rest (gathered units in flight, backward working set,
-allocator and CUDA/NCCL overhead) is a model, stated term by term, not a measurement.
+Activations. Every per-block number comes from the model itself: `trace_costs` runs one forward and
+backward of a one-block model of the job's family, parallelized as the run parallelizes it (the
+family's TP plan over a TP mesh, `apply_ac` with the family's SAC list), on fake tensors, and watches
+every op. What a block saves is the storages its ops created (or received) that are still alive once
+forward is over, parameters and buffers excepted: exactly what autograd, a checkpoint or selective
+AC's cache holds, whatever the block computes (SwiGLU or not, QK-norm or not). The same trace gives
+the widest output of a column-parallel projection (two of them and two T x D gradients are the
+block's backward working set), the activations its matmuls read (what zero bubble's weight gradients
+keep), and the bytes of the TP collectives of its forward and backward (the dry run's TP line). The
+kernels are the CPU's; the one difference that matters on CUDA is nn.RMSNorm, a fused kernel there
+(PyTorch >= 2.8) that saves its input and an fp32 scale per row where the CPU's composite one saves
+fp32 copies: with rmsnorm "fused" the trace counts each RMSNorm of an uncheckpointed block so. The
+rest (gathered units in flight, allocator and CUDA/NCCL overhead) is a model, stated term by term.
 
 Notation (per rank): T = local_batch_size x seq_len tokens (pp_microbatch_size x seq_len under PP);
-D = dim; Dq = n_heads x head_dim (= D); Dkv = n_kv_heads x head_dim; F = ffn_hidden_dim; H = n_heads;
-V = vocab; L = n_layers; a = bytes per element of the compute dtype (FSDP param_dtype: 2 for bf16,
-4 for fp32); r = bytes of reduce_dtype; t = TP degree (sequence parallel on: norms see T/t tokens,
-attention/MLP see H/t heads, F/t).
-
-Saved for backward by one block without AC (eager, SDPA flash or the CPU flash kernel):
-
-    each RMSNorm (x2)   fused kernel: its input a*T*D/t + rstd 4*T/t
-                        composite (CPU eager, torch <= 2.7 on CUDA): fp32 input 4*T*D/t
-                        (the upcast copy; x itself when a = 4), x*rstd in fp32 4*T*D/t, rstd 4*T/t
-                        + its output as the next matmul's input: a*T*D (gathered to all T under SP)
-    attention           q, k, v, out of SDPA: 4*a*T*Dq/t (k and v after repeat_interleave to H
-                        heads: GQA saves no activation memory here), logsumexp 4*T*H/t
-    SwiGLU MLP          w1 out, silu(w1 out), w3 out, their product (w2's input): 4*a*T*F/t
-
-    e.g. debugmodel (D=256, F=768, H=16), fp32, composite norms: 88.3 bytes per token x D.
-
-With AC (parallelisms/ac.py), per checkpointed block, what stays between forward and backward:
-
-    full                the block input a*T*D/t (held by the non-reentrant checkpoint)
-    selective op        the block input + the outputs selective AC caches: every other matmul
-                        (wq a*T*Dq, wv a*T*Dkv, w1 a*T*F, w2 a*T*D; wk, wo, w3 are recomputed),
-                        SDPA's output a*T*Dq and logsumexp 4*T*H; under TP each of those /t except
-                        w2's partial-sum output (full size), plus the cached reduce-scatter outputs
-                        of wo and w2 (a*T*D/t each)
-    selective k         full AC on every k-th block (blocks k-1, 2k-1, ... of the model or stage), none
-                        on the others
-
-Outside the blocks: token ids and labels (int64, 16*T), the final norm (as above), and the
-fp32 log-softmax of the loss, 4*T*V/t (loss parallel keeps the vocabulary sharded).
+D = dim; V = vocab; a = bytes per element of the compute dtype (FSDP param_dtype: 2 for bf16, 4 for
+fp32); r = bytes of reduce_dtype; t = TP degree (sequence parallel on: the residual stream and the
+norms see T/t tokens, the projections' inputs are gathered to all T).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import functools
 import sys
 import time
 import types
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.multiprocessing.reductions import StorageWeakRef
 
-from config import Parallelism, Training, selective_ac_every
+from config import JobConfig, Parallelism, Training, global_batch_size, model_args, selective_ac_every
 from errors import ConfigError
-from models.llama3 import FLAVORS, ModelArgs, num_params
-from parallelisms.parallel_dims import ParallelDims
-from parallelisms.pp import SCHEDULES, check_microbatches, rank_stages, stage_layers
-from parallelisms.tp import check_tp
+from metrics import observe_ops
+from models import NAMES, ModelFamily, family, with_seq_len
+from parallelisms.parallel_dims import ParallelDims, layout_problems
+from parallelisms.pp import SCHEDULES, rank_stages, stage_layers
 
 GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -204,36 +186,7 @@ RMSNorm = Literal["fused", "composite"]
 FRAGMENTATION = 0.17
 
 
-# ----------------------------------------------------------------- activations
-
-
-def _norm_bytes(args: ModelArgs, *, tokens: int, act_bytes: int, tp: int, rmsnorm: RMSNorm) -> int:
-    """One RMSNorm: what it saves plus its output saved by the matmul(s) it feeds."""
-    T, D, a = tokens, args.dim, act_bytes
-    own = a * T * D + 4 * T if rmsnorm == "fused" else 8 * T * D + 4 * T
-    return own // tp + a * T * D
-
-
-def block_bytes_no_ac(args: ModelArgs, *, tokens: int, act_bytes: int, tp: int = 1, rmsnorm: RMSNorm = "fused") -> int:
-    """Bytes one block saves for backward without activation checkpointing."""
-    T, a, Dq, F, H = tokens, act_bytes, args.n_heads * args.head_dim, args.ffn_hidden_dim, args.n_heads
-    norms = 2 * _norm_bytes(args, tokens=T, act_bytes=a, tp=tp, rmsnorm=rmsnorm)
-    attention = (4 * a * T * Dq + 4 * T * H) // tp
-    mlp = 4 * a * T * F // tp
-    return norms + attention + mlp
-
-
-def block_bytes_checkpointed(args: ModelArgs, *, tokens: int, act_bytes: int, tp: int = 1, op_sac: bool) -> int:
-    """Bytes a checkpointed block keeps until its backward: its input, plus selective AC's cache."""
-    T, a, D = tokens, act_bytes, args.dim
-    kept = a * T * D // tp  # the block input, held by the checkpoint for the recomputation
-    if op_sac:
-        Dq, Dkv, F, H = args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.ffn_hidden_dim, args.n_heads
-        kept += a * T * (Dq + Dkv + F + Dq) // tp + 4 * T * H // tp  # wq, wv, w1, SDPA out; logsumexp
-        kept += a * T * D  # w2's output: complete (t = 1) or a full-size partial sum (t > 1)
-        if tp > 1:
-            kept += 2 * a * T * D // tp  # the reduce-scatters after wo and w2 (in the save list)
-    return kept
+# ----------------------------------------------------------------- AC modes
 
 
 def checkpoint_every(ac: str) -> int:
@@ -255,32 +208,262 @@ def checkpointed_blocks(n_layers: int, ac: str) -> int:
     return sum(every > 0 and (i + 1) % every == 0 for i in range(n_layers))
 
 
-def activation_bytes(
-    args: ModelArgs,
+# ----------------------------------------------------------------- the model's costs
+
+
+@dataclass(frozen=True)
+class BlockCosts:
+    """What one rank holds and moves for the model's parts per micro-batch, read off one traced step
+    (`trace_costs`): parameters after TP, before FSDP; bytes of the tensors themselves."""
+
+    block_params: int
+    """Parameters of one block on this rank (TP splits some)."""
+    embedding_params: int
+    """Of the embedding unit (0 when tied: the matrix lives in the root unit)."""
+    root_params: int
+    """Of the root unit: final norm + output projection (or the tied matrix)."""
+    saved: int
+    """Bytes one block saves for backward without activation checkpointing, its input included when saved."""
+    kept: int
+    """Bytes a block keeps from forward to backward under the AC mode (its input and, for op SAC, its cache)."""
+    widest: int
+    """Bytes of the widest output of a block's column-parallel (or unsplit) linear, per rank."""
+    matmul_inputs: int
+    """Bytes of the distinct activations a block's linears read: what its weight gradients need."""
+    final_norm: int
+    """Bytes the final norm saves, its output excluded (the loss keeps the gathered output)."""
+    tp_block: tuple[int, int]
+    """Bytes of the TP collectives of one block (full tensors), forward and backward (recomputation included)."""
+    tp_outside: tuple[int, int]
+    """The same for the embedding and the output projection."""
+
+
+_TRACES: dict[tuple, BlockCosts] = {}
+
+
+def block_costs(
+    family: ModelFamily,
+    args: Any,
     *,
     batch: int,
     seq_len: int,
-    act_bytes: int,
-    ac: str = "none",
+    dtype: torch.dtype,
+    ac: str,
     tp: int = 1,
     rmsnorm: RMSNorm = "fused",
-) -> dict[str, int]:
-    """Bytes saved for backward at the end of forward (what benchmarks/memory.py measures), by part."""
-    T = batch * seq_len
-    n_ckpt = checkpointed_blocks(args.n_layers, ac)
-    per_none = block_bytes_no_ac(args, tokens=T, act_bytes=act_bytes, tp=tp, rmsnorm=rmsnorm)
-    per_ckpt = block_bytes_checkpointed(args, tokens=T, act_bytes=act_bytes, tp=tp, op_sac=ac == "selective-op")
-    blocks = (args.n_layers - n_ckpt) * per_none + n_ckpt * per_ckpt
-    outside = 16 * T + _norm_bytes(args, tokens=T, act_bytes=act_bytes, tp=tp, rmsnorm=rmsnorm)
-    log_softmax = 4 * T * args.vocab_size // tp
-    return {
-        "per_block_no_ac": per_none,
-        "per_block_checkpointed": per_ckpt if n_ckpt else 0,
-        "blocks": blocks,
-        "outside_blocks": outside,
-        "log_softmax": log_softmax,
-        "total": blocks + outside + log_softmax,
-    }
+    tp_mesh: DeviceMesh | None = None,
+) -> BlockCosts:
+    """The costs of `trace_costs` under `ac` (an AC mode of `checkpoint_every`; "selective-<k>" is traced as full
+    AC, which is what the blocks it checkpoints get), `saved` from a trace without AC; cached per shape.
+
+    tp > 1 needs a TP mesh: `tp_mesh` (the run's mesh["tp"] when a process group runs), else a fake
+    process group of tp ranks is started for the trace and ended after it."""
+    mode = "none" if checkpoint_every(ac) == 0 else "op" if ac == "selective-op" else "full"
+    traced = {}
+    for m in dict.fromkeys(("none", mode)):
+        key = (family.name, args, batch, seq_len, dtype, m, tp, rmsnorm)
+        if key not in _TRACES:
+            with _tp_mesh(tp, tp_mesh) as mesh:
+                _TRACES[key] = trace_costs(
+                    family, args, batch=batch, seq_len=seq_len, dtype=dtype, ac=m, rmsnorm=rmsnorm, tp_mesh=mesh
+                )
+        traced[m] = _TRACES[key]
+    return dataclasses.replace(traced[mode], saved=traced["none"].saved)
+
+
+@contextlib.contextmanager
+def _tp_mesh(tp: int, mesh: DeviceMesh | None) -> Iterator[DeviceMesh | None]:
+    if tp == 1:
+        yield None
+        return
+    if mesh is not None:
+        assert mesh.size() == tp, f"a TP mesh of {mesh.size()} ranks for tp {tp}"
+        yield mesh
+        return
+    if dist.is_initialized():
+        raise ValueError(f"block_costs: tp {tp} needs a TP mesh; pass tp_mesh (a process group is running)")
+    # torch's "fake" backend (torch.testing, PyTorch 2.13, as the dry run uses it): collectives that return at once.
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    try:
+        yield init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
+    finally:
+        dist.destroy_process_group()
+
+
+def trace_costs(
+    family: ModelFamily,
+    args: Any,
+    *,
+    batch: int,
+    seq_len: int,
+    dtype: torch.dtype,
+    ac: Literal["none", "full", "op"],
+    rmsnorm: RMSNorm = "fused",
+    tp_mesh: DeviceMesh | None = None,
+) -> BlockCosts:
+    """One forward and backward of a one-block model of `family` on fake tensors (no memory, no compute),
+    parallelized as a run does it (the family's TP plan over `tp_mesh`, `apply_ac`), watched op by op.
+
+    Saved bytes are storages an op created that are still alive once forward is over (what autograd, a
+    checkpoint or selective AC's cache hold), parameters and buffers not counted. So every term is
+    whatever the family's modules really keep, SwiGLU or not. The kernels are this machine's (the
+    CPU's); one difference matters on CUDA: nn.RMSNorm is a fused kernel there (PyTorch >= 2.8) that
+    saves its input and one fp32 scale per row, where the CPU's composite one saves fp32 copies. With
+    rmsnorm "fused" the trace counts each RMSNorm of an uncheckpointed block (and the final one) so.
+    """
+    from config import ActivationCheckpoint
+    from parallelisms.ac import apply_ac
+    from parallelisms.tp import apply_tp
+
+    one = dataclasses.replace(args, n_layers=1, max_seq_len=seq_len, attn_mask_type="causal")
+    with torch.device("meta"):
+        model = family.model_cls(one).to(dtype)
+    if tp_mesh is not None:
+        apply_tp(model, tp_mesh, block_plan=family.tp_plan, loss_parallel=True, seq_len=seq_len)
+    if ac != "none":
+        cfg = ActivationCheckpoint(mode="full" if ac == "full" else "selective", selective_ac_option="op")
+        apply_ac(model, cfg, saved_linears=family.sac_saved_linears)
+    block = model.layers["0"]
+    tp = tp_mesh.size() if tp_mesh is not None else 1
+    watch = _Watch(model, block, tp=tp)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu")
+        watch.skip |= {_key(_local(t)) for t in [*model.parameters(), *model.buffers()]}
+        tokens = torch.randint(0, one.vocab_size, (batch, seq_len))
+        with observe_ops(watch.on_op):
+            logits = model(tokens, head=model.project)
+        watch.phase = "after"
+        saved, final_norm = watch.saved(block), watch.saved(model.norm)
+        if rmsnorm == "fused":
+            final_norm += watch.fused_correction(model.norm)
+            if ac == "none":
+                saved += sum(watch.fused_correction(m) for m in block.modules() if isinstance(m, nn.RMSNorm))
+        logits = _local(logits).float().sum()
+        watch.phase = "backward"
+        with observe_ops(watch.on_op):
+            logits.backward()
+    embedding = 0 if one.tie_word_embeddings else _numel(model.tok_embeddings)
+    root = _numel(model.norm) + (_numel(model.output) if model.output is not None else _numel(model.tok_embeddings))
+    return BlockCosts(
+        block_params=_numel(block), embedding_params=embedding, root_params=root, saved=saved, kept=saved, widest=max(watch.linear_outputs, default=0), matmul_inputs=sum(watch.linear_inputs.values()),
+        final_norm=final_norm, tp_block=(watch.comm["block forward"], watch.comm["block backward"]),
+        tp_outside=(watch.comm["forward"], watch.comm["backward"]),
+    )  # fmt: skip
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _key(t: torch.Tensor) -> int:
+    return StorageWeakRef(t.untyped_storage()).cdata
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(_local(p).numel() for p in module.parameters())
+
+
+class _Watch:
+    """The bookkeeping of trace_costs: which storages each part of the model created and which survive, the
+    linears' inputs and outputs, and the bytes of the collectives, by phase of the step."""
+
+    # Functional collectives (DTensor's), and which tensor is the full one: its bytes count (an all-reduce's
+    # twice: a ring all-reduce sends as much as a reduce-scatter plus an all-gather).
+    _COLLECTIVES = {"all_gather_into_tensor": ("out", 1), "reduce_scatter_tensor": ("in", 1), "all_reduce": ("in", 2)}
+
+    def __init__(self, model: nn.Module, block: nn.Module, *, tp: int):
+        self.phase = "forward"  # forward, block forward, after, backward, block backward
+        self.skip: set[int] = set()
+        self.created: dict[int, tuple[StorageWeakRef, int]] = {}  # every storage an op made, and its bytes
+        self.windows: dict[nn.Module, dict] = {}  # module -> its forward's input, output and the storages it made
+        self.linear_outputs: list[int] = []
+        self.linear_inputs: dict[int, int] = {}
+        self.comm: Counter[str] = Counter()
+        self._open: list[nn.Module] = []
+        self.block = block
+        watched = [block, model.norm, *(m for m in block.modules() if isinstance(m, nn.RMSNorm))]
+        for module in dict.fromkeys(watched):
+            module.register_forward_pre_hook(self._enter)
+            module.register_forward_hook(self._exit)
+        for linear in block.modules():
+            if isinstance(linear, nn.Linear):
+                # Column-parallel (or unsplit): the output is split over the TP ranks, its width / tp.
+                columns = tp == 1 or getattr(linear.weight, "placements", (None,))[0] == Shard(0)
+                linear.register_forward_hook(functools.partial(self._linear, columns))
+        block.register_forward_pre_hook(self._mark_block_input)
+        block.register_forward_hook(self._mark_block_output)
+
+    def _enter(self, module: nn.Module, args: tuple) -> None:
+        if self.phase.endswith("forward") and module not in self.windows:  # the first call, not a recomputation
+            x = _local(args[0])
+            self.windows[module] = {"input": (StorageWeakRef(x.untyped_storage()), x.untyped_storage().nbytes()),
+                                    "rows": x.numel() // x.shape[-1], "made": set(), "output": None}  # fmt: skip
+            self._open.append(module)
+            if module is self.block:
+                self.phase = "block forward"
+
+    def _exit(self, module: nn.Module, args: tuple, out: Any) -> None:
+        if self._open and self._open[-1] is module:
+            self._open.pop()
+            self.windows[module]["output"] = _key(_local(out))
+            if self.phase == "block forward" and module is self.block:
+                self.phase = "forward"
+
+    def _mark_block_input(self, module: nn.Module, args: tuple) -> None:
+        if self.phase.endswith("forward"):
+            args[0].register_hook(self._block_backward_end)  # its gradient is the block backward's last
+
+    def _mark_block_output(self, module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        out.register_hook(self._block_backward_start)
+
+    def _block_backward_start(self, grad: torch.Tensor) -> None:
+        self.phase = "block backward"
+
+    def _block_backward_end(self, grad: torch.Tensor) -> None:
+        self.phase = "backward"
+
+    def _linear(self, columns: bool, module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        if self.phase == "block forward":
+            if columns:
+                self.linear_outputs.append(_local(out).untyped_storage().nbytes())
+            x = _local(args[0])
+            self.linear_inputs[_key(x)] = x.untyped_storage().nbytes()
+
+    def on_op(self, op: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any) -> None:
+        if self.phase == "after":
+            return
+        name = op._opname if op.namespace == "_c10d_functional" else ""
+        if name in self._COLLECTIVES:
+            which, times = self._COLLECTIVES[name]
+            tensor = out if which == "out" else args[0]
+            self.comm[self.phase] += times * tensor.numel() * tensor.element_size()
+        if self.phase.endswith("backward"):
+            return
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
+                ref = StorageWeakRef(t.untyped_storage())
+                if ref.cdata not in self.skip and ref.cdata not in self.created:
+                    self.created[ref.cdata] = (ref, t.untyped_storage().nbytes())
+                    for module in self._open:
+                        self.windows[module]["made"].add(ref.cdata)
+
+    def _alive(self, keys: set[int]) -> int:
+        return sum(self.created[k][1] for k in keys if not self.created[k][0].expired())
+
+    def saved(self, module: nn.Module) -> int:
+        """Bytes of what `module`'s forward made (its output excluded) or received that is still alive."""
+        w = self.windows[module]
+        ref, nbytes = w["input"]
+        received = nbytes if not ref.expired() and ref.cdata not in w["made"] else 0
+        return self._alive(w["made"] - {w["output"]}) + received
+
+    def fused_correction(self, norm: nn.Module) -> int:
+        """A fused RMSNorm's saved bytes (its input and one fp32 scale per row) minus the composite one's."""
+        w = self.windows[norm]
+        ref, nbytes = w["input"]
+        return -self._alive(w["made"] - {w["output"]}) + 4 * w["rows"] + (nbytes if ref.expired() else 0)
 
 
 # --------------------------------------------------------------- whole GPU
@@ -291,6 +474,7 @@ class Job:
     """One training setup: what estimate() needs to know (the CLI's flags, or doctor.py's config)."""
 
     flavor: str = "llama3_8b"
+    family: str = "llama3"  # [model] name: the folder of models/ that has the flavor
     ngpu: int = 8  # ranks of the job (GPUs, or CPU processes)
     tp: int = 1
     replicate: int = 1
@@ -307,7 +491,7 @@ class Job:
     # training.loss_chunk_tokens; 0 (torchtitan's loss, the references') = all logits at once.
     loss_chunk_tokens: int = 0
     overhead_gib: float = 2.0
-    model: ModelArgs | None = None  # a shape that is not a flavor (a Hugging Face config.json); flavor names it
+    model: Any = None  # ModelArgs of a shape that is not a flavor (a Hugging Face config.json); flavor names it
     # Micro-batches per optimizer step: training.global_batch_size / (local_batch_size x dp). From the
     # second on, the gradient shards of the earlier ones are alive through forward and backward.
     grad_accum: int = 1
@@ -326,18 +510,10 @@ class Job:
     def __post_init__(self) -> None:
         """The recipe's own rules (ParallelDims, the TP plan, the pipeline split and micro-batches) raise one
         ConfigError with all their problems; the estimator's own inputs ValueError."""
-        rules = [lambda: ParallelDims.from_config(self.parallelism, world_size=self.ngpu)]
-        if self.tp > 1:
-            rules.append(lambda: check_tp(self.args, tp_degree=self.tp, seq_len=self.seq_len))
-        if self.pp > 1:
-            rules.append(lambda: stage_layers(self.args, self.parallelism))
-            rules.append(lambda: check_microbatches(self.parallelism, local_batch_size=self.local_batch_size))
-        problems: list[str] = []
-        for rule in rules:
-            try:
-                rule()
-            except ConfigError as e:
-                problems += e.problems
+        problems = layout_problems(
+            self.parallelism, world_size=self.ngpu, args=self.args, seq_len=self.seq_len,
+            local_batch_size=self.local_batch_size,
+        )  # fmt: skip
         if problems:
             raise ConfigError(*problems)
         for name in ("param_dtype", "reduce_dtype"):
@@ -350,8 +526,14 @@ class Job:
             raise ValueError(f"allocator: expected cuda or cpu, got {self.allocator!r}")
 
     @property
-    def args(self) -> ModelArgs:
-        return self.model if self.model is not None else FLAVORS[self.flavor]
+    def fam(self) -> ModelFamily:
+        return family(self.family)
+
+    @property
+    def args(self) -> Any:
+        if self.model is not None:
+            return self.model
+        return self.fam.flavors[self.fam.flavor_aliases.get(self.flavor, self.flavor)]
 
     @property
     def parallelism(self) -> Parallelism:
@@ -385,13 +567,27 @@ class Job:
         return (self.pp_microbatch_size if self.pp > 1 else self.local_batch_size) * self.seq_len
 
 
-def _block_params(args: ModelArgs) -> tuple[int, int]:
-    """(TP-sharded, replicated) parameters of one block: the matmul weights, the two norm weights."""
-    matmuls = args.dim * args.head_dim * (2 * args.n_heads + 2 * args.kv_heads) + 3 * args.dim * args.ffn_hidden_dim
-    return matmuls, 2 * args.dim
-
-
 _ACTIONS = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
+
+
+def job_of(cfg: JobConfig, dims: ParallelDims, *, cuda: bool) -> Job:
+    """A run's config as a Job (the doctor's memory check, the dry run): for CUDA GPUs, or for CPU ranks. ConfigError
+    for a shape the layout cannot split, which the run itself refuses with its own message."""
+    t, ac, par = cfg.training, cfg.activation_checkpoint, cfg.parallelism
+    return Job(
+        family=cfg.model.name, flavor=cfg.model.flavor, model=model_args(cfg.model), ngpu=dims.world_size, tp=dims.tp,
+        replicate=dims.dp_replicate, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
+        grad_accum=global_batch_size(t, dp=dims.dp) // (t.local_batch_size * dims.dp),
+        param_dtype=t.mixed_precision_param, reduce_dtype=t.mixed_precision_reduce,
+        ac=f"selective-{ac.selective_ac_option}" if ac.mode == "selective" else ac.mode,
+        cpu_offload=t.enable_cpu_offload and cuda, loss_chunk_tokens=t.loss_chunk_tokens,
+        pp=dims.pp, pp_schedule=par.pipeline_parallel_schedule, pp_microbatch_size=par.pipeline_parallel_microbatch_size,
+        pp_layers_per_stage=par.pipeline_parallel_layers_per_stage,
+        pp_first_stage_less_layers=par.pipeline_parallel_first_stage_less_layers,
+        pp_last_stage_less_layers=par.pipeline_parallel_last_stage_less_layers,
+        # Eager CPU RMSNorm is the composite one; a CPU process has no CUDA context, NCCL buffers or caching allocator.
+        rmsnorm="fused" if cuda else "composite", overhead_gib=2.0 if cuda else 0.5, allocator="cuda" if cuda else "cpu",
+    )  # fmt: skip
 
 
 def rank_ops(schedule: str, *, pp_rank: int, pp: int, n_local: int, n_mb: int) -> list[tuple[str, int, int]]:
@@ -420,23 +616,49 @@ def rank_ops(schedule: str, *, pp_rank: int, pp: int, n_local: int, n_mb: int) -
     ]
 
 
-def estimate_rank(job: Job, pp_rank: int = 0) -> dict[str, float | int | str]:
+def job_costs(job: Job, *, tp_mesh: DeviceMesh | None = None) -> BlockCosts:
+    """block_costs of one micro-batch of `job` through one block, in its param_dtype."""
+    return block_costs(
+        job.fam, job.args, batch=job.microbatch_tokens // job.seq_len, seq_len=job.seq_len,
+        dtype=getattr(torch, job.param_dtype), ac=job.ac, tp=job.tp, rmsnorm=job.rmsnorm, tp_mesh=tp_mesh,
+    )  # fmt: skip
+
+
+def activation_bytes(job: Job, *, tp_mesh: DeviceMesh | None = None) -> dict[str, int]:
+    """Bytes saved for backward at the end of one micro-batch's forward through the whole model (what
+    benchmarks/memory.py measures), by part: the blocks, what lies outside them (token ids, the final
+    norm and its gathered output), the loss's fp32 log-softmax."""
+    costs, args, a = job_costs(job, tp_mesh=tp_mesh), job.args, DTYPE_BYTES[job.param_dtype]
+    T, checkpointed = job.microbatch_tokens, checkpointed_blocks(job.args.n_layers, job.ac)
+    blocks = (args.n_layers - checkpointed) * costs.saved + checkpointed * costs.kept
+    outside = 16 * T + costs.final_norm + a * T * args.dim
+    log_softmax = 4 * T * args.vocab_size // job.tp
+    return {
+        "per_block_no_ac": costs.saved,
+        "per_block_checkpointed": costs.kept if checkpointed else 0,
+        "blocks": blocks,
+        "outside_blocks": outside,
+        "log_softmax": log_softmax,
+        "total": blocks + outside + log_softmax,
+    }
+
+
+def estimate_rank(job: Job, pp_rank: int = 0, *, tp_mesh: DeviceMesh | None = None) -> dict[str, float | int | str]:
     """Per-GPU bytes by component, the allocated peak and the reserved estimate of one pp rank (the module
-    docstring tells the story)."""
+    docstring tells the story). tp_mesh: see block_costs."""
     args, t, a, r = job.args, job.tp, DTYPE_BYTES[job.param_dtype], DTYPE_BYTES[job.reduce_dtype]
-    V, D, F = args.vocab_size, args.dim, args.ffn_hidden_dim
+    V, D = args.vocab_size, args.dim
     pipelined = job.pp > 1
     stages = job.stages
     last = len(stages) - 1
     local = rank_stages(pp_rank, pp=job.pp, stages=len(stages)) if pipelined else [0]
     T = job.microbatch_tokens
+    costs = job_costs(job, tp_mesh=tp_mesh)
 
-    # Parameters per rank before FSDP shards them: TP splits the matmul weights and the vocabulary.
-    # A tied model's one matrix lives in the root unit (parallelisms/fsdp.py).
-    block_sharded, block_replicated = _block_params(args)
-    block_p = block_sharded / t + block_replicated
-    embedding_p = 0.0 if args.tie_word_embeddings else V * D / t
-    output_p = V * D / t + D  # the root unit: output projection (or the tied matrix) + final norm
+    # Parameters per rank before FSDP shards them, as TP left them (the family's plan splits a block's
+    # matmul weights, the skeleton's the vocabulary). A tied model's one matrix lives in the root unit
+    # (parallelisms/fsdp.py).
+    block_p, embedding_p, output_p = costs.block_params, costs.embedding_params, costs.root_params
 
     def stage_p(g: int) -> float:
         return len(stages[g]) * block_p + (embedding_p if g == 0 else 0) + (output_p if g == last else 0)
@@ -463,23 +685,23 @@ def estimate_rank(job: Job, pp_rank: int = 0) -> dict[str, float | int | str]:
             "embedding": a * (output_p + embedding_p),
         }
 
-    # Activations of one micro-batch through one stage.
-    batch = T // job.seq_len
-    acts = activation_bytes(args, batch=batch, seq_len=job.seq_len, act_bytes=a, ac=job.ac, tp=t, rmsnorm=job.rmsnorm)
-    per_none = acts["per_block_no_ac"]
-    per_ckpt = block_bytes_checkpointed(args, tokens=T, act_bytes=a, tp=t, op_sac=job.ac == "selective-op")
+    # Activations of one micro-batch through one stage, as the trace found them.
+    per_none, per_ckpt = costs.saved, costs.kept
     every = checkpoint_every(job.ac)
 
     def block_acts(g: int) -> list[float]:
         return [per_ckpt if every and (i + 1) % every == 0 else per_none for i in range(len(stages[g]))]
 
     chunked = 0 < job.loss_chunk_tokens < T
-    log_softmax = 0 if chunked else acts["log_softmax"]
+    # The loss's fp32 log-softmax (loss parallel keeps the vocabulary sharded); the chunked loss keeps none.
+    log_softmax = 0 if chunked else 4 * T * V // t
     ids = 16 * T  # token ids and labels (int64)
     stage_output = a * T * D / t  # kept by a pipeline stage for its backward; the last stage's feeds the norm
+    # The final norm's saves, and its output, gathered over the sequence, which the loss keeps.
+    final_norm = costs.final_norm + a * T * D
 
     def outside(g: int) -> float:
-        return ids + (acts["outside_blocks"] - ids + log_softmax if g == last else stage_output)
+        return ids + (final_norm + log_softmax if g == last else stage_output)
 
     # Transients. Start of the loss backward, in fp32 per logit: the saved log-softmax (4, counted
     # with the activations) plus, for the fused cross-entropy (t = 1), nll's gradient and
@@ -495,15 +717,16 @@ def estimate_rank(job: Job, pp_rank: int = 0) -> dict[str, float | int | str]:
         C = job.loss_chunk_tokens
         loss_transient = (a + 4 + 4 + (8 if t == 1 else 12)) * C * V / t + 4 * T * D + a * output_p
     # Backward of one block: recomputation (AC) of what it did not keep, its activation gradients
-    # (about two T x D and two T x F tensors alive at once; under TP one T x D is the full-size
-    # partial gradient of a gathered input) and its unsharded gradient in param_dtype plus its
-    # reduce_dtype copy (FSDP's reduce-scatter input; under PP the accumulator's first upcast).
-    grad_acts = a * T * (D + D / t + 2 * F / t)
+    # (about two T x D tensors and two of the widest projection's output alive at once, SwiGLU's hidden
+    # units for Llama; under TP one T x D is the full-size partial gradient of a gathered input) and its
+    # unsharded gradient in param_dtype plus its reduce_dtype copy (FSDP's reduce-scatter input; under
+    # PP the accumulator's first upcast).
+    grad_acts = a * T * (D + D / t) + 2 * costs.widest
     rs_buffers = (a + r) * block_p
     root_grad = a * output_p  # the root unit's unsharded gradient, from the loss backward to the end
     pp_buffers = 2 * a * T * D / t if pipelined else 0.0
     # Zero bubble: between a micro-batch's input and weight backward, what its weight gradients need.
-    wgrad_inputs = a * T * (2 * D + (args.n_heads * args.head_dim + F) / t)
+    wgrad_inputs = costs.matmul_inputs
 
     # Replay the rank's forwards and backwards; phases exclude the static state and note the
     # gradient shards they hold (those live in the reduce-scatter stream's pool, see "Reserved").
@@ -590,9 +813,9 @@ def estimate_rank(job: Job, pp_rank: int = 0) -> dict[str, float | int | str]:
         "gathered_loss_phase": gathered["loss"],
         "gathered_block_phase": gathered["block"],
         "act_per_block_no_ac": per_none,
-        "act_per_block_checkpointed": acts["per_block_checkpointed"],
+        "act_per_block_checkpointed": per_ckpt if every else 0,
         "act_blocks": sum(sum(block_acts(g)) for g in local),
-        "act_outside_blocks": acts["outside_blocks"],
+        "act_outside_blocks": ids + final_norm,
         "loss_buffers": log_softmax + loss_transient,
         "logits_held": logits,
         "root_grad": root_grad,
@@ -615,9 +838,9 @@ def estimate_rank(job: Job, pp_rank: int = 0) -> dict[str, float | int | str]:
     }
 
 
-def estimate(job: Job) -> dict[str, float | int | str]:
+def estimate(job: Job, *, tp_mesh: DeviceMesh | None = None) -> dict[str, float | int | str]:
     """estimate_rank of the pp rank that needs the most memory (reserved; without PP the one rank)."""
-    return max((estimate_rank(job, rank) for rank in range(job.pp)), key=lambda e: e["reserved"])
+    return max((estimate_rank(job, rank, tp_mesh=tp_mesh) for rank in range(job.pp)), key=lambda e: e["reserved"])
 
 
 # -------------------------------------------------------------- fake-tensor step
@@ -656,7 +879,7 @@ def fake_step_memory(
     them on fake tensors: no memory, no compute, no GPU.
 
     model: a Transformer, or one pipeline stage (parallelisms.pp.stage_module), built on the meta device
-        and parallelized (parallelize_llama, FSDP included) on a process group whose collectives do nothing
+        and parallelized (parallelize_model, FSDP included) on a process group whose collectives do nothing
         (torch's "fake" backend). Its meta parameters become fake tensors on `device`, in place: the
         model serves no other purpose afterwards.
     The step is train.py's: zero_grad(set_to_none=True), then the forward with the loss inside
@@ -680,7 +903,7 @@ def fake_step_memory(
     from parallelisms.tp import loss_parallel_context
 
     if not isinstance(model, FSDPModule):
-        raise ValueError("fake_step_memory: the model is not FSDP-wrapped (parallelize_llama applies FSDP when dp > 1 "
+        raise ValueError("fake_step_memory: the model is not FSDP-wrapped (parallelize_model applies FSDP when dp > 1 "
                          "or param_dtype is not float32); FSDPMemTracker needs FSDP's hooks")  # fmt: skip
     first, last = model.tok_embeddings is not None, model.norm is not None
     stage = not (first and last)
@@ -727,20 +950,16 @@ def fake_step_memory(
 
 def fake_job_memory(job: Job, *, pp_rank: int = 0, device: str = "cpu") -> dict[str, int]:
     """fake_step_memory for `job`: pp rank `pp_rank`'s stage (the whole model without PP) built on the meta
-    device, parallelized by parallelize_llama on job.ngpu fake ranks (this process rank 0 of them; it
+    device, parallelized by parallelize_model on job.ngpu fake ranks (this process rank 0 of them; it
     starts the fake process group unless one of job.ngpu ranks is running, and ends what it started),
     stepped with the micro-batches the stage holds at once (estimate_rank's microbatches_held).
 
     Single-stage schedules only (1F1B, GPipe): an interleaved rank's stages interleave their
     micro-batches, which one fake step of one module does not reproduce (estimate_rank replays them).
     """
-    import torch.distributed as dist
-
     from config import ActivationCheckpoint, Compile
     from loss import Loss
-    from models.llama3 import Transformer
-    from models.llama3.model import with_seq_len
-    from parallelisms.parallelize import parallelize_llama
+    from parallelisms.parallelize import parallelize_model
     from parallelisms.pp import stage_module
 
     if job.pp > 1 and len(job.stages) != job.pp:
@@ -770,12 +989,12 @@ def fake_job_memory(job: Job, *, pp_rank: int = 0, device: str = "cpu") -> dict[
         dims = ParallelDims.from_config(job.parallelism, world_size=job.ngpu)
         mesh = dims.build_mesh(device)
         with torch.device("meta"):
-            model = Transformer(with_seq_len(job.args, job.seq_len))
+            model = job.fam.model_cls(with_seq_len(job.args, job.seq_len))
         if job.pp > 1:
             stages, g = job.stages, pp_rank
             model = stage_module(model, stages[g], first=g == 0, last=g == len(stages) - 1)
-        model = parallelize_llama(
-            model, dims=dims, mesh=mesh, training=training, parallelism=job.parallelism, ac=ac,
+        model = parallelize_model(
+            model, family=job.fam, dims=dims, mesh=mesh, training=training, parallelism=job.parallelism, ac=ac,
             compile=Compile(enable=False),
         )  # fmt: skip
         return fake_step_memory(
@@ -783,7 +1002,8 @@ def fake_job_memory(job: Job, *, pp_rank: int = 0, device: str = "cpu") -> dict[
             optimizer_factory=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True),
             batch=job.microbatch_tokens // job.seq_len, seq_len=job.seq_len, loss_fn=Loss(job.loss_chunk_tokens),
             device=torch.device(device), param_dtype=getattr(torch, job.param_dtype), loss_parallel=job.tp > 1,
-            microbatches=int(estimate_rank(job, pp_rank)["microbatches_held"]), accumulated=job.grad_accum > 1,
+            microbatches=int(estimate_rank(job, pp_rank, tp_mesh=mesh["tp"])["microbatches_held"]),
+            accumulated=job.grad_accum > 1,
         )  # fmt: skip
     finally:
         if started:
@@ -896,7 +1116,7 @@ def breakdown(job: Job, pp_rank: int | None = None) -> str:
     held = f", {e['microbatches_held']} micro-batch(es) of them held" if job.pp > 1 else ""
     return "\n".join(
         [
-            f"{job.flavor}: {num_params(a) / 1e9:.2f}B params | {layout} | local batch {job.local_batch_size} x "
+            f"{job.family} {job.flavor}: {job.fam.num_params(a) / 1e9:.2f}B params | {layout} | local batch {job.local_batch_size} x "
             f"{job.seq_len} tokens, grad accumulation {job.grad_accum} | params {job.param_dtype}, reduce "
             f"{job.reduce_dtype} | AC {job.ac} | RMSNorm {job.rmsnorm}"
             + (" | CPU offload" if job.cpu_offload else "")
@@ -1003,7 +1223,8 @@ def references() -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--flavor", default="llama3_8b", choices=sorted(FLAVORS))
+    p.add_argument("--model", default="llama3", choices=NAMES, help="model family ([model] name)")
+    p.add_argument("--flavor", default="llama3_8b", help="a flavor of the family (train.py's model.flavor)")
     p.add_argument("--ngpu", type=int, default=8, help="GPUs in the job")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel degree (sequence + loss parallel on)")
     p.add_argument(
@@ -1051,14 +1272,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+# The run's config keys, as this script's flags: the recipe's rules name the keys.
+_FLAGS = {
+    "parallelism.pipeline_parallel_degree": "--pp",
+    "parallelism.pipeline_parallel_schedule": "--pp-schedule",
+    "parallelism.pipeline_parallel_microbatch_size": "--pp-microbatch-size",
+    "parallelism.pipeline_parallel_layers_per_stage": "--pp-layers-per-stage",
+    "parallelism.pipeline_parallel_first/last_stage_less_layers": "--pp-first/last-stage-less-layers",
+    "parallelism.tensor_parallel_degree": "--tp",
+    "parallelism.data_parallel_replicate_degree": "--replicate",
+    "training.local_batch_size": "--local-batch-size",
+    "training.seq_len": "--seq-len",
+}
+
+
+def _as_flags(problem: str) -> str:
+    for key, flag in _FLAGS.items():
+        problem = problem.replace(key, flag).replace(key.split(".")[1], flag)
+    return problem
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.references:
         print(references())
         return 0
+    fam = family(args.model)
+    if args.flavor not in fam.flavors and args.flavor not in fam.flavor_aliases:
+        names = ", ".join([*fam.flavors, *fam.flavor_aliases])
+        other = [n for n in NAMES if n != args.model and args.flavor in family(n).flavors]
+        print(f"error: --flavor: {args.flavor!r} is no {args.model} flavor (choose from {names})"
+              + (f"; or pass --model {other[0]}" if other else ""), file=sys.stderr)  # fmt: skip
+        return 2
+    if args.ngpu < 1 or args.ngpu % (args.pp * args.tp * args.replicate):
+        print(f"error: --ngpu: {args.ngpu} GPUs do not split into groups of --pp {args.pp} x --replicate "
+              f"{args.replicate} x --tp {args.tp} = {args.pp * args.tp * args.replicate}; use a multiple of that",
+              file=sys.stderr)  # fmt: skip
+        return 2
     try:
         job = Job(
-            flavor=args.flavor, ngpu=args.ngpu, tp=args.tp, replicate=args.replicate, seq_len=args.seq_len,
+            family=args.model, flavor=args.flavor, ngpu=args.ngpu, tp=args.tp, replicate=args.replicate, seq_len=args.seq_len,
             local_batch_size=args.local_batch_size, grad_accum=args.grad_accum, param_dtype=args.param_dtype,
             reduce_dtype=args.reduce_dtype, ac=args.ac, cpu_offload=args.cpu_offload, rmsnorm=args.rmsnorm,
             logits_kept_in_backward=args.keep_logits, loss_chunk_tokens=args.loss_chunk_tokens,
@@ -1070,7 +1323,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.pp_rank is not None and not 0 <= args.pp_rank < job.pp:
             raise ValueError(f"pp-rank: expected 0 to {job.pp - 1}, got {args.pp_rank}")
     except ConfigError as e:
-        print("\n".join(f"error: {problem}" for problem in e.problems), file=sys.stderr)
+        print("\n".join(f"error: {_as_flags(problem)}" for problem in e.problems), file=sys.stderr)
         return 2
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

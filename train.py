@@ -39,11 +39,13 @@ from config import (
     Float8Linear,
     JobConfig,
     LRScheduler,
+    Model,
     Optimizer,
     Parallelism,
     Training,
     global_batch_size,
     help_text,
+    input_problems,
     load_config,
     model_args,
     to_toml,
@@ -51,15 +53,14 @@ from config import (
 from data.corpus import open_corpus
 from data.loader import Batch, GlobalBatchLoader
 from data.tokenizers import build_tokenizer
-from errors import ConfigError, is_rank0, warn
+from errors import ConfigError, is_rank0, warn, writable_folder
 from loss import Loss, build_loss_fn
 from metrics import MetricsLogger, StepMetrics, peak_flops, peak_memory_gib
-from models.llama3 import ModelArgs, Transformer, num_flops_per_token, num_params
-from models.llama3.model import with_seq_len
+from models import ModelFamily, family, with_seq_len
 from parallelisms.float8 import precompute_scales_after_each_step
 from parallelisms.parallel_dims import ParallelDims
-from parallelisms.parallelize import parallelize_llama
-from parallelisms.pp import Pipeline, pipeline_llama
+from parallelisms.parallelize import parallelize_model
+from parallelisms.pp import Pipeline, pipeline_model
 from parallelisms.tp import loss_parallel_context
 from profiling import profile_loop
 from validation import Validator
@@ -72,7 +73,14 @@ def main(argv: list[str]) -> int:
         print(help_text())
         return 0
     print_config = "--print-config" in argv
-    cfg = load_config([a for a in argv if a != "--print-config"])
+    # Planning (--print-config, a dry run) needs no input files; training needs them, and a layout that
+    # fits the ranks torchrun started, all checked in one round.
+    world = os.environ.get("WORLD_SIZE", "1")
+    cfg = load_config(
+        [a for a in argv if a != "--print-config"],
+        inputs=not print_config,
+        world_size=None if print_config else int(world) if world.isdigit() else None,
+    )
     if print_config:
         print(describe(cfg))
         return 0
@@ -96,24 +104,26 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
     # included), and the run's folder: ours alone, writable, with room for a checkpoint. All
     # before any compute; rank 0 checks the folder, its errors stop every rank.
     dims = ParallelDims.from_config(cfg.parallelism, world_size=world_size)
-    doctor.check_startup(cfg, world_size=world_size, device=device)
+    mesh = dims.build_mesh(device.type)
+    doctor.check_startup(cfg, world_size=world_size, device=device, mesh=mesh)
     # The RoPE table covers the longest sequence trained or validated on; the attention mask is the config's.
+    fam = family(cfg.model.name)
     longest = max(t.seq_len, cfg.validation.seq_len if cfg.validation.enable else 0)
     published = model_args(cfg.model)  # the flavor's (or config.json's) shape, as checkpoints export it
     args = dataclasses.replace(with_seq_len(published, longest), attn_mask_type=cfg.model.attn_mask_type)
     bytes_per_param = 4 if cfg.checkpoint.create_seed_checkpoint else 12  # fp32 weights (+ AdamW's two moments)
-    on_rank0(
-        lambda: prepare_dump_folder(
-            cfg.job.dump_folder, cfg.checkpoint, checkpoint_bytes=bytes_per_param * num_params(args)
-        ),
-        rank=rank,
-    )
-    if rank == 0:
-        if cfg.job.print_config:
-            print(to_toml(cfg), flush=True)
+
+    def prepare_run_folder() -> None:
+        prepare_dump_folder(
+            cfg.job.dump_folder, cfg.checkpoint, checkpoint_bytes=bytes_per_param * fam.num_params(args)
+        )
         if cfg.job.save_config_file:
-            (Path(cfg.job.dump_folder) / cfg.job.save_config_file).write_text(to_toml(cfg))
-    mesh = dims.build_mesh(device.type)
+            saved = Path(cfg.job.dump_folder) / cfg.job.save_config_file
+            writable_folder(saved.parent, key="job.save_config_file").joinpath(saved.name).write_text(to_toml(cfg))
+
+    on_rank0(prepare_run_folder, rank=rank)
+    if rank == 0 and cfg.job.print_config:
+        print(to_toml(cfg), flush=True)
 
     # The data each rank reads.
     dp_rank = dims.dp_rank(mesh)
@@ -128,17 +138,17 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
     )  # fmt: skip
 
     # Model: meta device -> (pipeline stages) -> parallelize -> allocate -> initialize.
-    model_name = cfg.model.hf_assets_path or cfg.model.flavor
+    model_name = model_label(cfg.model)
     if tokenizer.vocab_size > args.vocab_size:
         raise ConfigError(
             f"model.tokenizer_path: the tokenizer has {tokenizer.vocab_size} tokens but {model_name} "
             f"embeds only {args.vocab_size}; use a matching tokenizer or flavor"
         )
-    # config.validate accepts one converter: torchao float8 linears, applied first by parallelize_llama.
+    # config.validate accepts one converter: torchao float8 linears, applied first by parallelize_model.
     float8 = cfg.quantize.linear.float8 if "quantize.linear.float8" in cfg.model.converters else None
     loss_fn = build_loss_fn(cfg.compile, chunk_tokens=cfg.training.loss_chunk_tokens)
     model, pipeline = build_model(
-        args, dims=dims, mesh=mesh, training=t, parallelism=cfg.parallelism, ac=cfg.activation_checkpoint,
+        fam, args, dims=dims, mesh=mesh, training=t, parallelism=cfg.parallelism, ac=cfg.activation_checkpoint,
         compile=cfg.compile, float8=float8, loss_fn=loss_fn, device=device,
     )  # fmt: skip
     if cfg.model.print_after_conversion and rank == 0:
@@ -160,7 +170,7 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
     train_state = TrainState(settings=schedule_settings(cfg))
     checkpoint = CheckpointManager(
         cfg.checkpoint, dump_folder=cfg.job.dump_folder, model=model, optimizer=optimizer,
-        stateful={"dataloader": loader, "train_state": train_state}, process_group=checkpoint_group,
+        stateful={"dataloader": loader, "train_state": train_state}, process_group=checkpoint_group, family=fam,
         model_args=published, hf_assets_path=cfg.model.hf_assets_path, tokenizer_path=cfg.model.tokenizer_path,
     )  # fmt: skip
     if (resume := checkpoint.resume_step()) >= t.steps:
@@ -191,7 +201,7 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
         else None
     )  # fmt: skip
 
-    flops_per_token = num_flops_per_token(args, t.seq_len)
+    flops_per_token = fam.num_flops_per_token(args, t.seq_len)
     peak = peak_flops(device)
     tokens_per_step = global_batch * t.seq_len
     # Rank 0 logs; a logger that cannot start (wandb without credentials) stops every rank.
@@ -204,7 +214,7 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
         if cfg.job.description:
             print(cfg.job.description, flush=True)
         print(
-            f"{model_name}: {num_params(args) / 1e6:,.1f}M parameters | world {world_size} = "
+            f"{model_name}: {fam.num_params(args) / 1e6:,.1f}M parameters | world {world_size} = "
             + (f"pp {dims.pp} x " if dims.pp_enabled else "")
             + f"replicate {dims.dp_replicate} x shard {dims.dp_shard} x tp {dims.tp} | global batch {global_batch} "
             f"x {t.seq_len} tokens, grad accumulation {loader.grad_accum} | {corpus.num_tokens:,} tokens in corpus "
@@ -251,7 +261,7 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
                 )  # fmt: skip
                 last_log_time, last_log_step = time.perf_counter(), step
             if validator is not None and (step == 1 or step % cfg.validation.freq == 0 or last):
-                logger.log_validation(step, *validator.validate(model))
+                logger.log_validation(step, *validator.validate(model, pipeline))
                 last_log_time += validator.seconds  # tokens/s counts training only
 
             if reason := stop.requested():
@@ -390,7 +400,8 @@ def build_optimizer(o: Optimizer, model: torch.nn.Module) -> torch.optim.Optimiz
 
 
 def build_model(
-    args: ModelArgs,
+    family: ModelFamily,
+    args: Any,
     *,
     dims: ParallelDims,
     mesh: DeviceMesh,
@@ -401,20 +412,22 @@ def build_model(
     float8: Float8Linear | None,
     loss_fn: Loss,
     device: torch.device,
+    planning: bool = False,
 ) -> tuple[torch.nn.Module, Pipeline | None]:
     """The model on the meta device, parallelized: shapes and shardings, no storage yet (`init_model`).
+    planning: for a dry run (dry_run.py; parallelize_model's argument).
 
     With pipeline parallel this rank holds some stages, each parallelized on its own; the module returned
     is then those stages as one (the whole model's parameter names), and the Pipeline runs them."""
     with torch.device("meta"):
-        model = Transformer(args)
+        model = family.model_cls(args)
     parallelize = functools.partial(
-        parallelize_llama, dims=dims, mesh=mesh, training=training, parallelism=parallelism, ac=ac,
-        compile=compile, float8=float8, device=device,
+        parallelize_model, family=family, dims=dims, mesh=mesh, training=training, parallelism=parallelism, ac=ac,
+        compile=compile, float8=float8, device=device, planning=planning,
     )  # fmt: skip
     if not dims.pp_enabled:
         return parallelize(model), None
-    pipeline = pipeline_llama(
+    pipeline = pipeline_model(
         model, mesh=mesh, cfg=parallelism, local_batch_size=training.local_batch_size, loss_fn=loss_fn,
         parallelize=parallelize, device=device,
     )  # fmt: skip
@@ -685,25 +698,34 @@ def on_rank0(fn: Callable[[], T], *, rank: int) -> T | None:
     return result
 
 
+def model_label(m: Model) -> str:
+    """How start-up names the model: the flavor, or the Hugging Face folder that gives the shape."""
+    return f"{m.name} {Path(m.hf_assets_path).name if m.shape_from_hf_config and m.hf_assets_path else m.flavor}"
+
+
 def describe(cfg: JobConfig) -> str:
     """The resolved config plus the numbers derived from it (for --print-config)."""
     t, par = cfg.training, cfg.parallelism
-    args = model_args(cfg.model)
+    fam, args = family(cfg.model.name), model_args(cfg.model)
     # The world size torchrun would give, else the smallest one the degrees fit.
-    world = (
-        int(os.environ.get("WORLD_SIZE", 0))
-        or par.data_parallel_replicate_degree * max(par.data_parallel_shard_degree, 1) * par.tensor_parallel_degree
+    world = int(os.environ.get("WORLD_SIZE", 0)) or (
+        par.pipeline_parallel_degree
+        * par.data_parallel_replicate_degree
+        * max(par.data_parallel_shard_degree, 1)
+        * par.tensor_parallel_degree
     )
     dims = ParallelDims.from_config(par, world_size=world)
     global_batch = global_batch_size(t, dp=dims.dp)
     lines = [
         to_toml(cfg),
         "# derived",
-        f"# parameters: {num_params(args):,} ({num_params(args, exclude_embedding=True):,} without embedding)",
-        f"# training FLOPs per token at seq_len {t.seq_len}: {num_flops_per_token(args, t.seq_len):.4g}",
+        f"# model: {model_label(cfg.model)}",
+        f"# parameters: {fam.num_params(args):,} ({fam.num_params(args, exclude_embedding=True):,} without embedding)",
+        f"# training FLOPs per token at seq_len {t.seq_len}: {fam.num_flops_per_token(args, t.seq_len):.4g}",
         f"# tokens per step: {global_batch * t.seq_len:,} (global batch {global_batch} x seq_len {t.seq_len}; "
         f"world size {world}: data-parallel degree {dims.dp}, set WORLD_SIZE for another)",
     ]
+    lines += [f"# note: {problem} (training needs it, planning does not)" for problem in input_problems(cfg)]
     return "\n".join(lines)
 
 

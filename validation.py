@@ -28,6 +28,7 @@ from data.corpus import open_corpus
 from data.loader import Batch, GlobalBatchLoader
 from data.tokenizers import Tokenizer
 from loss import Loss
+from parallelisms.pp import Pipeline
 from parallelisms.tp import loss_parallel_context
 
 
@@ -65,8 +66,9 @@ class Validator:
         self.seconds = 0.0  # how long the last validation took
 
     @torch.no_grad()
-    def validate(self, model: torch.nn.Module) -> tuple[float, int, float]:
-        """(mean loss over the held-out sequences, tokens read, seconds). Every rank calls it."""
+    def validate(self, model: torch.nn.Module, pipeline: Pipeline | None = None) -> tuple[float, int, float]:
+        """(mean loss over the held-out sequences, tokens read, seconds). Every rank calls it. With pipeline
+        parallel `pipeline` runs the stages forward only (the schedule's eval), as torchtitan's validator does."""
         begin = time.perf_counter()
         self.loader.sample_index = 0  # the same sequences every time
         model.eval()
@@ -78,6 +80,12 @@ class Validator:
             inputs, labels, segments = Batch(*batch)
             with loss_parallel_context(self.loss_parallel):
                 segments = segments.to(self.device) if segments is not None else None
+                if pipeline is not None:
+                    loss_sum, scored = pipeline.eval(
+                        inputs.to(self.device), labels.to(self.device), segments, rows=rows
+                    )
+                    total += torch.stack([loss_sum, scored])
+                    continue
                 labels = labels[:rows].to(self.device)
                 # Every rank runs the model (its collectives); only rows inside the held-out data are scored.
                 loss = model(
@@ -87,7 +95,8 @@ class Validator:
                     loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
                     total += torch.stack([loss * rows, torch.tensor(float(rows), device=self.device)])
         model.train()
-        # The ranks of a TP group hold the same sums: they count alike in numerator and denominator.
+        # The ranks of a TP group hold the same sums, and under PP only the last stage's ranks hold any: they count
+        # alike in numerator and denominator.
         dist.all_reduce(total)
         self.seconds = time.perf_counter() - begin
         loss_sum, sequences = total.tolist()

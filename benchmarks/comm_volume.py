@@ -61,8 +61,8 @@ from torch.distributed import ProcessGroup
 from benchmarks import harness
 from benchmarks.harness import MiB, Row
 from metrics import observe_ops
+from models import with_seq_len
 from models.llama3 import FLAVORS, ModelArgs, Transformer
-from models.llama3.model import with_seq_len
 from parallelisms.fsdp import DTYPES, apply_fsdp
 from parallelisms.parallel_dims import ParallelDims
 from train import train_step
@@ -217,7 +217,7 @@ def measure(
         raise ValueError(f"ranks_per_node={ranks_per_node} must split the {world_size} ranks into 2 or more nodes")
     dims = layout_dims(layout, world_size=world_size, ranks_per_node=ranks_per_node)
     mesh = dims.build_mesh(device.type)
-    # As parallelize_llama does: a 2-D mesh for HSDP, the shard dimension alone for FSDP.
+    # As parallelize_model does: a 2-D mesh for HSDP, the shard dimension alone for FSDP.
     dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.hsdp_enabled else mesh["dp_shard"]
     group_dims = {mesh.get_group(name).group_name: name for name in mesh.mesh_dim_names}
 

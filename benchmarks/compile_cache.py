@@ -35,7 +35,7 @@ recipes never share compiled graphs, whatever the PyTorch version. Three parts:
 3. The refusal. Async TP needs torch.compile, CUDA with NCCL and symmetric memory, and a TP group
    of 2 or more; elsewhere `parallelisms.async_tp.apply_async_tp` raises a one-line ConfigError
    (called here on a 1-rank gloo mesh), and `python train.py --config configs/debug.toml
-   --parallelism.enable_async_tensor_parallel --compile.enable` stops in parallelize_llama, before
+   --parallelism.enable_async_tensor_parallel --compile.enable` stops in parallelize_model, before
    any allocation, with exit status 2 (tensor_parallel_degree is 1).
 
 What async TP is worth, measured by torchtitan on H100s (reference numbers, NOT measured here;
@@ -76,7 +76,7 @@ MODEL_ARGS = dataclasses.replace(
 )
 BATCH, SEQ = 2, 32
 # The two recipes of #1185 (Llama 3 8B, DP2 x TP4, op SAC), differing only in async TP, keyed as
-# parallelize_llama keys them (the AC option only for selective AC).
+# parallelize_model keys them (the AC option only for selective AC).
 RECIPE = {"tp_degree": 4, "async_tp": False, "ac_mode": "selective", "ac_option": "op", "float8": ""}
 VARIANTS: dict[str, dict[str, Any]] = {
     "plain_tp": RECIPE,

@@ -36,8 +36,8 @@ from data.corpus import TokenCorpus
 from data.loader import GlobalBatchLoader
 from data.prepare import prepare
 from data.sources import find_source
+from models import with_seq_len
 from models.llama3 import FLAVORS, Transformer
-from models.llama3.model import with_seq_len
 
 PROBLEM_PREP, PROBLEM_ATTN = "data preparation", "block-causal attention"
 SHIPPED, TOKENIZER = REPO / "assets" / "corpus" / "stories.jsonl", str(REPO / "assets" / "tokenizer")

@@ -3,7 +3,7 @@
     python -m benchmarks.float8 --out outputs/bench/float8.json   # starts torchrun (2 ranks) itself
 
 One training step (after a warm-up step) of the debug model under FSDP over the ranks, bf16
-parameters, built by the recipe's own parallelize_llama, in three setups:
+parameters, built by the recipe's own parallelize_model, in three setups:
 
     bf16                 no converter
     float8               tensorwise float8 linears, bf16 all-gather
@@ -32,11 +32,12 @@ import torch.distributed as dist
 from benchmarks import harness
 from benchmarks.harness import MiB, Row
 from config import ActivationCheckpoint, Compile, Float8Linear, Optimizer, Parallelism, Training
+from models import with_seq_len
+from models.llama3 import FAMILY as LLAMA3
 from models.llama3 import FLAVORS, Transformer
-from models.llama3.model import with_seq_len
 from parallelisms.float8 import float8_problems
 from parallelisms.parallel_dims import ParallelDims
-from parallelisms.parallelize import parallelize_llama
+from parallelisms.parallelize import parallelize_model
 from train import build_optimizer, train_step
 
 PROBLEM = "float8"
@@ -76,8 +77,8 @@ def measure(setup: str, *, args: argparse.Namespace, device: torch.device) -> di
     with torch.device("meta"):
         model = Transformer(model_args)
     training = Training(seq_len=args.seq_len, mixed_precision_param="bfloat16")
-    parallelize_llama(
-        model, dims=dims, mesh=mesh, training=training, parallelism=parallelism, ac=ActivationCheckpoint(),
+    parallelize_model(
+        model, family=LLAMA3, dims=dims, mesh=mesh, training=training, parallelism=parallelism, ac=ActivationCheckpoint(),
         compile=Compile(), float8=float8, device=device,
     )  # fmt: skip
     model.to_empty(device=device)

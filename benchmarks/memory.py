@@ -4,7 +4,7 @@
     torchrun --nproc_per_node=2 -m benchmarks.memory --out ...       # the same, launched by hand
 
 One training step of the debug model (local batch 4 x 256 tokens) per setup, each built by the
-recipe's own `parallelize_llama` (AC, then FSDP through `apply_fsdp`) on a ParallelDims mesh:
+recipe's own `parallelize_model` (AC, then FSDP through `apply_fsdp`) on a ParallelDims mesh:
 
     no_shard_fp32            every rank holds the whole model (what DDP keeps); the baseline
     fsdp2_fp32               FSDP over 2 ranks
@@ -74,14 +74,15 @@ from torch.distributed.tensor import DTensor
 from benchmarks import harness
 from benchmarks.harness import MiB, Row
 from config import ActivationCheckpoint, Compile, Parallelism, Training
-from estimate_memory import DTYPE_BYTES, activation_bytes
+from estimate_memory import Job, activation_bytes
 from loss import chunked_cross_entropy_loss, cross_entropy_loss
 from metrics import LiveBytes, observe_ops
+from models import with_seq_len
+from models.llama3 import FAMILY as LLAMA3
 from models.llama3 import FLAVORS, ModelArgs, Transformer
-from models.llama3.model import with_seq_len
 from parallelisms.ac import CheckpointedModule
 from parallelisms.parallel_dims import ParallelDims
-from parallelisms.parallelize import parallelize_llama
+from parallelisms.parallelize import parallelize_model
 
 PROBLEM = "#5 memory"
 
@@ -260,8 +261,8 @@ def build(setup: Setup, *, model_args: ModelArgs, mesh: DeviceMesh, device: torc
     )
     with torch.device("meta"):
         model = Transformer(model_args)
-    parallelize_llama(
-        model, dims=dims, mesh=mesh, training=training, parallelism=Parallelism(),
+    parallelize_model(
+        model, family=LLAMA3, dims=dims, mesh=mesh, training=training, parallelism=Parallelism(),
         ac=ac_config(setup.ac), compile=Compile(enable=False),
     )  # fmt: skip
     if setup.shard != isinstance(model, FSDPModule):
@@ -317,8 +318,10 @@ def measure(
     gathered_peak = max(gathered.values(), default=0)
     host_state = params + grads + optim if setup.cpu_offload else 0
     predicted = activation_bytes(
-        model_args, batch=batch, seq_len=seq_len, act_bytes=DTYPE_BYTES[setup.param_dtype], ac=setup.ac,
-        rmsnorm="fused" if device.type == "cuda" else "composite",
+        Job(
+            flavor="debugmodel", model=model_args, ngpu=1, local_batch_size=batch, seq_len=seq_len,
+            param_dtype=setup.param_dtype, ac=setup.ac, rmsnorm="fused" if device.type == "cuda" else "composite",
+        )
     )  # fmt: skip
     return {
         "setup": dataclasses.asdict(setup),

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -229,8 +230,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="tokens/s rows through train.py (default: on with CUDA)")  # fmt: skip
     p.add_argument("--plot-only", action="store_true", help="measure nothing: table and chart from <out>/bench.json")
     args = p.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
     bench_json = args.out / "bench.json"
+    if args.plot_only and not bench_json.is_file():
+        print(f"error: --plot-only: {bench_json} not found; run `make bench` first (or pass --out)", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
 
     if args.plot_only:
         rows = [Row.from_json(r) for r in json.loads(bench_json.read_text())["rows"]]

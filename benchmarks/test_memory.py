@@ -13,9 +13,9 @@ import pytest
 from benchmarks import memory
 from benchmarks.harness import MiB, read_results, run_python
 from benchmarks.memory import SETUPS
-from estimate_memory import DTYPE_BYTES, activation_bytes
+from estimate_memory import Job, activation_bytes
+from models import with_seq_len
 from models.llama3 import FLAVORS, Transformer
-from models.llama3.model import with_seq_len
 
 ARGS = with_seq_len(FLAVORS["debugmodel"], 256)
 BATCH, SEQ = 4, 256
@@ -142,9 +142,13 @@ def test_bench_rows_are_the_staircase(results: dict[str, Any], rows: dict[str, d
 @pytest.mark.parametrize("name", list(SETUPS))
 def test_activation_formula_matches_measurement(rows: dict[str, dict], name: str) -> None:
     setup = SETUPS[name]
+    # The estimator traces one block of the model on fake tensors (estimate_memory.block_costs); CPU eager:
+    # nn.RMSNorm is not the fused CUDA kernel.
     predicted = activation_bytes(
-        ARGS, batch=BATCH, seq_len=SEQ, act_bytes=DTYPE_BYTES[setup.param_dtype], ac=setup.ac,
-        rmsnorm="composite",  # CPU eager: nn.RMSNorm is not the fused CUDA kernel
+        Job(
+            flavor="debugmodel", model=ARGS, ngpu=1, local_batch_size=BATCH, seq_len=SEQ,
+            param_dtype=setup.param_dtype, ac=setup.ac, rmsnorm="composite",
+        )
     )["total"]  # fmt: skip
     measured = rows[name]["activation_bytes"]
     # Measured adds only FSDP's bf16 copies of the RoPE table (16 KiB per block) and scalars.

@@ -36,3 +36,9 @@ def test_plot_only_redraws_from_bench_json(tmp_path: Path) -> None:
     assert run.main(["--plot-only", "--out", str(tmp_path)]) == 0
     assert (tmp_path / "bench.png").read_bytes().startswith(b"\x89PNG")
     assert [Row.from_json(r) for r in json.loads((tmp_path / "bench.json").read_text())["rows"]] == ROWS
+
+
+def test_plot_only_without_a_bench_json_is_one_line(tmp_path: Path, capsys) -> None:
+    assert run.main(["--plot-only", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: --plot-only: {tmp_path / 'bench.json'} not found; run `make bench` first (or pass --out)\n"

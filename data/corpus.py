@@ -27,7 +27,7 @@ from config import REPO, Data
 from data.prepare import FORMAT, begin, is_prepared, tokenize, write_manifest
 from data.sources import find_source
 from data.tokenizers import Tokenizer
-from errors import ConfigError, is_rank0, warn
+from errors import ConfigError, is_rank0, warn, writable_folder
 
 # Raw data above this is refused at start-up: ~3 MB/s of text per core means minutes of tokenizing.
 MAX_RAW_BYTES = 256 * 2**20
@@ -125,6 +125,7 @@ def open_corpus(cfg: Data, tokenizer: Tokenizer, tokenizer_path: str, *, key: st
         )
     cache = cache_folder(cfg, tokenizer, source.describe())
     if not is_prepared(cache):
+        writable_folder(cache, key="data.cache_folder")
         _prepare_shared(source, tokenizer_path, cache)
     corpus = TokenCorpus(cache, key=key)
     if nulls := corpus.manifest["null_documents"]:

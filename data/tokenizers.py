@@ -45,20 +45,21 @@ _EOS_NAMES = ("<|end_of_text|>", "</s>", "<|endoftext|>")
 class HFTokenizer:
     """A `tokenizer.json` (tokenizers library) or a Hugging Face tokenizer folder."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, *, key: str = "model.tokenizer_path"):
         from tokenizers import Tokenizer as FastTokenizer
 
+        self.key = key
         json_file = path if path.is_file() else path / "tokenizer.json"
         if not json_file.is_file():
             raise ConfigError(
-                f"model.tokenizer_path: {path} has no tokenizer.json; point it at a tokenizer.json file "
+                f"{key}: {path} has no tokenizer.json; point it at a tokenizer.json file "
                 'or a Hugging Face tokenizer folder that contains one, or use "byte"'
             )
         try:
             self._tok = FastTokenizer.from_file(str(json_file))
         except Exception as e:  # the tokenizers library raises a bare Exception on bad files
-            raise ConfigError(f"model.tokenizer_path: {json_file} is not a valid tokenizer.json ({e})") from None
-        special = _special_tokens(path) if path.is_dir() else {}
+            raise ConfigError(f"{key}: {json_file} is not a valid tokenizer.json ({e})") from None
+        special = _special_tokens(path, key=key) if path.is_dir() else {}
         self.bos_id = self._find(special.get("bos_token"), _BOS_NAMES, json_file, "BOS")
         self.eos_id = self._find(special.get("eos_token"), _EOS_NAMES, json_file, "EOS")
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
@@ -68,7 +69,7 @@ class HFTokenizer:
         for name in (configured, *names):
             if name is not None and (token_id := self._tok.token_to_id(name)) is not None:
                 return token_id
-        raise ConfigError(f"model.tokenizer_path: {file} defines no {what} token (looked for {', '.join(names)})")
+        raise ConfigError(f"{self.key}: {file} defines no {what} token (looked for {', '.join(names)})")
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
@@ -77,7 +78,7 @@ class HFTokenizer:
         return self._tok.decode(ids)
 
 
-def _special_tokens(folder: Path) -> dict[str, str]:
+def _special_tokens(folder: Path, *, key: str) -> dict[str, str]:
     """bos/eos names from a HF folder's tokenizer_config.json (Llama 3 instruct: eos = <|eot_id|>)."""
     out: dict[str, str] = {}
     for name in ("special_tokens_map.json", "tokenizer_config.json"):
@@ -87,24 +88,23 @@ def _special_tokens(folder: Path) -> dict[str, str]:
         try:
             config = json.loads(file.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ConfigError(f"model.tokenizer_path: {file} is not valid JSON ({e})") from None
+            raise ConfigError(f"{key}: {file} is not valid JSON ({e})") from None
         if not isinstance(config, dict):
-            raise ConfigError(f"model.tokenizer_path: {file} is not a JSON object")
-        for key in ("bos_token", "eos_token"):
-            value = config.get(key)
+            raise ConfigError(f"{key}: {file} is not a JSON object")
+        for token in ("bos_token", "eos_token"):
+            value = config.get(token)
             if isinstance(value, dict):  # {"content": "<|begin_of_text|>", ...}
                 value = value.get("content")
             if isinstance(value, str):
-                out[key] = value
+                out[token] = value
     return out
 
 
-def build_tokenizer(tokenizer_path: str) -> Tokenizer:
+def build_tokenizer(tokenizer_path: str, *, key: str = "model.tokenizer_path") -> Tokenizer:
+    """The tokenizer at `tokenizer_path`; key: the setting that named it, for errors (a script's flag)."""
     if tokenizer_path == "byte":
         return ByteTokenizer()
     path = Path(tokenizer_path)
     if not path.exists():
-        raise ConfigError(
-            f'model.tokenizer_path: {path} not found; point it at a tokenizer.json or tokenizer folder, or use "byte"'
-        )
-    return HFTokenizer(path)
+        raise ConfigError(f'{key}: {path} not found; point it at a tokenizer.json or tokenizer folder, or use "byte"')
+    return HFTokenizer(path, key=key)

@@ -1,0 +1,94 @@
+"""Model families. One folder per family owns everything particular to its architecture; the rest
+of the repo reaches a family through `family(name)`, a plain `match` on `[model] name`.
+
+A family folder (models/llama3/, models/qwen3/) holds:
+
+    model.py     ModelArgs, FLAVORS, the module, its init, num_params and num_flops_per_token
+    plans.py     how tensor parallel splits one block (`tp_plan`) and which linears' outputs
+                 selective op-level AC keeps (`SAC_SAVED_LINEARS`, named, not counted)
+    hf.py        Hugging Face config.json <-> ModelArgs, weight names, the published repos
+    __init__.py  FAMILY, the ModelFamily below built from those three
+
+and nothing outside it names a module inside a block. What the generic code (train.py,
+parallelisms/, checkpoint.py, loss.py, estimate_memory.py, dry_run.py, doctor.py) may rely on is
+the decoder skeleton every family's model has:
+
+    model.args                  its ModelArgs; the generic code reads dim, n_layers, n_heads,
+                                kv_heads, head_dim, vocab_size, max_seq_len, tie_word_embeddings
+                                and attn_mask_type, and sets max_seq_len and attn_mask_type
+                                (dataclasses.replace) before building
+    model.tok_embeddings        nn.Embedding, or None on a pipeline stage without it
+    model.layers                nn.ModuleDict of blocks keyed "0", "1", ... (names never depend on
+                                how a pipeline cuts the model); block(h, *extra) -> h, where h is
+                                (bs, seqlen, dim) and the extras are per-forward tensors (the
+                                RoPE table, the attention mask) every rank holds in full
+    model.norm, model.output    the final norm and the output projection (None: tied to the
+                                embedding, or a pipeline stage without them)
+    model(tokens, segments=None, *, head=None)   logits, or head(final norm's output)
+    model.project(h)            the output projection (loss.py applies it chunk by chunk)
+    model.init_weights(buffer_device=None)       fills meta-built parameters and buffers in place
+    model.init_buffers(device)  computes the buffers derived from args (the RoPE table) alone
+
+Adding a family: copy a folder, change it, add one arm to `family` below (docs/new_model.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+
+from errors import ConfigError
+
+NAMES = ("llama3", "qwen3")  # the arms of `family`, for messages and --help
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """What the generic code needs to know about one architecture."""
+
+    name: str
+    flavors: Mapping[str, Any]
+    """Flavor name -> ModelArgs (a frozen dataclass with the skeleton's fields)."""
+    flavor_aliases: Mapping[str, str]
+    """Other names users type for a flavor (torchtitan's "8B"), -> a key of flavors."""
+    model_cls: Callable[[Any], nn.Module]
+    """ModelArgs -> the module (built on whatever device is current; train.py uses meta)."""
+    tp_plan: Callable[[], dict[str, Any]]
+    """A fresh tensor-parallel plan of one block: {module name inside the block: ParallelStyle}."""
+    sac_saved_linears: tuple[str, ...]
+    """Linears (names inside a block) whose matmul outputs selective op-level AC keeps."""
+    num_params: Callable[..., int]
+    """num_params(args, *, exclude_embedding=False): from the shapes alone."""
+    num_flops_per_token: Callable[[Any, int], int]
+    """num_flops_per_token(args, seq_len): training FLOPs per token, the MFU numerator."""
+    hf: ModuleType
+    """The family's hf.py: model_args_from_hf_config, hf_config, hf_to_ours, PUBLISHED, MODEL_TYPE."""
+
+
+def family(name: str) -> ModelFamily:
+    """The family `[model] name` names. Imported on demand: a run imports only its own family."""
+    match name:
+        case "llama3":
+            from models.llama3 import FAMILY
+        case "qwen3":
+            from models.qwen3 import FAMILY
+        case _:
+            raise ConfigError(f"model.name: unknown model family {name!r}; choose from {', '.join(NAMES)}")
+    return FAMILY
+
+
+def with_seq_len(args: Any, seq_len: int) -> Any:
+    """The shape with a RoPE table just long enough for `seq_len` tokens."""
+    return dataclasses.replace(args, max_seq_len=seq_len)
+
+
+def parameter_shapes(fam: ModelFamily, args: Any) -> dict[str, torch.Size]:
+    """Parameter name -> shape of a model of `args`, from a model on the meta device (costs nothing)."""
+    with torch.device("meta"):
+        return {name: t.shape for name, t in fam.model_cls(with_seq_len(args, 1)).state_dict().items()}

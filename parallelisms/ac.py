@@ -3,8 +3,9 @@
 Modes (config section [activation_checkpoint]):
     none                        keep every activation
     full                        keep only each block's input; recompute the whole block in backward
-    selective, option "op"      recompute the block, but keep the outputs of the expensive ops
-                                (half of the matmuls, attention, reduce-scatters): see _SAVE_OPS
+    selective, option "op"      recompute the block, but keep the outputs of the expensive ops:
+                                attention, TP's reduce-scatters (_SAVE_OPS) and the matmuls of the
+                                linears the family names (plans.py SAC_SAVED_LINEARS)
     selective, option k         full AC on every k-th block only (1 = full)
 
 Exactly one checkpointing mechanism may be active (docs/failures.md #1): `apply_ac` refuses a
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.fx.traceback as fx_traceback
 from torch import nn
 
 # CheckpointWrapper (FSDP1-era `checkpoint_wrapper`) lives in a private torch module (2.13); it is
@@ -35,15 +37,12 @@ from torch.utils.checkpoint import (
 
 from config import ActivationCheckpoint, selective_ac_every
 from errors import ConfigError, warn
-from models.llama3 import Transformer
 
 aten = torch.ops.aten
 
-# Ops whose outputs selective op AC keeps: the expensive ones to recompute. Matmuls are special:
-# only every other one is kept (see _op_sac_context).
+# Ops whose outputs selective op AC keeps whatever the model: what is expensive to recompute.
 _SAVE_OPS: frozenset[torch._ops.OpOverload] = frozenset(
     {
-        aten.mm.default,
         # Attention kernels: CUDA flash, memory-efficient, cuDNN, and the CPU flash kernel that
         # runs on CPU. (The "math" fallback is a composite op: it reaches the policy as bmm /
         # softmax pieces and is recomputed.)
@@ -58,26 +57,30 @@ _SAVE_OPS: frozenset[torch._ops.OpOverload] = frozenset(
         aten.max.default,
     }
 )
+# The matmul of a linear layer (plain, with bias, float8); kept when the linear is one the family names.
+_MATMUL_OPS: frozenset[torch._ops.OpOverload] = frozenset(
+    {aten.mm.default, aten.addmm.default, aten._scaled_mm.default}
+)
 
 
-def apply_ac(model: Transformer, cfg: ActivationCheckpoint) -> None:
+def apply_ac(model: nn.Module, cfg: ActivationCheckpoint, *, saved_linears: tuple[str, ...] = ()) -> None:
     """Checkpoint the transformer blocks of `model` in place, as `cfg` (validated by config.py) says.
 
-    Parameter names, state-dict keys and `isinstance(block, TransformerBlock)` stay as they were:
+    saved_linears: for selective op AC, the linears (names inside a block) whose matmul outputs are
+    kept (the family's plans.py SAC_SAVED_LINEARS); every other matmul is recomputed.
+    Parameter names, state-dict keys and `isinstance(block, <its class>)` stay as they were:
     the block's class is swapped for a subclass whose forward checkpoints the original one (see
     `checkpoint_module`). Raises ConfigError if a block is already checkpointed.
     """
     if cfg.mode == "none":
         return
     refuse_nested_checkpointing(model)
-    every, context_fn = 1, None
-    if cfg.mode == "selective" and cfg.selective_ac_option == "op":
-        context_fn = _op_sac_context
-    elif cfg.mode == "selective":
+    every, op_sac = 1, cfg.mode == "selective" and cfg.selective_ac_option == "op"
+    if cfg.mode == "selective" and not op_sac:
         every = selective_ac_every(cfg.selective_ac_option)
         assert every is not None, "config.validate checks selective_ac_option"
     if cfg.use_reentrant:
-        if context_fn is not None:
+        if op_sac:
             raise ConfigError(
                 "activation_checkpoint.use_reentrant: selective op AC works with non-reentrant checkpointing only; "
                 "set use_reentrant = false"
@@ -94,6 +97,7 @@ def apply_ac(model: Transformer, cfg: ActivationCheckpoint) -> None:
     # Block i is checkpointed when (i + 1) % k == 0: k = 2 -> blocks 1, 3, 5, ... (torchtitan's choice).
     for i, block in enumerate(model.layers.values()):
         if (i + 1) % every == 0:
+            context_fn = _op_sac_context(block, saved_linears) if op_sac else None
             checkpoint_module(
                 block, use_reentrant=cfg.use_reentrant, context_fn=context_fn, early_stop=cfg.early_stop, **options
             )
@@ -154,26 +158,56 @@ def refuse_nested_checkpointing(model: nn.Module) -> None:
             raise ConfigError(
                 f"activation_checkpoint.mode: {name or 'the model'} ({type(module).__name__}) is already "
                 "activation-checkpointed and would be recomputed twice per backward (docs/failures.md #1); pass an "
-                "unwrapped model and let parallelize_llama apply activation checkpointing once"
+                "unwrapped model and let parallelize_model apply activation checkpointing once"
             )
 
 
 # --------------------------------------------------------------- selective op AC
 
 
-def _op_sac_context() -> tuple[Any, Any]:
-    """Fresh (forward, recompute) contexts for one checkpointed block call."""
-    # Matmuls are numbered separately in the forward and in the recompute, so the same ones are
-    # saved in both; a block has wq, wk, wv, wo, w1, w3, w2 in that order: wk, wo, w3 are recomputed.
-    mm_index = {False: 0, True: 0}
+class _LinearScope:
+    """Which of a block's named linears is running: the selective-AC policy sees ops, not modules.
+
+    Eager: forward pre/post hooks on the linears (they also fire when the block is recomputed).
+    Compiled: the hooks are skipped (torch.compiler.is_compiling(): no side effect in the graph), and the
+    policy, which runs while AOT autograd traces the block, reads the module stack dynamo recorded for the
+    op's graph node (torch.fx.traceback's node meta; its keys are id() of the modules in PyTorch 2.13, a
+    private layout used only here, and checked by tests/test_parallelisms.py's compiled op-SAC count).
+    """
+
+    def __init__(self, block: nn.Module, names: tuple[str, ...]):
+        modules = dict(block.named_modules())
+        if missing := [name for name in names if name not in modules]:
+            raise ValueError(f"SAC_SAVED_LINEARS names {missing}, which {type(block).__name__} does not have")
+        self.ids = {str(id(modules[name])) for name in names}
+        self.active = 0
+        for name in names:
+            modules[name].register_forward_pre_hook(self._enter)
+            modules[name].register_forward_hook(self._exit)
+
+    def _enter(self, *_: Any) -> None:
+        if not torch.compiler.is_compiling():
+            self.active += 1
+
+    def _exit(self, *_: Any) -> None:
+        if not torch.compiler.is_compiling():
+            self.active -= 1
+
+    def inside(self) -> bool:
+        if self.active:
+            return True
+        meta = fx_traceback.get_current_meta() or {}
+        return bool(self.ids.intersection(meta.get("nn_module_stack") or ()))
+
+
+def _op_sac_context(block: nn.Module, saved_linears: tuple[str, ...]) -> Callable[[], tuple[Any, Any]]:
+    """A context_fn for one block: fresh (forward, recompute) contexts per checkpointed call, keeping the
+    outputs of _SAVE_OPS and of the matmuls of `saved_linears`, recomputing the rest."""
+    scope = _LinearScope(block, saved_linears)
 
     def policy(ctx: Any, op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        if op == aten.mm.default:
-            mm_index[ctx.is_recompute] += 1
-            # Recompute every second matmul (torchtitan's policy): about half of the matmul outputs
-            # are kept; the recomputed ones (wk, wo, w3) are ~37% of a Llama 3 8B block's matmul FLOPs.
-            if mm_index[ctx.is_recompute] % 2 == 0:
-                return CheckpointPolicy.PREFER_RECOMPUTE
-        return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+        if op in _SAVE_OPS or (op in _MATMUL_OPS and scope.inside()):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
 
-    return create_selective_checkpoint_contexts(policy)
+    return functools.partial(create_selective_checkpoint_contexts, policy)

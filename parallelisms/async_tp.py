@@ -8,10 +8,10 @@ one line. torchtitan measured 1.09-1.16x tokens/s on H100s (docs/failures.md #4)
 
 The switch is a private inductor config that inductor's FX graph cache key ignored before
 PyTorch 2.8, which is how a plain-TP run was once served async-TP graphs (docs/failures.md #4);
-parallelize_llama puts this setting in the key of the inductor cache folder (parallelisms/compile.py).
+parallelize_model puts this setting in the key of the inductor cache folder (parallelisms/compile.py).
 
-To remove async TP from a fork: delete this file, its call in parallelize_llama, and the
-`enable_async_tensor_parallel` key of [parallelism] in config.py.
+To remove async TP from a fork: delete this file, its call in parallelize_model, and the
+`enable_async_tensor_parallel` key of [parallelism] in config.py (README.md, "Removing a part").
 """
 
 from __future__ import annotations
@@ -35,17 +35,24 @@ def async_tp_problems(*, compile_enabled: bool, tp_degree: int, device_type: str
     return missing
 
 
-def apply_async_tp(tp_mesh: DeviceMesh, *, compile_enabled: bool) -> None:
-    """Switch on micro-pipeline TP for `tp_mesh`, or raise a one-line ConfigError saying what is missing."""
+def apply_async_tp(tp_mesh: DeviceMesh, *, compile_enabled: bool, planning: bool = False) -> None:
+    """Switch on micro-pipeline TP for `tp_mesh`, or raise a one-line ConfigError saying what is missing.
+
+    planning: a dry run (dry_run.py) on a fake process group: check the job against the CUDA + NCCL machine it
+    plans for, and switch nothing on."""
+    device_type, backend = (
+        ("cuda", "nccl") if planning else (tp_mesh.device_type, dist.get_backend(tp_mesh.get_group()))
+    )
     missing = async_tp_problems(
-        compile_enabled=compile_enabled, tp_degree=tp_mesh.size(), device_type=tp_mesh.device_type,
-        backend=dist.get_backend(tp_mesh.get_group()),
-    )  # fmt: skip
+        compile_enabled=compile_enabled, tp_degree=tp_mesh.size(), device_type=device_type, backend=backend
+    )
     if missing:
         raise ConfigError(
             "parallelism.enable_async_tensor_parallel: async TP needs compile.enable = true, CUDA with NCCL and "
             f"tensor_parallel_degree > 1, but {', '.join(missing)}; set it to false"
         )
+    if planning:
+        return
     # Both switches are private PyTorch APIs (2.13 has no public one); torchtitan uses the same two.
     from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 

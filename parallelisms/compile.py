@@ -21,8 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-
-from models.llama3 import Transformer
+from torch import nn
 
 _RECIPE_DIR = re.compile(r"recipe-[0-9a-f]{16}")
 
@@ -32,8 +31,8 @@ def inductor_cache_dir(
 ) -> Path:
     """`root/recipe-<hash>`: one inductor cache per recipe, i.e. per set of settings that change generated code.
 
-    recipe: those settings by name (parallelize_llama: TP degree, async TP, AC); the PyTorch version
-        is added here. root: where the per-recipe folders live; default: the TORCHINDUCTOR_CACHE_DIR
+    recipe: those settings by name (built in parallelize_model, the one place that lists them); the PyTorch
+        version is added here. root: where the per-recipe folders live; default: the TORCHINDUCTOR_CACHE_DIR
         the user set (without a recipe folder this function appended earlier), else inductor's default.
     """
     key = json.dumps({**recipe, "torch": torch_version}, sort_keys=True)
@@ -66,7 +65,7 @@ def use_inductor_cache_dir(path: str | Path) -> None:
     os.environ["TRITON_CACHE_DIR"] = str(path / "triton")
 
 
-def apply_compile(model: Transformer, *, backend: str = "inductor", cache_dir: str | Path | None = None) -> None:
+def apply_compile(model: nn.Module, *, backend: str = "inductor", cache_dir: str | Path | None = None) -> None:
     """Compile each transformer block in place (`Module.compile`), one graph per block.
 
     Per block rather than the whole model: all blocks share one compiled graph (same code, weights

@@ -14,7 +14,7 @@ Recipes ([quantize.linear.float8] recipe_name, torchao's names):
                         over bf16 in torchao's 8B numbers).
   rowwise_with_gw_hp    rowwise, but the weight gradient's matmul in high precision.
 
-What this file does, and where it sits in parallelize_llama (first: every later step must see the
+What this file does, and where it sits in parallelize_model (first: every later step must see the
 final modules; the TP plan, compile and FSDP all read them):
   * converts the linears of the blocks; a linear whose dims are not multiples of 16 (what float8
     matmuls need) or whose name contains one of `filter_fqns` (default: the output projection,
@@ -28,7 +28,7 @@ final modules; the TP plan, compile and FSDP all read them):
     (`precompute_scales_after_each_step`) instead of one reduction per weight per forward.
 float8 needs compute capability 8.9+ (H100, H200, L4, RTX 4090); elsewhere it is refused in one
 line, except with `emulate = true`, which runs the same casts with high-precision matmuls (the
-tests, on CPU). parallelize_llama puts the recipe in the inductor cache key (docs/failures.md #4).
+tests, on CPU). parallelize_model puts the recipe in the inductor cache key (docs/failures.md #4).
 
 To remove float8 from a fork: delete this file, its two calls in parallelisms/parallelize.py, the
 call in train.py, the [quantize] sections in config.py and tests/test_float8.py.

@@ -5,16 +5,15 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
-from models.llama3 import Transformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def apply_fsdp(
-    model: Transformer,
+    model: nn.Module,
     mesh: DeviceMesh,
     *,
     param_dtype: torch.dtype,

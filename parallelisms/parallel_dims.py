@@ -16,11 +16,14 @@ one pipeline share it and so read the same micro-batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from config import Parallelism
 from errors import ConfigError
+from parallelisms.pp import check_microbatches, stage_layers
+from parallelisms.tp import check_tp
 
 
 @dataclass(frozen=True)
@@ -83,3 +86,22 @@ class ParallelDims:
     def dp_rank(self, mesh: DeviceMesh) -> int:
         """This rank's index among the dp_replicate x dp_shard data-parallel ranks."""
         return mesh["dp_replicate"].get_local_rank() * self.dp_shard + mesh["dp_shard"].get_local_rank()
+
+
+def layout_problems(par: Parallelism, *, world_size: int, args: Any, seq_len: int, local_batch_size: int) -> list[str]:
+    """Every problem of the parallel layout for this world and model, from the rules where they live: the degrees
+    (ParallelDims), what TP needs of the shape (check_tp), the pipeline's split and micro-batches (pp.py). The run
+    (load_config) and the memory estimator ask the same rules."""
+    rules = [lambda: ParallelDims.from_config(par, world_size=world_size)]
+    if par.tensor_parallel_degree > 1:
+        rules.append(lambda: check_tp(args, tp_degree=par.tensor_parallel_degree, seq_len=seq_len))
+    if par.pipeline_parallel_degree > 1:
+        rules.append(lambda: stage_layers(args, par))
+        rules.append(lambda: check_microbatches(par, local_batch_size=local_batch_size))
+    problems: list[str] = []
+    for rule in rules:
+        try:
+            rule()
+        except ConfigError as e:
+            problems += e.problems
+    return problems

@@ -1,14 +1,15 @@
-"""parallelize_llama: where the parallelisms are applied to the model, in a fixed order."""
+"""parallelize_model: where the parallelisms are applied to a model, in a fixed order."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from config import ActivationCheckpoint, Compile, Float8Linear, Parallelism, Training
-from models.llama3 import Transformer
+from models import ModelFamily
 from parallelisms.ac import apply_ac
 from parallelisms.async_tp import apply_async_tp
 from parallelisms.compile import apply_compile, inductor_cache_dir
@@ -18,9 +19,10 @@ from parallelisms.parallel_dims import ParallelDims
 from parallelisms.tp import apply_tp
 
 
-def parallelize_llama(
-    model: Transformer,
+def parallelize_model(
+    model: nn.Module,
     *,
+    family: ModelFamily,
     dims: ParallelDims,
     mesh: DeviceMesh,
     training: Training,
@@ -30,7 +32,8 @@ def parallelize_llama(
     float8: Float8Linear | None = None,
     device: torch.device | None = None,
     inductor_cache_root: str | Path | None = None,
-) -> Transformer:
+    planning: bool = False,
+) -> nn.Module:
     """Apply, in order, float8 -> TP (+ async TP) -> activation checkpointing -> compile -> FSDP to a (meta) model.
 
     The order is not a matter of taste:
@@ -50,10 +53,14 @@ def parallelize_llama(
          2.13: one graph, no graph breaks, fullgraph=True).
       4. FSDP last: it turns modules into FSDP units and shards over the data-parallel mesh
          whatever the steps before produced (TP DTensors become 2-D (dp_shard, tp) DTensors).
+    What is particular to the model comes from its `family`: how TP splits a block (plans.py tp_plan)
+    and which linears selective op AC keeps (plans.py SAC_SAVED_LINEARS).
     Under loss parallel (TP on, parallelism.disable_loss_parallel false) the logits are a
     vocabulary-sharded DTensor: compute the loss AND call backward inside
     `parallelisms.tp.loss_parallel_context(True)`.
 
+    planning: a dry run (dry_run.py) on a fake process group: each step checks what it can and lays out the
+    parameters; nothing that needs the real machine is switched on.
     inductor_cache_root: parent folder of the per-recipe inductor caches (see
     `parallelisms.compile.inductor_cache_dir`); None = TORCHINDUCTOR_CACHE_DIR or inductor's default.
     """
@@ -61,13 +68,14 @@ def parallelize_llama(
         apply_float8(model, float8, device=device or torch.device("cpu"), fsdp_sharded=dims.dp_shard > 1)
     if dims.tp_enabled:
         apply_tp(
-            model, mesh["tp"], loss_parallel=not parallelism.disable_loss_parallel, seq_len=training.seq_len,
+            model, mesh["tp"], block_plan=family.tp_plan, loss_parallel=not parallelism.disable_loss_parallel,
+            seq_len=training.seq_len,
             adapt_block_plan=adapt_tp_plan if float8 is not None and float8_tp_plan(float8, mesh["tp"]) else None,
         )  # fmt: skip
     if parallelism.enable_async_tensor_parallel:
-        apply_async_tp(mesh["tp"], compile_enabled=compile.enable and "model" in compile.components)
+        apply_async_tp(mesh["tp"], compile_enabled=compile.enable and "model" in compile.components, planning=planning)
 
-    apply_ac(model, ac)
+    apply_ac(model, ac, saved_linears=family.sac_saved_linears)
 
     if compile.enable and "model" in compile.components:
         # Every setting that changes the generated code; docs/failures.md #4.

@@ -6,7 +6,7 @@
 The stages are the model itself with the modules of other stages deleted (layers live in a
 ModuleDict keyed "0", "1", ..., so every parameter keeps its name and checkpoints do not care how
 the model was cut: a PP run resumes without PP and back). Each stage then goes through the same
-`parallelize_llama` as a whole model (TP, AC, compile, FSDP inside the stage's dp x tp ranks).
+`parallelize_model` as a whole model (TP, AC, compile, FSDP inside the stage's dp x tp ranks).
 
 Stages per pp rank: 1 for 1F1B and GPipe, 2 or more for the interleaved schedules (rank r holds
 stages r, r + pp, r + 2pp, ...), which shrink the pipeline bubble by (stages per rank). Layers are
@@ -42,7 +42,6 @@ from torch.distributed.pipelining.schedules import (
 
 from config import Parallelism
 from errors import ConfigError
-from models.llama3 import ModelArgs, Transformer
 
 SCHEDULES = {
     "1F1B": Schedule1F1B,
@@ -52,7 +51,7 @@ SCHEDULES = {
 }
 
 
-def stage_layers(args: ModelArgs, cfg: Parallelism) -> list[list[int]]:
+def stage_layers(args: Any, cfg: Parallelism) -> list[list[int]]:
     """The blocks of each stage (virtual stages in order; stage 0 also holds the embedding, the last
     norm + output). Every problem of the PP keys for this model in one ConfigError."""
     pp, name, per_stage = (
@@ -136,7 +135,7 @@ def check_microbatches(cfg: Parallelism, *, local_batch_size: int) -> int:
     return local_batch_size // mb
 
 
-def stage_module(model: Transformer, layers: list[int], *, first: bool, last: bool) -> Transformer:
+def stage_module(model: nn.Module, layers: list[int], *, first: bool, last: bool) -> nn.Module:
     """A copy of the (meta) model with only these blocks, the embedding if first, norm + output if last."""
     stage = copy.deepcopy(model)
     keep = {str(i) for i in layers}
@@ -156,9 +155,9 @@ class Pipeline:
     optimizer, gradient clipping and checkpoints use it); with one stage per rank, that stage.
     """
 
-    def __init__(self, parts: list[Transformer], stages: list[PipelineStage], *, pp_group: Any, n_microbatches: int):
+    def __init__(self, parts: list[nn.Module], stages: list[PipelineStage], *, pp_group: Any, n_microbatches: int):
         self.parts, self.pp_group, self.n_microbatches = parts, pp_group, n_microbatches
-        self.schedule: Any = None  # set by pipeline_llama: the schedule needs `scaled` as its loss function
+        self.schedule: Any = None  # set by pipeline_model: the schedule needs `scaled` as its loss function
         self.has_first = any(s.is_first for s in stages)
         self.has_last = any(s.is_last for s in stages)
         self.module = parts[0] if len(parts) == 1 else _union(parts)
@@ -182,19 +181,38 @@ class Pipeline:
             return torch.zeros((), device=labels.device)
         return torch.stack([loss.detach() for loss in losses]).sum()
 
+    @torch.no_grad()
+    def eval(
+        self, inputs: torch.Tensor, labels: torch.Tensor, segments: torch.Tensor | None, *, rows: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward only (validation.py): the sum over this local batch's first `rows` sequences of each one's mean
+        loss, and how many were scored, on ranks with the last stage (zeros elsewhere). Rows past `rows` run
+        through the stages (the pipeline needs whole micro-batches) and score nothing."""
+        self._scale = 1.0
+        valid = torch.arange(len(labels), device=labels.device) < rows  # split into micro-batches with the labels
+        kwargs = {"labels": labels, "valid": valid} | ({"segments": segments} if segments is not None else {})
+        losses: list[torch.Tensor] = []
+        self.schedule.eval(*((inputs,) if self.has_first else ()), target=labels if self.has_last else None,
+                           losses=losses, return_outputs=False, **kwargs)  # fmt: skip
+        if not self.has_last:
+            return torch.zeros((), device=labels.device), torch.zeros((), device=labels.device)
+        # Each micro-batch's loss is the mean over its valid rows (0 when it has none): weigh it by their number.
+        counts = valid.float().reshape(len(losses), -1).sum(dim=1)
+        return (torch.stack(losses).float() * counts).sum(), counts.sum()
+
     def scaled(self, loss: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The schedule's loss function: the last stage's forward already returned the micro-batch's mean loss."""
         return loss * self._scale
 
 
-def pipeline_llama(
-    model: Transformer,
+def pipeline_model(
+    model: nn.Module,
     *,
     mesh: DeviceMesh,
     cfg: Parallelism,
     local_batch_size: int,
     loss_fn: Callable[..., torch.Tensor],
-    parallelize: Callable[[Transformer], Transformer],
+    parallelize: Callable[[nn.Module], nn.Module],
     device: torch.device,
 ) -> Pipeline:
     """Cut the (meta) model into this rank's stages, parallelize each with `parallelize`, build the schedule."""
@@ -223,14 +241,27 @@ def pipeline_llama(
 def _labels_to_loss_head(
     loss_fn: Callable[..., torch.Tensor], last: bool, module: nn.Module, args: tuple, kwargs: dict
 ) -> tuple[tuple, dict]:
-    """The schedule passes the micro-batch's labels to every stage: the last one scores with them, the others drop them."""
-    labels = kwargs.pop("labels")
-    if last:
+    """The schedule passes the micro-batch's labels to every stage: the last one scores with them, the others drop them.
+    Validation also passes which rows to score (`valid`)."""
+    labels, valid = kwargs.pop("labels"), kwargs.pop("valid", None)
+    if last and valid is None:
         kwargs["head"] = functools.partial(loss_fn, module, labels=labels)
+    elif last:
+        kwargs["head"] = functools.partial(_score_rows, loss_fn, module, labels, valid)
     return args, kwargs
 
 
-def _union(parts: list[Transformer]) -> nn.Module:
+def _score_rows(
+    loss_fn: Callable[..., torch.Tensor], module: nn.Module, labels: torch.Tensor, valid: torch.Tensor, h: torch.Tensor
+) -> torch.Tensor:
+    """The mean loss over the valid rows of a micro-batch, a prefix of them (0 when none is)."""
+    rows = int(valid.sum())  # a host sync per micro-batch: validation only
+    if rows == 0:
+        return torch.zeros((), device=labels.device)
+    return loss_fn(module, h[:rows], labels=labels[:rows])
+
+
+def _union(parts: list[nn.Module]) -> nn.Module:
     """One module over several stages, holding the same submodules under the whole model's names."""
     union = nn.Module()
     union.tok_embeddings = next((p.tok_embeddings for p in parts if p.tok_embeddings is not None), None)

@@ -1,19 +1,14 @@
 """Tensor parallel + sequence parallel (Megatron style) and loss parallel.
 
-Layouts along one transformer block (tp ranks share a micro-batch; `seqlen/tp` = sequence shard):
-
-    x (bs, seqlen/tp, dim)  Shard(1)         residual stream, sequence parallel
-    attention_norm          Shard(1)         SequenceParallel: the norm runs on its shard
-    attention input         Replicate        PrepareModuleInput: all-gather over the sequence
-    wq / wk / wv            Colwise          each rank holds n_heads/tp (n_kv_heads/tp) heads
-    wo                      Rowwise          reduce-scatter back to Shard(1)
-    ffn_norm, feed_forward  same pattern     w1, w3 colwise (hidden/tp), w2 rowwise
-
-Around the blocks: the embedding is rowwise (vocabulary split) with a Shard(1) output, the final
-norm is sequence parallel, and the output projection is colwise: with loss parallel it keeps the
-logits sharded over the vocabulary (Shard(-1)) and cross-entropy runs on the shards, so the
-(bs, seqlen, vocab) logits are never gathered. Async TP (overlapping these collectives with
-the matmuls) is a compile pass on top of this plan: parallelisms/async_tp.py.
+Each family's plans.py says how one of its blocks is split (`tp_plan`): column-wise projections
+into the heads or hidden units, row-wise ones back, norms on sequence shards. This file applies
+that plan to every block and splits the skeleton around them: the embedding is row-wise
+(vocabulary split) with a sequence-sharded Shard(1) output, the final norm is sequence parallel, and
+the output projection is column-wise: with loss parallel it keeps the logits sharded over the
+vocabulary (Shard(-1)) and cross-entropy runs on the shards, so the (bs, seqlen, vocab) logits are
+never gathered. Between blocks the residual stream is a plain (bs, seqlen/tp, dim) sequence shard.
+Async TP (overlapping these collectives with the matmuls) is a compile pass on top of this plan:
+parallelisms/async_tp.py.
 """
 
 from __future__ import annotations
@@ -29,7 +24,6 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
-    PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
@@ -37,11 +31,10 @@ from torch.distributed.tensor.parallel import (
 )
 
 from errors import ConfigError
-from models.llama3 import ModelArgs, Transformer
 
 
-def check_tp(args: ModelArgs, *, tp_degree: int, seq_len: int) -> None:
-    """What this plan needs of the model: every problem in one ConfigError."""
+def check_tp(args: Any, *, tp_degree: int, seq_len: int) -> None:
+    """What tensor parallel needs of a model's shape (ModelArgs): every problem in one ConfigError."""
     problems = []
     if args.n_heads % tp_degree:
         problems.append(f"parallelism.tensor_parallel_degree: {tp_degree} does not divide n_heads={args.n_heads}")
@@ -61,15 +54,17 @@ def check_tp(args: ModelArgs, *, tp_degree: int, seq_len: int) -> None:
 
 
 def apply_tp(
-    model: Transformer,
+    model: nn.Module,
     tp_mesh: DeviceMesh,
     *,
+    block_plan: Callable[[], dict[str, ParallelStyle]],
     loss_parallel: bool,
     seq_len: int,
     adapt_block_plan: Callable[[nn.Module, dict[str, ParallelStyle]], dict[str, ParallelStyle]] | None = None,
 ) -> None:
     """Shard `model` (on any device, meta included) over `tp_mesh` in place.
 
+    block_plan: the family's plan of one block (a fresh dict per call: models/<family>/plans.py).
     loss_parallel: leave the logits as a DTensor sharded over the vocabulary; the loss and its
         backward must then run under `loss_parallel_context(True)`.
     seq_len: the training sequence length, which sequence parallel splits over the TP ranks.
@@ -99,27 +94,7 @@ def apply_tp(
     if model.tok_embeddings is not None:
         model.tok_embeddings.register_forward_hook(_wait_async_output)
     for block in model.layers.values():
-        plan: dict[str, ParallelStyle] = {
-            "attention_norm": SequenceParallel(),
-            # `cos_sin` and the attention mask (None layouts) are plain tensors (or None) every
-            # rank holds in full: left alone. Attention sees the whole sequence, so does the mask.
-            "attention": PrepareModuleInput(
-                input_layouts=(Shard(1), None, None),
-                desired_input_layouts=(Replicate(), None, None),
-            ),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(
-                input_layouts=(Shard(1),),
-                desired_input_layouts=(Replicate(),),
-            ),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward.w3": ColwiseParallel(),
-        }
+        plan = block_plan()
         parallelize_module(block, tp_mesh, adapt_block_plan(block, plan) if adapt_block_plan else plan)
 
 

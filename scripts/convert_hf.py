@@ -1,4 +1,4 @@
-"""Convert between Hugging Face Llama folders and this repo's DCP checkpoints.
+"""Convert between Hugging Face folders (Llama, Qwen3) and this repo's DCP checkpoints.
 
     # HF folder -> a weights-only DCP checkpoint (like a seed checkpoint, step 0)
     python scripts/convert_hf.py to-dcp HF_FOLDER OUT_CHECKPOINT [--dtype keep]
@@ -8,6 +8,7 @@
     # a trained DCP checkpoint (any step, saved on any number of ranks) -> HF folder
     python scripts/convert_hf.py to-hf CHECKPOINT OUT_HF_FOLDER --hf-assets-path HF_FOLDER [--dtype bfloat16]
     python scripts/convert_hf.py to-hf CHECKPOINT OUT_HF_FOLDER --flavor debugmodel --tokenizer-path assets/tokenizer
+    python scripts/convert_hf.py to-hf CHECKPOINT OUT_HF_FOLDER --model qwen3 --flavor qwen3_0.6b ...
 
 Both run as one process on CPU. to-dcp holds the weights once in memory (in the output
 dtype); to-hf holds one output shard (--max-shard-gb) at a time. The tokenizer files and
@@ -32,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from checkpoint import HF_SIDE_FILES, export_hf_folder  # noqa: E402
 from errors import ConfigError  # noqa: E402
-from models.llama3 import FLAVORS  # noqa: E402
-from models.llama3.hf import DEFAULT_MAX_SHARD_BYTES, model_args_from_hf_config, read_hf_weights  # noqa: E402
+from models import NAMES, family  # noqa: E402
+from models.hf import DEFAULT_MAX_SHARD_BYTES, family_of_hf_config, model_args_from_hf, read_hf_weights  # noqa: E402
 
 DTYPES = {"keep": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -42,8 +43,9 @@ def hf_to_dcp(hf_folder: Path, out: Path, *, dtype: torch.dtype | None) -> None:
     """Write HF weights as a weights-only DCP checkpoint under our parameter names."""
     if out.exists():
         raise ConfigError(f"{out}: already exists; choose a new checkpoint folder")
-    args = model_args_from_hf_config(hf_folder)
-    state = {name: t if dtype is None else t.to(dtype) for name, t in read_hf_weights(hf_folder, args)}
+    fam = family_of_hf_config(hf_folder)
+    args = model_args_from_hf(fam, hf_folder)
+    state = {name: t if dtype is None else t.to(dtype) for name, t in read_hf_weights(hf_folder, fam, args)}
     # The same layout CheckpointManager writes ({"model_and_optimizer": {"model": ...}}), so
     # train.py's initial_load_path and resume read it, resharding onto any FSDP/TP layout.
     partial = out.with_name(out.name + ".partial")
@@ -57,7 +59,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="direction", required=True)
     to_dcp = sub.add_parser("to-dcp", help="HF folder -> weights-only DCP checkpoint")
-    to_dcp.add_argument("hf_folder", type=Path, help="Hugging Face Llama folder (config.json + *.safetensors)")
+    to_dcp.add_argument("hf_folder", type=Path, help="Hugging Face folder (config.json + *.safetensors)")
     to_dcp.add_argument("out", type=Path, help="checkpoint folder to create")
     to_dcp.add_argument(
         "--dtype", choices=DTYPES, default="keep",
@@ -70,7 +72,8 @@ def main(argv: list[str]) -> int:
     shape.add_argument(
         "--hf-assets-path", type=Path, help="HF folder the model came from: its config.json gives the shape"
     )
-    shape.add_argument("--flavor", choices=FLAVORS, help="the model.flavor the checkpoint was trained with")
+    shape.add_argument("--flavor", help="the model.flavor the checkpoint was trained with")
+    to_hf.add_argument("--model", choices=NAMES, default="llama3", help="the model.name (family) of --flavor")
     to_hf.add_argument(
         "--tokenizer-path", type=Path, help="folder whose tokenizer files to copy (default: --hf-assets-path)"
     )
@@ -84,12 +87,21 @@ def main(argv: list[str]) -> int:
         hf_to_dcp(opts.hf_folder, opts.out, dtype=DTYPES[opts.dtype])
         return 0
 
-    args = model_args_from_hf_config(opts.hf_assets_path) if opts.hf_assets_path else FLAVORS[opts.flavor]
+    if opts.hf_assets_path:
+        fam = family_of_hf_config(opts.hf_assets_path)
+        args = model_args_from_hf(fam, opts.hf_assets_path)
+    else:
+        fam = family(opts.model)
+        if opts.flavor not in fam.flavors:
+            raise ConfigError(
+                f"--flavor: {opts.flavor!r} is no {fam.name} flavor; choose from {', '.join(fam.flavors)}"
+            )
+        args = fam.flavors[opts.flavor]
     tokenizer_path = opts.tokenizer_path or opts.hf_assets_path
     if tokenizer_path is not None and not tokenizer_path.is_dir():
         raise ConfigError(f"--tokenizer-path: {tokenizer_path} is not a folder; point it at a tokenizer folder")
     copied = export_hf_folder(
-        opts.checkpoint, opts.out, args=args, dtype=DTYPES[opts.dtype],
+        opts.checkpoint, opts.out, family=fam, args=args, dtype=DTYPES[opts.dtype],
         max_shard_bytes=int(opts.max_shard_gb * 2**30), side_files_from=opts.hf_assets_path,
     )  # fmt: skip
     if opts.tokenizer_path is not None:  # another folder's tokenizer files

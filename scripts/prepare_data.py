@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data.prepare import CHUNK_BYTES, prepare  # noqa: E402
 from data.sources import find_source  # noqa: E402
+from data.tokenizers import build_tokenizer  # noqa: E402
 from errors import ConfigError  # noqa: E402
 
 
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
             args.source, fmt=args.format, text_column=args.text_column, name=args.name, split=args.split,
             key="--source",
         )  # fmt: skip
+        build_tokenizer(args.tokenizer, key="--tokenizer")  # its problems in this script's words
         begin = time.perf_counter()
         manifest = prepare(
             source, args.tokenizer, args.output, workers=args.workers, chunk_bytes=int(args.chunk_mb * 2**20),

@@ -47,6 +47,8 @@ SHIPPED: dict[str, Launch] = {
     "configs/llama3_8b.toml": Launch(8, gpus_per_node=8),
     "configs/llama3_70b.toml": Launch(64, gpus_per_node=8),
     "configs/llama3_405b.toml": Launch(512, gpus_per_node=8),
+    "configs/qwen3_debug.toml": Launch(2),
+    "configs/qwen3_8b.toml": Launch(8, gpus_per_node=8),
 }
 
 
@@ -63,11 +65,14 @@ def shipped_config(
         # whose shape is no flavor.
         from tests.tiny_hf import tiny_hf_folder
 
-        hf = tiny_hf_folder(tmp_path / "hf")
+        family = "qwen3" if 'name = "qwen3"' in text else "llama3"
+        hf = tiny_hf_folder(tmp_path / "hf", family=family, vocab_size=2048)  # the shipped tokenizer's
         overrides = [f"--model.hf_assets_path={hf}", "--model.shape_from_hf_config", "--training.seq_len=256"]
-    elif "assets/hf/Llama-3.1-8B" in text:  # the big recipes: the Llama 3.1 tokenizer and FineWeb-Edu
-        tokenizer, corpus = llama3_stand_ins
-        overrides = [f"--model.tokenizer_path={tokenizer}", f"--data.path={corpus}"]
+    tokenizer, corpus = llama3_stand_ins
+    if "assets/hf/Llama-3.1-8B" in text:  # the big recipes: the Llama 3.1 tokenizer
+        overrides.append(f"--model.tokenizer_path={tokenizer}")
+    if 'path = "data/' in text:  # and a corpus prepared from FineWeb-Edu
+        overrides.append(f"--data.path={corpus}")
     return path, SHIPPED[path], overrides
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from config import REPO, SECTIONS, JobConfig, field_docs, help_text, keys, load_config, to_toml
+from config import REPO, SECTIONS, JobConfig, field_docs, help_text, input_problems, keys, load_config, to_toml
 from errors import ConfigError
 from tests.conftest import SHIPPED, Launch
 
@@ -119,10 +119,57 @@ def test_float16_is_refused_for_want_of_loss_scaling() -> None:
     assert problem.startswith("training.mixed_precision_param: float16 needs loss scaling") and "bfloat16" in problem
 
 
-def test_missing_files_are_named() -> None:
-    found = problems(["--data.path=nope.jsonl", "--model.tokenizer_path=nope/", "--checkpoint.initial_load_path=nope"])
-    assert [p.split(":")[0] for p in found] == ["data.path", "model.tokenizer_path", "checkpoint.initial_load_path"]
+def test_missing_files_are_named_for_training_and_noted_when_planning() -> None:
+    argv = [
+        "--data.path=nope.jsonl", "--model.tokenizer_path=nope/", "--checkpoint.initial_load_path=nope",
+        "--model.hf_assets_path=/nonexistent",
+    ]  # fmt: skip
+    found = problems(argv)
+    assert [p.split(":")[0] for p in found] == [
+        "model.hf_assets_path", "data.path", "model.tokenizer_path", "checkpoint.initial_load_path",
+    ]  # fmt: skip
+    assert found[0] == (
+        "model.hf_assets_path: /nonexistent not found; point it at a Hugging Face folder (config.json, tokenizer "
+        "files, *.safetensors)"
+    )
+    # Planning (--print-config, doctor.py, a dry run) loads the same config; the files are its notes.
+    assert input_problems(load_config(argv, inputs=False)) == found
     assert "file missing.toml not found" in problems(["--config", "missing.toml"])[0]
+    # Advice names the script so that it runs from anywhere; torchtitan's c4_test is torchtitan's folder.
+    (problem,) = problems(["--data.path=data/nope"])
+    assert f"python {REPO / 'scripts' / 'prepare_data.py'} --source SOURCE" in problem or Path.cwd() == REPO
+    found = problems(["--training.dataset=c4_test", "--config", str(REPO / "tests/torchtitan/debug_model.toml")])
+    assert "torchtitan's test corpus, read from ./tests/assets/c4_test in a torchtitan checkout" in found[-1]
+
+
+def test_settings_that_passed_silently_or_failed_badly() -> None:
+    # torchtitan's dataset key given on the command line beats data.path from the TOML (with a warning).
+    cfg = load_config(["--config", "configs/debug.toml", "--training.dataset=c4"], inputs=False)
+    assert (cfg.data.path, cfg.data.format, cfg.data.name) == ("allenai/c4", "hub", "en")
+    with pytest.raises(ConfigError) as info:
+        load_config(["--data.path=a.jsonl", "--training.dataset=c4"], inputs=False)
+    assert info.value.problems == ["data.path: 'a.jsonl' and training.dataset both name the training data; keep one"]
+    # A flag without a value is a boolean's; anything else says so.
+    assert problems(["--training.steps"]) == ["training.steps: needs a value (--training.steps=VALUE, int)"]
+    assert problems(["--config"]) == ["--config: needs a file name (--config configs/debug.toml)"]
+    assert problems(["--confg", "configs/debug.toml"])[0] == "--confg: unexpected argument; did you mean '--config'?"
+    # torchtitan's names of earlier releases say where the key lives now.
+    assert problems(["--training.seed=3"]) == [
+        "training.seed: a key of earlier torchtitan releases; it is debug.seed now"
+    ]
+    assert problems(["--model.shape_from_hf_config"]) == [
+        "model.shape_from_hf_config: takes the shape from model.hf_assets_path's config.json, and "
+        "model.hf_assets_path is unset; set it to a Hugging Face folder"
+    ]
+    # The layout's rules (the world size torchrun gives) join the config's in one round.
+    found = problems_with_world(["--training.stepz=3", "--parallelism.data_parallel_shard_degree=2"], world_size=1)
+    assert [p.split(":")[0] for p in found] == ["training.stepz", "parallelism"]
+
+
+def problems_with_world(argv: list[str], *, world_size: int) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_config(argv, world_size=world_size)
+    return info.value.problems
 
 
 def test_unexpected_arguments() -> None:

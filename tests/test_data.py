@@ -181,6 +181,18 @@ def test_prepare_data_script(tmp_path: Path) -> None:
     proc = python("scripts/prepare_data.py", "--source", str(tmp_path / "nope"), "--tokenizer", "byte", "--output",
                   str(tmp_path / "x"))  # fmt: skip
     assert proc.returncode == 2 and proc.stderr.startswith("error: --source: ") and "Traceback" not in proc.stderr
+    proc = python("scripts/prepare_data.py", "--source", str(source), "--tokenizer", "nope", "--output",
+                  str(tmp_path / "y"))  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --tokenizer: nope not found"), proc.stderr
+
+
+def test_an_unwritable_cache_folder_is_one_line(tmp_path: Path) -> None:
+    source = write_jsonl(tmp_path / "d.jsonl", TEXTS)
+    cfg = Data(path=str(source), cache_folder="/proc/nope")
+    with pytest.raises(
+        ConfigError, match=r"^data.cache_folder: cannot write to /proc/nope/\w+ \(.*\); choose a writable folder$"
+    ):
+        open_corpus(cfg, build_tokenizer("byte"), "byte")
 
 
 # ---------------------------------------------------------------------- loader

@@ -265,6 +265,17 @@ def test_main_exit_codes(
     assert doctor.main(["--config", "configs/debug.toml", "--training.stepz=3"]) == 2
     assert "error: training.stepz: unknown key" in capsys.readouterr().err
     assert doctor.main(["--config", "configs/debug.toml", "--world-size", "two"]) == 2
+    # Rules of the layout are the config's: exit 2, one line on stderr, nothing on stdout.
+    assert (
+        doctor.main(["--config", "configs/debug.toml", "--world-size", "3", "--parallelism.tensor_parallel_degree=2"])
+        == 2
+    )
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("error: parallelism:") and err.count("\n") == 1, err
+    # A job planned for machines that have its files: what this one lacks are notes.
+    assert doctor.main(["--config", "configs/llama3_70b.toml", "--world-size=64", "--gpus-per-node=8", "--cuda"]) == 0
+    out = capsys.readouterr().out
+    assert "note: data.path: data/fineweb-edu-10BT-llama3 not found" in out and "note: model.tokenizer_path: " in out
 
 
 def test_startup_check_warns_on_rank_0_only_and_raises_errors(

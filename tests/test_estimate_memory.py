@@ -14,8 +14,8 @@ import pytest
 import estimate_memory
 from errors import ConfigError
 from estimate_memory import GiB, Job, activation_bytes, estimate, estimate_rank
+from models import with_seq_len
 from models.llama3 import FLAVORS
-from models.llama3.model import with_seq_len
 from tests.launch import python
 
 ARGS = with_seq_len(FLAVORS["debugmodel"], 256)
@@ -186,17 +186,37 @@ def test_cli(capsys: pytest.CaptureFixture[str]) -> None:
     assert "8 micro-batches of 2" in out and "pp rank 0 (asked for): stage(s) 0, 15 blocks" in out
     assert "grad accumulation 2" in out
     assert main([*args, "--pp-microbatch-size", "3"]) == 2
-    assert "error: parallelism.pipeline_parallel_microbatch_size: 3 does not divide" in capsys.readouterr().err
-    assert main(["--ngpu", "6", "--tp", "4"]) == 2
-    assert "does not divide the world size 6" in capsys.readouterr().err
+    # The recipe's rules, in this script's words: its flags, not the config keys.
+    assert "error: --pp-microbatch-size: 3 does not divide --local-batch-size 16" in capsys.readouterr().err
+    assert main(["--ngpu", "7", "--tp", "2"]) == 2
+    assert capsys.readouterr().err.startswith("error: --ngpu: 7 GPUs do not split into groups of --pp 1 x")
+    # torchtitan's flavor names, as train.py takes them; a flavor of another family says which.
+    assert main(["--flavor", "8B", "--ngpu", "8"]) == 0 and "llama3 8B: 8.03B params" in capsys.readouterr().out
+    assert main(["--flavor", "qwen3_8b"]) == 2
+    assert capsys.readouterr().err.strip().endswith("or pass --model qwen3")
 
 
-def test_formula_terms_by_hand() -> None:
-    """The debug model's per-block bytes, spelled out (CPU eager, composite RMSNorm)."""
-    T, D, F = BATCH * SEQ, ARGS.dim, ARGS.ffn_hidden_dim
-    fp32 = activation_bytes(ARGS, batch=BATCH, seq_len=SEQ, act_bytes=4, rmsnorm="composite")
+def test_traced_block_terms_by_hand() -> None:
+    """The debug model's per-block bytes, as the trace of one block finds them, spelled out (CPU eager,
+    composite RMSNorm): the same tensors the old SwiGLU formulas named."""
+    T, D, F, H = BATCH * SEQ, ARGS.dim, ARGS.ffn_hidden_dim, ARGS.n_heads
+    debug = dict(flavor="debugmodel", ngpu=1, local_batch_size=BATCH, seq_len=SEQ, rmsnorm="composite")
+    fp32 = activation_bytes(Job(param_dtype="float32", ac="none", **debug))
     norms = 2 * (4 * T * D + 4 * T * D + 4 * T + 4 * T * D)  # fp32 input, x*rstd, rstd, output
-    attention = 4 * 4 * T * D + 4 * T * ARGS.n_heads  # q, k, v, out; logsumexp
+    attention = 4 * 4 * T * D + 4 * T * H  # q, k, v, out; logsumexp
     assert fp32["per_block_no_ac"] == norms + attention + 4 * 4 * T * F
-    full = activation_bytes(ARGS, batch=BATCH, seq_len=SEQ, act_bytes=2, ac="full", rmsnorm="composite")
-    assert full["blocks"] == ARGS.n_layers * 2 * T * D
+    full = activation_bytes(Job(ac="full", **debug))
+    assert full["blocks"] == ARGS.n_layers * 2 * T * D  # each block's bf16 input
+    # Op SAC keeps the input, the named linears' outputs (wq, wv, w1, w2) and attention's out + logsumexp.
+    op = activation_bytes(Job(ac="selective-op", **debug))
+    kv = ARGS.kv_heads * ARGS.head_dim
+    assert op["per_block_checkpointed"] == 2 * T * (D + D + kv + F + D + D) + 4 * T * H
+    # The fused CUDA kernel keeps its input and a scale per row where the composite one keeps fp32 copies.
+    fused = activation_bytes(Job(param_dtype="float32", ac="none", **{**debug, "rmsnorm": "fused"}))
+    assert fp32["per_block_no_ac"] - fused["per_block_no_ac"] == 2 * (
+        4 * T * D + 4 * T * D + 4 * T - (4 * T * D + 4 * T)
+    )
+    # Under TP 2 (a fake process group) sequence parallel halves the norms and the heads, not the gathered inputs.
+    tp2 = activation_bytes(Job(**{**debug, "ngpu": 2, "tp": 2, "ac": "none", "param_dtype": "float32"}))
+    gathered = 2 * 4 * T * D  # the attention and MLP inputs, gathered over the sequence
+    assert tp2["per_block_no_ac"] == (fp32["per_block_no_ac"] - gathered) // 2 + gathered

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,11 +23,22 @@ from data.corpus import open_corpus
 from data.loader import GlobalBatchLoader
 from data.tokenizers import build_tokenizer
 from errors import ConfigError
+from models import with_seq_len
+from models.hf import from_hf, hf_config, model_args_from_hf, to_hf
+from models.llama3 import FAMILY as LLAMA3
 from models.llama3 import FLAVORS, Transformer, num_params
-from models.llama3.hf import from_hf, hf_config, hf_to_ours, model_args_from_hf_config, to_hf
-from models.llama3.model import RopeScaling, with_seq_len
+from models.llama3.model import RopeScaling
 from tests.launch import REPO, python, torchrun
-from tests.tiny_hf import LLAMA3_ROPE, save_hf_folder, tiny_hf_folder, tiny_hf_model
+from tests.tiny_hf import (
+    LLAMA3_ROPE,
+    batch,
+    logits_and_grads,
+    save_hf_folder,
+    tiny_hf_folder,
+    tiny_hf_model,
+    total_norm,
+    write_config,
+)
 
 TOL = 1e-4
 REPO_DATA = [
@@ -60,23 +70,6 @@ def hf_case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     return name, folder
 
 
-def batch(vocab: int, *, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (2, SEQ), generator=gen), torch.randint(0, vocab, (2, SEQ), generator=gen)
-
-
-def logits_and_grads(
-    model: torch.nn.Module, forward: Callable[[torch.Tensor], torch.Tensor], tokens: torch.Tensor, labels: torch.Tensor
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    logits = forward(tokens)
-    F.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
-    return logits.detach(), {name: p.grad for name, p in model.named_parameters()}
-
-
-def total_norm(grads: dict[str, torch.Tensor]) -> float:
-    return torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()])).item()
-
-
 def test_hf_parity_logits_and_gradients(hf_case: tuple[str, Path]) -> None:
     name, folder = hf_case
     ref = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
@@ -88,7 +81,7 @@ def test_hf_parity_logits_and_gradients(hf_case: tuple[str, Path]) -> None:
     ref_logits, ref_grads = logits_and_grads(ref, lambda t: ref(t).logits, tokens, labels)
     our_logits, our_grads = logits_and_grads(ours, ours, tokens, labels)
     logit_diff = (ref_logits - our_logits).abs().max().item()
-    to_ours = hf_to_ours(args)
+    to_ours = LLAMA3.hf.hf_to_ours(args)
     assert {to_ours[n] for n in ref_grads} == set(our_grads)  # tied: one shared matrix on both sides
     grad_diff = max((ref_grads[n] - our_grads[to_ours[n]]).abs().max().item() for n in ref_grads)
     norm_diff = abs(total_norm(ref_grads) - total_norm(our_grads))
@@ -140,7 +133,7 @@ def test_torchtitan_parity(hf_case: tuple[str, Path]) -> None:
     tt_grads = adapter.to_hf(tt_grads)  # back to HF layout (un-permuted), comparable with ours
     if args.tie_word_embeddings:  # a tied matrix's gradient is the sum over its two uses
         tt_grads["model.embed_tokens.weight"] = tt_grads["model.embed_tokens.weight"] + tt_grads.pop("lm_head.weight")
-    to_ours = hf_to_ours(args)
+    to_ours = LLAMA3.hf.hf_to_ours(args)
     assert {to_ours[n] for n in tt_grads} == set(our_grads)
     logit_diff = (tt_logits - our_logits).abs().max().item()
     grad_diff = max((tt_grads[n] - our_grads[to_ours[n]]).abs().max().item() for n in tt_grads)
@@ -159,7 +152,7 @@ def test_round_trip_ours_to_hf_to_transformers_to_ours(tied: bool, tmp_path: Pat
     torch.manual_seed(0)
     model = Transformer(args)
     model.init_weights()
-    to_hf(model, args, tmp_path / "exported", max_shard_bytes=100_000)  # several shards + index
+    to_hf(model, LLAMA3, args, tmp_path / "exported", max_shard_bytes=100_000)  # several shards + index
     assert (tmp_path / "exported" / "model.safetensors.index.json").is_file()
 
     hf, info = AutoModelForCausalLM.from_pretrained(tmp_path / "exported", output_loading_info=True)
@@ -192,12 +185,6 @@ def published(**changes) -> dict:
     return {**config, **changes}
 
 
-def write_config(folder: Path, config: dict) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
-
-
 PUBLISHED = {
     "llama3_8b": published(),
     "llama3_70b": published(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64),
@@ -217,13 +204,16 @@ PUBLISHED = {
 
 @pytest.mark.parametrize("flavor", list(PUBLISHED))
 def test_published_configs_map_onto_flavors(flavor: str, tmp_path: Path) -> None:
-    args = model_args_from_hf_config(write_config(tmp_path / "v4", PUBLISHED[flavor]))
+    args = model_args_from_hf(LLAMA3, write_config(tmp_path / "v4", PUBLISHED[flavor]))
     assert args == FLAVORS[flavor]
     # transformers 5 writes rope_theta inside one rope_parameters dict: the same model.
     LlamaConfig(**PUBLISHED[flavor]).save_pretrained(tmp_path / "v5")
     assert "rope_parameters" in json.loads((tmp_path / "v5" / "config.json").read_text())
-    assert model_args_from_hf_config(tmp_path / "v5") == args
-    assert model_args_from_hf_config(write_config(tmp_path / "ours", hf_config(args, dtype=torch.bfloat16))) == args
+    assert model_args_from_hf(LLAMA3, tmp_path / "v5") == args
+    assert (
+        model_args_from_hf(LLAMA3, write_config(tmp_path / "ours", hf_config(LLAMA3, args, dtype=torch.bfloat16)))
+        == args
+    )
 
 
 def test_unrepresentable_configs_are_refused_naming_each_field(tmp_path: Path) -> None:
@@ -232,13 +222,13 @@ def test_unrepresentable_configs_are_refused_naming_each_field(tmp_path: Path) -
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192},
     )  # fmt: skip
     with pytest.raises(ConfigError) as info:
-        model_args_from_hf_config(write_config(tmp_path / "bad", bad))
+        model_args_from_hf(LLAMA3, write_config(tmp_path / "bad", bad))
     problems = info.value.problems
     assert len(problems) == 4, problems
     for field in ("hidden_act = 'gelu'", "attention_bias = True", "head_dim = 256", "rope_scaling.rope_type = 'yarn'"):
         assert sum(field in p for p in problems) == 1, (field, problems)
-    with pytest.raises(ConfigError, match="model_type = 'mistral' is not a Llama model"):
-        model_args_from_hf_config(write_config(tmp_path / "m", published(model_type="mistral")))
+    with pytest.raises(ConfigError, match="model_type = 'mistral' is not a llama3 model"):
+        model_args_from_hf(LLAMA3, write_config(tmp_path / "m", published(model_type="mistral")))
     # Through the training config, with the key to fix.
     with pytest.raises(ConfigError) as info:
         load_config([f"--model.hf_assets_path={tmp_path / 'bad'}", *REPO_DATA])
@@ -289,7 +279,7 @@ def test_hf_assets_path_gives_the_tokenizer_and_the_flavor_the_shape(tmp_path: P
     assert problem.endswith("fix the flavor, or set model.shape_from_hf_config = true"), problem
     cfg = load_config([*base, "--training.seq_len=64", "--model.shape_from_hf_config"])
     assert cfg.model.tokenizer_path == str(folder)  # no tokenizer_path: the HF folder's tokenizer
-    assert f"# parameters: {num_params(model_args_from_hf_config(folder)):,}" in describe(cfg)
+    assert f"# parameters: {num_params(model_args_from_hf(LLAMA3, folder)):,}" in describe(cfg)
 
 
 def problems_of(argv: list[str]) -> list[str]:

@@ -10,8 +10,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from models import with_seq_len
 from models.llama3 import FLAVORS, Transformer, num_flops_per_token, num_params
-from models.llama3.model import rope_inv_freq, with_seq_len
+from models.llama3.model import rope_inv_freq
 
 # Published sizes: Llama 3.2 1B/3B model cards and Llama 3.1 8B/70B/405B (HF configs).
 PUBLISHED = {

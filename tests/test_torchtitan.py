@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
 import shutil
 import typing
 from pathlib import Path
@@ -21,7 +20,6 @@ import torch
 
 from config import SECTIONS, JobConfig, LRScheduler, keys, load_config, section_of
 from errors import ConfigError
-from tests.conftest import losses
 from tests.launch import REPO, python, torchrun
 from train import lr_factor
 
@@ -62,14 +60,14 @@ def test_every_torchtitan_key_is_a_key_here_and_differing_defaults_are_documente
     assert len(theirs) > 140  # 149 in 0.2.2
     assert sorted(set(theirs) - set(ours)) == []
     # A default that differs changes what a torchtitan TOML that leaves the key out does: each one
-    # must be in the README's "Coming from torchtitan" section, which says why.
-    readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("## Coming from torchtitan") :]
-    section = section[: section.index("\n## ", 4)]
+    # must be in docs/configuration.md's "Coming from torchtitan" section, which says why.
+    page = (REPO / "docs" / "configuration.md").read_text()
+    section = page[page.index("## Coming from torchtitan") :]
+    section = section[: section.index("\n## ", 4)] if "\n## " in section[4:] else section
     differing = sorted(key for key in theirs if theirs[key] != ours[key])
-    assert differing, "torchtitan's defaults all match: drop the README's list"
+    assert differing, "torchtitan's defaults all match: drop the list in docs/configuration.md"
     for key in differing:
-        assert f"`{key}`" in section, f"{key}: ours {ours[key]!r}, torchtitan's {theirs[key]!r}, not in the README"
+        assert f"`{key}`" in section, f"{key}: ours {ours[key]!r}, torchtitan's {theirs[key]!r}, undocumented"
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -224,7 +222,7 @@ def test_did_you_mean_names_close_keys_only() -> None:
 def test_flavors_and_datasets_by_torchtitans_names() -> None:
     assert load_config(["--model.flavor=8B", "--training.seq_len=64"]).model.flavor == "llama3_8b"
     (problem,) = problems(["--model.flavor=9B"])
-    assert problem.startswith("model.flavor: unknown flavor '9B'") and "8B, 70B, 405B" in problem
+    assert problem.startswith("model.flavor: unknown llama3 flavor '9B'") and "8B, 70B, 405B" in problem
     cfg = load_config(["--training.dataset=c4"])
     assert (cfg.data.path, cfg.data.format, cfg.data.name, cfg.data.split) == ("allenai/c4", "hub", "en", "train")
     (problem,) = problems(["--training.dataset=c4_test"])  # torchtitan's test folder, not in this folder
@@ -233,57 +231,6 @@ def test_flavors_and_datasets_by_torchtitans_names() -> None:
     assert problem.startswith("training.dataset: unknown dataset 'wikitext' (c4, c4_test, or set")
     data = str(REPO / "assets/corpus/stories.jsonl")
     assert load_config(["--training.dataset=c4", f"--training.dataset_path={data}"]).data.path == data
-
-
-def test_validation_is_dp_invariant_leaves_training_alone_and_reaches_every_logger(tmp_path: Path, seed: Path) -> None:
-    """Held-out loss on 1 and 2 ranks agrees; training losses with and without validation are identical;
-    the values reach metrics.jsonl, TensorBoard and (offline) Weights & Biases."""
-    from tests.conftest import TINY
-
-    # Held-out data of ~50 windows of 65 tokens: one pass (steps = -1) ends in a partial global batch.
-    held_out = tmp_path / "held_out.jsonl"
-    lines = (REPO / "assets/corpus/stories_validation.jsonl").read_text().splitlines(keepends=True)
-    held_out.write_text("".join(lines[:29]))
-    common = [
-        *TINY, "--training.steps=4", "--training.global_batch_size=4", "--debug.deterministic",
-        "--validation.enable", f"--validation.dataset_path={held_out}", "--validation.freq=2",
-        "--validation.seq_len=64", "--validation.local_batch_size=4", "--validation.steps=-1",
-        f"--checkpoint.initial_load_path={seed}",  # the same weights on 1 and 2 ranks
-    ]  # fmt: skip
-    one, two, off = tmp_path / "one", tmp_path / "two", tmp_path / "off"
-    proc = python("train.py", *common, f"--job.dump_folder={one}")
-    assert proc.returncode == 0, proc.stderr
-    wandb_env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_PROJECT": "test"}
-    torchrun(
-        "train.py", *common, f"--job.dump_folder={two}", "--metrics.enable_tensorboard", "--metrics.enable_wandb",
-        nproc=2, env=wandb_env,
-    )  # fmt: skip
-    torchrun("train.py", *common, f"--job.dump_folder={off}", "--validation.enable=false", nproc=2)
-
-    def validations(dump: Path) -> dict[int, float]:
-        rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
-        return {row["step"]: row["validation_loss"] for row in rows if "validation_loss" in row}
-
-    assert sorted(validations(two)) == [1, 2, 4]  # step 1, every freq, the last
-    # The same held-out sequences on 1 and 2 ranks; only the reduction order differs.
-    assert validations(one) == pytest.approx(validations(two), rel=1e-5)
-    assert validations(two)[4] < validations(two)[1]  # the model learns
-    assert losses(two) == losses(off)  # validation changes nothing in training (bit for bit)
-    tokens = int(re.search(r"validation at step 4: loss +[0-9.]+ \| ([0-9,]+) tokens", proc.stdout)[1].replace(",", ""))
-    assert tokens % 64 == 0 and (tokens // 64) % 4 != 0  # whole windows, a partial last batch on 1 rank
-    assert (tokens // 64) % 8 != 0  # and on 2
-
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(two / "tb"))
-    events.Reload()
-    logged = {e.step: e.value for e in events.Scalars("validation_loss")}
-    assert logged == pytest.approx(validations(two), rel=1e-6)
-    # wandb's offline run file holds each logged value as JSON text.
-    (run_file,) = (two / "wandb").glob("offline-run-*/run-*.wandb")
-    blob = run_file.read_bytes()
-    for value in [*validations(two).values(), *losses(two).values()]:
-        assert json.dumps(value).encode() in blob, value
 
 
 def test_wandb_without_credentials_stops_in_one_line(tmp_path: Path) -> None:
@@ -330,9 +277,10 @@ def test_gc_runs_every_gc_freq_steps_on_every_rank_and_only_then(monkeypatch: py
 def test_compile_components_choose_what_is_compiled() -> None:
     from config import ActivationCheckpoint, Compile, Parallelism, Training
     from loss import build_loss_fn, cross_entropy_loss
+    from models.llama3 import FAMILY as LLAMA3
     from models.llama3 import FLAVORS, Transformer
     from parallelisms.parallel_dims import ParallelDims
-    from parallelisms.parallelize import parallelize_llama
+    from parallelisms.parallelize import parallelize_model
 
     assert build_loss_fn(Compile(enable=True, components=["model"])).whole is cross_entropy_loss
     compiled = build_loss_fn(Compile(enable=True, components=["loss"], backend="eager")).whole
@@ -344,8 +292,8 @@ def test_compile_components_choose_what_is_compiled() -> None:
         with torch.device("meta"):
             model = Transformer(FLAVORS["debugmodel"])
         dims = ParallelDims.from_config(Parallelism(), world_size=1)
-        parallelize_llama(
-            model, dims=dims, mesh=None, training=Training(mixed_precision_param="float32"),
+        parallelize_model(
+            model, family=LLAMA3, dims=dims, mesh=None, training=Training(mixed_precision_param="float32"),
             parallelism=Parallelism(), ac=ActivationCheckpoint(), compile=Compile(enable=True, components=components),
         )  # fmt: skip
         return all(block._compiled_call_impl is not None for block in model.layers.values())

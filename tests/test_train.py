@@ -113,10 +113,10 @@ def test_torchtitans_checkpoint_keys(tmp_path: Path, seed: Path) -> None:
             f"--checkpoint.initial_load_path={seed}")  # fmt: skip
     proc = python("train.py", *base, "--training.steps=4", "--checkpoint.enable_first_step_checkpoint",
                   "--checkpoint.last_save_model_only", "--checkpoint.export_dtype=bfloat16",
-                  "--job.save_config_file=config.toml")  # fmt: skip
+                  "--job.save_config_file=configs/used.toml")  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-1", "step-2", "step-4"]
-    saved = load_config(["--config", str(dump / "config.toml")])
+    saved = load_config(["--config", str(dump / "configs" / "used.toml")])  # its folder made as it was written
     assert (
         saved.checkpoint.last_save_model_only and saved.training.steps == 4 and saved.checkpoint.folder == "checkpoint"
     )
@@ -142,6 +142,16 @@ def test_torchtitans_checkpoint_keys(tmp_path: Path, seed: Path) -> None:
         proc.returncode == 2
         and "checkpoint.load_step: " in proc.stderr
         and "has no step-3 (it has steps 1, 2, 4, 6)" in proc.stderr
+    )
+    # In a folder with no checkpoint, or with checkpointing off, load_step has nothing to load: refused, not ignored.
+    proc = python(
+        "train.py", *base, "--training.steps=8", "--checkpoint.load_step=3", f"--job.dump_folder={tmp_path}/new"
+    )
+    assert proc.returncode == 2 and "has no step-3 (it has no checkpoint)" in proc.stderr, proc.stderr
+    proc = python("train.py", *TINY, "--checkpoint.load_step=3", f"--job.dump_folder={tmp_path}/off")
+    assert (
+        proc.returncode == 2
+        and "checkpoint.load_step: 3 resumes from a checkpoint, but checkpoint.enable is false" in proc.stderr
     )
 
 
@@ -219,7 +229,6 @@ def one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
         (["--parallelism.data_parallel_shard_degree=2"], "but the world size is 1"),
         (["--checkpoint.initial_load_path=assets"], "checkpoint.initial_load_path: assets is not a DCP checkpoint"),
         (["--model.flavor=llama3_9b"], "did you mean 'llama3_8b'"),
-        (["--parallelism.enable_async_tensor_parallel", "--compile.enable"], "async TP needs"),
     ],
 )
 def test_bad_input_gets_one_line_and_exit_code_2(args: list[str], expected: str) -> None:
@@ -258,14 +267,6 @@ def test_error_under_torchrun_is_printed_once(tmp_path: Path) -> None:
     proc = torchrun("train.py", "--config", "configs/debug.toml", "--data.path=missing.jsonl", nproc=2, check=False)
     assert proc.returncode != 0
     assert proc.stderr.count("error: data.path: missing.jsonl not found") == 1
-
-
-def test_async_tp_on_cpu_is_refused_in_one_line() -> None:
-    args = ("--config", "configs/debug_tp.toml", "--parallelism.enable_async_tensor_parallel", "--compile.enable")
-    proc = torchrun("train.py", *args, nproc=2, check=False)
-    assert proc.stderr.count("error: parallelism.enable_async_tensor_parallel: async TP needs") == 1, proc.stderr
-    assert "the TP group runs on cpu with gloo" in proc.stderr
-    assert "exitcode  : 2" in proc.stderr  # every rank exits 2; torchrun itself then exits 1
 
 
 def test_help_and_print_config() -> None:

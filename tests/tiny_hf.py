@@ -1,14 +1,18 @@
-"""Tiny random Hugging Face Llama folders for tests: no downloads, made in a second."""
+"""Tiny random Hugging Face models and folders (Llama, Qwen3) for tests, and the helpers their parity tests
+share: no downloads, made in a second."""
 
 from __future__ import annotations
 
+import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from tests.launch import REPO
 
@@ -22,11 +26,15 @@ BASE = dict(
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=192,
     vocab_size=2048, max_position_embeddings=256, rope_theta=500000.0, rms_norm_eps=1e-5,
 )  # fmt: skip
+QWEN3_BASE = dict(
+    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    intermediate_size=192, vocab_size=512, max_position_embeddings=256, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+)  # fmt: skip
 
 
 @torch.no_grad()
 def unit_scale_init_(model: nn.Module, *, seed: int, gain_noise: float = 0.2) -> None:
-    """Weights that give O(1) activations, logits and gradients (a transformers model's names).
+    """Weights that give O(1) activations, logits and gradients, for transformers' names and ours alike.
 
     transformers' init (std 0.02) leaves the logits nearly uniform and the gradients tiny, where
     a wrong RoPE, norm or gradient would hardly show above float32 noise.
@@ -34,25 +42,25 @@ def unit_scale_init_(model: nn.Module, *, seed: int, gain_noise: float = 0.2) ->
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         noise = torch.randn(p.shape, generator=gen)
-        if p.ndim == 1:  # RMSNorm gains
+        if p.ndim == 1:  # RMSNorm gains, QK-norm's included: random gains tell their placement apart
             p.copy_(1 + gain_noise * noise)
-        elif "embed" in name:
+        elif "embed" in name:  # embed_tokens, tok_embeddings
             p.copy_(noise)
         else:  # (out, in) projections: unit variance out for unit variance in
             p.copy_(noise * p.shape[1] ** -0.5)
 
 
-def tiny_hf_model(*, seed: int = 0, **config: Any) -> LlamaForCausalLM:
-    """A transformers LlamaForCausalLM (fp32, eager attention: the plainest reference math)."""
-    cfg = LlamaConfig(**{**BASE, **config}, attn_implementation="eager")
-    model = LlamaForCausalLM(cfg).float()
-    unit_scale_init_(model, seed=seed)
+def tiny_hf_model(*, seed: int = 0, family: str = "llama3", **config: Any) -> nn.Module:
+    """A transformers LlamaForCausalLM or Qwen3ForCausalLM (fp32, eager attention: the plainest reference math)."""
+    if family == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**{**QWEN3_BASE, **config}, attn_implementation="eager"))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**{**BASE, **config}, attn_implementation="eager"))
+    unit_scale_init_(model.float(), seed=seed)
     return model.eval()
 
 
-def save_hf_folder(
-    model: LlamaForCausalLM, path: Path, *, tokenizer: bool = True, max_shard_size: str | None = None
-) -> Path:
+def save_hf_folder(model: nn.Module, path: Path, *, tokenizer: bool = True, max_shard_size: str | None = None) -> Path:
     """save_pretrained (sharded when max_shard_size is small), plus the shipped tokenizer files."""
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
@@ -62,5 +70,34 @@ def save_hf_folder(
     return path
 
 
-def tiny_hf_folder(path: Path, *, seed: int = 0, **config: Any) -> Path:
-    return save_hf_folder(tiny_hf_model(seed=seed, **config), path)
+def tiny_hf_folder(path: Path, *, seed: int = 0, family: str = "llama3", **config: Any) -> Path:
+    return save_hf_folder(tiny_hf_model(seed=seed, family=family, **config), path)
+
+
+# ------------------------------------------------------------------ parity helpers
+
+
+def batch(vocab: int, *, seq: int = 64, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, labels), 2 rows of `seq` random ids each."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (2, seq), generator=gen), torch.randint(0, vocab, (2, seq), generator=gen)
+
+
+def logits_and_grads(
+    model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor], tokens: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The logits of `forward(tokens)` and every parameter's gradient of their cross-entropy against labels."""
+    logits = forward(tokens)
+    F.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
+    return logits.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+
+def total_norm(grads: dict[str, torch.Tensor]) -> float:
+    return torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()])).item()
+
+
+def write_config(folder: Path, config: dict) -> Path:
+    """A folder holding just this config.json."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder

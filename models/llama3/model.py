@@ -22,7 +22,6 @@ Design rules this file keeps:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -254,7 +253,7 @@ class Transformer(nn.Module):
         # Tied models (1B/3B) reuse the embedding matrix as the output projection. No shared
         # Parameter object: `to_empty` and FSDP would silently untie one.
         self.output = None if args.tie_word_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
-        # Derived from args, never trained or checkpointed: recomputed by init_weights().
+        # Derived from args, never trained or checkpointed: recomputed by init_buffers().
         self.register_buffer("rope_cos_sin", rope_cos_sin(args), persistent=False)
 
     def forward(
@@ -293,11 +292,14 @@ class Transformer(nn.Module):
             return F.linear(h, self.tok_embeddings.weight)
         return self.output(h)
 
+    def init_buffers(self, device: torch.device) -> None:
+        """The buffers derived from args (never trained or checkpointed), computed on `device`."""
+        self.rope_cos_sin = rope_cos_sin(self.args, device=device)
+
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """Fill parameters and buffers in place; works on DTensor (sharded) parameters too."""
-        device = buffer_device or self.rope_cos_sin.device
-        self.rope_cos_sin = rope_cos_sin(self.args, device=device)
+        self.init_buffers(buffer_device or self.rope_cos_sin.device)
         if self.tok_embeddings is not None:  # None, as norm and output, on some pipeline stages
             nn.init.normal_(self.tok_embeddings.weight)
         for layer in self.layers.values():
@@ -369,8 +371,3 @@ def num_flops_per_token(args: ModelArgs, seq_len: int) -> int:
     matmul_params = args.n_layers * _matmul_params_per_layer(args) + args.vocab_size * args.dim
     attention = 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
     return 6 * matmul_params + attention
-
-
-def with_seq_len(args: ModelArgs, seq_len: int) -> ModelArgs:
-    """The flavor with a RoPE table just long enough for training at `seq_len`."""
-    return dataclasses.replace(args, max_seq_len=seq_len)

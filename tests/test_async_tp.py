@@ -1,0 +1,38 @@
+"""Async TP (parallelisms/async_tp.py): what it needs, refused in one line where it cannot run (this CPU machine),
+checked against the CUDA + NCCL machine a dry run plans for. It cannot run here: a GPU machine with NCCL measures it
+(docs/benchmarks.md, "GPU"). (A fork that removes async TP removes this file.)"""
+
+from __future__ import annotations
+
+from parallelisms.async_tp import async_tp_problems
+from tests.launch import python, torchrun
+
+
+def test_what_async_tp_needs() -> None:
+    assert async_tp_problems(compile_enabled=True, tp_degree=2, device_type="cuda", backend="nccl") == []
+    assert async_tp_problems(compile_enabled=False, tp_degree=1, device_type="cpu", backend="gloo") == [
+        "compile.enable is false", "the TP group runs on cpu with gloo", "tensor_parallel_degree is 1",
+    ]  # fmt: skip
+    assert async_tp_problems(compile_enabled=True, tp_degree=8, device_type="cuda", backend="cuda:nccl") == []
+
+
+def test_async_tp_on_cpu_is_refused_in_one_line() -> None:
+    args = ("--config", "configs/debug_tp.toml", "--parallelism.enable_async_tensor_parallel", "--compile.enable")
+    proc = torchrun("train.py", *args, nproc=2, check=False)
+    assert proc.stderr.count("error: parallelism.enable_async_tensor_parallel: async TP needs") == 1, proc.stderr
+    assert "the TP group runs on cpu with gloo" in proc.stderr
+    assert "exitcode  : 2" in proc.stderr  # every rank exits 2; torchrun itself then exits 1
+
+
+def test_a_dry_run_checks_async_tp_against_the_gpus_it_plans_for() -> None:
+    """The 70B recipe turns async TP on with compile: fine for CUDA + NCCL; without compile it is refused there too."""
+    env = {"WORLD_SIZE": "64"}
+    proc = python("train.py", "--config", "configs/llama3_70b.toml", "--comm.mode=fake_backend", env=env, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = python(
+        "train.py", "--config", "configs/llama3_70b.toml", "--comm.mode=fake_backend", "--compile.enable=false",
+        env=env, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr.count("error: ") == 1, proc.stderr
+    assert "parallelism.enable_async_tensor_parallel: async TP needs compile.enable = true" in proc.stderr
+    assert "but compile.enable is false; set it to false" in proc.stderr

@@ -1,0 +1,68 @@
+"""The docs hold: their links resolve, the commands README.md shows for planning run as written, and every number
+this repo measured is stated in one place, docs/benchmarks.md (README.md and the other pages link to it).
+
+(The removal table is performed by tests/test_removal.py; the torchtitan keys by tests/test_torchtitan.py.)
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.launch import REPO
+
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+# A measured quantity: a number with decimals or thousands (settings are round: 8 GPUs, 300 s, 16 MB chunks) and
+# the unit of a time, a size, a speed or a share; or a ratio such as 1.85x.
+MEASURED = re.compile(
+    r"(?<![\w.])(\d{1,3}(,\d{3})+(\.\d+)?|\d+\.\d+)\s?(ms|s|seconds?|minutes?|min|h|GiB|MiB|KiB|GB|MB|KB|B/s"
+    r"|MB/s|tok/s|tokens/s|%)(?![\w/])|(?<![\w.])\d+(\.\d+)?x(?!\w)"
+)
+# Pages that may state measured numbers: the record, and the failures' public reports (each with its source).
+RECORDS = {"benchmarks.md", "failures.md"}
+
+
+def _anchor(heading: str) -> str:
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _prose(text: str) -> str:
+    """The text outside code fences and inline code."""
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    return re.sub(r"`[^`]*`", "", text)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_links_resolve(page: Path) -> None:
+    for target in re.findall(r"\]\(([^)\s]+)\)", _prose(page.read_text())):
+        if target.startswith(("http://", "https://", "mailto:")):
+            continue
+        path, _, anchor = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        assert file.exists(), f"{page.name}: {target} does not exist"
+        assert str(file).startswith(str(REPO)), f"{page.name}: {target} points outside the repo"
+        if anchor and file.suffix == ".md":
+            anchors = {_anchor(h) for h in re.findall(r"^#+\s+(.*)$", file.read_text(), flags=re.M)}
+            assert anchor in anchors, f"{page.name}: #{anchor} is no heading of {file.name}"
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if p.name not in RECORDS], ids=lambda p: p.name)
+def test_measured_numbers_live_in_benchmarks_md(page: Path) -> None:
+    found = [m.group(0) for m in MEASURED.finditer(_prose(page.read_text()))]
+    assert not found, f"{page.name} states {found}: record them in docs/benchmarks.md and link there"
+
+
+def test_the_readme_planning_commands_run_as_written() -> None:
+    """The block under "Plan a job without its GPUs or its data", each line through the shell, from the repo."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("### Plan a job without its GPUs or its data") :]
+    block = re.search(r"```bash\n(.*?)```", section, flags=re.S)[1]
+    commands = [line for line in block.splitlines() if line.strip()]
+    assert len(commands) == 4, commands
+    for command in commands:
+        proc = subprocess.run(["bash", "-c", command], cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+        assert "Traceback" not in proc.stderr and "error:" not in proc.stderr, proc.stderr
