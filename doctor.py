@@ -330,7 +330,7 @@ def _data(cfg: JobConfig, dims: ParallelDims) -> list[Finding]:
                 "model.tokenizer_path",
                 f"the tokenizer has {tokenizer.vocab_size:,} tokens and the model embeds {model_vocab:,}: "
                 f"{1 - tokenizer.vocab_size / model_vocab:.0%} of the embedding and output rows are never trained; use "
-                "the model's own tokenizer (e.g. the Llama 3 folder's)",
+                "the model's own tokenizer (its Hugging Face folder's)",
             )
         )
     t = cfg.training

@@ -68,7 +68,7 @@ def stage_layers(args: Any, cfg: Parallelism) -> list[list[int]]:
     if args.tie_word_embeddings:
         problems.append(
             f"{key}_degree: {pp} with a flavor that ties the output projection to the embedding (first and last "
-            "stage would share a matrix); use an untied flavor (e.g. llama3_8b) or no pipeline parallel"
+            "stage would share a matrix); use an untied flavor or no pipeline parallel"
         )
     if first_less < 0 or last_less < 0:
         problems.append(f"{key}_first/last_stage_less_layers: expected >= 0, got {first_less} and {last_less}")

@@ -47,7 +47,7 @@ def check_tp(args: Any, *, tp_degree: int, seq_len: int) -> None:
     if tp_degree > 1 and args.tie_word_embeddings:
         problems.append(
             f"parallelism.tensor_parallel_degree: {tp_degree} with a flavor that ties the output projection to the "
-            "embedding, which this plan does not shard; use tensor_parallel_degree = 1 or an untied flavor (e.g. llama3_8b)"
+            "embedding, which this plan does not shard; use tensor_parallel_degree = 1 or an untied flavor"
         )
     if problems:
         raise ConfigError(*problems)

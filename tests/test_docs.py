@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -62,7 +63,11 @@ def test_the_readme_planning_commands_run_as_written() -> None:
     block = re.search(r"```bash\n(.*?)```", section, flags=re.S)[1]
     commands = [line for line in block.splitlines() if line.strip()]
     assert len(commands) == 4, commands
-    for command in commands:
-        proc = subprocess.run(["bash", "-c", command], cwd=REPO, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
-        assert "Traceback" not in proc.stderr and "error:" not in proc.stderr, proc.stderr
+
+    def run(command: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["bash", "-c", command], cwd=REPO, capture_output=True, text=True, timeout=300)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:  # independent commands, two cores
+        for command, proc in zip(commands, pool.map(run, commands), strict=True):
+            assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+            assert "Traceback" not in proc.stderr and "error:" not in proc.stderr, proc.stderr

@@ -3,6 +3,7 @@ clean on the machines they are written for."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -185,6 +186,9 @@ def test_train_py_stops_8b_on_this_machine_before_allocating(
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert errors[0].startswith("error: memory: the job needs about") and "GiB per rank" in errors[0]
     assert not (tmp_path / "outputs").exists()
+    # docs/planning.md quotes this line: the estimate it shows is today's.
+    quoted = re.search(r"error: memory: the job needs about ([\d.]+) GiB", (REPO / "docs" / "planning.md").read_text())
+    assert quoted and f"needs about {quoted[1]} GiB per rank" in errors[0], errors[0]
 
 
 def test_memory_fit_on_gpus(llama3_stand_ins: tuple[Path, Path]) -> None:
@@ -265,6 +269,7 @@ def test_main_exit_codes(
     assert doctor.main(["--config", "configs/debug.toml", "--training.stepz=3"]) == 2
     assert "error: training.stepz: unknown key" in capsys.readouterr().err
     assert doctor.main(["--config", "configs/debug.toml", "--world-size", "two"]) == 2
+    assert capsys.readouterr().err == "error: --world-size: expected a positive integer, got 'two'\n"
     # Rules of the layout are the config's: exit 2, one line on stderr, nothing on stdout.
     assert (
         doctor.main(["--config", "configs/debug.toml", "--world-size", "3", "--parallelism.tensor_parallel_degree=2"])

@@ -325,6 +325,13 @@ def test_missing_and_truncated_shard_files_are_named(seed: Path, tmp_path: Path)
     shard.write_bytes(shard.read_bytes()[:1000])
     with pytest.raises(ConfigError, match=r"__0_0.distcp is truncated \(1,000 bytes, needs"):
         verify(copy)
+    # The run's own checkpoint may go; one the user points at is theirs: the advice says which.
+    with pytest.raises(
+        ConfigError, match=r"incomplete \(point checkpoint.initial_load_path at a complete checkpoint\)$"
+    ):
+        verify(copy, key="checkpoint.initial_load_path")
+    with pytest.raises(ConfigError, match=rf"incomplete \(delete {copy}\)$"):
+        verify(copy, key="checkpoint.folder")
     shard.unlink()
     with pytest.raises(ConfigError, match=r"__0_0.distcp is missing; the checkpoint is incomplete"):
         verify(copy)
