@@ -42,8 +42,8 @@ Components, per GPU (formulas below, where each term is one tensor):
                     is over (the root's inputs are token ids, so its post-backward hook is the final
                     callback), so it is alive through every block's backward.
   block backward    the recomputation of one checkpointed block (what it did not keep), its
-                    activation gradients (~2 T x D + 2 x the widest projection output) and its unsharded gradient in
-                    param_dtype + the reduce_dtype copy FSDP reduce-scatters.
+                    activation gradients (~2 T x D + 2 x the widest projection output) and its
+                    unsharded gradient in param_dtype + the reduce_dtype copy FSDP reduce-scatters.
   peak (allocated)  state + the worst of the backward's phases, each a sum of what is alive then:
                       loss       root unit + all activations + logits/loss buffers (+ the chunked
                                  loss's output gradient), no gradient shards at grad_accum 1;
@@ -107,8 +107,8 @@ reported (--pp-rank picks one). What changes on a rank:
                      (_calculate_single_rank_operations, torch 2.13), replayed; a micro-batch holds
                      one stage's activations. Zero bubble splits backward into input (I) and weight
                      (W) gradients: between the two a micro-batch is counted with the inputs its
-                     weight gradients need (per block: the activations its matmuls read, traced), an estimate that
-                     ignores what autograd frees earlier.
+                     weight gradients need (per block: the activations its matmuls read, traced), an
+                     estimate that ignores what autograd frees earlier.
   * the loss phase only on the rank with the last stage; the embedding phase only on stage 0.
   * pp send/recv buffers: one micro-batch's hidden states each way, 2*a*T*D/tp.
 The estimate replays the rank's order and takes the worst phase of every backward it runs.
@@ -347,7 +347,8 @@ def trace_costs(
     embedding = 0 if one.tie_word_embeddings else _numel(model.tok_embeddings)
     root = _numel(model.norm) + (_numel(model.output) if model.output is not None else _numel(model.tok_embeddings))
     return BlockCosts(
-        block_params=_numel(block), embedding_params=embedding, root_params=root, saved=saved, kept=saved, widest=max(watch.linear_outputs, default=0), matmul_inputs=sum(watch.linear_inputs.values()),
+        block_params=_numel(block), embedding_params=embedding, root_params=root, saved=saved, kept=saved,
+        widest=max(watch.linear_outputs, default=0), matmul_inputs=sum(watch.linear_inputs.values()),
         final_norm=final_norm, tp_block=(watch.comm["block forward"], watch.comm["block backward"]),
         tp_outside=(watch.comm["forward"], watch.comm["backward"]),
     )  # fmt: skip
@@ -581,12 +582,15 @@ def job_of(cfg: JobConfig, dims: ParallelDims, *, cuda: bool) -> Job:
         param_dtype=t.mixed_precision_param, reduce_dtype=t.mixed_precision_reduce,
         ac=f"selective-{ac.selective_ac_option}" if ac.mode == "selective" else ac.mode,
         cpu_offload=t.enable_cpu_offload and cuda, loss_chunk_tokens=t.loss_chunk_tokens,
-        pp=dims.pp, pp_schedule=par.pipeline_parallel_schedule, pp_microbatch_size=par.pipeline_parallel_microbatch_size,
+        pp=dims.pp, pp_schedule=par.pipeline_parallel_schedule,
+        pp_microbatch_size=par.pipeline_parallel_microbatch_size,
         pp_layers_per_stage=par.pipeline_parallel_layers_per_stage,
         pp_first_stage_less_layers=par.pipeline_parallel_first_stage_less_layers,
         pp_last_stage_less_layers=par.pipeline_parallel_last_stage_less_layers,
-        # Eager CPU RMSNorm is the composite one; a CPU process has no CUDA context, NCCL buffers or caching allocator.
-        rmsnorm="fused" if cuda else "composite", overhead_gib=2.0 if cuda else 0.5, allocator="cuda" if cuda else "cpu",
+        # Eager CPU RMSNorm is the composite one; a CPU process has no CUDA context, NCCL buffers or caching
+        # allocator.
+        rmsnorm="fused" if cuda else "composite", overhead_gib=2.0 if cuda else 0.5,
+        allocator="cuda" if cuda else "cpu",
     )  # fmt: skip
 
 
@@ -1116,7 +1120,8 @@ def breakdown(job: Job, pp_rank: int | None = None) -> str:
     held = f", {e['microbatches_held']} micro-batch(es) of them held" if job.pp > 1 else ""
     return "\n".join(
         [
-            f"{job.family} {job.flavor}: {job.fam.num_params(a) / 1e9:.2f}B params | {layout} | local batch {job.local_batch_size} x "
+            f"{job.family} {job.flavor}: {job.fam.num_params(a) / 1e9:.2f}B params | {layout} | local batch "
+            f"{job.local_batch_size} x "
             f"{job.seq_len} tokens, grad accumulation {job.grad_accum} | params {job.param_dtype}, reduce "
             f"{job.reduce_dtype} | AC {job.ac} | RMSNorm {job.rmsnorm}"
             + (" | CPU offload" if job.cpu_offload else "")
@@ -1196,7 +1201,8 @@ def fake_breakdown(job: Job, pp_rank: int = 0) -> str:
     MiB = 2**20
     lines = [
         f"fake-tensor step (torch's FSDPMemTracker, {seconds:.1f} s), pp rank {pp_rank}: peak {fake['total'] / MiB:,.1f} "
-        f"MiB; the formula's allocated peak {e['allocator_peak'] / MiB:,.1f} MiB ({fake['total'] / e['allocator_peak'] - 1:+.1%})"
+        f"MiB; the estimate's allocated peak {e['allocator_peak'] / MiB:,.1f} MiB "
+        f"({fake['total'] / e['allocator_peak'] - 1:+.1%})"
     ]
     lines += [f"  {name:<30} {nbytes / MiB:10,.1f} MiB" for name, nbytes in fake.items() if nbytes and name != "total"]
     return "\n".join(lines)
@@ -1311,7 +1317,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         job = Job(
-            family=args.model, flavor=args.flavor, ngpu=args.ngpu, tp=args.tp, replicate=args.replicate, seq_len=args.seq_len,
+            family=args.model, flavor=args.flavor, ngpu=args.ngpu, tp=args.tp, replicate=args.replicate,
+            seq_len=args.seq_len,
             local_batch_size=args.local_batch_size, grad_accum=args.grad_accum, param_dtype=args.param_dtype,
             reduce_dtype=args.reduce_dtype, ac=args.ac, cpu_offload=args.cpu_offload, rmsnorm=args.rmsnorm,
             logits_kept_in_backward=args.keep_logits, loss_chunk_tokens=args.loss_chunk_tokens,

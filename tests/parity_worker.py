@@ -238,11 +238,17 @@ def max_param_diff(state: dict[str, torch.Tensor], ref: dict[str, torch.Tensor])
 # --------------------------------------------------------------------- one layout
 
 
+_compiled_family: list[str] = []  # the family the worker's compiled layouts so far were
+
+
 def run_layout(name: str, layout: Layout, ref: dict) -> dict:
-    # Each layout as its own run would see it. Dynamo otherwise takes a second family's block for a new shape of
-    # the same frame (the checkpointed forward is shared) and recompiles with dynamic shapes, which inductor 2.13
-    # fails on ("mul expected 2 arguments, got 3"); one run compiles one family, so training never meets it.
-    torch._dynamo.reset()
+    # A second family compiled in one process as a run would compile it: otherwise dynamo takes its block for a new
+    # shape of the same frame (the checkpointed forward is shared) and recompiles with dynamic shapes, which inductor
+    # 2.13 fails on ("mul expected 2 arguments, got 3"). A run compiles one family, so training never meets it.
+    if layout.compile and _compiled_family[-1:] not in ([], [layout.family]):
+        torch._dynamo.reset()
+    if layout.compile:
+        _compiled_family.append(layout.family)
     world = dist.get_world_size()
     assert layout.world_size == world, f"{name} needs {layout.world_size} ranks, got {world}"
     parallelism = Parallelism(
