@@ -11,7 +11,8 @@ rank has finished, so a `.partial` folder with `.metadata` is complete. Rank 0 r
 `step-<N>/` as soon as it sees that: right after a blocking save, at the first step after an
 async save finished (`poll`, a `Future.done()` per step), or at the next start-up after a crash
 (`prepare_dump_folder`), which also removes `.partial` debris. Resume looks at `step-<N>/`
-folders only. A save that runs out of disk space removes its `.partial` and stops the run in one
+folders only; when the newest fails `verify` (a filesystem damaged a file after it was complete),
+start-up renames it `step-<N>.damaged`, warns, and resumes from the newest one that passes. A save that runs out of disk space removes its `.partial` and stops the run in one
 line. Non-finite weights are never saved, and a checkpoint with non-finite weights is refused
 when loaded. Pruning (`keep_latest_k`) never removes the seed checkpoint (step 0).
 
@@ -54,7 +55,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from config import Checkpoint
-from errors import ConfigError, writable_folder
+from errors import ConfigError, warn, writable_folder
 from models import ModelFamily, parameter_shapes
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -142,6 +143,8 @@ def prepare_dump_folder(dump_folder: str, cfg: Checkpoint, *, checkpoint_bytes: 
                 "elsewhere"
             )
         recover_partial_checkpoints(ckpt)
+        if cfg.enable and cfg.load_step == -1:
+            set_aside_damaged(ckpt)
     return lock
 
 
@@ -157,6 +160,26 @@ def recover_partial_checkpoints(folder: Path) -> None:
         else:
             shutil.rmtree(child, ignore_errors=True)
             _log(f"removed {child}: an unfinished save")
+
+
+def set_aside_damaged(folder: Path) -> None:
+    """Rename the newest checkpoints that fail `verify` (a filesystem, not a crash, damaged them) to
+    `step-<N>.damaged`, newest first until one passes, warning about each: the resume then continues
+    from the newest complete one, and no later save or pruning touches them. Nothing is deleted."""
+    for step, path in reversed(complete_checkpoints(folder)):
+        try:
+            verify(path, key="checkpoint.folder", fix="")
+            return
+        except ConfigError as e:
+            problem = e.problems[0].removeprefix("checkpoint.folder: ")
+        aside, again = path.with_name(f"step-{step}.damaged"), 1
+        while aside.exists():
+            aside, again = path.with_name(f"step-{step}.damaged-{again}"), again + 1
+        os.replace(path, aside)
+        warn(
+            f"checkpoint.folder: skipped step {step}, it is damaged ({problem}); kept as {aside} (delete it once "
+            "looked at), resuming from the newest complete checkpoint before it"
+        )
 
 
 # -------------------------------------------------------------------- verifying
@@ -191,10 +214,11 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"it names {module}.{name}, which is not part of DCP metadata")
 
 
-def verify(path: Path, *, key: str = "checkpoint") -> Metadata:
+def verify(path: Path, *, key: str = "checkpoint", fix: str | None = None) -> Metadata:
     """The metadata of the checkpoint at `path`, read and checked without running code from it.
 
-    key: the config key that named `path`, for the error message.
+    key: the config key that named `path`, for the error message; fix: the advice for a missing or
+    truncated file (default: by key; "" for none).
     """
     try:
         with open(path / ".metadata", "rb") as f:
@@ -211,18 +235,20 @@ def verify(path: Path, *, key: str = "checkpoint") -> Metadata:
     if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
         raise ConfigError(f"{key}: {path}/.metadata is not DCP metadata ({type(metadata).__name__})")
     # The run's own checkpoint can go (an earlier one resumes); one the user points at is theirs to replace.
-    fix = f"delete {path}" if key == "checkpoint.folder" else f"point {key} at a complete checkpoint"
+    if fix is None:
+        fix = f"delete {path}" if key == "checkpoint.folder" else f"point {key} at a complete checkpoint"
+    advice = f" ({fix})" if fix else ""
     sizes: dict[str, int] = {}
     for info in metadata.storage_data.values():
         file = path / info.relative_path
         if info.relative_path not in sizes:
             sizes[info.relative_path] = file.stat().st_size if file.is_file() else -1
         if sizes[info.relative_path] < 0:
-            raise ConfigError(f"{key}: {file} is missing; the checkpoint is incomplete ({fix})")
+            raise ConfigError(f"{key}: {file} is missing; the checkpoint is incomplete{advice}")
         if sizes[info.relative_path] < info.offset + info.length:
             raise ConfigError(
                 f"{key}: {file} is truncated ({sizes[info.relative_path]:,} bytes, needs "
-                f"{info.offset + info.length:,}); the checkpoint is incomplete ({fix})"
+                f"{info.offset + info.length:,}); the checkpoint is incomplete{advice}"
             )
     for fqn, item in metadata.state_dict_metadata.items():
         if isinstance(item, BytesStorageMetadata):
@@ -350,6 +376,7 @@ class CheckpointManager:
         self.process_group = process_group
         self._pending: tuple[Future, int] | None = None
         self._started = 0.0  # when the last save began
+        self.last_saved = -1  # the step of the last save begun (async ones may still be running)
         self._staging: Future | None = None
         self._stager = None
         if cfg.async_mode == "async_with_pinned_mem" and not torch.cuda.is_available():
@@ -481,6 +508,7 @@ class CheckpointManager:
                 f"not saving them. The last saved checkpoint is {self.latest()}; lower optimizer.lr and resume from it"
             )
         self._started = time.perf_counter()
+        self.last_saved = step
         partial = self.folder / f"step-{step}.partial"
         if _rank() == 0:  # before DCP's first collective, so before any rank writes into it
             shutil.rmtree(partial, ignore_errors=True)

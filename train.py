@@ -14,7 +14,6 @@ import functools
 import gc
 import math
 import os
-import signal
 import sys
 import time
 import warnings
@@ -23,6 +22,11 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
+
+import stop
+
+if __name__ == "__main__":
+    stop.listen()  # before the imports below (seconds): SIGTERM/SIGINT during start-up is a clean stop too
 
 import torch
 import torch.distributed as dist
@@ -190,6 +194,11 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
         for line in changed_settings(train_state.resumed_settings, train_state.settings):
             print(f"resume: {line} (from step {start_step + 1} on)", flush=True)
     set_hyperparameters(optimizer, cfg.optimizer)  # the checkpoint's param_groups carry the old ones
+    # Signals have been recorded since the first line (stop.py); the ranks first agree here, after start-up.
+    stop_request = stop.StopRequest(ctrl_group, stop_file=Path(cfg.job.dump_folder) / "STOP", is_rank0=rank == 0)
+    if reason := stop_request.requested():
+        stop_request.done(f"{reason}: stopped during start-up, before step {start_step + 1}; nothing new to save")
+        return 0
 
     loss_parallel = dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
     validator = (
@@ -221,7 +230,6 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
             f"| device {device.type} | steps {start_step + 1}..{t.steps}",
             flush=True,
         )
-    stop = StopRequest(ctrl_group, stop_file=Path(cfg.job.dump_folder) / "STOP")
     nonfinite = NonFiniteSteps(tolerate=t.skip_nonfinite_steps)
     gc_every = GarbageCollection(every=t.gc_freq)
     last_log_time, last_log_step = time.perf_counter(), start_step
@@ -237,7 +245,22 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
             result = train_step(
                 model, optimizer, loader.next_step(), grad_accum=loader.grad_accum, max_norm=t.max_norm,
                 loss_fn=loss_fn, loss_parallel=loss_parallel, device=device, pipeline=pipeline,
+                stop_request=stop_request,
             )  # fmt: skip
+            if result is None:  # a stop request between micro-batches: step `step` is abandoned, not applied
+                loader.abandon_step()
+                train_state.step = step - 1
+                if step - 1 == start_step:
+                    saved = "nothing new to save"
+                else:
+                    if checkpoint.last_saved != step - 1:  # (an interval save may have written it already)
+                        checkpoint.save(step - 1, wait=True)
+                    saved = f"saved step {step - 1}"
+                stop_request.done(
+                    f"{stop_request.reason}: abandoned step {step} in flight, {saved} and stopped; rerun the same "
+                    "command to resume"
+                )
+                break
             nonfinite.record(step, result)
             if nonfinite.exceeded():
                 checkpoint.close()  # publishes a save that finished: bad updates are skipped, its weights are finite
@@ -264,9 +287,9 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
                 logger.log_validation(step, *validator.validate(model, pipeline))
                 last_log_time += validator.seconds  # tokens/s counts training only
 
-            if reason := stop.requested():
+            if reason := stop_request.requested():
                 checkpoint.save(step, wait=True)
-                stop.done(f"{reason}: saved step {step} and stopped; rerun the same command to resume")
+                stop_request.done(f"{reason}: saved step {step} and stopped; rerun the same command to resume")
                 break
             if checkpoint.should_save(step, last=last):
                 checkpoint.save(step, last=last)
@@ -288,15 +311,21 @@ def train_step(
     loss_parallel: bool,
     device: torch.device,
     pipeline: Pipeline | None = None,
-) -> StepResult:
+    stop_request: stop.StopRequest | None = None,
+) -> StepResult | None:
     """One optimizer step over `grad_accum` micro-batches; a step whose gradient norm is not finite (on
     any rank: it is global) leaves weights and optimizer state as they were. Returns device tensors:
     no host sync. With `pipeline` (parallelisms/pp.py) each micro-batch runs through its schedule,
-    which holds the loss function, and the loss is on the ranks of the last stage (0 elsewhere)."""
+    which holds the loss function, and the loss is on the ranks of the last stage (0 elsewhere).
+    With `stop_request`, the ranks ask it between micro-batches: on a stop request the step is abandoned
+    (None; weights and optimizer state as they were, gradients dropped)."""
     loss_fn = loss_fn or Loss()  # the whole micro-batch's logits at once, eager
     optimizer.zero_grad(set_to_none=True)
     total_loss = torch.zeros((), device=device)
-    for batch in microbatches:
+    for index, batch in enumerate(microbatches):
+        if index and stop_request is not None and stop_request.requested():
+            optimizer.zero_grad(set_to_none=True)
+            return None
         inputs, labels, segments = Batch(*batch)
         # Under loss parallel the logits stay sharded over the vocabulary (TP ranks) and
         # cross-entropy runs on the shards; the context must cover backward too.
@@ -580,44 +609,6 @@ class GarbageCollection:
 
     def close(self) -> None:
         gc.enable()
-
-
-class StopRequest:
-    """SIGTERM, SIGINT or a `<dump_folder>/STOP` file: every rank stops after the same step, which is saved.
-
-    Rank 0 looks for the file (one stat per step; the launch scripts create it on a signal they are
-    sent), every rank for a signal; they agree through one all-reduce of a CPU flag per step. A
-    second signal stops the process at once, saving nothing.
-    """
-
-    def __init__(self, group: dist.ProcessGroup | None, *, stop_file: Path):
-        self.group, self.stop_file = group, stop_file
-        self.flag = torch.zeros(2)  # [the signal that came (0: none), the file exists]
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._on_signal)
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        if self.flag[0]:
-            if is_rank0():
-                print(
-                    f"{signal.Signals(signum).name} again: stopping at once, nothing saved", file=sys.stderr, flush=True
-                )
-            os._exit(128 + signum)
-        self.flag[0] = signum
-
-    def requested(self) -> str | None:
-        """Why the run must stop after this step (agreed by every rank), or None."""
-        self.flag[1] = float(is_rank0() and self.stop_file.exists())
-        agreed = self.flag.clone()
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
-        if agreed[1]:
-            return f"{self.stop_file} found"
-        return signal.Signals(int(agreed[0])).name if agreed[0] else None
-
-    def done(self, message: str) -> None:
-        if is_rank0():
-            self.stop_file.unlink(missing_ok=True)  # a rerun must not stop again at once
-            print(message, flush=True)
 
 
 class NonFiniteSteps:

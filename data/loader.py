@@ -111,6 +111,10 @@ class GlobalBatchLoader:
             batch = torch.from_numpy(np.stack(tokens))
             yield Batch(batch[:, :-1], batch[:, 1:], torch.from_numpy(np.stack(segments)[:, :-1]))
 
+    def abandon_step(self) -> None:
+        """The step `next_step` last began was abandoned (a stop request): its samples come again next time."""
+        self.sample_index -= self.global_batch_size
+
     def _identity(self) -> dict[str, Any]:
         return {
             "dataset": self.corpus.fingerprint, "tokenizer": self.corpus.tokenizer_fingerprint,

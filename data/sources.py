@@ -13,10 +13,12 @@ process only splits lines.
 
 from __future__ import annotations
 
+import bisect
 import gzip
 import hashlib
 import json
 import re
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,6 +99,16 @@ class Chunk:
     input_bytes: int = 0
     position: int = 0  # bytes of the source's files consumed when the chunk closed (for progress)
     digest: str = ""  # sha256 of the records: the same input gives the same digest
+    # Where each file's records begin: (index in records, file, that record's document number in the file).
+    files: list[tuple[int, str, int]] = field(default_factory=list)
+
+    def origin(self, index: int) -> str:
+        """Which file record `index` came from, and its document number there, for messages."""
+        at = bisect.bisect_right([start for start, _, _ in self.files], index) - 1
+        if at < 0:
+            return f"document {self.first_document + index}"
+        start, file, number = self.files[at]
+        return f"document {number + index - start} of {file}"
 
     def seal(self) -> Chunk:
         h = hashlib.sha256()
@@ -111,7 +123,12 @@ def read_chunks(source: Source, *, chunk_bytes: int) -> Iterator[Chunk]:
     """The source's documents in order, in chunks of at least `chunk_bytes` of input (the last may be smaller)."""
     kind: Literal["json", "texts"] = "json" if source.format == "json" else "texts"
     chunk = Chunk(0, kind)
-    for documents, (record, size, position) in enumerate(_records(source), 1):
+    file, in_file = None, 0
+    for documents, (record, size, position, origin) in enumerate(_records(source), 1):
+        in_file = in_file + 1 if origin == file else 0
+        if origin != file or not chunk.records:
+            file = origin
+            chunk.files.append((len(chunk.records), str(origin), in_file))
         chunk.records.append(record)
         chunk.input_bytes += size
         if chunk.input_bytes >= chunk_bytes:
@@ -123,27 +140,39 @@ def read_chunks(source: Source, *, chunk_bytes: int) -> Iterator[Chunk]:
         yield chunk.seal()
 
 
-def _records(source: Source) -> Iterator[tuple[Any, int, int]]:
-    """(record, its input bytes, bytes of the files read so far) for every document of the source."""
+def _records(source: Source) -> Iterator[tuple[Any, int, int, str]]:
+    """(record, its input bytes, bytes of the files read so far, its file) for every document of the source.
+
+    A file that cannot be read to its end (truncated, corrupt, unreadable) stops here in one line naming it."""
     done = 0
     if source.format == "hub":
         for text in _hub_texts(source):
             size = len(text.encode()) if isinstance(text, str) else 1
             done += size
-            yield text, size, done
+            yield text, size, done, source.path
         return
     for file in source.files:
-        with open(file, "rb") as raw:
-            stream = gzip.GzipFile(fileobj=raw) if file.name.endswith(".gz") else raw
-            match source.format:
-                case "json":
-                    yield from _json_records(file, stream, raw, done)
-                case "text":
-                    for paragraph in _paragraphs(file, stream):
-                        yield paragraph, len(paragraph.encode()), done + raw.tell()
-                case "parquet":
-                    for text in _parquet_texts(file, source.text_column, source.key):
-                        yield text, len(text.encode()) if isinstance(text, str) else 1, done + raw.tell()
+        try:
+            with open(file, "rb") as raw:
+                stream = gzip.GzipFile(fileobj=raw) if file.name.endswith(".gz") else raw
+                match source.format:
+                    case "json":
+                        for line, size, position in _json_records(file, stream, raw, done):
+                            yield line, size, position, file
+                    case "text":
+                        for paragraph in _paragraphs(file, stream):
+                            yield paragraph, len(paragraph.encode()), done + raw.tell(), file
+                    case "parquet":
+                        for text in _parquet_texts(file, source.text_column, source.key):
+                            yield text, len(text.encode()) if isinstance(text, str) else 1, done + raw.tell(), file
+        except ConfigError:
+            raise
+        except (OSError, EOFError, ValueError, zlib.error) as e:  # gzip, pyarrow (ArrowInvalid is a ValueError)
+            detail = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+            raise ConfigError(
+                f"{source.key}: {file} is damaged or unreadable ({type(e).__name__}: {detail}); replace the file "
+                "(a truncated download?) or remove it from the dataset"
+            ) from None
         done += file.stat().st_size
 
 
@@ -221,20 +250,15 @@ def texts(chunk: Chunk, *, text_column: str, where: str) -> list[str | None]:
             try:
                 row = json.loads(line)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ConfigError(
-                    f"data.path: document {chunk.first_document + i} of {where} is not valid JSON ({e})"
-                ) from None
+                raise ConfigError(f"data.path: {chunk.origin(i)} is not valid JSON ({e})") from None
             if not isinstance(row, dict) or text_column not in row:
                 have = ", ".join(row) if isinstance(row, dict) else type(row).__name__
-                raise ConfigError(
-                    f"data.text_column: document {chunk.first_document + i} of {where} has no column '{text_column}' "
-                    f"(it has: {have})"
-                )
+                raise ConfigError(f"data.text_column: {chunk.origin(i)} has no column '{text_column}' (it has: {have})")
             out.append(row[text_column])
     for i, text in enumerate(out):
         if text is not None and not isinstance(text, str):
             raise ConfigError(
-                f"data.text_column: column '{text_column}' of {where} holds {type(text).__name__} values (document "
-                f"{chunk.first_document + i}), not text; point data.text_column at the column with the documents"
+                f"data.text_column: column '{text_column}' of {where} holds {type(text).__name__} values ("
+                f"{chunk.origin(i)}), not text; point data.text_column at the column with the documents"
             )
     return out

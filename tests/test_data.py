@@ -234,6 +234,21 @@ def test_a_step_sees_the_same_sequences_on_any_number_of_ranks(
         assert torch.equal(ref, got)
 
 
+def test_an_abandoned_step_reads_its_samples_again(corpus: TokenCorpus) -> None:
+    """A stop request between micro-batches abandons the step (train.py): the loader is rewound by one step."""
+    ld = loader(corpus, local=2, global_=8, dp=2, rank=1, shuffle=True, seed=3)
+    list(ld.next_step())
+    started = ld.next_step()
+    first = next(started).inputs  # the stop came after the first micro-batch
+    ld.abandon_step()
+    assert ld.sample_index == 8
+    again = [b.inputs for b in ld.next_step()]
+    assert torch.equal(again[0], first) and len(again) == ld.grad_accum == 2
+    straight = loader(corpus, local=2, global_=8, dp=2, rank=1, shuffle=True, seed=3)
+    list(straight.next_step())
+    assert all(torch.equal(a, b.inputs) for a, b in zip(again, straight.next_step(), strict=True))
+
+
 def test_inputs_labels_and_segments(corpus: TokenCorpus) -> None:
     ld = loader(corpus, local=2, global_=2)
     ((inputs, labels, segments),) = list(ld.next_step())

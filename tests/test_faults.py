@@ -96,6 +96,38 @@ def test_a_nonfinite_step_changes_neither_weights_nor_optimizer_state(implementa
             assert torch.equal(value, saved[name]), name  # moments and the step count: untouched
 
 
+class _StopAt:
+    """A stop request that the ranks agree on at its `at`-th question (train_step asks between micro-batches)."""
+
+    def __init__(self, at: int):
+        self.at, self.asked, self.reason = at, 0, None
+
+    def requested(self) -> str | None:
+        self.asked += 1
+        self.reason = "SIGTERM" if self.asked >= self.at else None
+        return self.reason
+
+
+def test_a_step_abandoned_between_micro_batches_changes_neither_weights_nor_optimizer_state() -> None:
+    model = build_tiny()
+    optimizer = build_optimizer(Optimizer(), model)
+    tokens = random_batch()
+    micro = [(tokens[i : i + 1, :-1], tokens[i : i + 1, 1:]) for i in range(len(tokens))]
+    step = dict(grad_accum=len(micro), max_norm=1.0, loss_parallel=False, device=torch.device("cpu"))
+    train_step(model, optimizer, micro, **step)  # optimizer state exists
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state = {k: {n: t.clone() for n, t in s.items()} for k, s in optimizer.state.items()}
+    stop = _StopAt(2)  # asked before micro-batches 2, 3, ...: agreed before the third
+    assert train_step(model, optimizer, iter(micro), **step, stop_request=stop) is None
+    assert stop.asked == 2 and all(p.grad is None for p in model.parameters())
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    for param, saved in state.items():
+        for name, value in optimizer.state[param].items():
+            assert torch.equal(value, saved[name]), name
+    # (The loader's half, giving the abandoned step's samples again: tests/test_data.py.)
+
+
 def test_nonfinite_steps_stop_the_run_naming_the_step_and_the_last_checkpoint(tmp_path: Path) -> None:
     dump = tmp_path / "run"
     assert train_py(dump, "--training.steps=2", *CKPT).returncode == 0
@@ -161,9 +193,21 @@ def test_crash_leftovers_are_published_or_removed_and_settings_given_on_resume_a
     schedule = LRScheduler(warmup_steps=5, decay_type="cosine", min_lr_factor=0.1)  # TINY on configs/debug.toml
     assert logged[10]["lr"] == pytest.approx(0.001 * lr_factor(10, schedule, training_steps=12), rel=1e-9)
 
+    # The newest checkpoint damaged after it was complete (a filesystem, not a crash): set aside, not
+    # deleted, and the run resumes from the one before.
+    shard = ckpt / "step-12" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    skip = train_py(dump, "--training.steps=13", *CKPT)
+    assert skip.returncode == 0, skip.stderr[-3000:]
+    (warning,) = [line for line in skip.stderr.splitlines() if "damaged" in line]
+    assert warning.startswith("warning: checkpoint.folder: skipped step 12, it is damaged (") and "truncated" in warning
+    assert f"resumed from {ckpt / 'step-10'}" in skip.stdout
+    assert (ckpt / "step-12.damaged" / "__0_0.distcp").stat().st_size == 1000
+    assert folders(dump) == ["step-12", "step-12.damaged", "step-13"]
+
     # Resuming into fewer steps than the checkpoint's: refused before anything is loaded.
     line = one_error(train_py(dump, "--training.steps=8", *CKPT))
-    assert line.startswith("error: training.steps: 8 is below step 12 of the checkpoint in")
+    assert line.startswith("error: training.steps: 8 is below step 13 of the checkpoint in")
 
 
 def test_metrics_keep_each_step_once_when_a_resume_redoes_steps(tmp_path: Path) -> None:
@@ -214,6 +258,47 @@ def test_sigint_saves_and_exits_zero_and_a_second_run_in_the_folder_is_refused(t
     (saved,) = folders(dump)
     assert (dump / "checkpoint" / saved / ".metadata").is_file()
     assert not (dump / ".lock").exists()
+
+
+def test_sigint_to_plain_torchrun_abandons_a_long_step_and_saves_within_a_3_s_grace_period(tmp_path: Path) -> None:
+    """torchrun forwards SIGINT to the ranks and SIGKILLs them --shutdown-timeout seconds later. A step of 40
+    micro-batches takes longer than that here: the ranks abandon it between two, save step 1, and a rerun
+    resumes from it."""
+    dump = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           "--shutdown-timeout=3", "train.py", *TINY, "--training.seq_len=32", "--training.local_batch_size=1",
+           "--training.global_batch_size=80", f"--job.dump_folder={dump}", "--checkpoint.enable",
+           "--checkpoint.interval=100000"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    run = subprocess.Popen([*cmd, "--training.steps=100"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        wait_for(dump / "metrics.jsonl")  # step 1 is done, step 2 (40 micro-batches) is running
+        time.sleep(1)
+        run.send_signal(signal.SIGINT)
+        out, err = run.communicate(timeout=120)
+    finally:
+        run.kill()
+    assert "SIGINT: abandoned step 2 in flight, saved step 1 and stopped" in out, out[-2000:] + err[-3000:]
+    assert "forcefully exiting" not in err and 'train.py", line' not in err, err[-3000:]  # no SIGKILL, no traceback
+    assert folders(dump) == ["step-1"] and not (dump / ".lock").exists()
+    again = subprocess.run([*cmd, "--training.steps=2"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {dump / 'checkpoint' / 'step-1'}" in again.stdout and sorted(losses(dump)) == [1, 2]
+
+
+def test_sigint_during_start_up_stops_cleanly_in_one_line(tmp_path: Path) -> None:
+    """A signal while torch is still being imported: recorded (stop.py), answered once start-up is done."""
+    dump = tmp_path / "run"
+    cmd = [sys.executable, "train.py", *TINY, f"--job.dump_folder={dump}", "--checkpoint.enable"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    run = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.0)
+    run.send_signal(signal.SIGINT)
+    out, err = run.communicate(timeout=120)
+    assert run.returncode == 0 and "Traceback" not in err, err[-3000:]
+    assert "SIGINT: stopped during start-up, before step 1; nothing new to save" in out
+    assert not (dump / "metrics.jsonl").exists() and not (dump / "checkpoint" / "step-1").exists()
 
 
 def test_a_stale_lock_of_a_dead_run_is_taken_over_another_hosts_is_not(tmp_path: Path) -> None:
@@ -402,11 +487,39 @@ def test_data_that_cannot_be_trained_on_is_named(tmp_path: Path, capsys: pytest.
         corpus(tmp_path, b"")
     with pytest.raises(ConfigError, match=r"data.path: .*data.txt is not UTF-8 text"):
         corpus(tmp_path, b"\xff\xfe caf\xe9\n", suffix=".txt")
-    with pytest.raises(ConfigError, match=r"data.text_column: column 'text' of .* holds int values \(document 0\)"):
+    with pytest.raises(ConfigError, match=r"column 'text' of .* holds int values \(document 0 of .*data.jsonl\)"):
         corpus(tmp_path, b'{"text": 1}\n{"text": 2}\n')
+    with pytest.raises(ConfigError, match=r"data.path: document 1 of .*data.jsonl is not valid JSON"):
+        corpus(tmp_path, b'{"text": "a"}\n{"text": "b')  # a truncated download
     nulls = corpus(tmp_path, b'{"text": "abc"}\n{"text": null}\n{"text": "de"}\n')
     assert "warning: data.path: 1 of 3 documents of" in capsys.readouterr().err
     assert nulls.num_tokens == (3 + 2) + (2 + 2)  # two documents with BOS and EOS; the null one skipped
+
+
+def test_damaged_data_files_are_named_in_one_line(tmp_path: Path) -> None:
+    """Truncated or corrupt parquet and gzip files, through every reader: one line naming the file."""
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    lines = b"".join(json.dumps({"text": f"document {i} " * 20}).encode() + b"\n" for i in range(500))
+    packed = gzip.compress(lines)
+    flipped = packed[:-100] + bytes(b ^ 0xFF for b in packed[-100:-90]) + packed[-90:]
+    cases = {".jsonl.gz": packed[: len(packed) // 2], ".json.gz": flipped}
+    pq.write_table(pa.table({"text": [f"document {i} " * 20 for i in range(500)]}), tmp_path / "whole.parquet")
+    whole = (tmp_path / "whole.parquet").read_bytes()
+    cases[".parquet"] = whole[: len(whole) // 2]
+    for suffix, content in cases.items():
+        with pytest.raises(ConfigError, match=rf"data.path: .*data{suffix} is damaged or unreadable \(\w+: "):
+            corpus(tmp_path, content, suffix=suffix)
+    # Through the CLI: a truncated parquet file in a dataset folder.
+    folder = tmp_path / "dataset"
+    folder.mkdir()
+    (folder / "part-0.parquet").write_bytes(whole)
+    (folder / "part-1.parquet").write_bytes(cases[".parquet"])
+    line = one_error(train_py(tmp_path / "run", f"--data.path={folder}", "--training.steps=1"))
+    assert f"error: data.path: {folder / 'part-1.parquet'} is damaged or unreadable (ArrowInvalid: " in line
 
 
 def test_an_invalid_tokenizer_config_is_named(tmp_path: Path) -> None:
