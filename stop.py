@@ -59,8 +59,7 @@ class StopRequest:
         import torch.distributed as dist
 
         found = self.is_rank0 and self.stop_file.exists()
-        mine = torch.tensor([float(_received["signum"]), float(found)])
-        agreed = mine.clone()
+        agreed = torch.tensor([float(_received["signum"]), float(found)])
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
         if agreed[1]:
             self.reason = f"{self.stop_file} found"

@@ -231,6 +231,23 @@ def test_seed_checkpoints_are_never_pruned(tmp_path: Path) -> None:
 # ------------------------------------------------------------ 3. stop requests, locks
 
 
+def stopped(run: subprocess.Popen, dump: Path, *, timeout: float = 120) -> tuple[str, str]:
+    """The output of a run asked to stop; on a timeout, what it printed and whether a STOP file is there."""
+    try:
+        return run.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        out, err = (x.decode() if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr))
+        pytest.fail(
+            f"no stop in {timeout} s (STOP file there: {(dump / 'STOP').exists()})\n{out[-2000:]}\n{err[-2000:]}"
+        )
+
+
+def kill(run: subprocess.Popen, dump: Path) -> None:
+    """Whatever is left of a run: the launcher, and the ranks (torchrun's, or a launch script's own session)."""
+    run.kill()
+    subprocess.run(["pkill", "-KILL", "-f", f"--job.dump_folder={dump}"], check=False)
+
+
 def wait_for(path: Path, *, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
@@ -250,9 +267,9 @@ def test_sigint_saves_and_exits_zero_and_a_second_run_in_the_folder_is_refused(t
         host = socket.gethostname()
         assert f"job.dump_folder: {dump} is in use by the run with pid {run.pid} on host {host}" in line
         run.send_signal(signal.SIGINT)
-        out, err = run.communicate(timeout=120)
+        out, err = stopped(run, dump)
     finally:
-        run.kill()
+        kill(run, dump)
     assert run.returncode == 0 and "Traceback" not in err, err[-3000:]
     assert "SIGINT: saved step" in out
     (saved,) = folders(dump)
@@ -260,26 +277,39 @@ def test_sigint_saves_and_exits_zero_and_a_second_run_in_the_folder_is_refused(t
     assert not (dump / ".lock").exists()
 
 
-def test_sigint_to_plain_torchrun_abandons_a_long_step_and_saves_within_a_3_s_grace_period(tmp_path: Path) -> None:
-    """torchrun forwards SIGINT to the ranks and SIGKILLs them --shutdown-timeout seconds later. A step of 40
-    micro-batches takes longer than that here: the ranks abandon it between two, save step 1, and a rerun
-    resumes from it."""
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", *args]
+
+
+def test_sigterm_to_plain_torchrun_abandons_a_long_step_and_saves_within_a_3_s_grace_period(tmp_path: Path) -> None:
+    """torchrun forwards SIGTERM to the ranks and SIGKILLs them --shutdown-timeout seconds later (a
+    scheduler's grace period does the same). A step of 40 micro-batches takes longer than that here: the
+    ranks abandon it between two, save step 1, and a rerun resumes from it."""
     dump = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "--shutdown-timeout=3", "train.py", *TINY, "--training.seq_len=32", "--training.local_batch_size=1",
-           "--training.global_batch_size=80", f"--job.dump_folder={dump}", "--checkpoint.enable",
-           "--checkpoint.interval=100000"]  # fmt: skip
+    cmd = torchrun("--shutdown-timeout=3", "train.py", *TINY, "--training.seq_len=32", "--training.local_batch_size=1",
+                   "--training.global_batch_size=80", f"--job.dump_folder={dump}", "--checkpoint.enable",
+                   "--checkpoint.interval=100000")  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     run = subprocess.Popen([*cmd, "--training.steps=100"], cwd=REPO, env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         wait_for(dump / "metrics.jsonl")  # step 1 is done, step 2 (40 micro-batches) is running
         time.sleep(1)
-        run.send_signal(signal.SIGINT)
-        out, err = run.communicate(timeout=120)
+        run.send_signal(signal.SIGTERM)
+        out, err = stopped(run, dump)
     finally:
-        run.kill()
-    assert "SIGINT: abandoned step 2 in flight, saved step 1 and stopped" in out, out[-2000:] + err[-3000:]
+        kill(run, dump)
+    assert "SIGTERM: abandoned step 2 in flight, saved step 1 and stopped" in out, out[-2000:] + err[-3000:]
     assert "forcefully exiting" not in err and 'train.py", line' not in err, err[-3000:]  # no SIGKILL, no traceback
     assert folders(dump) == ["step-1"] and not (dump / ".lock").exists()
     again = subprocess.run([*cmd, "--training.steps=2"], cwd=REPO, env=env, capture_output=True, text=True)
@@ -287,17 +317,25 @@ def test_sigint_to_plain_torchrun_abandons_a_long_step_and_saves_within_a_3_s_gr
     assert f"resumed from {dump / 'checkpoint' / 'step-1'}" in again.stdout and sorted(losses(dump)) == [1, 2]
 
 
-def test_sigint_during_start_up_stops_cleanly_in_one_line(tmp_path: Path) -> None:
-    """A signal while torch is still being imported: recorded (stop.py), answered once start-up is done."""
+def test_sigint_to_plain_torchrun_during_start_up_stops_cleanly_in_one_line(tmp_path: Path) -> None:
+    """Ctrl-C while the ranks still import torch: recorded (stop.py), answered once start-up is done, one line
+    from rank 0 and no KeyboardInterrupt traceback from any rank."""
     dump = tmp_path / "run"
-    cmd = [sys.executable, "train.py", *TINY, f"--job.dump_folder={dump}", "--checkpoint.enable"]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = torchrun("train.py", *TINY, f"--job.dump_folder={dump}", "--checkpoint.enable")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     run = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(1.0)
-    run.send_signal(signal.SIGINT)
-    out, err = run.communicate(timeout=120)
-    assert run.returncode == 0 and "Traceback" not in err, err[-3000:]
-    assert "SIGINT: stopped during start-up, before step 1; nothing new to save" in out
+    try:
+        deadline = time.monotonic() + 60
+        while len(children(run.pid)) < 2:  # torchrun has started both ranks
+            assert time.monotonic() < deadline and run.poll() is None, "torchrun never started its ranks"
+            time.sleep(0.05)
+        time.sleep(0.5)  # they are importing torch
+        run.send_signal(signal.SIGINT)
+        out, err = stopped(run, dump)
+    finally:
+        kill(run, dump)
+    assert out.count("SIGINT: stopped during start-up, before step 1; nothing new to save") == 1, out + err[-3000:]
+    assert 'train.py", line' not in err and "KeyboardInterrupt" not in err and "forcefully" not in err, err[-3000:]
     assert not (dump / "metrics.jsonl").exists() and not (dump / "checkpoint" / "step-1").exists()
 
 
@@ -324,9 +362,9 @@ def test_the_launch_script_turns_sigint_into_a_saved_stop_and_exit_zero(tmp_path
     try:
         wait_for(dump / "metrics.jsonl")
         launch.send_signal(signal.SIGINT)
-        out, err = launch.communicate(timeout=120)
+        out, err = stopped(launch, dump)
     finally:
-        launch.kill()
+        kill(launch, dump)
     assert launch.returncode == 0, err[-3000:]
     assert f"{dump / 'STOP'} found: saved step" in out and "stop requested" in err
     assert len(folders(dump)) == 1 and not (dump / "STOP").exists()
