@@ -237,15 +237,18 @@ def stopped(run: subprocess.Popen, dump: Path, *, timeout: float = 120) -> tuple
         return run.communicate(timeout=timeout)
     except subprocess.TimeoutExpired as e:
         out, err = (x.decode() if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr))
+        status = Path(f"/proc/{run.pid}/status").read_text() if Path(f"/proc/{run.pid}/status").exists() else ""
+        signals = " ".join(line for line in status.splitlines() if line.startswith("Sig"))
         pytest.fail(
-            f"no stop in {timeout} s (STOP file there: {(dump / 'STOP').exists()})\n{out[-2000:]}\n{err[-2000:]}"
+            f"no stop in {timeout} s (STOP file there: {(dump / 'STOP').exists()}; {signals})\n{out[-2000:]}\n"
+            f"{err[-2000:]}"
         )
 
 
 def kill(run: subprocess.Popen, dump: Path) -> None:
     """Whatever is left of a run: the launcher, and the ranks (torchrun's, or a launch script's own session)."""
     run.kill()
-    subprocess.run(["pkill", "-KILL", "-f", f"--job.dump_folder={dump}"], check=False)
+    subprocess.run(["pkill", "-KILL", "-f", f"job.dump_folder={dump}"], check=False)
 
 
 def wait_for(path: Path, *, timeout: float = 120) -> None:
@@ -351,6 +354,15 @@ def test_a_stale_lock_of_a_dead_run_is_taken_over_another_hosts_is_not(tmp_path:
         DumpFolderLock(tmp_path).acquire()
 
 
+def a_terminals_signals() -> None:
+    """SIGINT and SIGTERM at their defaults and unblocked, as in a shell a user starts from a terminal. A
+    shell cannot trap a signal that was ignored when it started, and a test suite started in the
+    background (a CI job, `make test &`) passes SIGINT on ignored."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
 def test_the_launch_script_turns_sigint_into_a_saved_stop_and_exit_zero(tmp_path: Path) -> None:
     """Ctrl-C on scripts/run_multinode.sh: STOP file, 2 ranks save the same step, the launch exits 0."""
     dump = tmp_path / "run"
@@ -358,7 +370,8 @@ def test_the_launch_script_turns_sigint_into_a_saved_stop_and_exit_zero(tmp_path
            "RDZV_PORT": str(free_port()), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}  # fmt: skip
     cmd = ["bash", "scripts/run_multinode.sh", "train.py", *TINY, "--training.steps=100000",
            f"--job.dump_folder={dump}", "--checkpoint.enable", "--checkpoint.interval=100000"]  # fmt: skip
-    launch = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launch = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              preexec_fn=a_terminals_signals)  # fmt: skip
     try:
         wait_for(dump / "metrics.jsonl")
         launch.send_signal(signal.SIGINT)
