@@ -12,6 +12,9 @@ data at start-up, into a cache, with the ranks splitting the chunks among them. 
                          same folder must be the same preparation
     manifest.json        written last, so its presence means complete: format, dtype, tokenizer,
                          source, counts, and every shard
+    task-K-of-N.json     with `task=(K, N)` (a scheduler's array of N tasks, one per node): task K
+                         tokenized chunks K, K + N, ...; the task that finds all N written writes
+                         the manifest (`finish` does it too, from these records alone)
 
 A chunk's shard depends on that chunk's input and the tokenizer only, so the token files are the
 same byte for byte whatever the number of workers, and an interrupted run resumes where it stopped.
@@ -230,11 +233,43 @@ def write_manifest(output: Path, *, chunks: int) -> dict[str, Any]:
 
 def prepare(
     source: Source, tokenizer_path: str, output: Path, *, workers: int, chunk_bytes: int = CHUNK_BYTES,
-    progress: Callable[[str], None] | None = None,
-) -> dict[str, Any]:  # fmt: skip
-    """Tokenize `source` into `output` (resuming an interrupted run) and write its manifest."""
-    chunks = tokenize(source, tokenizer_path, output, workers=workers, chunk_bytes=chunk_bytes, progress=progress)
-    return write_manifest(output, chunks=chunks)
+    task: tuple[int, int] = (0, 1), progress: Callable[[str], None] | None = None,
+) -> dict[str, Any] | None:  # fmt: skip
+    """Tokenize `source` into `output` (resuming an interrupted run) and write its manifest.
+
+    task: (K, N), task K of N tokenizes its share of the chunks (K, K + N, ...) and records that it is
+    done; the manifest is written by the task that finds all N done (None for the others)."""
+    chunks = tokenize(
+        source, tokenizer_path, output, workers=workers, chunk_bytes=chunk_bytes, share=task, progress=progress
+    )
+    if task[1] == 1:
+        return write_manifest(output, chunks=chunks)
+    _write_json(output / _task_name(*task), {"chunks": chunks})
+    return finish(output, tasks=task[1], missing_ok=True)
+
+
+def finish(output: Path, *, tasks: int, missing_ok: bool = False) -> dict[str, Any] | None:
+    """The manifest of a preparation by `tasks` tasks, once every one has recorded that it is done (None
+    with missing_ok while some have not)."""
+    records = [output / _task_name(k, tasks) for k in range(tasks)]
+    if missing := [r.name for r in records if not r.is_file()]:
+        if missing_ok:
+            return None
+        raise ConfigError(
+            f"--output: {output} lacks {', '.join(missing)}: those tasks have not finished; rerun them (each resumes "
+            "where it stopped), then --finish"
+        )
+    counts = {json.loads(r.read_text())["chunks"] for r in records}
+    if len(counts) != 1:
+        raise ConfigError(
+            f"--output: the tasks of {output} read inputs of different lengths ({sorted(counts)} chunks): did the "
+            "source change during the preparation? Prepare it again into an empty folder"
+        )
+    return write_manifest(output, chunks=counts.pop())
+
+
+def _task_name(task: int, tasks: int) -> str:
+    return f"task-{task}-of-{tasks}.json"
 
 
 # ------------------------------------------------------------------------ small parts

@@ -103,6 +103,35 @@ def test_the_output_does_not_depend_on_the_number_of_workers(tmp_path: Path) -> 
     assert (tmp_path / "one" / "manifest.json").read_bytes() == (tmp_path / "two" / "manifest.json").read_bytes()
 
 
+def test_tasks_on_several_nodes_write_what_one_machine_writes(tmp_path: Path) -> None:
+    """prepare_data.py --task K --tasks N (a Slurm array): each task its share of the chunks, the last one
+    to finish the manifest; byte for byte the one-machine corpus. --finish writes the manifest from the
+    tasks' records; a task that has not finished, and a task index out of range, are one line each."""
+    source = write_jsonl(tmp_path / "d.jsonl", TEXTS * 4)
+    one = prepared(tmp_path / "one", source, chunk_bytes=4096)
+    out = tmp_path / "tasks"
+    cli = ["scripts/prepare_data.py", "--source", str(source), "--tokenizer", "byte", "--output", str(out),
+           "--chunk-mb", str(4096 / 2**20), "--workers", "1"]  # fmt: skip
+    assert prepare(find_source(str(source)), "byte", out, workers=0, chunk_bytes=4096, task=(2, 3)) is None
+    proc = python("scripts/prepare_data.py", "--output", str(out), "--tasks", "3", "--finish")
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --output: ") and "Traceback" not in proc.stderr
+    assert "lacks task-0-of-3.json, task-1-of-3.json" in proc.stderr
+    assert prepare(find_source(str(source)), "byte", out, workers=0, chunk_bytes=4096, task=(0, 3)) is None
+    assert not (out / "manifest.json").exists()
+    proc = python(*cli, "--task", "1", "--tasks", "3")  # the last to finish
+    assert proc.returncode == 0, proc.stderr
+    assert f"wrote {out}: 1,200 documents" in proc.stdout
+    files = [s[kind] for s in one.manifest["shards"] for kind in ("tokens_file", "doc_ends_file")]
+    assert len(files) > 6  # every task had chunks
+    for name in [*files, "manifest.json", "prepare.json"]:
+        assert (out / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
+    (out / "manifest.json").unlink()
+    assert python("scripts/prepare_data.py", "--output", str(out), "--tasks", "3", "--finish").returncode == 0
+    assert (out / "manifest.json").read_bytes() == (tmp_path / "one" / "manifest.json").read_bytes()
+    proc = python(*cli, "--task", "3", "--tasks", "3")
+    assert proc.returncode == 2 and proc.stderr == "error: --task: must be in 0..2 (--tasks 3), got 3\n"
+
+
 def test_an_interrupted_preparation_resumes_without_redoing_finished_shards(tmp_path: Path) -> None:
     source = find_source(str(write_jsonl(tmp_path / "d.jsonl", TEXTS)))
     out = tmp_path / "out"
