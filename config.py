@@ -134,6 +134,12 @@ class Training:
     """Keep sharded parameters, gradients and optimizer state in host memory (FSDP CPUOffloadPolicy)."""
     skip_nonfinite_steps: int = 0
     """Steps with a non-finite loss or gradient norm to tolerate: their update is skipped (weights and optimizer state unchanged). One more stops the run, naming the step and the last checkpoint; 0 stops at the first."""
+    skip_spike_sigma: float = 0.0
+    """Skip the update of a step whose global loss or gradient norm is more than this many standard deviations above the mean of the last training.skip_spike_window steps (OLMo-core's rule; it uses 6). 0 = off. spikes.py."""
+    skip_spike_window: int = 128
+    """Steps the spike rule compares with; none is skipped before the window is full (again after a resume: the window is not checkpointed)."""
+    z_loss_weight: float = 0.0
+    """Add this weight x mean(logsumexp(logits)^2) to the loss (PaLM's z-loss; OLMo uses 1e-5): it keeps the output logits' normaliser near 1. Logged on its own as z_loss; 0 = off."""
     loss_chunk_tokens: int = 2048
     """Output projection + cross-entropy on this many tokens at a time, recomputed in backward (loss.py): the peak holds one chunk's logits instead of the micro-batch's. 0 = all at once; a micro-batch of at most this many tokens is one chunk."""
     gc_freq: int = 50
@@ -951,6 +957,16 @@ def validate(cfg: JobConfig) -> list[str]:
         )
     if t.skip_nonfinite_steps < 0:
         p.append(f"training.skip_nonfinite_steps: must be >= 0, got {t.skip_nonfinite_steps}")
+    if t.skip_spike_sigma < 0:
+        p.append(f"training.skip_spike_sigma: must be >= 0 (0 = off; OLMo-core uses 6), got {t.skip_spike_sigma}")
+    if t.skip_spike_window < 2:
+        p.append(
+            f"training.skip_spike_window: must be >= 2 (a standard deviation needs two steps), got {t.skip_spike_window}"
+        )
+    if t.z_loss_weight < 0:
+        p.append(
+            f"training.z_loss_weight: must be >= 0 (0 = off; PaLM and OLMo use 1e-4 and 1e-5), got {t.z_loss_weight}"
+        )
     if t.loss_chunk_tokens < 0:
         p.append(f"training.loss_chunk_tokens: must be >= 0 (0 = no chunks), got {t.loss_chunk_tokens}")
     if o.lr <= 0:

@@ -14,6 +14,11 @@ of them; the price is the output projection's forward run twice (at 8B about 2% 
 Summing chunk sums in another order than one mean is the only difference: fp32 rounding
 (tests/test_loss.py: 1e-6 relative, loss and gradients, with and without loss parallel).
 
+z-loss (training.z_loss_weight > 0; PaLM, OLMo) adds weight x mean(logsumexp(logits)^2), which keeps
+the softmax normaliser near 1 (its log near 0) and the logits from drifting: it is computed on the same
+chunks, from the same fp32 logits, and reported on its own (`ZLoss.take`), so the logged loss stays
+the cross-entropy that runs without it log. Validation scores the cross-entropy alone.
+
 Under TP with loss parallel the projection's output is a vocabulary-sharded DTensor and both the
 loss and its backward must run under `parallelisms.tp.loss_parallel_context`; the chunks need
 nothing more. Under FSDP the projection's parameters are gathered once per step and their
@@ -23,7 +28,7 @@ gradient reduce-scattered once, however many chunks (tests/test_loss.py counts t
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +47,29 @@ def _summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.T
     return F.cross_entropy(logits.float(), labels, reduction="sum")
 
 
+def _summed_cross_entropy_and_z(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed cross-entropy and summed logsumexp(logits)^2 (the z-loss), from one fp32 copy of the logits."""
+    logits = logits.float()
+    return F.cross_entropy(logits, labels, reduction="sum"), torch.logsumexp(logits, dim=-1).square().sum()
+
+
+class ZLoss:
+    """The z-loss of the micro-batches since the last `take()`: device tensors, no host sync."""
+
+    def __init__(self) -> None:
+        self.total, self.count = None, 0
+
+    def add(self, z: torch.Tensor) -> None:
+        self.total = z if self.total is None else self.total + z
+        self.count += 1
+
+    def take(self) -> torch.Tensor | None:
+        """The mean z-loss (unweighted) per micro-batch since the last take, or None when there was none."""
+        mean = None if self.total is None else self.total / self.count
+        self.total, self.count = None, 0
+        return mean
+
+
 @dataclass(frozen=True)
 class Loss:
     """The training loss: `loss(model, h, labels)` projects the final norm's output `h` (bs, seqlen, dim)
@@ -50,23 +78,40 @@ class Loss:
     chunk_tokens: int = 0  # training.loss_chunk_tokens; 0 = the whole micro-batch at once
     whole: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_loss
     summed: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = _summed_cross_entropy
+    z_loss_weight: float = 0.0  # training.z_loss_weight
+    summed_with_z: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = (
+        _summed_cross_entropy_and_z
+    )
+    z_loss: ZLoss = field(default_factory=ZLoss)  # what the z-loss was, for the metrics
 
     def __call__(self, model: torch.nn.Module, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.z_loss_weight > 0:
+            ce, z = cross_entropy_and_z_loss(
+                model.project, h, labels, chunk_tokens=self.chunk_tokens, summed=self.summed_with_z
+            )
+            self.z_loss.add(z.detach())
+            return ce + self.z_loss_weight * z
         if self.chunk_tokens <= 0 or labels.numel() <= self.chunk_tokens:
             return self.whole(model.project(h), labels)
         return chunked_cross_entropy_loss(model.project, h, labels, chunk_tokens=self.chunk_tokens, summed=self.summed)
 
+    def cross_entropy_only(self) -> Loss:
+        """This loss without its z-loss: what validation scores."""
+        return replace(self, z_loss_weight=0.0, z_loss=ZLoss())
 
-def build_loss_fn(compile: Compile, *, chunk_tokens: int = 0) -> Loss:
-    """The loss of training.loss_chunk_tokens; its cross-entropy is compiled when compile.components has
-    "loss" (inductor fuses the fp32 upcast into the log-softmax instead of materialising an fp32 copy
-    of the logits)."""
+
+def build_loss_fn(compile: Compile, *, chunk_tokens: int = 0, z_loss_weight: float = 0.0) -> Loss:
+    """The loss of training.loss_chunk_tokens and training.z_loss_weight; its cross-entropy is compiled
+    when compile.components has "loss" (inductor fuses the fp32 upcast into the log-softmax instead of
+    materialising an fp32 copy of the logits)."""
     if not (compile.enable and "loss" in compile.components):
-        return Loss(chunk_tokens)
+        return Loss(chunk_tokens, z_loss_weight=z_loss_weight)
     return Loss(
         chunk_tokens,
         whole=torch.compile(cross_entropy_loss, backend=compile.backend),
         summed=torch.compile(_summed_cross_entropy, backend=compile.backend),
+        z_loss_weight=z_loss_weight,
+        summed_with_z=torch.compile(_summed_cross_entropy_and_z, backend=compile.backend),
     )
 
 
@@ -99,3 +144,31 @@ def _project_and_sum(
     labels_chunk: torch.Tensor,
 ) -> torch.Tensor:
     return summed(project(h_chunk), labels_chunk)
+
+
+def cross_entropy_and_z_loss(
+    project: Callable[[torch.Tensor], torch.Tensor],
+    h: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    chunk_tokens: int,
+    summed: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = _summed_cross_entropy_and_z,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean cross-entropy, mean logsumexp(logits)^2) of project(h) against labels, `chunk_tokens` at a
+    time as chunked_cross_entropy_loss does (0, or at least all the tokens: one chunk, not recomputed)."""
+    if isinstance(h, DTensor):  # sequence parallel: gather once (see chunked_cross_entropy_loss)
+        h = h.redistribute(placements=[Replicate()] * h.device_mesh.ndim)
+    tokens, labels = h.flatten(0, 1), labels.flatten()
+    if chunk_tokens <= 0 or labels.numel() <= chunk_tokens:
+        sums = [_project_and_sum(project, summed, tokens, labels)]
+    else:
+        sums = [
+            checkpoint(_project_and_sum, project, summed, h_chunk, labels_chunk, use_reentrant=False)
+            for h_chunk, labels_chunk in zip(tokens.split(chunk_tokens), labels.split(chunk_tokens), strict=True)
+        ]
+    ce, z = (sum(_local(s[i]) for s in sums) / labels.numel() for i in (0, 1))
+    return ce, z
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    return value.full_tensor() if isinstance(value, DTensor) else value

@@ -73,6 +73,7 @@ class StepMetrics:
     mfu: float | None  # percent
     memory_gib: float
     step_time_s: float
+    z_loss: float | None = None  # training.z_loss_weight > 0: the z-loss, unweighted (`loss` is the cross-entropy)
 
 
 class MetricsLogger:
@@ -134,12 +135,16 @@ class MetricsLogger:
         width = len(str(self.total_steps))
         print(
             f"step {m.step:>{width}}/{self.total_steps} ({100 * m.step / self.total_steps:3.0f}%)"
-            f" | loss {m.loss:7.4f} | grad_norm {m.grad_norm:7.3f} | lr {m.lr:.2e}"
+            f" | loss {m.loss:7.4f}"
+            + (f" | z_loss {m.z_loss:.4g}" if m.z_loss is not None else "")
+            + f" | grad_norm {m.grad_norm:7.3f} | lr {m.lr:.2e}"
             f" | tps {m.tps:,.0f} | mfu {mfu} | mem {m.memory_gib:.2f} GiB"
             f" | step {m.step_time_s * 1000:.0f} ms | eta {_duration(eta)}",
             flush=True,
         )
         scalars = {k: getattr(m, k) for k in ("loss", "grad_norm", "lr", "tps", "mfu", "memory_gib", "step_time_s")}
+        if m.z_loss is not None:
+            scalars["z_loss"] = m.z_loss
         self._write(m.step, scalars)
 
     def log_validation(self, step: int, loss: float, tokens: int, seconds: float) -> None:

@@ -67,6 +67,7 @@ from parallelisms.parallelize import parallelize_model
 from parallelisms.pp import Pipeline, pipeline_model
 from parallelisms.tp import loss_parallel_context
 from profiling import profile_loop
+from spikes import SpikeGuard
 from validation import Validator
 
 T = TypeVar("T")
@@ -150,7 +151,7 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
         )
     # config.validate accepts one converter: torchao float8 linears, applied first by parallelize_model.
     float8 = cfg.quantize.linear.float8 if "quantize.linear.float8" in cfg.model.converters else None
-    loss_fn = build_loss_fn(cfg.compile, chunk_tokens=cfg.training.loss_chunk_tokens)
+    loss_fn = build_loss_fn(cfg.compile, chunk_tokens=t.loss_chunk_tokens, z_loss_weight=t.z_loss_weight)
     model, pipeline = build_model(
         fam, args, dims=dims, mesh=mesh, training=t, parallelism=cfg.parallelism, ac=cfg.activation_checkpoint,
         compile=cfg.compile, float8=float8, loss_fn=loss_fn, device=device,
@@ -204,7 +205,8 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
     validator = (
         Validator(
             cfg.validation, data=cfg.data, tokenizer=tokenizer, tokenizer_path=cfg.model.tokenizer_path,
-            dp_rank=dp_rank, dp_degree=dims.dp, device=device, loss_fn=loss_fn, loss_parallel=loss_parallel,
+            dp_rank=dp_rank, dp_degree=dims.dp, device=device, loss_fn=loss_fn.cross_entropy_only(),
+            loss_parallel=loss_parallel,
         )
         if cfg.validation.enable
         else None
@@ -230,7 +232,12 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
             f"| device {device.type} | steps {start_step + 1}..{t.steps}",
             flush=True,
         )
-    nonfinite = NonFiniteSteps(tolerate=t.skip_nonfinite_steps)
+    nonfinite = NonFiniteSteps(tolerate=t.skip_nonfinite_steps, spike_sigma=t.skip_spike_sigma)
+    spike_guard = (
+        SpikeGuard(sigma=t.skip_spike_sigma, window=t.skip_spike_window, device=device, pp=dims.pp)
+        if t.skip_spike_sigma > 0
+        else None
+    )
     gc_every = GarbageCollection(every=t.gc_freq)
     last_log_time, last_log_step = time.perf_counter(), start_step
 
@@ -245,7 +252,7 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
             result = train_step(
                 model, optimizer, loader.next_step(), grad_accum=loader.grad_accum, max_norm=t.max_norm,
                 loss_fn=loss_fn, loss_parallel=loss_parallel, device=device, pipeline=pipeline,
-                stop_request=stop_request,
+                stop_request=stop_request, spike_guard=spike_guard,
             )  # fmt: skip
             if result is None:  # a stop request between micro-batches: step `step` is abandoned, not applied
                 loader.abandon_step()
@@ -272,12 +279,14 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
             last = step == t.steps
             if step % cfg.metrics.log_freq == 0 or last:
                 loss_avg = world_mean(result.loss, pp=dims.pp)  # the one host sync of a logged step
+                z_loss = world_mean(result.z_loss, pp=dims.pp) if result.z_loss is not None else None
                 now = time.perf_counter()
                 step_time = (now - last_log_time) / (step - last_log_step)
                 tps = tokens_per_step / world_size / step_time
                 logger.log(
                     StepMetrics(
-                        step=step, loss=loss_avg, grad_norm=result.grad_norm.item(), lr=lr, tps=tps,
+                        step=step, loss=loss_avg - t.z_loss_weight * (z_loss or 0.0), z_loss=z_loss,
+                        grad_norm=result.grad_norm.item(), lr=lr, tps=tps,
                         mfu=100 * flops_per_token * tps / peak if peak else None,
                         memory_gib=peak_memory_gib(device), step_time_s=step_time,
                     )
@@ -312,14 +321,17 @@ def train_step(
     device: torch.device,
     pipeline: Pipeline | None = None,
     stop_request: stop.StopRequest | None = None,
+    spike_guard: SpikeGuard | None = None,
 ) -> StepResult | None:
     """One optimizer step over `grad_accum` micro-batches; a step whose gradient norm is not finite (on
     any rank: it is global) leaves weights and optimizer state as they were. Returns device tensors:
     no host sync. With `pipeline` (parallelisms/pp.py) each micro-batch runs through its schedule,
     which holds the loss function, and the loss is on the ranks of the last stage (0 elsewhere).
     With `stop_request`, the ranks ask it between micro-batches: on a stop request the step is abandoned
-    (None; weights and optimizer state as they were, gradients dropped)."""
+    (None; weights and optimizer state as they were, gradients dropped). With `spike_guard` (spikes.py)
+    a step whose loss or gradient norm is a spike is skipped the same way as a non-finite one."""
     loss_fn = loss_fn or Loss()  # the whole micro-batch's logits at once, eager
+    loss_fn.z_loss.take()  # (what an abandoned step left)
     optimizer.zero_grad(set_to_none=True)
     total_loss = torch.zeros((), device=device)
     for index, batch in enumerate(microbatches):
@@ -347,31 +359,37 @@ def train_step(
     # The global norm is the same number on every rank, so every rank skips the same steps with no
     # extra collective; a non-finite loss on any rank means non-finite logits there, hence gradients.
     finite = torch.isfinite(grad_norm).float()
-    optimizer_step(optimizer, finite=finite)
-    return StepResult(total_loss, grad_norm, finite)
+    spike = 1.0 - spike_guard(total_loss, grad_norm) if spike_guard is not None else torch.zeros_like(finite)
+    optimizer_step(optimizer, apply=finite * (1.0 - spike))
+    z_loss = loss_fn.z_loss.take()
+    if loss_fn.z_loss_weight > 0 and z_loss is None:  # pipeline stages before the last score nothing
+        z_loss = torch.zeros((), device=device)
+    return StepResult(total_loss, grad_norm, finite, spike, z_loss=z_loss)
 
 
 @dataclass
 class StepResult:
-    loss: torch.Tensor  # this rank's mean loss over its micro-batches
+    loss: torch.Tensor  # this rank's mean loss over its micro-batches (z-loss included)
     grad_norm: torch.Tensor  # the global gradient norm, before clipping
-    finite: torch.Tensor  # 1.0 when the update was applied, 0.0 when it was skipped (the same on every rank)
+    finite: torch.Tensor  # 1.0 when loss and gradient norm were finite, 0.0 when not: the update was skipped
+    spike: torch.Tensor  # 1.0 when the update was skipped as a spike (spikes.py), else 0.0 (the same on every rank)
+    z_loss: torch.Tensor | None = None  # training.z_loss_weight > 0: the mean z-loss, unweighted
 
 
-def optimizer_step(optimizer: torch.optim.Optimizer, *, finite: torch.Tensor) -> None:
-    """`optimizer.step()`, or nothing when `finite` is 0, without asking the host where AdamW is fused.
+def optimizer_step(optimizer: torch.optim.Optimizer, *, apply: torch.Tensor) -> None:
+    """`optimizer.step()`, or nothing when `apply` is 0, without asking the host where AdamW is fused.
 
     Fused AdamW takes GradScaler's `found_inf` (read from the optimizer's `found_inf` attribute,
     PyTorch 2.0-2.13): where it is 1 the kernel leaves weights, moments and step counts as they
     were. The foreach and for-loop kernels have no such input: they pay one host sync per step.
     """
     if optimizer.defaults.get("fused"):
-        optimizer.found_inf, optimizer.grad_scale = 1.0 - finite, None
+        optimizer.found_inf, optimizer.grad_scale = 1.0 - apply, None
         try:
             optimizer.step()
         finally:
             del optimizer.found_inf, optimizer.grad_scale
-    elif finite.item():
+    elif apply.item():
         optimizer.step()
 
 
@@ -458,7 +476,7 @@ def build_model(
         return parallelize(model), None
     pipeline = pipeline_model(
         model, mesh=mesh, cfg=parallelism, local_batch_size=training.local_batch_size, loss_fn=loss_fn,
-        parallelize=parallelize, device=device,
+        score_fn=loss_fn.cross_entropy_only(), parallelize=parallelize, device=device,
     )  # fmt: skip
     return pipeline.module, pipeline
 
@@ -612,22 +630,23 @@ class GarbageCollection:
 
 
 class NonFiniteSteps:
-    """Counts the steps whose update train_step skipped (non-finite loss or gradient norm).
+    """Counts the steps whose update train_step skipped: non-finite loss or gradient norm (the run stops
+    after training.skip_nonfinite_steps of them), and spikes (spikes.py: a warning each).
 
     Without a host sync per step: each step's flag, loss and norm go to host memory with a
     non-blocking copy, and are read one step later, when that copy has long finished. So a run
     that must stop stops one step after the bad one (whose update was skipped), naming it.
     """
 
-    def __init__(self, *, tolerate: int):
-        self.tolerate, self.skipped = tolerate, 0
+    def __init__(self, *, tolerate: int, spike_sigma: float = 0.0):
+        self.tolerate, self.skipped, self.spike_sigma, self.spikes = tolerate, 0, spike_sigma, 0
         self.pending: tuple[int, torch.Tensor, torch.cuda.Event | None] | None = None
         self.bad: tuple[int, float, float] | None = None  # (step, loss, grad norm) of the last skipped step
 
     def record(self, step: int, result: StepResult) -> None:
-        values = torch.stack([result.finite, result.loss.float(), result.grad_norm.float()])
+        values = torch.stack([result.finite, result.spike, result.loss.float(), result.grad_norm.float()])
         if values.is_cuda:
-            host = torch.empty(3, pin_memory=True)
+            host = torch.empty(len(values), pin_memory=True)
             host.copy_(values, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
@@ -644,7 +663,14 @@ class NonFiniteSteps:
         self.pending = None
         if event is not None:
             event.synchronize()  # the copy of an earlier step: already done
-        finite, loss, grad_norm = values.tolist()
+        finite, spike, loss, grad_norm = values.tolist()
+        if spike:
+            self.spikes += 1
+            warn(
+                f"training: step {step} had loss {loss:g} (this rank's) and gradient norm {grad_norm:g}, a spike "
+                f"(more than training.skip_spike_sigma = {self.spike_sigma:g} standard deviations above the recent "
+                f"steps'); its update was skipped ({self.spikes} so far)"
+            )
         if not finite:
             self.skipped += 1
             self.bad = (step, loss, grad_norm)

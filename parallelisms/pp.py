@@ -214,8 +214,10 @@ def pipeline_model(
     loss_fn: Callable[..., torch.Tensor],
     parallelize: Callable[[nn.Module], nn.Module],
     device: torch.device,
+    score_fn: Callable[..., torch.Tensor] | None = None,
 ) -> Pipeline:
-    """Cut the (meta) model into this rank's stages, parallelize each with `parallelize`, build the schedule."""
+    """Cut the (meta) model into this rank's stages, parallelize each with `parallelize`, build the schedule.
+    `loss_fn` is what training minimises, `score_fn` what validation reports (default: the same)."""
     pp = mesh["pp"].size()
     layers = stage_layers(model.args, cfg)
     n_microbatches = check_microbatches(cfg, local_batch_size=local_batch_size)
@@ -224,7 +226,8 @@ def pipeline_model(
     for index in rank_stages(mesh["pp"].get_local_rank(), pp=pp, stages=len(layers)):
         first, last = index == 0, index == len(layers) - 1
         part = parallelize(stage_module(model, layers[index], first=first, last=last))
-        part.register_forward_pre_hook(functools.partial(_labels_to_loss_head, loss_fn, last), with_kwargs=True)
+        head = functools.partial(_labels_to_loss_head, loss_fn, score_fn or loss_fn, last)
+        part.register_forward_pre_hook(head, with_kwargs=True)
         stages.append(PipelineStage(part, index, len(layers), device, group=pp_group))
         parts.append(part)
     schedule_class = SCHEDULES[cfg.pipeline_parallel_schedule]
@@ -239,7 +242,12 @@ def pipeline_model(
 
 
 def _labels_to_loss_head(
-    loss_fn: Callable[..., torch.Tensor], last: bool, module: nn.Module, args: tuple, kwargs: dict
+    loss_fn: Callable[..., torch.Tensor],
+    score_fn: Callable[..., torch.Tensor],
+    last: bool,
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict,
 ) -> tuple[tuple, dict]:
     """The schedule passes the micro-batch's labels to every stage: the last one scores with them, the others drop them.
     Validation also passes which rows to score (`valid`)."""
@@ -247,7 +255,7 @@ def _labels_to_loss_head(
     if last and valid is None:
         kwargs["head"] = functools.partial(loss_fn, module, labels=labels)
     elif last:
-        kwargs["head"] = functools.partial(_score_rows, loss_fn, module, labels, valid)
+        kwargs["head"] = functools.partial(_score_rows, score_fn, module, labels, valid)
     return args, kwargs
 
 

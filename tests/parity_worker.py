@@ -58,6 +58,7 @@ SEQ_LEN = 32
 LR = 1e-3
 # Below the tiny model's gradient norm (about 1-2 at init), so clipping really scales the gradients.
 MAX_NORM = 0.5
+Z_LOSS_WEIGHT = 1e-2  # the tiny model's z-loss is about 24 (logsumexp near log 128): 0.24 of its loss of about 5
 TRAINING = Training(seq_len=SEQ_LEN, mixed_precision_param="float32")
 
 
@@ -75,6 +76,7 @@ class Layout:
     pp: int = 1
     schedule: str = "1F1B"  # parallelism.pipeline_parallel_schedule (micro-batches of one sequence)
     family: str = "llama3"  # [model] name: TINY or TINY_QWEN3
+    z_loss: bool = False  # training.z_loss_weight = Z_LOSS_WEIGHT
 
     @property
     def world_size(self) -> int:
@@ -96,9 +98,11 @@ LAYOUTS: dict[str, Layout] = {
     "fsdp2_chunked_loss": Layout(dp_shard=2, loss_chunk_tokens=16),
     "tp2_chunked_loss": Layout(tp=2, loss_chunk_tokens=16),
     "tp2_no_loss_parallel_chunked_loss": Layout(tp=2, loss_parallel=False, loss_chunk_tokens=24),
+    "tp2_chunked_loss_z_loss": Layout(tp=2, loss_chunk_tokens=16, z_loss=True),  # logsumexp on vocabulary shards
     # Pipelines of TINY's 2 blocks: 1 + 1 over two stages; interleaved: 4 stages, the first with the
     # embedding alone, the last with norm + output + loss alone.
     "pp2_1f1b": Layout(pp=2, loss_chunk_tokens=24),
+    "pp2_1f1b_z_loss": Layout(pp=2, z_loss=True),
     "pp2_gpipe": Layout(pp=2, schedule="GPipe"),
     "pp2_interleaved_1f1b": Layout(pp=2, schedule="Interleaved1F1B"),
     "pp2_interleaved_zero_bubble": Layout(pp=2, schedule="InterleavedZeroBubble"),
@@ -157,6 +161,7 @@ def train(
     steps: int = STEPS,
     loss_parallel: bool = False,
     loss_chunk_tokens: int = 0,
+    z_loss_weight: float = 0.0,
     collectives: Counter[str] | None = None,
     pipeline: Pipeline | None = None,
 ) -> tuple[list[float], list[float]]:
@@ -169,7 +174,7 @@ def train(
     """
     optimizer = build_optimizer(Optimizer(lr=LR), model)
     batch = [Batch(tokens[:, :-1], tokens[:, 1:], segments)]
-    loss_fn = build_loss_fn(Compile(), chunk_tokens=loss_chunk_tokens)
+    loss_fn = build_loss_fn(Compile(), chunk_tokens=loss_chunk_tokens, z_loss_weight=z_loss_weight)
     losses, times = [], []
     for step in range(steps):
         start = time.perf_counter()
@@ -226,6 +231,10 @@ def write_reference(path: Path) -> dict:
     ref["qwen3"] = {"initial": {k: v.clone() for k, v in qwen3.state_dict().items()}}
     ref["qwen3"]["losses"], ref["qwen3"]["times"] = train(qwen3, tokens)
     ref["qwen3"]["final"] = qwen3.state_dict()
+    # The same start, with the z-loss added.
+    z_loss = build_tiny()
+    ref["z_loss"] = dict(zip(("losses", "times"), train(z_loss, tokens, z_loss_weight=Z_LOSS_WEIGHT), strict=True))
+    ref["z_loss"]["final"] = z_loss.state_dict()
     torch.save(ref, path)
     return ref
 
@@ -250,6 +259,7 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
     if layout.compile:
         _compiled_family.append(layout.family)
     world = dist.get_world_size()
+    z_loss_weight = Z_LOSS_WEIGHT if layout.z_loss else 0.0
     assert layout.world_size == world, f"{name} needs {layout.world_size} ranks, got {world}"
     parallelism = Parallelism(
         data_parallel_replicate_degree=layout.dp_replicate,
@@ -269,7 +279,8 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
         mesh=mesh,
         training=dataclasses.replace(TRAINING, local_batch_size=GLOBAL_BATCH // dims.dp), parallelism=parallelism,
         ac=layout.ac, compile=Compile(enable=layout.compile), float8=None,
-        loss_fn=build_loss_fn(Compile(), chunk_tokens=layout.loss_chunk_tokens), device=torch.device("cpu"),
+        loss_fn=build_loss_fn(Compile(), chunk_tokens=layout.loss_chunk_tokens, z_loss_weight=z_loss_weight),
+        device=torch.device("cpu"),
     )  # fmt: skip
     init_model(model, pipeline, device=torch.device("cpu"))
     options = StateDictOptions(full_state_dict=True)
@@ -288,9 +299,15 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
     collectives: Counter[str] = Counter()
     losses, times = train(
         model, ref["tokens"][rows], segments=segments, loss_parallel=dims.tp_enabled and layout.loss_parallel,
-        loss_chunk_tokens=layout.loss_chunk_tokens, collectives=collectives, pipeline=pipeline,
+        loss_chunk_tokens=layout.loss_chunk_tokens, z_loss_weight=z_loss_weight, collectives=collectives,
+        pipeline=pipeline,
     )  # fmt: skip
-    expected = ref["block_causal"] if layout.block_causal else ref["qwen3"] if layout.family == "qwen3" else ref
+    expected = (
+        ref["block_causal"] if layout.block_causal
+        else ref["qwen3"] if layout.family == "qwen3"
+        else ref["z_loss"] if layout.z_loss
+        else ref
+    )  # fmt: skip
 
     final = get_model_state_dict(model, options=options)
     # Every rank compares the weights it holds (a pipeline stage: its own); the worst over all ranks.

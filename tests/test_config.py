@@ -106,11 +106,14 @@ def test_wrong_types_are_errors(tmp_path: Path) -> None:
 
 
 def test_cross_field_checks_report_all_problems_together() -> None:
-    found = problems(
-        ["--training.steps=0", "--optimizer.lr=-1", "--lr_scheduler.min_lr_factor=2", "--training.seq_len=4096"]
-    )
+    argv = [
+        "--training.steps=0", "--optimizer.lr=-1", "--lr_scheduler.min_lr_factor=2", "--training.seq_len=4096",
+        "--training.skip_spike_sigma=-6", "--training.skip_spike_window=1", "--training.z_loss_weight=-1",
+    ]  # fmt: skip
+    found = problems(argv)
     keys = {p.split(":")[0] for p in found}
-    assert {"training.steps", "optimizer.lr", "lr_scheduler.min_lr_factor", "training.seq_len"} <= keys
+    assert {"training.steps", "optimizer.lr", "lr_scheduler.min_lr_factor", "training.seq_len",
+            "training.skip_spike_sigma", "training.skip_spike_window", "training.z_loss_weight"} <= keys  # fmt: skip
     assert any("exceeds the 2048 tokens debugmodel supports" in p for p in found)
 
 

@@ -25,16 +25,27 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 
 from checkpoint import CheckpointManager, DumpFolderLock, prepare_dump_folder, verify
 from config import Checkpoint, Comm, Data, LRScheduler, Optimizer, load_config
 from data.corpus import TokenCorpus, open_corpus
 from data.tokenizers import build_tokenizer
 from errors import ConfigError
+from spikes import SpikeGuard
 from tests.conftest import TINY, losses
 from tests.launch import REPO, free_port, python
-from tests.parity_worker import build_tiny, random_batch
-from train import build_optimizer, init_distributed, lr_factor, set_collective_timeout, train_step
+from tests.parity_worker import GLOBAL_BATCH, SEQ_LEN, build_tiny, random_batch
+from tests.parity_worker import TINY as TINY_ARGS
+from train import (
+    NonFiniteSteps,
+    StepResult,
+    build_optimizer,
+    init_distributed,
+    lr_factor,
+    set_collective_timeout,
+    train_step,
+)
 
 CKPT = ["--checkpoint.enable", "--checkpoint.interval=2"]
 
@@ -94,6 +105,50 @@ def test_a_nonfinite_step_changes_neither_weights_nor_optimizer_state(implementa
     for param, saved in state.items():
         for name, value in optimizer.state[param].items():
             assert torch.equal(value, saved[name]), name  # moments and the step count: untouched
+
+
+def test_a_loss_spike_is_skipped_and_the_run_goes_on_as_if_it_had_never_come(capsys: pytest.CaptureFixture) -> None:
+    """training.skip_spike_sigma: a batch of random tokens after a window of a learned pattern is a spike
+    (loss and gradient norm far above the window's); its update is not applied, a warning names it, and
+    the steps after it are bit for bit those of a run that never took that step."""
+    pattern = (
+        torch.arange(SEQ_LEN + 1) + torch.arange(GLOBAL_BATCH)[:, None] * 7
+    ) % TINY_ARGS.vocab_size  # next = this + 1
+    ordinary, garbage = [(pattern[:, :-1], pattern[:, 1:])], [(lambda t: (t[:, :-1], t[:, 1:]))(random_batch())]
+    step = dict(grad_accum=1, max_norm=1.0, loss_parallel=False, device=torch.device("cpu"))
+
+    def run(*, guard: bool, spike_at: int | None) -> tuple[nn.Module, torch.optim.Optimizer, list[StepResult]]:
+        model = build_tiny()
+        optimizer = build_optimizer(Optimizer(lr=1e-2), model)
+        spikes = SpikeGuard(sigma=6, window=8, device=torch.device("cpu")) if guard else None
+        results = []
+        for i in range(36):
+            if i != spike_at or guard:  # the reference run never takes the spike's step
+                batch = garbage if i == spike_at else ordinary
+                results.append(train_step(model, optimizer, batch, **step, spike_guard=spikes))
+        return model, optimizer, results
+
+    init_distributed(Comm(), dump_folder="unused")  # the guard's all-reduce of the loss
+    try:
+        guarded, guarded_opt, results = run(guard=True, spike_at=30)
+        reference, reference_opt, _ = run(guard=False, spike_at=30)
+    finally:
+        dist.destroy_process_group()
+    assert [i for i, r in enumerate(results) if r.spike.item()] == [30]  # and none of the learned pattern's
+    assert results[30].finite.item() == 1.0 and results[30].loss > 3 * results[29].loss  # finite, and a spike
+    for name, value in guarded.state_dict().items():
+        assert torch.equal(value, reference.state_dict()[name]), name
+    for param, ref in zip(guarded_opt.param_groups[0]["params"], reference_opt.param_groups[0]["params"], strict=True):
+        for name, value in guarded_opt.state[param].items():
+            assert torch.equal(value, reference_opt.state[ref][name]), name  # moments and step counts too
+
+    counter = NonFiniteSteps(tolerate=0, spike_sigma=6)
+    for i, result in enumerate(results):
+        counter.record(i + 1, result)
+    counter.record(len(results) + 1, results[0])  # (the last record is read at the next one)
+    warned = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: training: step")]
+    assert len(warned) == 1 and warned[0].startswith("warning: training: step 31 had loss ") and "a spike" in warned[0]
+    assert counter.spikes == 1 and not counter.exceeded()
 
 
 class _StopAt:

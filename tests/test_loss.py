@@ -72,12 +72,46 @@ def test_chunked_loss_holds_one_chunk_of_logits() -> None:
     assert peaks[0] / peaks[512] > 5
 
 
-def test_compiled_loss_component() -> None:
+@pytest.mark.parametrize("z_loss_weight", [0.0, 0.1])
+def test_compiled_loss_component(z_loss_weight: float) -> None:
     model = build_tiny()
     tokens = random_batch()
-    compiled = build_loss_fn(Compile(enable=True, components=["loss"], backend="eager"), chunk_tokens=16)
-    plain = build_loss_fn(Compile(), chunk_tokens=16)
+    compiled = build_loss_fn(
+        Compile(enable=True, components=["loss"], backend="eager"), chunk_tokens=16, z_loss_weight=z_loss_weight
+    )
+    plain = build_loss_fn(Compile(), chunk_tokens=16, z_loss_weight=z_loss_weight)
     labels = tokens[:, 1:]
     a = model(tokens[:, :-1], head=lambda h: compiled(model, h, labels))
     b = model(tokens[:, :-1], head=lambda h: plain(model, h, labels))
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("chunk_tokens", [0, 16, 48, 128])
+def test_z_loss_is_the_plain_formula_and_is_reported_on_its_own(chunk_tokens: int) -> None:
+    """training.z_loss_weight: cross-entropy + weight x mean(logsumexp(logits)^2), written out plainly on the
+    whole logits, against the chunked loss (chunks of 16, 48 with an uneven last one, 128 = all): loss and
+    every gradient 1e-6 relative; the z-loss itself reported unweighted; validation's loss without it."""
+    weight = 0.1
+    torch.manual_seed(0)
+    model = Transformer(TINY)
+    model.init_weights()
+    tokens = random_batch()
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    logits = model(inputs).float()
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    z = torch.logsumexp(logits, dim=-1).pow(2).mean()
+    (ce + weight * z).backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+
+    loss_fn = build_loss_fn(Compile(), chunk_tokens=chunk_tokens, z_loss_weight=weight)
+    loss = model(inputs, head=lambda h: loss_fn(model, h, labels))
+    loss.backward()
+    assert loss.item() == pytest.approx((ce + weight * z).item(), rel=1e-6)
+    assert z.item() > 20  # about log(128)^2 here: the weight really moves the loss
+    for name, grad in expected.items():
+        assert _max_rel(model.get_parameter(name).grad, grad) <= 1e-6, name
+    assert loss_fn.z_loss.take().item() == pytest.approx(z.item(), rel=1e-6)
+    assert loss_fn.z_loss.take() is None  # taken
+    scored = model(inputs, head=lambda h: loss_fn.cross_entropy_only()(model, h, labels))
+    assert scored.item() == pytest.approx(ce.item(), rel=1e-6) and loss_fn.z_loss.take() is None

@@ -23,17 +23,22 @@ def test_two_rank_run_loss_falls_and_metrics_are_logged(tmp_path: Path) -> None:
     dump = tmp_path / "run"
     proc = torchrun(
         "train.py", *TINY, "--training.steps=30", "--training.local_batch_size=4", f"--job.dump_folder={dump}",
-        "--metrics.log_freq=5", "--metrics.enable_tensorboard", nproc=2,
+        "--metrics.log_freq=5", "--metrics.enable_tensorboard",
+        "--training.skip_spike_sigma=6", "--training.skip_spike_window=10",  # agreed on by both ranks, no spike
+        "--training.z_loss_weight=1e-4",
+        nproc=2,
     )  # fmt: skip
     rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [5, 10, 15, 20, 25, 30]
     for row in rows:
         assert {"step", "loss", "grad_norm", "lr", "tps", "mfu", "memory_gib"} <= row.keys()
         assert row["tps"] > 0 and row["memory_gib"] > 0 and row["mfu"] is None  # no MFU on CPU
+        assert 0 < row["z_loss"] < 100  # logged on its own; `loss` is the cross-entropy
     assert rows[-1]["loss"] < rows[0]["loss"] - 1.0, [r["loss"] for r in rows]
     assert "world 2 = replicate 1 x shard 2 x tp 1" in proc.stdout
     assert proc.stdout.count("step 30/30 (100%)") == 1  # rank 0 only
     assert any((dump / "tb").iterdir())
+    assert "a spike" not in proc.stderr, proc.stderr  # (tests/test_faults.py skips one)
 
 
 def run(dump: Path, *, nproc: int, steps: int, seed: Path, extra: tuple[str, ...] = ()) -> None:
