@@ -59,6 +59,35 @@ def test_shipped_tokenizer_loads_as_folder_and_file(path: str) -> None:
     assert tok.bos_id not in ids and tok.decode(ids) == "Once upon a time, there was a café."
 
 
+def test_the_llama3_tokenizer_from_llama_models_gives_metas_ids_and_prepares_a_uint32_corpus(tmp_path: Path) -> None:
+    """scripts/llama3_tokenizer.py: the offline route to the recipes' tokenizer folder. Its ids are tiktoken's
+    through llama-models' own Tokenizer, special tokens in the text included; a corpus prepared with it."""
+    meta_module = pytest.importorskip(
+        "llama_models.llama3.tokenizer", reason="needs llama-models (pip install llama-models)"
+    )
+    proc = python("scripts/llama3_tokenizer.py", "--output", str(tmp_path / "tok"))
+    assert proc.returncode == 0, proc.stderr
+    meta, ours = meta_module.Tokenizer.get_instance(), build_tokenizer(str(tmp_path / "tok"))
+    stories = (REPO / "assets" / "corpus" / "stories_validation.jsonl").read_text().splitlines()[:100]
+    texts = [
+        "This is a test sentence.", "  spaces\n\n\ttabs\r\nCRLF", "naïve café — 日本語のテキスト 🙂👍🏽",
+        "def f(x):\n    return x**2  # two\n", "1234567890 3.14159 1e-9", " " * 40 + "x", "'s 'LL 'Re I'm",
+        "<|begin_of_text|>hi<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n<|reserved_special_token_17|>",
+        *(json.loads(line)["text"] for line in stories),
+    ]  # fmt: skip
+    expected = [meta.encode(t, bos=False, eos=False, allowed_special="all") for t in texts]
+    assert ours.encode_batch(texts) == expected
+    assert expected[0] == [2028, 374, 264, 1296, 11914, 13]  # llama-models' own test of this sentence
+    assert (ours.bos_id, ours.eos_id, ours.vocab_size) == (meta.bos_id, meta.eos_id, 128_256)
+    source = write_jsonl(tmp_path / "d.jsonl", texts)
+    manifest = prepare(find_source(str(source)), str(tmp_path / "tok"), tmp_path / "corpus", workers=0)
+    corpus = TokenCorpus(tmp_path / "corpus")
+    packed = [t for ids in expected for t in (meta.bos_id, *ids, meta.eos_id)]
+    assert manifest["dtype"] == "uint32" and corpus.read(0, len(packed)).tolist() == packed
+    proc = python("scripts/llama3_tokenizer.py", "--output", str(tmp_path / "x"), "--model", "nope.model")
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --model: nope.model not found"), proc.stderr
+
+
 def test_bad_tokenizer_file_is_a_config_error(tmp_path: Path) -> None:
     bad = tmp_path / "tokenizer.json"
     bad.write_text("{not json")
