@@ -199,6 +199,10 @@ class Data:
     """Read the windows of seq_len + 1 tokens in a pseudo-random order (debug.seed, new each epoch) instead of corpus order."""
     cache_folder: str = "~/.cache/llama3-recipe/tokens"
     """Where raw data.path is prepared at start-up, one folder per (files, tokenizer)."""
+    mixture: list[str] = field(default_factory=list, metadata=INPUT_PATH)
+    """Several prepared folders trained on together instead of data.path, each in the share of its weight: ["data/fineweb-edu", "data/code", "data/math"]. data/mixture.py."""
+    mixture_weights: list[float] = field(default_factory=list)
+    """One weight per data.mixture folder, any positive numbers: [7, 2, 1] trains on 70% / 20% / 10% of the sequences. Empty: equal shares."""
     ignore_resume_mismatch: bool = False
     """Resume a checkpoint trained on other data, tokenizer, seq_len, global batch or shuffle order anyway (from its sample count)."""
 
@@ -607,11 +611,13 @@ def _coerce(value: Any, tp: Any, *, from_cli: bool) -> Any:
             raise ValueError
         return value
     if origin is list:
-        if from_cli:  # `a,b,c`, or a TOML/JSON array `["a", "b"]`
-            value = json.loads(value) if value.strip().startswith("[") else [v for v in value.split(",") if v]
+        (item,) = typing.get_args(tp)
+        if from_cli and not value.strip().startswith("["):  # `a,b,c`: items as the command line gives them
+            return [_coerce(v, item, from_cli=True) for v in value.split(",") if v]
+        if from_cli:  # or a TOML/JSON array `["a", "b"]`
+            value = json.loads(value)
         if not isinstance(value, list):
             raise ValueError
-        (item,) = typing.get_args(tp)
         return [_coerce(v, item, from_cli=False) for v in value]
     if tp is bool:
         if from_cli:
@@ -833,26 +839,33 @@ def dry_run_world() -> tuple[int, int, list[str]]:
 
 
 def _training_data_source(cfg: JobConfig, *, toml_keys: set[str], cli_keys: set[str]) -> list[str]:
-    """data.path (this recipe's key) and training.dataset / dataset_path (torchtitan's) name the same data: the
-    one given at the higher precedence wins (command line over TOML), with a warning; at the same level both are
-    a conflict."""
-    ours, theirs = {"data.path"}, {"training.dataset", "training.dataset_path"}
-    for level in (cli_keys, toml_keys):
-        mine, titan = ours & level, theirs & level
-        if mine and titan:
-            return [
-                f"data.path: {cfg.data.path!r} and training.{'dataset' if cfg.training.dataset else 'dataset_path'} "
-                f"both name the training data; keep one"
-            ]
-        if mine or titan:
-            if mine and (theirs & (toml_keys | cli_keys)):
-                warn("training.dataset/dataset_path: overridden by data.path from the command line")
-                cfg.training.dataset = cfg.training.dataset_path = None
-            elif titan and "data.path" in (toml_keys | cli_keys):
-                warn(f"data.path = {cfg.data.path!r} (from the TOML) is overridden by training.dataset / dataset_path")
-                cfg.data.path = None
+    """data.path, data.mixture (this recipe's keys) and training.dataset / dataset_path (torchtitan's) name the
+    training data: the one given at the higher precedence wins (command line over TOML), with a warning; two at
+    the same level are a conflict."""
+    sources = {
+        "data.path": {"data.path"}, "data.mixture": {"data.mixture"},
+        "training.dataset": {"training.dataset", "training.dataset_path"},
+    }  # fmt: skip
+    named_data = set().union(*sources.values())
+    given = {k for k in (toml_keys | cli_keys) & named_data if _value(cfg, k) not in (None, [])}
+    for level in (cli_keys & given, toml_keys & given):
+        named = [name for name, names in sources.items() if names & level]
+        if len(named) > 1:
+            return [f"{named[0]}: {_value(cfg, named[0])!r} and {named[1]} both name the training data; keep one"]
+        if named:
+            for name, names in sources.items():
+                if name != named[0] and names & given:
+                    warn(f"{name}: overridden by {named[0]} from the command line")
+                    for dotted in names:
+                        section, key = dotted.split(".")
+                        setattr(section_of(cfg, section), key, getattr(section_of(JobConfig(), section), key))
             return []
     return []
+
+
+def _value(cfg: JobConfig, dotted: str) -> Any:
+    section, key = dotted.split(".")
+    return getattr(section_of(cfg, section), key)
 
 
 # ------------------------------------------------------------------- resolving
@@ -878,7 +891,7 @@ def resolve(cfg: JobConfig) -> None:
         m.flavor = family(m.name).flavor_aliases.get(m.flavor, m.flavor)
     if m.tokenizer_path is None:
         m.tokenizer_path = m.hf_assets_path or SHIPPED_TOKENIZER
-    if d.path is None:
+    if d.path is None and not d.mixture:
         if t.dataset_path is not None:
             d.path = t.dataset_path
         elif t.dataset is not None and t.dataset in DATASETS:
@@ -899,10 +912,16 @@ def resolve_input_paths(cfg: JobConfig) -> None:
         obj = section_of(cfg, name)
         for f in keys(section):
             value = getattr(obj, f.name)
-            if not (f.metadata.get("input_path") and isinstance(value, str)) or Path(value).exists():
-                continue
-            if not Path(value).is_absolute() and (REPO / value).exists():
-                setattr(obj, f.name, str(REPO / value))
+            if f.metadata.get("input_path") and isinstance(value, str):
+                setattr(obj, f.name, _in_repo(value))
+            elif f.metadata.get("input_path") and isinstance(value, list):
+                setattr(obj, f.name, [_in_repo(v) for v in value])
+
+
+def _in_repo(path: str) -> str:
+    if Path(path).exists() or Path(path).is_absolute() or not (REPO / path).exists():
+        return path
+    return str(REPO / path)
 
 
 def global_batch_size(t: Training, *, dp: int) -> int:
@@ -1114,6 +1133,12 @@ def input_problems(cfg: JobConfig) -> list[str]:
         )
     if cfg.data.path is not None and cfg.data.format != "hub" and not Path(cfg.data.path).exists():
         p.append(_missing_data(cfg))
+    p += [
+        f"data.mixture: {path} not found; prepare a corpus into it with `python {script('prepare_data.py')} --source "
+        f"SOURCE --tokenizer {m.tokenizer_path or ''} --output {path} --workers N`"
+        for path in cfg.data.mixture
+        if not Path(path).exists()
+    ]
     p += _missing_validation(cfg.validation)
     tokenizer_missing = m.tokenizer_path != "byte" and not Path(m.tokenizer_path or "").exists()
     if tokenizer_missing and m.tokenizer_path != m.hf_assets_path:  # a missing hf_assets_path is named above
@@ -1143,6 +1168,23 @@ def _unsupported(cfg: JobConfig) -> list[str]:
 
 
 def _check_data(cfg: JobConfig) -> list[str]:
+    d = cfg.data
+    if d.mixture:
+        p = []
+        if d.mixture_weights and len(d.mixture_weights) != len(d.mixture):
+            p.append(
+                f"data.mixture_weights: {len(d.mixture_weights)} weights for {len(d.mixture)} data.mixture folders; "
+                "give one weight per folder (or none for equal shares)"
+            )
+        if any(w <= 0 for w in d.mixture_weights):
+            p.append(
+                f"data.mixture_weights: every weight must be > 0, got {d.mixture_weights}; leave a folder out instead"
+            )
+        return p
+    if d.mixture_weights:
+        return [
+            "data.mixture_weights: weighs the folders of data.mixture, which is empty; set data.mixture or remove the key"
+        ]
     if cfg.data.path is None:  # training.dataset names no dataset this recipe knows
         known = ", ".join(name for name in DATASETS if "validation" not in name)
         return [

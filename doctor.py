@@ -316,9 +316,16 @@ MAX_EPOCHS = 4
 
 
 def _data(cfg: JobConfig, dims: ParallelDims) -> list[Finding]:
+    d = cfg.data
+    weights = d.mixture_weights or [1.0] * len(d.mixture)
+    # (key, data, share of the samples): data.path, or each folder of a mixture.
+    sources = [
+        ("data.mixture", dataclasses.replace(d, path=path), w / sum(weights))
+        for path, w in zip(d.mixture, weights, strict=True)
+    ] or [("data.path", d, 1.0)]
     try:
         tokenizer = build_tokenizer(cfg.model.tokenizer_path)
-        corpus_tokens, exact = corpus_size(cfg.data, tokenizer)
+        sizes = [corpus_size(data, tokenizer) for _, data, _ in sources]
     except ConfigError:  # the run names these problems itself when it opens the files
         return []
     findings = []
@@ -335,17 +342,20 @@ def _data(cfg: JobConfig, dims: ParallelDims) -> list[Finding]:
         )
     t = cfg.training
     global_batch = global_batch_size(t, dp=dims.dp)
-    needed = t.steps * global_batch * (t.seq_len + 1)
-    if corpus_tokens and needed > MAX_EPOCHS * corpus_tokens:
-        size = f"{corpus_tokens:,}" if exact else f"about {corpus_tokens:,} (estimated from its size)"
-        findings.append(
-            Finding(
-                "warning",
-                "data.path",
-                f"the run reads {needed:,} tokens ({t.steps:,} steps x {global_batch} x {t.seq_len + 1}) from a corpus of "
-                f"{size}: {needed / corpus_tokens:,.0f} epochs; point data.path at more data or train fewer steps",
+    for (key, data, share), (corpus_tokens, exact) in zip(sources, sizes, strict=True):
+        needed = int(share * t.steps * global_batch) * (t.seq_len + 1)
+        if corpus_tokens and needed > MAX_EPOCHS * corpus_tokens:
+            size = f"{corpus_tokens:,}" if exact else f"about {corpus_tokens:,} (estimated from its size)"
+            what = f"{share:.0%} of {t.steps:,} steps" if d.mixture else f"{t.steps:,} steps"
+            findings.append(
+                Finding(
+                    "warning",
+                    key,
+                    f"the run reads {needed:,} tokens ({what} x {global_batch} x {t.seq_len + 1}) from {data.path}, "
+                    f"a corpus of {size}: {needed / corpus_tokens:,.0f} epochs; point {key} at more data or train "
+                    "fewer steps",
+                )
             )
-        )
     return findings
 
 

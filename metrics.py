@@ -74,6 +74,7 @@ class StepMetrics:
     memory_gib: float
     step_time_s: float
     z_loss: float | None = None  # training.z_loss_weight > 0: the z-loss, unweighted (`loss` is the cross-entropy)
+    tokens_per_source: dict[str, int] | None = None  # data.mixture: tokens trained from each source so far
 
 
 class MetricsLogger:
@@ -145,6 +146,7 @@ class MetricsLogger:
         scalars = {k: getattr(m, k) for k in ("loss", "grad_norm", "lr", "tps", "mfu", "memory_gib", "step_time_s")}
         if m.z_loss is not None:
             scalars["z_loss"] = m.z_loss
+        scalars |= {f"tokens_{name}": tokens for name, tokens in (m.tokens_per_source or {}).items()}
         self._write(m.step, scalars)
 
     def log_validation(self, step: int, loss: float, tokens: int, seconds: float) -> None:

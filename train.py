@@ -56,6 +56,7 @@ from config import (
 )
 from data.corpus import open_corpus
 from data.loader import Batch, GlobalBatchLoader
+from data.mixture import open_mixture
 from data.tokenizers import build_tokenizer
 from errors import ConfigError, is_rank0, warn, writable_folder
 from loss import Loss, build_loss_fn
@@ -135,7 +136,12 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
     global_batch = global_batch_size(t, dp=dims.dp)
     tokenizer = build_tokenizer(cfg.model.tokenizer_path)
     # A prepared folder, memory-mapped; raw files are tokenized into a cache first, the ranks sharing the work.
-    corpus = open_corpus(cfg.data, tokenizer, cfg.model.tokenizer_path)
+    # A mixture reads several prepared folders, each in the share of its weight.
+    corpus = (
+        open_mixture(cfg.data.mixture, cfg.data.mixture_weights, tokenizer)
+        if cfg.data.mixture
+        else open_corpus(cfg.data, tokenizer, cfg.model.tokenizer_path)
+    )
     loader = GlobalBatchLoader(
         corpus, window=t.seq_len + 1, local_batch_size=t.local_batch_size, global_batch_size=global_batch,
         dp_rank=dp_rank, dp_degree=dims.dp, shuffle=cfg.data.shuffle, seed=cfg.debug.seed,
@@ -289,6 +295,10 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
                         grad_norm=result.grad_norm.item(), lr=lr, tps=tps,
                         mfu=100 * flops_per_token * tps / peak if peak else None,
                         memory_gib=peak_memory_gib(device), step_time_s=step_time,
+                        tokens_per_source=(
+                            {name: n * t.seq_len for name, n in zip(corpus.names, loader.samples_per_source(), strict=True)}
+                            if cfg.data.mixture else None
+                        ),
                     )
                 )  # fmt: skip
                 last_log_time, last_log_step = time.perf_counter(), step

@@ -9,6 +9,10 @@ global batch of G sequences, split into micro-batches of local_batch_size x dp s
 taking rows [r*local, (r+1)*local) of each. So a run on 1, 2 or 8 ranks sees the same tokens at
 every step, resumes bit-exactly on another world size, and the loader's state is one integer
 (plus what it was reading, to refuse resuming on other data).
+
+A mixture of corpora (data/mixture.py) first maps sample k to (source, j), j counting that source's
+samples; the source then reads its window j as a single corpus reads window k, with its own shuffle
+and its own epochs. A single corpus is the mixture of one source, whose j is k.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import numpy as np
 import torch
 
 from data.corpus import TokenCorpus
+from data.mixture import MixedCorpus
 from errors import ConfigError
 
 
@@ -60,7 +65,7 @@ def permute(index: int, size: int, key: int) -> int:
 class GlobalBatchLoader:
     """Yields this rank's micro-batches of each optimizer step (see the module docstring)."""
 
-    corpus: TokenCorpus
+    corpus: TokenCorpus | MixedCorpus
     window: int  # tokens per sample: seq_len + 1
     local_batch_size: int
     global_batch_size: int
@@ -79,26 +84,47 @@ class GlobalBatchLoader:
                 f"{self.local_batch_size} x data-parallel degree {self.dp_degree}; use a multiple of {per_micro} or -1"
             )
         self.grad_accum = self.global_batch_size // per_micro
-        self.num_windows = self.corpus.num_tokens // self.window
-        if self.num_windows == 0:
-            raise ConfigError(
-                f"data.path: the corpus holds {self.corpus.num_tokens} tokens, fewer than one sequence of "
-                f"training.seq_len + 1 = {self.window}; lower training.seq_len or add data"
-            )
+        mixed = isinstance(self.corpus, MixedCorpus)
+        self.sources = self.corpus.sources if mixed else [self.corpus]
+        self.mixture = self.corpus.mixture if mixed else None
+        self.windows = [source.num_tokens // self.window for source in self.sources]  # per source
+        self.num_windows = sum(self.windows)
+        for source, windows in zip(self.sources, self.windows, strict=True):
+            if windows == 0:
+                what = f"data.mixture: {source.folder}" if mixed else "data.path: the corpus"
+                raise ConfigError(
+                    f"{what} holds {source.num_tokens} tokens, fewer than one sequence of training.seq_len + 1 = "
+                    f"{self.window}; lower training.seq_len or add data"
+                )
+        # Each source its own permutations; source 0's key is a single corpus's.
+        self.keys = [_mix(self.seed) if i == 0 else _mix(_mix(self.seed) ^ i) for i in range(len(self.sources))]
+
+    def locate(self, sample: int) -> tuple[int, int]:
+        """(source, window of that source) that sample `sample` reads."""
+        source, j = self.mixture.locate(sample) if self.mixture is not None else (0, sample)
+        windows = self.windows[source]
+        epoch, index = divmod(j, windows)
+        return source, permute(index, windows, self.keys[source] ^ epoch) if self.shuffle else index
 
     def window_of(self, sample: int) -> int:
-        """Which window sample `sample` reads."""
-        epoch, index = divmod(sample, self.num_windows)
-        return permute(index, self.num_windows, _mix(self.seed) ^ epoch) if self.shuffle else index
+        """Which window of its source sample `sample` reads."""
+        return self.locate(sample)[1]
 
     def sample(self, sample: int) -> tuple[np.ndarray, np.ndarray]:
         """(tokens of the window, its document index per token) for sample `sample`."""
-        start = self.window_of(sample) * self.window
-        tokens = self.corpus.read(start, self.window)
+        source, window = self.locate(sample)
+        corpus, start = self.sources[source], window * self.window
+        tokens = corpus.read(start, self.window)
         segments = np.zeros(self.window, dtype=np.int32)
-        segments[self.corpus.doc_starts(start, self.window)] = 1
+        segments[corpus.doc_starts(start, self.window)] = 1
         segments[0] = 0  # a document that began before the window is this window's document 0
         return tokens, np.cumsum(segments, dtype=np.int32)
+
+    def samples_per_source(self) -> list[int]:
+        """Samples each source gave to the steps so far (all ranks together)."""
+        if self.mixture is None:
+            return [self.sample_index]
+        return self.mixture.samples_per_source(self.sample_index)
 
     def next_step(self) -> Iterator[Batch]:
         """grad_accum micro-batches of (local_batch_size, seq_len) inputs, labels and segments."""

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from config import REPO, SECTIONS, JobConfig, field_docs, help_text, input_problems, keys, load_config, to_toml
+from config import REPO, SECTIONS, JobConfig, field_docs, help_text, input_problems, keys, load_config, script, to_toml
 from errors import ConfigError
 from tests.conftest import SHIPPED, Launch
 
@@ -167,6 +167,38 @@ def test_settings_that_passed_silently_or_failed_badly() -> None:
     # The layout's rules (the world size torchrun gives) join the config's in one round.
     found = problems_with_world(["--training.stepz=3", "--parallelism.data_parallel_shard_degree=2"], world_size=1)
     assert [p.split(":")[0] for p in found] == ["training.stepz", "parallelism"]
+
+
+def test_a_mixture_names_the_training_data_instead_of_data_path(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Given on the command line, it replaces the TOML's data.path (with a warning), resolved like other inputs.
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(["--config", "configs/debug.toml", "--data.mixture=assets/corpus,/nope/code"], inputs=False)
+    assert (cfg.data.path, cfg.data.mixture) == (None, [str(REPO / "assets/corpus"), "/nope/code"])
+    assert "data.path: overridden by data.mixture from the command line" in capsys.readouterr().err
+    assert input_problems(cfg) == [
+        f"data.mixture: /nope/code not found; prepare a corpus into it with `python {script('prepare_data.py')} "
+        "--source SOURCE --tokenizer assets/tokenizer --output /nope/code --workers N`".replace(
+            "assets/tokenizer", cfg.model.tokenizer_path
+        )
+    ]
+    with pytest.raises(ConfigError) as info:
+        load_config(["--data.path=a", "--data.mixture=b,c", "--data.mixture_weights=1,2,3"], inputs=False)
+    assert info.value.problems == [
+        "data.path: 'a' and data.mixture both name the training data; keep one",
+        "data.mixture_weights: 3 weights for 2 data.mixture folders; give one weight per folder (or none for equal shares)",
+    ]
+    with pytest.raises(ConfigError) as info:
+        load_config(["--data.mixture=b,c", "--data.mixture_weights=1,0"], inputs=False)
+    assert info.value.problems == [
+        "data.mixture_weights: every weight must be > 0, got [1.0, 0.0]; leave a folder out instead"
+    ]
+    with pytest.raises(ConfigError) as info:
+        load_config(["--data.mixture_weights=1,2"], inputs=False)
+    assert info.value.problems == [
+        "data.mixture_weights: weighs the folders of data.mixture, which is empty; set data.mixture or remove the key"
+    ]
 
 
 def problems_with_world(argv: list[str], *, world_size: int) -> list[str]:

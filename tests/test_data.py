@@ -16,6 +16,7 @@ import torch
 from config import Data
 from data.corpus import MAX_RAW_BYTES, TokenCorpus, open_corpus
 from data.loader import GlobalBatchLoader, permute
+from data.mixture import BLOCK, MixedCorpus, Mixture, open_mixture
 from data.prepare import prepare, shard_name, tokenize
 from data.sources import find_source
 from data.tokenizers import ByteTokenizer, build_tokenizer
@@ -373,3 +374,88 @@ def test_reading_a_window_costs_the_same_inside_a_huge_document(tmp_path: Path) 
     # work would make the long document thousands of times slower.
     assert timings["long"] < 10 * timings["short"] + 0.05, timings
     assert os.path.getsize(tmp_path / "long" / "tokens-00000.npy") < 2 * 2_000_002 + 1024
+
+
+# --------------------------------------------------------------------- mixtures
+
+
+@pytest.mark.parametrize("weights", [[7, 2, 1], [1, 3, 0.05], [0.5, 0.5], [0.7, 0.3], [1, 1, 1, 1, 1, 1, 1]])
+def test_every_1000_consecutive_samples_hold_each_source_within_1_percent_of_its_weight(weights: list[float]) -> None:
+    mixture = Mixture(weights)
+    samples = 3 * BLOCK + 1234  # three periods and a part: blocks join as smoothly as they run
+    located = [mixture.locate(k) for k in range(samples)]
+    sources = np.array([source for source, _ in located])
+    seen = np.zeros((samples + 1, len(weights)), dtype=np.int64)
+    seen[np.arange(1, samples + 1), sources] = 1
+    seen = np.cumsum(seen, axis=0)  # seen[k, s]: samples of source s among the first k
+    shares = (seen[1000:] - seen[:-1000]) / 1000  # every run of 1,000 consecutive samples
+    assert np.abs(shares - np.array(weights) / sum(weights)).max() <= 0.01
+    # Sample k is the j-th sample of its source, j counted in O(1); the first k samples' counts likewise.
+    assert [j for _, j in located] == [int(seen[k, s]) for k, s in enumerate(sources)]
+    assert all(mixture.samples_per_source(k) == seen[k].tolist() for k in range(0, samples + 1, 997))
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory: pytest.TempPathFactory, corpus: TokenCorpus) -> MixedCorpus:
+    """The loader tests' corpus (932 windows of 17) with a small one (3 windows) at weights 2 : 1."""
+    folder = tmp_path_factory.mktemp("m")
+    small = prepared(folder / "small", write_jsonl(folder / "s.jsonl", ["s" * 50]), chunk_bytes=2000)
+    return MixedCorpus([corpus, small], weights=[2, 1], names=["big", "small"])
+
+
+def test_a_mixture_reads_each_source_as_alone_and_a_small_source_repeats_without_stalling(
+    corpus: TokenCorpus, mixed: MixedCorpus
+) -> None:
+    ld = loader(mixed, local=1, global_=1, shuffle=True, seed=4)  # type: ignore[arg-type]
+    alone = loader(corpus, local=1, global_=1, shuffle=True, seed=4)
+    assert ld.windows == [932, 3]
+    located = [ld.locate(k) for k in range(3000)]
+    big = [window for source, window in located if source == 0]
+    small = [window for source, window in located if source == 1]
+    assert (len(big), len(small)) == (2000, 1000)  # 2 : 1 in every run of 3 samples
+    # The first source reads what it reads alone, the same permutations, epoch after epoch.
+    assert big == [alone.window_of(k) for k in range(2000)]
+    # The small one goes through 333 epochs of 3 windows meanwhile, each epoch a permutation of its own.
+    epochs = [small[i : i + 3] for i in range(0, 999, 3)]
+    assert all(sorted(e) == [0, 1, 2] for e in epochs) and len({tuple(e) for e in epochs}) > 1
+    tokens, _ = ld.sample(next(k for k, (source, _) in enumerate(located) if source == 1))
+    assert np.array_equal(tokens, mixed.sources[1].read(small[0] * 17, 17))
+    ld.sample_index = 3000
+    assert ld.samples_per_source() == [2000, 1000]
+
+
+@pytest.mark.parametrize(("dp", "local"), [(2, 4), (4, 2)])
+def test_a_mixture_step_is_the_same_on_any_number_of_ranks_and_resumes_on_another(
+    mixed: MixedCorpus, dp: int, local: int
+) -> None:
+    reference = global_batches(mixed, dp=1, local=8, steps=6, shuffle=True, seed=3)  # type: ignore[arg-type]
+    sharded = global_batches(mixed, dp=dp, local=local, steps=6, shuffle=True, seed=3)  # type: ignore[arg-type]
+    assert all(torch.equal(ref, got) for ref, got in zip(reference, sharded, strict=True))
+    one = loader(mixed, local=8, global_=8, shuffle=True, seed=3)  # type: ignore[arg-type]
+    list(one.next_step())
+    resumed = loader(mixed, local=local, global_=8, dp=dp, shuffle=True, seed=3)  # type: ignore[arg-type]
+    resumed.load_state_dict(one.state_dict())  # one integer: the sample count
+    assert torch.equal(torch.cat([b.inputs for b in resumed.next_step()])[:local], reference[1][:local])
+    other = loader(MixedCorpus(mixed.sources, weights=[1, 1], names=["big", "small"]), local=8, global_=8)
+    with pytest.raises(ConfigError, match="data.ignore_resume_mismatch: the checkpoint was trained on other data"):
+        other.load_state_dict(one.state_dict())  # other weights: another stream
+
+
+def test_a_mixture_refuses_unprepared_folders_and_another_tokenizer_in_one_line(
+    tmp_path: Path, corpus: TokenCorpus
+) -> None:
+    raw = write_jsonl(tmp_path / "raw.jsonl", ["text"])
+    with pytest.raises(ConfigError) as info:
+        open_mixture([str(corpus.folder), str(raw)], [1, 1], BYTE)
+    assert info.value.problems == [
+        f"data.mixture: {raw} is not a prepared folder (no manifest.json); prepare it with "
+        "scripts/prepare_data.py --output and name that folder"
+    ]
+    with pytest.raises(ConfigError) as info:
+        open_mixture([str(corpus.folder)], [], build_tokenizer(str(REPO / "assets/tokenizer")))
+    assert info.value.problems == [
+        f"data.mixture: {corpus.folder} was tokenized by byte, not by model.tokenizer_path; every source of a "
+        "mixture must be prepared with the model's tokenizer"
+    ]
+    twice = open_mixture([str(corpus.folder)] * 2, [], BYTE)  # equal shares; the same name twice, kept apart
+    assert twice.names == ["0_out", "1_out"] and twice.mixture.counts.tolist() == [5000, 5000]

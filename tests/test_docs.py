@@ -6,6 +6,7 @@ this repo measured is stated in one place, docs/benchmarks.md (README.md and the
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -71,3 +72,21 @@ def test_the_readme_planning_commands_run_as_written() -> None:
         for command, proc in zip(commands, pool.map(run, commands), strict=True):
             assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
             assert "Traceback" not in proc.stderr and "error:" not in proc.stderr, proc.stderr
+
+
+def test_the_readme_data_commands_run_as_written(tmp_path: Path) -> None:
+    """The block under "Your data": two corpora prepared, a mixture of them trained on 2 ranks (its output
+    folders moved to tmp_path)."""
+    text = (REPO / "README.md").read_text()
+    block = re.search(r"```bash\n(.*?)```", text[text.index("### Your data") :], flags=re.S)[1]
+    commands = [line.replace("outputs/data", str(tmp_path / "data")) for line in block.splitlines() if line.strip()]
+    assert len(commands) == 3, commands
+    for command in commands:
+        proc = subprocess.run(
+            ["bash", "-c", f"{command} --job.dump_folder={tmp_path / 'run'}" if "train.py" in command else command],
+            cwd=REPO, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, f"{command}\n{proc.stderr[-2000:]}"
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    last = [row for row in rows if "loss" in row][-1]
+    assert last["step"] == 10 and last["tokens_stories"] > 2 * last["tokens_more"] > 0, last

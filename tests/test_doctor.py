@@ -213,7 +213,22 @@ def test_a_run_that_repeats_its_corpus_is_a_warning() -> None:
     assert check(recipe(training__steps=100)) == []
     findings = check(recipe(training__steps=1000))
     assert keys(findings) == [("warning", "data.path")]
-    assert "from a corpus of 628,705: 26 epochs" in findings[0].message or "about" in findings[0].message
+    message = findings[0].message.replace(f"{REPO}/", "")
+    assert "from assets/corpus/stories.jsonl, a corpus of 628,705: 26 epochs" in message
+
+
+def test_a_mixture_warns_of_the_source_it_repeats(tmp_path: Path) -> None:
+    for name, tokens in (("big", 10**9), ("small", 100_000)):  # prepared folders, as far as their size goes
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text(f'{{"tokens": {tokens}}}')
+    mixture = {"data__mixture": [str(tmp_path / "big"), str(tmp_path / "small")], "data__mixture_weights": [9, 1]}
+    assert check(recipe(training__steps=100, **mixture)) == []  # the small source read 1.6 times
+    (finding,) = check(recipe(training__steps=1000, **mixture))
+    assert (finding.key, finding.message) == (
+        "data.mixture",
+        f"the run reads 1,639,200 tokens (10% of 1,000 steps x 8 x 2049) from {tmp_path / 'small'}, a corpus of "
+        "100,000: 16 epochs; point data.mixture at more data or train fewer steps",
+    )
 
 
 def test_a_tokenizer_far_smaller_than_the_embedding_is_a_warning(llama3_stand_ins: tuple[Path, Path]) -> None:

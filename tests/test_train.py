@@ -15,6 +15,8 @@ import torch
 
 from checkpoint import is_model_only, verify
 from config import load_config
+from data.prepare import prepare
+from data.sources import find_source
 from tests.conftest import TINY, losses
 from tests.launch import REPO, free_port, python, torchrun
 
@@ -74,31 +76,32 @@ def test_resume_gives_the_losses_of_a_straight_run(tmp_path: Path, seed: Path) -
     assert max(abs(other[s] - ref[s]) / ref[s] for s in ref) < 1e-5
 
 
-def test_prepared_shuffled_block_causal_run_resumes_as_a_pipeline_with_the_same_stream(
+def test_a_shuffled_block_causal_mixture_trained_as_a_pipeline_resumes_on_one_rank_with_the_same_stream(
     tmp_path: Path, seed: Path
 ) -> None:
-    """Prepared shards, shuffled windows, block-causal attention: 1 rank for 5 steps, then 2 pipeline stages on."""
-    data = tmp_path / "stories"
-    proc = python("scripts/prepare_data.py", "--source", "assets/corpus/stories.jsonl", "--tokenizer",
-                  "assets/tokenizer", "--output", str(data), "--workers", "1")  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    extra = (f"--data.path={data}", "--data.shuffle", "--model.attn_mask_type=block_causal")
+    """Two prepared corpora mixed 70/30, shuffled windows, block-causal attention: 2 pipeline stages for 5
+    steps, then 1 rank on; against 1 rank straight through."""
+    mixture = [tmp_path / "stories", tmp_path / "held_out"]
+    for folder, source in zip(mixture, ("stories.jsonl", "stories_validation.jsonl"), strict=True):
+        prepare(find_source(str(REPO / "assets/corpus" / source)), str(REPO / "assets/tokenizer"), folder, workers=0)
+    extra = (f"--data.mixture={mixture[0]},{mixture[1]}", "--data.mixture_weights=0.7,0.3", "--data.shuffle",
+             "--model.attn_mask_type=block_causal")  # fmt: skip
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run(straight, nproc=1, steps=10, seed=seed, extra=extra)
-    run(resumed, nproc=1, steps=5, seed=seed, extra=extra)
-    # Resumed as a pipeline of 2 stages (each stage masks attention with the documents' segments).
-    run(resumed, nproc=2, steps=10, seed=seed, extra=(*extra, "--parallelism.pipeline_parallel_degree=2"))
+    # A pipeline of 2 stages (each stage masks attention with the documents' segments), then one rank.
+    run(resumed, nproc=2, steps=5, seed=seed, extra=(*extra, "--parallelism.pipeline_parallel_degree=2"))
+    run(resumed, nproc=1, steps=10, seed=seed, extra=extra)
     ref, got = losses(straight), losses(resumed)
     assert sorted(got) == list(range(1, 11))
     # The same sequences at every step; the pipeline sums gradients in another order: rounding only
     # (relative 1e-5; another window at any step moves the loss by more than 1e-2).
     assert max(abs(got[s] - ref[s]) / ref[s] for s in ref) < 1e-5, (got, ref)
-    # Another dataset under the same checkpoint: refused, unless asked for.
-    other = (
-        f"--data.path={REPO / 'assets/corpus/stories.jsonl'}",
-        "--data.shuffle",
-        "--model.attn_mask_type=block_causal",
-    )
+    # Tokens per source: 56 and 24 of the 80 sequences of 64 tokens, in both runs.
+    for dump in (straight, resumed):
+        last = json.loads((dump / "metrics.jsonl").read_text().splitlines()[-1])
+        assert (last["step"], last["tokens_stories"], last["tokens_held_out"]) == (10, 56 * 64, 24 * 64)
+    # Other data under the same checkpoint: refused, unless asked for.
+    other = (f"--data.path={mixture[0]}", "--data.shuffle", "--model.attn_mask_type=block_causal")
     proc = python("train.py", *TINY, "--training.steps=12", "--training.global_batch_size=8",
                   f"--job.dump_folder={resumed}", "--checkpoint.enable", *other)  # fmt: skip
     assert (
