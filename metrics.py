@@ -10,6 +10,7 @@ import json
 import os
 import resource
 import time
+import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
 
 # TorchDispatchMode is the documented way to see every aten op, in a private module (PyTorch 2.13).
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -243,6 +245,45 @@ def count_ops() -> Iterator[Counter[torch._ops.OpOverload]]:
     counts: Counter[torch._ops.OpOverload] = Counter()
     with observe_ops(lambda op, *_: counts.update([op])):
         yield counts
+
+
+# What reads a tensor's value into Python: on a GPU each one waits for the device (a host sync).
+_HOST_READS = {
+    torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu,
+    torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__index__,
+}  # fmt: skip
+
+
+class _HostReads(TorchFunctionMode):
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device, self.found = device, Counter[str]()
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in _HOST_READS and isinstance(args[0], torch.Tensor) and args[0].device.type == self.device.type:
+            self._record(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+    @torch.compiler.disable
+    def _record(self, name: str) -> None:
+        torch_root = str(Path(torch.__file__).parent)
+        outside = (f for f in reversed(traceback.extract_stack()) if f.filename != __file__)
+        caller = next(f for f in outside if not f.filename.startswith(torch_root))  # the recipe's line
+        self.found[f"{name} at {Path(caller.filename).name}:{caller.lineno}"] += 1
+
+
+@contextlib.contextmanager
+def count_host_reads(device: torch.device) -> Iterator[Counter[str]]:
+    """Count, by call site, the reads of `device` tensors into Python (`.item()`, `.tolist()`, `bool()`,
+    `.cpu()`, ...) inside the block: on a GPU each is a host sync, the CPU waiting for the device.
+
+    A step that logs nothing should read nothing (train.train_step returns device tensors). On a CPU
+    device every tensor counts; host-side tensors that never touch a GPU (the stop request's flags
+    on a gloo group) are read outside train_step.
+    """
+    mode = _HostReads(device)
+    with mode:
+        yield mode.found
 
 
 class LiveBytes:

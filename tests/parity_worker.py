@@ -34,6 +34,7 @@ import models
 from config import ActivationCheckpoint, Compile, Optimizer, Parallelism, Training
 from data.loader import Batch
 from loss import build_loss_fn
+from metrics import count_host_reads
 from models import with_seq_len
 from models.llama3 import FLAVORS, ModelArgs
 from models.qwen3 import FAMILY as QWEN3
@@ -164,8 +165,11 @@ def train(
     z_loss_weight: float = 0.0,
     collectives: Counter[str] | None = None,
     pipeline: Pipeline | None = None,
+    counts: dict[str, Any] | None = None,
 ) -> tuple[list[float], list[float]]:
     """`steps` steps of train.py's `train_step` on `tokens` (this rank's slice); (losses, seconds per step).
+    counts: filled with what decides GPU speed: the host reads of the last step, the graphs dynamo compiled
+    in the first step and recompiled after it, and its graph breaks.
 
     The loss is the mean over this rank's tokens. With a process group it is averaged over all
     ranks (`world_mean`, as train.py logs it): TP ranks of a data-parallel group hold the same
@@ -176,18 +180,34 @@ def train(
     batch = [Batch(tokens[:, :-1], tokens[:, 1:], segments)]
     loss_fn = build_loss_fn(Compile(), chunk_tokens=loss_chunk_tokens, z_loss_weight=z_loss_weight)
     losses, times = [], []
+    breaks_before, graphs_before = graph_breaks(), compiled_graphs()
     for step in range(steps):
         start = time.perf_counter()
-        # The collectives of the last step (FSDP's lazy initialization is behind it).
-        with count_collectives(collectives if step == steps - 1 else None):
+        if step == 1 and counts is not None:  # the graphs the first step compiled
+            counts["graphs_compiled"] = compiled_graphs() - graphs_before
+        # The collectives of the last step (FSDP's lazy initialization is behind it), and what it reads back.
+        last = step == steps - 1
+        with count_collectives(collectives if last else None), count_host_reads(torch.device("cpu")) as reads:
             loss = train_step(
                 model, optimizer, batch, grad_accum=1, max_norm=MAX_NORM, loss_fn=loss_fn, loss_parallel=loss_parallel,
                 device=torch.device("cpu"), pipeline=pipeline,
             ).loss  # fmt: skip
+        if last and counts is not None:
+            counts["host_reads"] = dict(reads)
+            counts["graphs_recompiled"] = compiled_graphs() - graphs_before - counts["graphs_compiled"]
+            counts["graph_breaks"] = graph_breaks() - breaks_before
         pp = dist.get_world_size(pipeline.pp_group) if pipeline else 1
         losses.append(world_mean(loss, pp=pp) if dist.is_initialized() else loss.item())
         times.append(time.perf_counter() - start)
     return losses, times
+
+
+def compiled_graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def graph_breaks() -> int:
+    return sum(torch._dynamo.utils.counters["graph_break"].values())
 
 
 @contextlib.contextmanager
@@ -297,10 +317,11 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
     rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
     segments = ref["segments"][rows] if layout.block_causal else None
     collectives: Counter[str] = Counter()
+    counts: dict[str, Any] = {}
     losses, times = train(
         model, ref["tokens"][rows], segments=segments, loss_parallel=dims.tp_enabled and layout.loss_parallel,
         loss_chunk_tokens=layout.loss_chunk_tokens, z_loss_weight=z_loss_weight, collectives=collectives,
-        pipeline=pipeline,
+        pipeline=pipeline, counts=counts,
     )  # fmt: skip
     expected = (
         ref["block_causal"] if layout.block_causal
@@ -321,6 +342,7 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
         "step_time_s": sum(times[1:]) / len(times[1:]),
         "param_types": sorted({type(p).__name__ for p in model.parameters()}),
         "collectives": dict(collectives),
+        **counts,
     }
 
 

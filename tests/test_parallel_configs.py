@@ -19,7 +19,7 @@ COMMON = [
     "--debug.deterministic", "--metrics.log_freq=1", "--lr_scheduler.warmup_steps=1",
 ]  # fmt: skip
 
-# config -> ranks; compile is run in test_compiled_config_matches (its first step compiles).
+# config -> ranks; compile is run in test_compiled_config_matches_one_process_and_compiles_once.
 LAYOUTS = {
     "configs/debug.toml": 2,  # FSDP(2)
     "configs/debug_hsdp.toml": 4,
@@ -60,8 +60,33 @@ def test_parallel_config_matches_one_process(
     assert max(abs(got[s] - reference[s]) for s in got) <= 1e-5, (got, reference)
 
 
-def test_compiled_config_matches_one_process(seed: Path, reference: dict[int, float], tmp_path: Path) -> None:
-    got = run_config("configs/debug_compile.toml", 2, seed, tmp_path / "run")
+def test_compiled_config_matches_one_process_and_compiles_once(
+    seed: Path, reference: dict[int, float], tmp_path: Path
+) -> None:
+    """FSDP 2 + op SAC + compile, validating after every step, then resumed in a new launch: each launch
+    compiles its training graphs once and, at its first validation, the no-grad graphs once; nothing
+    recompiles after that and nothing breaks a graph (dynamo's own logs, TORCH_LOGS)."""
+    validate = ("--validation.enable", "--validation.freq=1", "--validation.steps=1", "--validation.seq_len=64",
+                "--validation.dataset_path=assets/corpus/stories_validation.jsonl", "--checkpoint.enable")  # fmt: skip
+    logs = {"TORCH_LOGS": "recompiles,graph_breaks"}
+    dump = tmp_path / "run"
+    launches = [
+        torchrun("train.py", "--config", "configs/debug_compile.toml", *COMMON, f"--job.dump_folder={dump}",
+                 f"--checkpoint.initial_load_path={seed}", *validate, f"--training.steps={steps}", nproc=2, env=logs)
+        for steps in (3, 5)
+    ]  # fmt: skip
+    got = losses(dump)
     # Inductor fuses and reorders float32 arithmetic (e.g. RMSNorm, SiLU * up): rounding
     # differs from eager by ~1e-6 per step, well inside the tolerance.
-    assert max(abs(got[s] - reference[s]) for s in got) <= 1e-5, (got, reference)
+    assert sorted(got) == [1, 2, 3, 4, 5]
+    assert max(abs(got[s] - reference[s]) for s in reference) <= 1e-5, (got, reference)
+    for proc in launches:
+        lines = proc.stderr.splitlines()
+        recompiled = [
+            line.split("Recompiling function ")[1].split(" in ")[0] for line in lines if "Recompiling function" in line
+        ]
+        reasons = [line.rstrip() for line in lines if "[__recompiles]     - " in line]
+        # Per rank: the block (under op SAC) and the loss, each once, for no-grad validation.
+        assert sorted(recompiled) == ["cross_entropy_loss"] * 2 + ["forward"] * 2, recompiled
+        assert len(reasons) == 4 and all(r.endswith("GLOBAL_STATE changed: grad_mode") for r in reasons), reasons
+        assert "Graph break" not in proc.stderr

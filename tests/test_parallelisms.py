@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.flop_counter import FlopCounterMode
 
-from config import ActivationCheckpoint
+from config import ActivationCheckpoint, Optimizer
 from errors import ConfigError
-from metrics import count_calls, count_ops
+from metrics import count_calls, count_host_reads, count_ops
 from models.llama3 import FAMILY as LLAMA3
 from models.llama3.model import Attention
 from parallelisms.ac import apply_ac
@@ -31,6 +31,7 @@ from parallelisms.compile import apply_compile, inductor_cache_dir
 from parallelisms.tp import check_tp
 from tests.launch import REPO, torchrun
 from tests.parity_worker import LAYOUTS, OP_SAC, TINY, build_tiny, max_param_diff, random_batch, train, write_reference
+from train import build_optimizer, train_step
 
 TOL = 1e-5
 SAVED = LLAMA3.sac_saved_linears
@@ -86,6 +87,39 @@ def test_loss_and_parameter_parity(name: str, request: pytest.FixtureRequest) ->
     assert result["max_param_diff"] <= TOL, result
     # Every parameter really is sharded or replicated by a mesh; pipeline stages alone hold plain ones.
     assert result["param_types"] == ["Parameter" if layout.world_size == layout.pp else "DTensor"]
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_a_step_reads_nothing_back_and_compiled_steps_neither_recompile_nor_break(
+    name: str, request: pytest.FixtureRequest
+) -> None:
+    """What decides GPU speed, counted on CPU: the host reads of a training step (`.item()`, `bool()`, ...,
+    metrics.count_host_reads), each a host sync on a GPU: none on any layout; dynamo's graphs: compiled by the
+    first step, none recompiled by the next four, no graph break."""
+    layout = LAYOUTS[name]
+    result = request.getfixturevalue(f"results_{layout.world_size}")[name]
+    assert result["host_reads"] == {}, result["host_reads"]
+    assert (result["graphs_recompiled"], result["graph_breaks"]) == (0, 0), result
+    assert (result["graphs_compiled"] > 0) == layout.compile, result
+
+
+def test_the_host_read_counter_sees_the_reads_a_gpu_would_wait_for() -> None:
+    """The counter of the test above can fail: for-each AdamW has no skip-step input, so optimizer_step
+    reads the skip flag (train.py says so); fused AdamW reads nothing."""
+    model, tokens = build_tiny(), random_batch()
+    batch = [(tokens[:, :-1], tokens[:, 1:])]
+    found = {}
+    for implementation in ("fused", "foreach"):
+        optimizer = build_optimizer(Optimizer(implementation=implementation), model)
+        with count_host_reads(torch.device("cpu")) as reads:
+            train_step(
+                model, optimizer, batch, grad_accum=1, max_norm=1.0, loss_parallel=False, device=torch.device("cpu")
+            )
+        found[implementation] = dict(reads)
+    line = next(
+        i for i, text in enumerate((REPO / "train.py").read_text().splitlines(), 1) if "elif apply.item():" in text
+    )
+    assert found["fused"] == {} and found["foreach"][f"item at train.py:{line}"] == 1, found
 
 
 def test_chunked_loss_adds_no_fsdp_collective(results_2: dict[str, dict]) -> None:
