@@ -152,13 +152,14 @@ def comm_per_step(
     """Bytes each rank sends per optimizer step over each mesh dimension, by ring algorithms: an all-gather or
     reduce-scatter of N bytes (the full tensor) costs each of g ranks (g - 1) / g x N, an all-reduce twice that.
 
-    dp_shard  FSDP: each micro-batch's forward all-gathers the rank's stage in param_dtype, backward gathers the
-              blocks again (unless parallelism.fsdp_reshard_after_forward = "never"; under PP the stage stays
-              gathered for the whole step) and reduce-scatters every gradient in reduce_dtype.
+    dp_shard  FSDP: each micro-batch's forward all-gathers the rank's stage in param_dtype, backward gathers
+              it again (not with parallelism.fsdp_reshard_after_forward = "never"; under PP the stage stays
+              gathered for the whole step) but for the root unit, final norm and output, which FSDP2 keeps
+              gathered from its forward to its backward, and reduce-scatters every gradient in reduce_dtype.
     dp_repl.  HSDP: an all-reduce of the gradient shards per micro-batch (of the step, under PP).
     tp        the collectives of the family's TP plan as one traced block runs them (estimate_memory.block_costs:
-              forward, backward, and what AC recomputes), per block and micro-batch, plus the embedding's and
-              the output projection's.
+              forward, backward, and what AC recomputes), per block of the rank's stages and micro-batch, plus
+              the embedding's (stage 0) and those of the final norm, output projection and loss (the last stage).
     pp        each micro-batch's activations forward and their gradients backward across each stage boundary.
     """
     t, par = cfg.training, cfg.parallelism
@@ -168,15 +169,15 @@ def comm_per_step(
     pp, tp, shard, rep = dims.pp, dims.tp, dims.dp_shard, dims.dp_replicate
     stage_params = family(cfg.model.name).num_params(args) / pp  # an average stage
     local_tokens = t.local_batch_size * t.seq_len
-    gathers = (
-        1
-        if (pp > 1 and par.fsdp_reshard_after_forward != "always")
-        else (grad_accum * (1 if par.fsdp_reshard_after_forward == "never" else 2))
-    )
+    reshard = par.fsdp_reshard_after_forward
+    gathers = 1 if (pp > 1 and reshard != "always") else (grad_accum * (1 if reshard == "never" else 2))
     syncs = 1 if pp > 1 else grad_accum
     out: dict[str, tuple[float, str]] = {}
     if shard > 1:
-        nbytes = ring(shard) * stage_params / tp * (gathers * a + syncs * r)
+        gathered = gathers * stage_params / tp
+        if pp == 1 and reshard != "never":  # backward finds the root unit still gathered
+            gathered -= grad_accum * job_costs(job, tp_mesh=tp_mesh).root_params
+        nbytes = ring(shard) * (gathered * a + syncs * r * stage_params / tp)
         out["dp_shard"] = (nbytes, f"FSDP: {gathers} all-gather(s) of the stage in {t.mixed_precision_param}, "
                                    f"{syncs} reduce-scatter(s) of its gradients in {t.mixed_precision_reduce}")  # fmt: skip
     if rep > 1:
@@ -186,8 +187,15 @@ def comm_per_step(
         )
     if tp > 1:
         costs = job_costs(job, tp_mesh=tp_mesh)
+        # Rank 0's stages: their blocks, the embedding (stage 0), the head and loss (the last stage's).
+        blocks, outside = args.n_layers, sum(costs.tp_embedding) + sum(costs.tp_head)
+        if pp > 1:
+            layers = stage_layers(args, par)
+            ours = rank_stages(0, pp=pp, stages=len(layers))
+            blocks = sum(len(layers[s]) for s in ours)
+            outside = sum(costs.tp_embedding) + (sum(costs.tp_head) if len(layers) - 1 in ours else 0)
         # A micro-batch of the pipeline is 1/microbatches of the local batch; the costs are per micro-batch.
-        per_local_batch = job.microbatches * (sum(costs.tp_block) * args.n_layers / pp + sum(costs.tp_outside))
+        per_local_batch = job.microbatches * (sum(costs.tp_block) * blocks + outside)
         out["tp"] = (ring(tp) * per_local_batch * grad_accum, "the TP plan's all-gathers and reduce-scatters, "
                      "traced on one block: forward, backward and AC's recomputation")  # fmt: skip
     if pp > 1:  # rank 0's stages: each but the last sends activations, each but the first gradients

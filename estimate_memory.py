@@ -234,8 +234,10 @@ class BlockCosts:
     """Bytes the final norm saves, its output excluded (the loss keeps the gathered output)."""
     tp_block: tuple[int, int]
     """Bytes of the TP collectives of one block (full tensors), forward and backward (recomputation included)."""
-    tp_outside: tuple[int, int]
-    """The same for the embedding and the output projection."""
+    tp_embedding: tuple[int, int]
+    """The same for the embedding (the first pipeline stage's)."""
+    tp_head: tuple[int, int]
+    """The same for the final norm, the output projection and the loss (the last stage's)."""
 
 
 _TRACES: dict[tuple, BlockCosts] = {}
@@ -252,6 +254,9 @@ def block_costs(
     tp: int = 1,
     rmsnorm: RMSNorm = "fused",
     tp_mesh: DeviceMesh | None = None,
+    loss_parallel: bool = True,
+    loss_chunk_tokens: int = 0,
+    z_loss: bool = False,
 ) -> BlockCosts:
     """The costs of `trace_costs` under `ac` (an AC mode of `checkpoint_every`; "selective-<k>" is traced as full
     AC, which is what the blocks it checkpoints get), `saved` from a trace without AC; cached per shape.
@@ -261,12 +266,13 @@ def block_costs(
     mode = "none" if checkpoint_every(ac) == 0 else "op" if ac == "selective-op" else "full"
     traced = {}
     for m in dict.fromkeys(("none", mode)):
-        key = (family.name, args, batch, seq_len, dtype, m, tp, rmsnorm)
+        key = (family.name, args, batch, seq_len, dtype, m, tp, rmsnorm, loss_parallel, loss_chunk_tokens, z_loss)
         if key not in _TRACES:
             with _tp_mesh(tp, tp_mesh) as mesh:
                 _TRACES[key] = trace_costs(
-                    family, args, batch=batch, seq_len=seq_len, dtype=dtype, ac=m, rmsnorm=rmsnorm, tp_mesh=mesh
-                )
+                    family, args, batch=batch, seq_len=seq_len, dtype=dtype, ac=m, rmsnorm=rmsnorm, tp_mesh=mesh,
+                    loss_parallel=loss_parallel, loss_chunk_tokens=loss_chunk_tokens, z_loss=z_loss,
+                )  # fmt: skip
         traced[m] = _TRACES[key]
     return dataclasses.replace(traced[mode], saved=traced["none"].saved)
 
@@ -302,9 +308,13 @@ def trace_costs(
     ac: Literal["none", "full", "op"],
     rmsnorm: RMSNorm = "fused",
     tp_mesh: DeviceMesh | None = None,
+    loss_parallel: bool = True,
+    loss_chunk_tokens: int = 0,
+    z_loss: bool = False,
 ) -> BlockCosts:
     """One forward and backward of a one-block model of `family` on fake tensors (no memory, no compute),
-    parallelized as a run does it (the family's TP plan over `tp_mesh`, `apply_ac`), watched op by op.
+    parallelized as a run does it (the family's TP plan over `tp_mesh`, `apply_ac`; the loss.py loss of
+    `loss_chunk_tokens` and `z_loss`, on vocabulary shards with `loss_parallel`), watched op by op.
 
     Saved bytes are storages an op created that are still alive once forward is over (what autograd, a
     checkpoint or selective AC's cache hold), parameters and buffers not counted. So every term is
@@ -314,14 +324,15 @@ def trace_costs(
     rmsnorm "fused" the trace counts each RMSNorm of an uncheckpointed block (and the final one) so.
     """
     from config import ActivationCheckpoint
+    from loss import Loss
     from parallelisms.ac import apply_ac
-    from parallelisms.tp import apply_tp
+    from parallelisms.tp import apply_tp, loss_parallel_context
 
     one = dataclasses.replace(args, n_layers=1, max_seq_len=seq_len, attn_mask_type="causal")
     with torch.device("meta"):
         model = family.model_cls(one).to(dtype)
     if tp_mesh is not None:
-        apply_tp(model, tp_mesh, block_plan=family.tp_plan, loss_parallel=True, seq_len=seq_len)
+        apply_tp(model, tp_mesh, block_plan=family.tp_plan, loss_parallel=loss_parallel, seq_len=seq_len)
     if ac != "none":
         cfg = ActivationCheckpoint(mode="full" if ac == "full" else "selective", selective_ac_option="op")
         apply_ac(model, cfg, saved_linears=family.sac_saved_linears)
@@ -331,26 +342,29 @@ def trace_costs(
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")
         watch.skip |= {_key(_local(t)) for t in [*model.parameters(), *model.buffers()]}
-        tokens = torch.randint(0, one.vocab_size, (batch, seq_len))
-        with observe_ops(watch.on_op):
-            logits = model(tokens, head=model.project)
-        watch.phase = "after"
-        saved, final_norm = watch.saved(block), watch.saved(model.norm)
-        if rmsnorm == "fused":
-            final_norm += watch.fused_correction(model.norm)
-            if ac == "none":
-                saved += sum(watch.fused_correction(m) for m in block.modules() if isinstance(m, nn.RMSNorm))
-        logits = _local(logits).float().sum()
-        watch.phase = "backward"
-        with observe_ops(watch.on_op):
-            logits.backward()
+        tokens, labels = (torch.randint(0, one.vocab_size, (batch, seq_len)) for _ in range(2))
+        # The step's loss, as train.py computes it: its collectives count with the output projection's.
+        with loss_parallel_context(tp_mesh is not None and loss_parallel):
+            with observe_ops(watch.on_op):
+                loss_fn = Loss(loss_chunk_tokens, z_loss_weight=1.0 if z_loss else 0.0)
+                loss = model(tokens, head=functools.partial(loss_fn, model, labels=labels))
+            watch.phase = "after"
+            saved, final_norm = watch.saved(block), watch.saved(model.norm)
+            if rmsnorm == "fused":
+                final_norm += watch.fused_correction(model.norm)
+                if ac == "none":
+                    saved += sum(watch.fused_correction(m) for m in block.modules() if isinstance(m, nn.RMSNorm))
+            watch.phase = "backward"
+            with observe_ops(watch.on_op):
+                loss.backward()
     embedding = 0 if one.tie_word_embeddings else _numel(model.tok_embeddings)
     root = _numel(model.norm) + (_numel(model.output) if model.output is not None else _numel(model.tok_embeddings))
     return BlockCosts(
         block_params=_numel(block), embedding_params=embedding, root_params=root, saved=saved, kept=saved,
         widest=max(watch.linear_outputs, default=0), matmul_inputs=sum(watch.linear_inputs.values()),
         final_norm=final_norm, tp_block=(watch.comm["block forward"], watch.comm["block backward"]),
-        tp_outside=(watch.comm["forward"], watch.comm["backward"]),
+        tp_embedding=(watch.comm["embedding forward"], watch.comm["embedding backward"]),
+        tp_head=(watch.comm["head forward"], watch.comm["head backward"]),
     )  # fmt: skip
 
 
@@ -376,6 +390,7 @@ class _Watch:
 
     def __init__(self, model: nn.Module, block: nn.Module, *, tp: int):
         self.phase = "forward"  # forward, block forward, after, backward, block backward
+        self.part = "embedding"  # outside the block: before it in forward (after it in backward), or the head
         self.skip: set[int] = set()
         self.created: dict[int, tuple[StorageWeakRef, int]] = {}  # every storage an op made, and its bytes
         self.windows: dict[nn.Module, dict] = {}  # module -> its forward's input, output and the storages it made
@@ -410,7 +425,7 @@ class _Watch:
             self._open.pop()
             self.windows[module]["output"] = _key(_local(out))
             if self.phase == "block forward" and module is self.block:
-                self.phase = "forward"
+                self.phase, self.part = "forward", "head"
 
     def _mark_block_input(self, module: nn.Module, args: tuple) -> None:
         if self.phase.endswith("forward"):
@@ -423,7 +438,7 @@ class _Watch:
         self.phase = "block backward"
 
     def _block_backward_end(self, grad: torch.Tensor) -> None:
-        self.phase = "backward"
+        self.phase, self.part = "backward", "embedding"
 
     def _linear(self, columns: bool, module: nn.Module, args: tuple, out: torch.Tensor) -> None:
         if self.phase == "block forward":
@@ -439,7 +454,8 @@ class _Watch:
         if name in self._COLLECTIVES:
             which, times = self._COLLECTIVES[name]
             tensor = out if which == "out" else args[0]
-            self.comm[self.phase] += times * tensor.numel() * tensor.element_size()
+            phase = self.phase if self.phase.startswith("block") else f"{self.part} {self.phase}"
+            self.comm[phase] += times * tensor.numel() * tensor.element_size()
         if self.phase.endswith("backward"):
             return
         for t in torch.utils._pytree.tree_leaves(out):
@@ -491,6 +507,9 @@ class Job:
     logits_kept_in_backward: bool = False
     # training.loss_chunk_tokens; 0 (torchtitan's loss, the references') = all logits at once.
     loss_chunk_tokens: int = 0
+    # Not parallelism.disable_loss_parallel: under TP the loss runs on vocabulary shards (its collectives).
+    loss_parallel: bool = True
+    z_loss_weight: float = 0.0  # training.z_loss_weight: the z-loss's collectives, under loss parallel
     overhead_gib: float = 2.0
     model: Any = None  # ModelArgs of a shape that is not a flavor (a Hugging Face config.json); flavor names it
     # Micro-batches per optimizer step: training.global_batch_size / (local_batch_size x dp). From the
@@ -582,6 +601,7 @@ def job_of(cfg: JobConfig, dims: ParallelDims, *, cuda: bool) -> Job:
         param_dtype=t.mixed_precision_param, reduce_dtype=t.mixed_precision_reduce,
         ac=f"selective-{ac.selective_ac_option}" if ac.mode == "selective" else ac.mode,
         cpu_offload=t.enable_cpu_offload and cuda, loss_chunk_tokens=t.loss_chunk_tokens,
+        loss_parallel=not par.disable_loss_parallel, z_loss_weight=t.z_loss_weight,
         pp=dims.pp, pp_schedule=par.pipeline_parallel_schedule,
         pp_microbatch_size=par.pipeline_parallel_microbatch_size,
         pp_layers_per_stage=par.pipeline_parallel_layers_per_stage,
@@ -625,6 +645,7 @@ def job_costs(job: Job, *, tp_mesh: DeviceMesh | None = None) -> BlockCosts:
     return block_costs(
         job.fam, job.args, batch=job.microbatch_tokens // job.seq_len, seq_len=job.seq_len,
         dtype=getattr(torch, job.param_dtype), ac=job.ac, tp=job.tp, rmsnorm=job.rmsnorm, tp_mesh=tp_mesh,
+        loss_parallel=job.loss_parallel, loss_chunk_tokens=job.loss_chunk_tokens, z_loss=job.z_loss_weight > 0,
     )  # fmt: skip
 
 

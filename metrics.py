@@ -5,6 +5,7 @@ recomputation and communication instead of assuming them."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -18,7 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
@@ -245,6 +248,115 @@ def count_ops() -> Iterator[Counter[torch._ops.OpOverload]]:
     counts: Counter[torch._ops.OpOverload] = Counter()
     with observe_ops(lambda op, *_: counts.update([op])):
         yield counts
+
+
+# Collectives, as the dispatcher runs them (observe_ops): FSDP2 calls c10d directly, DTensor lowers itself
+# to functional collectives, pipeline stages send and receive. The payload S of each: the gathered output of
+# an all-gather, the input of a reduce-scatter, the all-reduced tensor, the tensor sent.
+c10d = torch.ops.c10d
+funcol = torch.ops._c10d_functional
+# op packet -> (kind, name of the argument holding the full-size payload S, multiply by group size)
+_COLLECTIVES: dict[Any, tuple[str, str, bool]] = {
+    c10d._allgather_base_: ("all_gather", "output_tensor", False),
+    c10d.allgather_into_tensor_coalesced_: ("all_gather", "outputs", False),
+    c10d.allgather_: ("all_gather", "output_tensors", False),
+    c10d._reduce_scatter_base_: ("reduce_scatter", "input_tensor", False),
+    c10d.reduce_scatter_tensor_coalesced_: ("reduce_scatter", "inputs", False),
+    c10d.reduce_scatter_: ("reduce_scatter", "input_tensors", False),
+    c10d.allreduce_: ("all_reduce", "tensors", False),
+    c10d.allreduce_coalesced_: ("all_reduce", "tensors", False),
+    funcol.all_reduce: ("all_reduce", "input", False),
+    funcol.all_reduce_: ("all_reduce", "input", False),
+    funcol.all_reduce_coalesced: ("all_reduce", "inputs", False),
+    funcol.all_reduce_coalesced_: ("all_reduce", "inputs", False),
+    funcol.all_gather_into_tensor: ("all_gather", "input", True),
+    funcol.all_gather_into_tensor_out: ("all_gather", "input", True),
+    funcol.all_gather_into_tensor_coalesced: ("all_gather", "inputs", True),
+    funcol.reduce_scatter_tensor: ("reduce_scatter", "input", False),
+    funcol.reduce_scatter_tensor_coalesced: ("reduce_scatter", "inputs", False),
+    c10d.send: ("send", "tensors", False),  # pipeline stages: point to point
+    c10d.recv_: ("recv", "tensors", False),
+}
+_GROUP_ARGS = ("process_group", "group_name")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    op: str  # all_gather | reduce_scatter | all_reduce | send | recv | other:<name>
+    dim: str  # mesh dimension of the group ("dp_shard", "dp_replicate", ...) or "other"
+    ranks: tuple[int, ...]  # the group's global ranks, in group-rank order
+    payload_bytes: int  # S: gathered output / reduce-scatter input / all-reduced tensor / tensor sent
+
+    @property
+    def sent_per_rank(self) -> int:
+        """Bytes each rank of the group sends (= bytes on each directed ring link); for a send, the sender's."""
+        n = len(self.ranks)
+        if self.op == "send":
+            return self.payload_bytes
+        if self.op == "all_reduce":
+            return 2 * (n - 1) * self.payload_bytes // n
+        if self.op in ("all_gather", "reduce_scatter"):
+            return (n - 1) * self.payload_bytes // n
+        return 0
+
+    def crossing_links(self, ranks_per_node: int) -> int:
+        """Directed links of the rank-ordered ring whose two ends sit on different nodes."""
+        if len(self.ranks) == 1:
+            return 0
+        ring = zip(self.ranks, self.ranks[1:] + self.ranks[:1], strict=True)
+        return sum(a // ranks_per_node != b // ranks_per_node for a, b in ring)
+
+
+def mesh_group_dims(mesh: Any) -> dict[tuple[int, ...], str]:
+    """The ranks of this rank's group in each dimension of a DeviceMesh -> that dimension's name."""
+    return {tuple(dist.get_process_group_ranks(mesh.get_group(d))): d for d in mesh.mesh_dim_names}
+
+
+def _process_group(arg: Any) -> ProcessGroup:
+    # c10d ops receive the group boxed as a TorchScript object, functional collectives its name
+    # (or the group itself). Both ways back to the ProcessGroup are private torch APIs (2.13).
+    if isinstance(arg, ProcessGroup):
+        return arg
+    if isinstance(arg, str):
+        return dist.distributed_c10d._resolve_process_group(arg)
+    return ProcessGroup.unbox(arg)
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    return sum(_nbytes(v) for v in value)  # lists (of lists) of tensors
+
+
+class CollectiveLog:
+    """An `observe_ops` callback: records every collective with its group and payload size.
+
+    group_dims: `mesh_group_dims(mesh)`, to name each group's mesh dimension."""
+
+    def __init__(self, group_dims: dict[tuple[int, ...], str]):
+        # A group's ranks -> the mesh dimension they make up (DTensor and the pipeline may use other group
+        # objects over the same ranks).
+        self.group_dims = group_dims
+        self.records: list[Collective] = []
+
+    def __call__(self, op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        # A collective is a c10d op with a process group; wait_tensor and friends have none.
+        if op.namespace not in ("c10d", "_c10d_functional"):
+            return
+        # strict=False: trailing arguments with defaults may be left out of `args`.
+        bound = {a.name: v for a, v in zip(op._schema.arguments, args, strict=False)} | kwargs
+        group = next((bound[name] for name in _GROUP_ARGS if bound.get(name) is not None), None)
+        if group is not None:
+            self.records.append(self._record(op, bound, _process_group(group)))
+
+    def _record(self, op: torch._ops.OpOverload, bound: dict[str, Any], group: ProcessGroup) -> Collective:
+        ranks = tuple(dist.get_process_group_ranks(group))
+        dim = self.group_dims.get(ranks, "other")
+        if op._overloadpacket not in _COLLECTIVES:
+            return Collective(f"other:{op._opname}", dim, ranks, 0)
+        kind, payload_arg, times_group = _COLLECTIVES[op._overloadpacket]
+        payload = _nbytes(bound[payload_arg]) * (len(ranks) if times_group else 1)
+        return Collective(kind, dim, ranks, payload)
 
 
 # What reads a tensor's value into Python: on a GPU each one waits for the device (a host sync).

@@ -56,11 +56,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed import ProcessGroup
 
 from benchmarks import harness
 from benchmarks.harness import MiB, Row
-from metrics import observe_ops
+from metrics import Collective, CollectiveLog, mesh_group_dims, observe_ops
 from models import with_seq_len
 from models.llama3 import FLAVORS, ModelArgs, Transformer
 from parallelisms.fsdp import DTYPES, apply_fsdp
@@ -69,101 +68,6 @@ from train import train_step
 
 PROBLEM = "#3 HSDP across nodes"
 LAYOUTS = ("full_shard", "hsdp", "replicate")
-
-c10d = torch.ops.c10d
-funcol = torch.ops._c10d_functional
-# op packet -> (kind, name of the argument holding the full-size payload S, multiply by group size)
-_COLLECTIVES: dict[Any, tuple[str, str, bool]] = {
-    c10d._allgather_base_: ("all_gather", "output_tensor", False),
-    c10d.allgather_into_tensor_coalesced_: ("all_gather", "outputs", False),
-    c10d.allgather_: ("all_gather", "output_tensors", False),
-    c10d._reduce_scatter_base_: ("reduce_scatter", "input_tensor", False),
-    c10d.reduce_scatter_tensor_coalesced_: ("reduce_scatter", "inputs", False),
-    c10d.reduce_scatter_: ("reduce_scatter", "input_tensors", False),
-    c10d.allreduce_: ("all_reduce", "tensors", False),
-    c10d.allreduce_coalesced_: ("all_reduce", "tensors", False),
-    funcol.all_reduce: ("all_reduce", "input", False),
-    funcol.all_reduce_: ("all_reduce", "input", False),
-    funcol.all_reduce_coalesced: ("all_reduce", "inputs", False),
-    funcol.all_reduce_coalesced_: ("all_reduce", "inputs", False),
-    funcol.all_gather_into_tensor: ("all_gather", "input", True),
-    funcol.all_gather_into_tensor_out: ("all_gather", "input", True),
-    funcol.all_gather_into_tensor_coalesced: ("all_gather", "inputs", True),
-    funcol.reduce_scatter_tensor: ("reduce_scatter", "input", False),
-    funcol.reduce_scatter_tensor_coalesced: ("reduce_scatter", "inputs", False),
-}
-_GROUP_ARGS = ("process_group", "group_name")
-
-
-# ----------------------------------------------------------------- the counter
-
-
-@dataclasses.dataclass(frozen=True)
-class Collective:
-    op: str  # all_gather | reduce_scatter | all_reduce | other:<name>
-    dim: str  # mesh dimension of the group ("dp_shard", "dp_replicate", ...) or "other"
-    ranks: tuple[int, ...]  # the group's global ranks, in group-rank order
-    payload_bytes: int  # S: gathered output / reduce-scatter input / all-reduced tensor
-
-    @property
-    def sent_per_rank(self) -> int:
-        """Bytes each rank sends (= bytes on each directed ring link)."""
-        n = len(self.ranks)
-        if self.op == "all_reduce":
-            return 2 * (n - 1) * self.payload_bytes // n
-        if self.op in ("all_gather", "reduce_scatter"):
-            return (n - 1) * self.payload_bytes // n
-        return 0
-
-    def crossing_links(self, ranks_per_node: int) -> int:
-        """Directed links of the rank-ordered ring whose two ends sit on different nodes."""
-        if len(self.ranks) == 1:
-            return 0
-        ring = zip(self.ranks, self.ranks[1:] + self.ranks[:1], strict=True)
-        return sum(a // ranks_per_node != b // ranks_per_node for a, b in ring)
-
-
-def _process_group(arg: Any) -> ProcessGroup:
-    # c10d ops receive the group boxed as a TorchScript object, functional collectives its name
-    # (or the group itself). Both ways back to the ProcessGroup are private torch APIs (2.13).
-    if isinstance(arg, ProcessGroup):
-        return arg
-    if isinstance(arg, str):
-        return dist.distributed_c10d._resolve_process_group(arg)
-    return ProcessGroup.unbox(arg)
-
-
-def _nbytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    return sum(_nbytes(v) for v in value)  # lists (of lists) of tensors
-
-
-class CollectiveLog:
-    """An `observe_ops` callback: records every collective with its group and payload size."""
-
-    def __init__(self, group_dims: dict[str, str]):
-        self.group_dims = group_dims  # process-group name -> mesh dimension name
-        self.records: list[Collective] = []
-
-    def __call__(self, op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        # A collective is a c10d op with a process group; wait_tensor and friends have none.
-        if op.namespace not in ("c10d", "_c10d_functional"):
-            return
-        # strict=False: trailing arguments with defaults may be left out of `args`.
-        bound = {a.name: v for a, v in zip(op._schema.arguments, args, strict=False)} | kwargs
-        group = next((bound[name] for name in _GROUP_ARGS if bound.get(name) is not None), None)
-        if group is not None:
-            self.records.append(self._record(op, bound, _process_group(group)))
-
-    def _record(self, op: torch._ops.OpOverload, bound: dict[str, Any], group: ProcessGroup) -> Collective:
-        ranks = tuple(dist.get_process_group_ranks(group))
-        dim = self.group_dims.get(group.group_name, "other")
-        if op._overloadpacket not in _COLLECTIVES:
-            return Collective(f"other:{op._opname}", dim, ranks, 0)
-        kind, payload_arg, times_group = _COLLECTIVES[op._overloadpacket]
-        payload = _nbytes(bound[payload_arg]) * (len(ranks) if times_group else 1)
-        return Collective(kind, dim, ranks, payload)
 
 
 # ------------------------------------------------------------------ one layout
@@ -219,7 +123,7 @@ def measure(
     mesh = dims.build_mesh(device.type)
     # As parallelize_model does: a 2-D mesh for HSDP, the shard dimension alone for FSDP.
     dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.hsdp_enabled else mesh["dp_shard"]
-    group_dims = {mesh.get_group(name).group_name: name for name in mesh.mesh_dim_names}
+    group_dims = mesh_group_dims(mesh)
 
     with torch.device("meta"):
         model = Transformer(model_args)

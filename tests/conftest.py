@@ -106,3 +106,41 @@ def seed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     proc = python("train.py", *TINY, f"--job.dump_folder={dump}", "--checkpoint.create_seed_checkpoint")
     assert proc.returncode == 0, proc.stderr
     return dump / "checkpoint" / "step-0"
+
+
+# ------------------------------------------------------------ parity layouts
+
+
+@pytest.fixture(scope="session")
+def parity_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The single-process reference (weights, batch, losses, final parameters) every layout of
+    tests/parity_worker.py compares to, and the folder the layouts write their results to."""
+    from tests.parity_worker import write_reference
+
+    path = tmp_path_factory.mktemp("parity")
+    write_reference(path / "reference.pt")
+    return path
+
+
+def _parity_launch(parity_dir: Path, world_size: int) -> dict[str, dict]:
+    from tests.launch import torchrun
+    from tests.parity_worker import LAYOUTS
+
+    names = [name for name, layout in LAYOUTS.items() if layout.world_size == world_size]
+    # A fresh inductor cache under the run folder: compiled layouts compile for real, and the
+    # per-recipe folders they create can be inspected.
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(parity_dir / f"inductor-{world_size}")}
+    torchrun(REPO / "tests" / "parity_worker.py", str(parity_dir), *names, nproc=world_size, env=env, timeout=600)
+    return {name: json.loads((parity_dir / f"{name}.json").read_text()) for name in names}
+
+
+@pytest.fixture(scope="session")
+def results_2(parity_dir: Path) -> dict[str, dict]:
+    """Every 2-rank layout of tests/parity_worker.py, in one launch: its losses, parameters and counts."""
+    return _parity_launch(parity_dir, 2)
+
+
+@pytest.fixture(scope="session")
+def results_4(parity_dir: Path) -> dict[str, dict]:
+    """The same for the 4-rank layouts."""
+    return _parity_launch(parity_dir, 4)

@@ -34,7 +34,7 @@ import models
 from config import ActivationCheckpoint, Compile, Optimizer, Parallelism, Training
 from data.loader import Batch
 from loss import build_loss_fn
-from metrics import count_host_reads
+from metrics import CollectiveLog, count_host_reads, mesh_group_dims, observe_ops
 from models import with_seq_len
 from models.llama3 import FLAVORS, ModelArgs
 from models.qwen3 import FAMILY as QWEN3
@@ -166,10 +166,12 @@ def train(
     collectives: Counter[str] | None = None,
     pipeline: Pipeline | None = None,
     counts: dict[str, Any] | None = None,
+    group_dims: dict[tuple[int, ...], str] | None = None,
 ) -> tuple[list[float], list[float]]:
     """`steps` steps of train.py's `train_step` on `tokens` (this rank's slice); (losses, seconds per step).
     counts: filled with what decides GPU speed: the host reads of the last step, the graphs dynamo compiled
-    in the first step and recompiled after it, and its graph breaks.
+    in the first step and recompiled after it, and its graph breaks; with `group_dims` (a group's ranks ->
+    mesh dimension) the collectives of the last step (eager: a dispatch mode does not see into compiled graphs).
 
     The loss is the mean over this rank's tokens. With a process group it is averaged over all
     ranks (`world_mean`, as train.py logs it): TP ranks of a data-parallel group hold the same
@@ -187,13 +189,23 @@ def train(
             counts["graphs_compiled"] = compiled_graphs() - graphs_before
         # The collectives of the last step (FSDP's lazy initialization is behind it), and what it reads back.
         last = step == steps - 1
-        with count_collectives(collectives if last else None), count_host_reads(torch.device("cpu")) as reads:
+        log = CollectiveLog(group_dims or {})
+        with (
+            count_collectives(collectives if last else None),
+            count_host_reads(torch.device("cpu")) as reads,
+            observe_ops(log) if last and group_dims is not None else contextlib.nullcontext(),
+        ):
             loss = train_step(
                 model, optimizer, batch, grad_accum=1, max_norm=MAX_NORM, loss_fn=loss_fn, loss_parallel=loss_parallel,
                 device=torch.device("cpu"), pipeline=pipeline,
             ).loss  # fmt: skip
         if last and counts is not None:
             counts["host_reads"] = dict(reads)
+            # Bytes this rank sent in the step, by mesh dimension, and its collectives (what the dry run predicts).
+            counts["sent_by_dim"], counts["collective_ops"] = Counter(), Counter()
+            for c in log.records:
+                counts["sent_by_dim"][c.dim] += c.sent_per_rank
+                counts["collective_ops"][f"{c.dim} {c.op}"] += 1
             counts["graphs_recompiled"] = compiled_graphs() - graphs_before - counts["graphs_compiled"]
             counts["graph_breaks"] = graph_breaks() - breaks_before
         pp = dist.get_world_size(pipeline.pp_group) if pipeline else 1
@@ -322,6 +334,7 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
         model, ref["tokens"][rows], segments=segments, loss_parallel=dims.tp_enabled and layout.loss_parallel,
         loss_chunk_tokens=layout.loss_chunk_tokens, z_loss_weight=z_loss_weight, collectives=collectives,
         pipeline=pipeline, counts=counts,
+        group_dims=None if layout.compile else mesh_group_dims(mesh),
     )  # fmt: skip
     expected = (
         ref["block_causal"] if layout.block_causal

@@ -1,14 +1,13 @@
 """Parallelisms: loss parity against one process, recomputation counted, refusals, cache keys.
 
-Multi-process layouts run in two torchrun launches (2 and 4 ranks, tests/parity_worker.py);
-every check of one world size shares its launch. All runs train the same tiny model from the
+Multi-process layouts run in two torchrun launches (2 and 4 ranks, tests/parity_worker.py, the
+fixtures results_2 and results_4 of tests/conftest.py); every check of one world size shares its launch. All runs train the same tiny model from the
 same weights on the same global batch in fp32, so losses and parameters must agree to ~1e-6.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections import Counter
 from collections.abc import Iterator
@@ -29,49 +28,21 @@ from models.llama3.model import Attention
 from parallelisms.ac import apply_ac
 from parallelisms.compile import apply_compile, inductor_cache_dir
 from parallelisms.tp import check_tp
-from tests.launch import REPO, torchrun
-from tests.parity_worker import LAYOUTS, OP_SAC, TINY, build_tiny, max_param_diff, random_batch, train, write_reference
+from tests.launch import REPO
+from tests.parity_worker import LAYOUTS, OP_SAC, TINY, build_tiny, max_param_diff, random_batch, train
 from train import build_optimizer, train_step
 
 TOL = 1e-5
 SAVED = LLAMA3.sac_saved_linears
 aten = torch.ops.aten
-WORKER = REPO / "tests" / "parity_worker.py"
 
 
 # ------------------------------------------------------------------- fixtures
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The single-process reference (weights, batch, losses, final parameters) every layout compares to."""
-    path = tmp_path_factory.mktemp("parity")
-    write_reference(path / "reference.pt")
-    return path
-
-
-@pytest.fixture(scope="module")
-def reference(run_dir: Path) -> dict:
-    return torch.load(run_dir / "reference.pt")
-
-
-def _launch(run_dir: Path, world_size: int, *extra: str) -> dict[str, dict]:
-    names = [name for name, layout in LAYOUTS.items() if layout.world_size == world_size]
-    # A fresh inductor cache under the run folder: compiled layouts compile for real, and the
-    # per-recipe folders they create can be inspected.
-    env = {"TORCHINDUCTOR_CACHE_DIR": str(run_dir / f"inductor-{world_size}")}
-    torchrun(WORKER, str(run_dir), *names, *extra, nproc=world_size, env=env, timeout=600)
-    return {name: json.loads((run_dir / f"{name}.json").read_text()) for name in [*names, *extra]}
-
-
-@pytest.fixture(scope="module")
-def results_2(run_dir: Path) -> dict[str, dict]:
-    return _launch(run_dir, 2)
-
-
-@pytest.fixture(scope="module")
-def results_4(run_dir: Path) -> dict[str, dict]:
-    return _launch(run_dir, 4)
+def reference(parity_dir: Path) -> dict:
+    return torch.load(parity_dir / "reference.pt")
 
 
 # ------------------------------------------------------------ multi-process parity
@@ -139,7 +110,7 @@ def test_compiled_layouts_use_their_recipe_cache_folder(world_size: int, request
     shows inductor read the variable at compile time (after `import torch`), as apply_compile assumes.
     """
     request.getfixturevalue(f"results_{world_size}")
-    root = request.getfixturevalue("run_dir") / f"inductor-{world_size}"
+    root = request.getfixturevalue("parity_dir") / f"inductor-{world_size}"
     compiled = {layout.tp for layout in LAYOUTS.values() if layout.compile and layout.world_size == world_size}
     assert all(layout.ac == OP_SAC for layout in LAYOUTS.values() if layout.compile)
     (tp,) = compiled  # the compiled layouts of one world size share one recipe (the mask is not in it)
