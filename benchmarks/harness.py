@@ -146,13 +146,15 @@ def run_python(
     capture: bool = False,
     timeout: float | None = None,
     env: Mapping[str, str] | None = None,
+    cwd: Path = REPO,
 ) -> subprocess.CompletedProcess[str]:
-    """`python args...` from the repo root, or `torchrun --nproc_per_node=nproc args...` when nproc is given.
+    """`python args...` from the repo root (or `cwd`), or `torchrun --nproc_per_node=nproc args...` when nproc
+    is given.
 
     capture: keep stdout and stderr (text) instead of passing them through. env: added to `repo_env()`.
     """
     return subprocess.run(
-        _command(args, nproc), cwd=REPO, env=repo_env(env), text=True, capture_output=capture, timeout=timeout
+        _command(args, nproc), cwd=cwd, env=repo_env(env), text=True, capture_output=capture, timeout=timeout
     )
 
 

@@ -29,13 +29,23 @@ from typing import Any
 
 import torch
 
-from benchmarks import comm_volume, compile_cache, data_pipeline, float8, harness, memory, metadata, recompute
+from benchmarks import (
+    comm_volume,
+    compile_cache,
+    data_pipeline,
+    float8,
+    harness,
+    memory,
+    metadata,
+    recompute,
+    vs_torchtitan,
+)  # fmt: skip
 from benchmarks.harness import Row
 from config import REPO
 
 BENCHMARKS = {
     m.__name__.removeprefix("benchmarks."): m
-    for m in (recompute, metadata, comm_volume, compile_cache, memory, data_pipeline, float8)
+    for m in (recompute, metadata, comm_volume, compile_cache, memory, data_pipeline, float8, vs_torchtitan)
 }
 
 

@@ -18,8 +18,10 @@ from typing import Any
 import pytest
 import torch
 
+import models
 from config import SECTIONS, JobConfig, LRScheduler, keys, load_config, section_of
 from errors import ConfigError
+from models.llama3 import FLAVORS as LLAMA3_FLAVORS
 from tests.launch import REPO, python, torchrun
 from train import lr_factor
 
@@ -108,10 +110,30 @@ def user_folder(tmp_path: Path, llama3_stand_ins: tuple[Path, Path]) -> Path:
     return tmp_path
 
 
+def _shape(a: Any, kv_heads: int) -> tuple:
+    return (a.dim, a.n_layers, a.n_heads, kv_heads, a.vocab_size, a.multiple_of, a.ffn_dim_multiplier,
+            float(a.rope_theta), a.norm_eps)  # fmt: skip
+
+
+def test_every_flavor_has_torchtitans_shape() -> None:
+    """torchtitan's debug_model.toml trains the same model here as in torchtitan (benchmarks/vs_torchtitan.py
+    compares their speed on it): every llama3 flavor of torchtitan 0.2.2, by its name or ours."""
+    from torchtitan.models.llama3 import llama3_args
+
+    aliases = models.family("llama3").flavor_aliases
+    compared = []
+    for name, theirs in llama3_args.items():
+        ours = LLAMA3_FLAVORS.get(aliases.get(name, name))
+        if ours is not None:  # (the others are attention variants, flex and varlen, of the same shapes)
+            assert _shape(ours, ours.n_kv_heads) == _shape(theirs, theirs.n_kv_heads or theirs.n_heads), name
+            compared.append(name)
+    assert compared == ["debugmodel", "8B", "70B", "405B"]
+
+
 @pytest.mark.parametrize(
     ("name", "parameters", "flavor"),
     [
-        ("debug_model", "5,770,496", "debugmodel"),
+        ("debug_model", "6,163,712", "debugmodel"),
         ("llama3_8b", "8,030,261,248", "llama3_8b"),
         ("llama3_70b", "70,553,706,496", "llama3_70b"),
         ("llama3_405b", "405,853,388,800", "llama3_405b"),

@@ -283,7 +283,7 @@ def test_help_and_print_config() -> None:
     proc = python("train.py", "--config", "configs/debug.toml", "--print-config", env={"WORLD_SIZE": "2"})
     assert proc.returncode == 0
     assert 'flavor = "debugmodel"' in proc.stdout
-    assert "# parameters: 5,770,496" in proc.stdout and "FLOPs per token" in proc.stdout
+    assert "# parameters: 6,163,712" in proc.stdout and "FLOPs per token" in proc.stdout
     # local batch 8 x 2 data-parallel ranks x 256 tokens
     assert "# tokens per step: 4,096 (global batch 16 x seq_len 256; world size 2" in proc.stdout
 

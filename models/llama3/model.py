@@ -88,9 +88,10 @@ _LLAMA31_ROPE = RopeScaling(factor=8.0)
 _LLAMA32_ROPE = RopeScaling(factor=32.0)
 
 FLAVORS: dict[str, ModelArgs] = {
-    # ~6M parameters: trains on two CPU cores in minutes with the shipped 2048-token BPE.
+    # ~6M parameters: trains on two CPU cores in minutes with the shipped 2048-token BPE. torchtitan
+    # 0.2.2's debugmodel, shape for shape (16 key/value heads: no grouped-query attention).
     "debugmodel": ModelArgs(
-        dim=256, n_layers=6, n_heads=16, n_kv_heads=8, vocab_size=2048,
+        dim=256, n_layers=6, n_heads=16, n_kv_heads=16, vocab_size=2048,
         max_seq_len=2048, rope_scaling=_LLAMA31_ROPE,
     ),
     # Llama 3.2 1B / 3B: tied input and output embeddings.

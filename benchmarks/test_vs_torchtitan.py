@@ -1,0 +1,26 @@
+"""benchmarks/vs_torchtitan.py, one short round of FSDP 2: torchtitan's own Trainer runs on CPU ranks through
+benchmarks/torchtitan_trainer.py, and both trainers' logs give their tokens/s, memory and losses."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from benchmarks import vs_torchtitan
+
+
+def test_torchtitans_trainer_and_this_recipe_side_by_side(tmp_path: Path) -> None:
+    out = tmp_path / "vs_torchtitan.json"
+    assert vs_torchtitan.main(["--out", str(out), "--rounds", "1", "--steps", "3", "--layouts", "fsdp2"]) == 0
+    fsdp2 = json.loads(out.read_text())["results"]["fsdp2"]
+    assert fsdp2["recipe_tps"] > 0 and fsdp2["torchtitan_tps"] > 0 and fsdp2["ratio_min"] == fsdp2["ratio_max"]
+    # One TOML, one model and data source: both start near ln(2048) = 7.6 and learn at the same pace.
+    first, last = fsdp2["recipe_losses"], fsdp2["torchtitan_losses"]
+    assert all(7.0 < loss < 8.5 and math.isfinite(loss) for loss in first + last)
+    assert abs(first[-1] - last[-1]) < 0.2, (first, last)
+    rows = vs_torchtitan.rows(json.loads(out.read_text())["results"])
+    assert [(r.problem, r.broken, r.fixed, r.unit) for r in rows] == [
+        ("vs torchtitan", "torchtitan 0.2.2", "this recipe", "tok/s"),
+        ("vs torchtitan", "torchtitan 0.2.2", "this recipe", "GiB"),
+    ]

@@ -1,0 +1,83 @@
+"""torchtitan 0.2.2's own Trainer on CPU ranks, unchanged: what `make bench` compares this recipe with.
+
+    torchrun --nproc_per_node=2 -m benchmarks.torchtitan_trainer --job.config_file debug_model.toml ...
+
+torchtitan picks its device once, at import (`torchtitan.tools.utils.device_type`, "cuda" when no
+accelerator is found) and reads memory statistics from `torch.cuda`. On a machine without a GPU this
+module sets the device to "cpu" before torchtitan's other modules import it (the process group is
+then gloo, torch's default for CPU tensors), gives it a device module for the calls it makes
+(no-ops, a name, and the process's peak resident memory for its memory line), and has FSDP reduce
+gradients with a plain SUM, which gloo has (`_sum_gradients_with_gloo`). Nothing else of torchtitan
+is touched; with a GPU the module runs torchtitan as it is.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import types
+
+import torch
+
+
+def _cpu_device_module() -> types.SimpleNamespace:
+    """What torchtitan calls on its device module (set_device, memory statistics, synchronize), for CPU."""
+
+    def peak_rss(*_: object) -> dict[str, int]:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        return {"active_bytes.all.peak": peak, "reserved_bytes.all.peak": peak, "num_alloc_retries": 0, "num_ooms": 0}
+
+    total = types.SimpleNamespace(total_memory=_total_memory())
+    return types.SimpleNamespace(
+        set_device=lambda *_: None, current_device=lambda: 0, synchronize=lambda *_: None,
+        get_device_name=lambda *_: "cpu", get_device_properties=lambda *_: total,
+        reset_peak_memory_stats=lambda *_: None, empty_cache=lambda: None, memory_stats=peak_rss,
+    )  # fmt: skip
+
+
+def _total_memory() -> int:
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _sum_gradients_with_gloo() -> None:
+    """torchtitan sets FSDP's gradient divide factor to 1 (it scales the loss by the global token count
+    itself); FSDP then reduce-scatters with ReduceOp.PREMUL_SUM(1.0), which gloo lacks. Plain SUM is the
+    same reduction: FSDP is told to use it (set_force_sum_reduction_for_comms, dividing by 1 after)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.models.llama3.infra import parallelize
+
+    disable = parallelize.disable_fsdp_gradient_division
+
+    def disable_then_sum(model: torch.nn.Module) -> None:
+        disable(model)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+
+    parallelize.disable_fsdp_gradient_division = disable_then_sum
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        import torchtitan.tools.utils as utils
+
+        module = _cpu_device_module()
+        utils.device_type, utils.device_module = "cpu", module
+        # Modules that importing torchtitan.tools.utils already loaded hold their own copies.
+        for loaded in [m for name, m in sys.modules.items() if name.startswith("torchtitan.")]:
+            if getattr(loaded, "device_type", None) == "cuda":
+                loaded.device_type = "cpu"
+            if getattr(loaded, "device_module", None) is torch.cuda:
+                loaded.device_module = module
+        _sum_gradients_with_gloo()
+    from torchtitan.train import Trainer
+    from torchtitan.train import main as torchtitan_main
+
+    sys.argv[0] = "torchtitan.train"
+    torchtitan_main(Trainer)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""This recipe and torchtitan 0.2.2's own Trainer, side by side: tokens/s and peak memory per device.
+
+    python -m benchmarks.vs_torchtitan --out outputs/bench/vs_torchtitan.json [--rounds 3] [--steps 8]
+
+Both trainers read one TOML, torchtitan's own debug_model.toml (tests/torchtitan/), in a working
+folder laid out as torchtitan's repository expects (tests/assets/tokenizer: the shipped tokenizer;
+tests/assets/c4_test: the shipped corpus), with the same command-line overrides: the model shape,
+optimizer, schedule, batch shapes, settings and data source are one file's. torchtitan runs
+unchanged through benchmarks/torchtitan_trainer.py (what it needs on CPU is said there). Layouts:
+
+    fsdp2                  FSDP 2 (AC on every 2nd block, as the TOML has it)
+    tp2                    TP 2 with loss parallel
+    fsdp2_compile_op_sac   FSDP 2 + compile + op SAC
+
+On CPU: 2 ranks, float32, seq_len 256, local batch 8. With CUDA the TOML's own bf16 and seq_len
+2048, on as many GPUs as the layout names. A round runs both trainers once per layout, which goes
+first alternating from round to round (a busy machine slows both alike); a run's tokens/s per device
+is the median of its steps after the first two (lazy initialization, compilation), its memory the
+peak. A row: the median over rounds of each side, and the median and spread (min - max) of the
+per-round ratio ours / torchtitan's. The two trainers do not read their documents in the same
+order (torchtitan packs a streamed dataset, this recipe reads windows of one token stream), so their
+losses are close, not equal; both are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks import harness
+from benchmarks.harness import Row
+from config import REPO
+
+PROBLEM = "vs torchtitan"
+LAYOUTS = {
+    "fsdp2": [],
+    "tp2": ["--parallelism.tensor_parallel_degree=2"],
+    "fsdp2_compile_op_sac": ["--compile.enable", "--activation_checkpoint.selective_ac_option=op"],
+}
+LABELS = {"fsdp2": "FSDP 2", "tp2": "TP 2", "fsdp2_compile_op_sac": "FSDP 2 + compile + op SAC"}
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_TITAN_STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([\d.]+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+)")
+
+
+def user_folder(root: Path) -> Path:
+    """A working folder as torchtitan's repository lays it out, with this repo's tokenizer and corpus."""
+    shutil.copytree(REPO / "assets" / "tokenizer", root / "tests" / "assets" / "tokenizer")
+    (root / "tests" / "assets" / "c4_test").mkdir(parents=True)
+    shutil.copy(REPO / "assets" / "corpus" / "stories.jsonl", root / "tests" / "assets" / "c4_test" / "data.json")
+    shutil.copy(REPO / "tests" / "torchtitan" / "debug_model.toml", root / "debug_model.toml")
+    return root
+
+
+def run(trainer: str, layout: str, *, folder: Path, steps: int, cuda: bool) -> dict[str, Any]:
+    """One run of `trainer` ("recipe" or "torchtitan"): tokens/s per device, peak memory, losses by step."""
+    dump = folder / "outputs" / f"{trainer}-{layout}"
+    shutil.rmtree(dump, ignore_errors=True)
+    shape = [] if cuda else ["--training.seq_len=256", "--training.mixed_precision_param=float32"]
+    common = ["--job.config_file", "debug_model.toml", f"--training.steps={steps}", "--metrics.log_freq=1",
+              f"--job.dump_folder={dump}", *shape, *LAYOUTS[layout]]  # fmt: skip
+    nproc = 2
+    if trainer == "recipe":
+        cache = f"--data.cache_folder={folder / 'token-cache'}"  # this recipe's key: raw data prepared once
+        proc = harness.run_python(str(REPO / "train.py"), *common, cache, nproc=nproc, capture=True, cwd=folder)
+    else:
+        proc = harness.run_python("-m", "benchmarks.torchtitan_trainer", *common, nproc=nproc, capture=True, cwd=folder)
+    if proc.returncode != 0:
+        raise SystemExit(f"{trainer} ({layout}) exited with status {proc.returncode}:\n{proc.stderr[-4000:]}")
+    if trainer == "recipe":
+        rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+        steps_ = {r["step"]: (r["loss"], r["tps"], r["memory_gib"]) for r in rows if "tps" in r}
+    else:  # every rank logs; the first line of each step is kept
+        steps_ = {}
+        for m in _TITAN_STEP.finditer(_ANSI.sub("", proc.stdout + proc.stderr)):
+            steps_.setdefault(int(m[1]), (float(m[2]), float(m[4].replace(",", "")), float(m[3])))
+    if sorted(steps_) != list(range(1, steps + 1)):
+        raise SystemExit(f"{trainer} ({layout}): expected steps 1..{steps} in its log, found {sorted(steps_)}")
+    warm = [steps_[s] for s in range(3, steps + 1)]
+    return {
+        "tps": statistics.median(t for _, t, _ in warm),
+        "memory_gib": max(m for _, _, m in warm),
+        "losses": [steps_[s][0] for s in range(1, steps + 1)],
+    }
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    cuda = torch.cuda.is_available()
+    with tempfile.TemporaryDirectory(prefix="vs-torchtitan-") as tmp:
+        folder = user_folder(Path(tmp))
+        runs: dict[str, dict[str, list]] = {layout: {"recipe": [], "torchtitan": []} for layout in args.layouts}
+        for round_ in range(args.rounds):
+            for layout in args.layouts:
+                order = ["recipe", "torchtitan"] if round_ % 2 == 0 else ["torchtitan", "recipe"]
+                for trainer in order:
+                    runs[layout][trainer].append(run(trainer, layout, folder=folder, steps=args.steps, cuda=cuda))
+                    print(f"round {round_ + 1} {layout} {trainer}: {runs[layout][trainer][-1]['tps']:,.0f} tokens/s",
+                          flush=True)  # fmt: skip
+    results: dict[str, Any] = {"device": "cuda" if cuda else "cpu", "rounds": args.rounds, "steps": args.steps}
+    for layout, sides in runs.items():
+        ratios = [
+            ours["tps"] / theirs["tps"] for ours, theirs in zip(sides["recipe"], sides["torchtitan"], strict=True)
+        ]
+        results[layout] = {
+            **{f"{side}_tps": statistics.median(r["tps"] for r in rs) for side, rs in sides.items()},
+            **{f"{side}_memory_gib": statistics.median(r["memory_gib"] for r in rs) for side, rs in sides.items()},
+            "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+            **{f"{side}_losses": rs[0]["losses"] for side, rs in sides.items()},
+        }  # fmt: skip
+    return results
+
+
+def rows(results: dict[str, Any]) -> list[Row]:
+    out = []
+    for layout, label in LABELS.items():
+        r = results.get(layout)
+        if r is None:
+            continue
+        out.append(Row(problem=PROBLEM, metric=f"tokens/s per device, {label}", unit="tok/s", broken="torchtitan 0.2.2",
+                       broken_value=r["torchtitan_tps"], fixed="this recipe", fixed_value=r["recipe_tps"]))  # fmt: skip
+        out.append(Row(problem=PROBLEM, metric=f"peak memory per device, {label}", unit="GiB",
+                       broken="torchtitan 0.2.2", broken_value=r["torchtitan_memory_gib"], fixed="this recipe",
+                       fixed_value=r["recipe_memory_gib"]))  # fmt: skip
+    return out
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = [f"this recipe vs torchtitan 0.2.2 ({results['device']}, {results['rounds']} rounds, alternated):"]
+    for layout, label in LABELS.items():
+        if (r := results.get(layout)) is None:
+            continue
+        lines.append(
+            f"  {label:<26} tokens/s {r['recipe_tps']:>9,.0f} vs {r['torchtitan_tps']:>9,.0f}  ratio {r['ratio']:.3f}x "
+            f"({r['ratio_min']:.3f}-{r['ratio_max']:.3f})  memory {r['recipe_memory_gib']:.2f} vs "
+            f"{r['torchtitan_memory_gib']:.2f} GiB  losses {r['recipe_losses'][-1]:.4f} vs {r['torchtitan_losses'][-1]:.4f}"
+        )
+    return "\n".join(lines)
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each trainer per layout, alternated")
+    parser.add_argument("--steps", type=int, default=8, help="training steps per run (the first two are not timed)")
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return harness.main("vs_torchtitan", argv, doc=__doc__ or "", add_args=add_args, measure=measure, table=table)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
