@@ -34,6 +34,7 @@ from benchmarks import (
     compile_cache,
     data_pipeline,
     float8,
+    gpu_costs,
     harness,
     memory,
     metadata,
@@ -45,7 +46,17 @@ from config import REPO
 
 BENCHMARKS = {
     m.__name__.removeprefix("benchmarks."): m
-    for m in (recompute, metadata, comm_volume, compile_cache, memory, data_pipeline, float8, vs_torchtitan)
+    for m in (
+        recompute,
+        metadata,
+        comm_volume,
+        compile_cache,
+        memory,
+        data_pipeline,
+        float8,
+        gpu_costs,
+        vs_torchtitan,
+    )  # fmt: skip
 }
 
 
