@@ -258,12 +258,12 @@ class Parallelism:
     """torchtitan's MoE option; no experts in Llama 3."""
     module_fqns_per_model_part: list[list[str]] | None = unsupported("hand-written pipeline stages", None)
     """torchtitan's manual pipeline split."""
-    context_parallel_degree: int = unsupported("context parallel", 1)
-    """Ranks a sequence is split over for attention; 1 here (no context parallel)."""
+    context_parallel_degree: int = 1
+    """Ranks each sequence is split over (context parallel, parallelisms/cp.py): each holds 1/cp of every window's tokens and all-gathers the keys and values."""
     context_parallel_load_balancer: str | None = "headtail"
-    """torchtitan's context-parallel option (with context_parallel_degree > 1)."""
+    """How a window is cut over the CP ranks: "headtail" (rank i holds chunks i and 2cp-1-i of 2cp, so causal work is even) or "none" (one contiguous chunk each)."""
     context_parallel_rotate_method: Literal["allgather", "alltoall"] = "allgather"
-    """torchtitan's context-parallel option (with context_parallel_degree > 1)."""
+    """How the CP ranks exchange keys and values: "allgather" (the one method here, as the Llama 3 paper does)."""
     expert_parallel_degree: int = unsupported("expert parallel (Llama 3 has no experts)", 1)
     """torchtitan's MoE option."""
     expert_tensor_parallel_degree: int = unsupported("expert tensor parallel (Llama 3 has no experts)", 1)
@@ -814,6 +814,7 @@ def load_config(argv: list[str], *, inputs: bool = True, world_size: int | None 
         problems += layout_problems(
             cfg.parallelism, world_size=world_size, args=model_args(cfg.model), seq_len=t.seq_len,
             local_batch_size=t.local_batch_size,
+            validation_seq_len=cfg.validation.seq_len if cfg.validation.enable else None,
         )  # fmt: skip
     if problems:
         raise ConfigError(*dict.fromkeys(problems))
@@ -1017,6 +1018,23 @@ def validate(cfg: JobConfig) -> list[str]:
         p.append(f"parallelism.tensor_parallel_degree: must be >= 1, got {par.tensor_parallel_degree}")
     if par.pipeline_parallel_degree < 1:
         p.append(f"parallelism.pipeline_parallel_degree: must be >= 1, got {par.pipeline_parallel_degree}")
+    if par.context_parallel_degree < 1:
+        p.append(f"parallelism.context_parallel_degree: must be >= 1, got {par.context_parallel_degree}")
+    if par.context_parallel_load_balancer == "ptrr":
+        p.append(
+            "parallelism.context_parallel_load_balancer: ptrr balances torchtitan's FlexAttention ring; this recipe's "
+            'all-gather context parallel balances causal work with "headtail" for SDPA and FlexAttention alike: use it'
+        )
+    elif par.context_parallel_load_balancer not in ("headtail", "none", None):
+        p.append(
+            f'parallelism.context_parallel_load_balancer: expected "headtail" or "none", got '
+            f"{par.context_parallel_load_balancer!r}"
+        )
+    if par.context_parallel_rotate_method == "alltoall":
+        p.append(
+            'parallelism.context_parallel_rotate_method: "alltoall" rotates ring-attention shards; context parallel '
+            'here all-gathers the keys and values once per layer (the Llama 3 paper\'s design): use "allgather"'
+        )
     if par.pipeline_parallel_degree > 1 and cfg.validation.enable:
         v = cfg.validation
         for key in ("local_batch_size", "seq_len"):

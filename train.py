@@ -62,6 +62,7 @@ from errors import ConfigError, is_rank0, warn, writable_folder
 from loss import Loss, build_loss_fn
 from metrics import MetricsLogger, StepMetrics, peak_flops, peak_memory_gib
 from models import ModelFamily, family, with_seq_len
+from parallelisms.cp import ContextParallel, context_parallel
 from parallelisms.float8 import precompute_scales_after_each_step
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import parallelize_model
@@ -208,11 +209,12 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
         return 0
 
     loss_parallel = dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
+    cp = context_parallel(mesh, cfg.parallelism)  # each rank's part of every window (context parallel), or None
     validator = (
         Validator(
             cfg.validation, data=cfg.data, tokenizer=tokenizer, tokenizer_path=cfg.model.tokenizer_path,
             dp_rank=dp_rank, dp_degree=dims.dp, device=device, loss_fn=loss_fn.cross_entropy_only(),
-            loss_parallel=loss_parallel,
+            loss_parallel=loss_parallel, cp=cp,
         )
         if cfg.validation.enable
         else None
@@ -233,7 +235,9 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
         print(
             f"{model_name}: {fam.num_params(args) / 1e6:,.1f}M parameters | world {world_size} = "
             + (f"pp {dims.pp} x " if dims.pp_enabled else "")
-            + f"replicate {dims.dp_replicate} x shard {dims.dp_shard} x tp {dims.tp} | global batch {global_batch} "
+            + f"replicate {dims.dp_replicate} x shard {dims.dp_shard} x "
+            + (f"cp {dims.cp} x " if dims.cp_enabled else "")
+            + f"tp {dims.tp} | global batch {global_batch} "
             f"x {t.seq_len} tokens, grad accumulation {loader.grad_accum} | {corpus.num_tokens:,} tokens in corpus "
             f"| device {device.type} | steps {start_step + 1}..{t.steps}",
             flush=True,
@@ -258,7 +262,7 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
             result = train_step(
                 model, optimizer, loader.next_step(), grad_accum=loader.grad_accum, max_norm=t.max_norm,
                 loss_fn=loss_fn, loss_parallel=loss_parallel, device=device, pipeline=pipeline,
-                stop_request=stop_request, spike_guard=spike_guard,
+                stop_request=stop_request, spike_guard=spike_guard, cp=cp,
             )  # fmt: skip
             if result is None:  # a stop request between micro-batches: step `step` is abandoned, not applied
                 loader.abandon_step()
@@ -332,6 +336,7 @@ def train_step(
     pipeline: Pipeline | None = None,
     stop_request: stop.StopRequest | None = None,
     spike_guard: SpikeGuard | None = None,
+    cp: ContextParallel | None = None,
 ) -> StepResult | None:
     """One optimizer step over `grad_accum` micro-batches; a step whose gradient norm is not finite (on
     any rank: it is global) leaves weights and optimizer state as they were. Returns device tensors:
@@ -339,7 +344,8 @@ def train_step(
     which holds the loss function, and the loss is on the ranks of the last stage (0 elsewhere).
     With `stop_request`, the ranks ask it between micro-batches: on a stop request the step is abandoned
     (None; weights and optimizer state as they were, gradients dropped). With `spike_guard` (spikes.py)
-    a step whose loss or gradient norm is a spike is skipped the same way as a non-finite one."""
+    a step whose loss or gradient norm is a spike is skipped the same way as a non-finite one. With `cp`
+    (parallelisms/cp.py) each rank computes its part of every window's tokens; `segments` stays whole."""
     loss_fn = loss_fn or Loss()  # the whole micro-batch's logits at once, eager
     loss_fn.z_loss.take()  # (what an abandoned step left)
     optimizer.zero_grad(set_to_none=True)
@@ -349,6 +355,8 @@ def train_step(
             optimizer.zero_grad(set_to_none=True)
             return None
         inputs, labels, segments = Batch(*batch)
+        if cp is not None:
+            inputs, labels = cp.shard(inputs), cp.shard(labels)
         # Under loss parallel the logits stay sharded over the vocabulary (TP ranks) and
         # cross-entropy runs on the shards; the context must cover backward too.
         with loss_parallel_context(loss_parallel):
@@ -739,6 +747,7 @@ def describe(cfg: JobConfig) -> str:
         par.pipeline_parallel_degree
         * par.data_parallel_replicate_degree
         * max(par.data_parallel_shard_degree, 1)
+        * par.context_parallel_degree
         * par.tensor_parallel_degree
     )
     dims = ParallelDims.from_config(par, world_size=world)

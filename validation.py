@@ -28,6 +28,7 @@ from data.corpus import open_corpus
 from data.loader import Batch, GlobalBatchLoader
 from data.tokenizers import Tokenizer
 from loss import Loss
+from parallelisms.cp import ContextParallel
 from parallelisms.pp import Pipeline
 from parallelisms.tp import loss_parallel_context
 
@@ -45,6 +46,7 @@ class Validator:
         device: torch.device,
         loss_fn: Loss,
         loss_parallel: bool,
+        cp: ContextParallel | None = None,
     ):
         path = validation_path(cfg)
         assert path is not None, "config.validate checks that the held-out data is local"
@@ -63,6 +65,7 @@ class Validator:
         self.local_batch_size, self.global_batch = cfg.local_batch_size, global_batch
         self.tokens = self.sequences * cfg.seq_len
         self.device, self.loss_fn, self.loss_parallel = device, loss_fn, loss_parallel
+        self.cp = cp  # context parallel: each rank scores its part of every window (parallelisms/cp.py)
         self.seconds = 0.0  # how long the last validation took
 
     @torch.no_grad()
@@ -78,6 +81,8 @@ class Validator:
             rows = min(max(self.sequences - step * self.global_batch - self.first_row, 0), self.local_batch_size)
             (batch,) = self.loader.next_step()
             inputs, labels, segments = Batch(*batch)
+            if self.cp is not None:
+                inputs, labels = self.cp.shard(inputs), self.cp.shard(labels)
             with loss_parallel_context(self.loss_parallel):
                 segments = segments.to(self.device) if segments is not None else None
                 if pipeline is not None:
@@ -95,7 +100,7 @@ class Validator:
                     loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
                     total += torch.stack([loss * rows, torch.tensor(float(rows), device=self.device)])
         model.train()
-        # The ranks of a TP group hold the same sums, and under PP only the last stage's ranks hold any: they count
+        # The ranks of a TP group hold the same sums, those of a CP group the means of equal parts, and under PP only the last stage's ranks hold any: they count
         # alike in numerator and denominator.
         dist.all_reduce(total)
         self.seconds = time.perf_counter() - begin

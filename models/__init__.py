@@ -24,7 +24,10 @@ the decoder skeleton every family's model has:
                                 RoPE table, the attention mask) every rank holds in full
     model.norm, model.output    the final norm and the output projection (None: tied to the
                                 embedding, or a pipeline stage without them)
-    model(tokens, segments=None, *, head=None)   logits, or head(final norm's output)
+    model(tokens, segments=None, *, positions=None, head=None)
+                                logits, or head(final norm's output); positions: the window
+                                positions of tokens that are a part of the window (context parallel)
+    block.attention.sdpa        the attention core, models/attention.py (context parallel wraps it)
     model.project(h)            the output projection (loss.py applies it chunk by chunk)
     model.init_weights(buffer_device=None)       fills meta-built parameters and buffers in place
     model.init_buffers(device)  computes the buffers derived from args (the RoPE table) alone

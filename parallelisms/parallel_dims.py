@@ -1,20 +1,26 @@
 """Parallel degrees -> one named DeviceMesh.
 
-The mesh always has the four dimensions ("pp", "dp_replicate", "dp_shard", "tp"), size 1 where a
-technique is off, so every `apply_*` function can take the sub-mesh it needs by name:
+The mesh always has the five dimensions ("pp", "dp_replicate", "dp_shard", "cp", "tp"), size 1
+where a technique is off, so every `apply_*` function can take the sub-mesh it needs by name:
 
-    world = pp x dp_replicate x dp_shard x tp
+    world = pp x dp_replicate x dp_shard x cp x tp
     "pp"                          pipeline stages (outermost: only activations cross it, point to point)
     ("dp_replicate", "dp_shard")  HSDP: replicate across the outer dim, shard the inner one
     "dp_shard"                    FSDP alone
+    "cp"                          context parallel: the ranks that split each window's tokens
     "tp"                          tensor + sequence parallel (innermost: the fastest links)
 
-A rank's data-parallel index is `dp_rank(mesh)`; the TP ranks of one group and the PP ranks of
-one pipeline share it and so read the same micro-batch.
+FSDP shards parameters over dp_shard x cp (`fsdp_mesh`, torchtitan's rule): the CP ranks of a group
+compute on different tokens with the same weights, so their gradients are averaged like data
+parallel's, and sharding over them costs nothing more.
+
+A rank's data-parallel index is `dp_rank(mesh)`; the TP ranks of one group, the CP ranks of one
+group and the PP ranks of one pipeline share it and so read the same micro-batch.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from config import Parallelism
 from errors import ConfigError
+from parallelisms.cp import check_cp
 from parallelisms.pp import check_microbatches, stage_layers
 from parallelisms.tp import check_tp
 
@@ -33,6 +40,7 @@ class ParallelDims:
     tp: int
     world_size: int
     pp: int = 1
+    cp: int = 1
 
     @classmethod
     def from_config(cls, cfg: Parallelism, *, world_size: int) -> ParallelDims:
@@ -43,21 +51,22 @@ class ParallelDims:
             cfg.data_parallel_shard_degree,
             cfg.tensor_parallel_degree,
         )
+        cp = cfg.context_parallel_degree
         if shard == -1:
-            if world_size % (pp * rep * tp):
+            if world_size % (pp * rep * cp * tp):
                 raise ConfigError(
                     f"parallelism: pipeline_parallel_degree ({pp}) x data_parallel_replicate_degree ({rep}) x "
-                    f"tensor_parallel_degree ({tp}) does not divide the world size {world_size}; change the degrees "
-                    "or the number of processes"
+                    f"context_parallel_degree ({cp}) x tensor_parallel_degree ({tp}) does not divide the world size "
+                    f"{world_size}; change the degrees or the number of processes"
                 )
-            shard = world_size // (pp * rep * tp)
-        if pp * rep * shard * tp != world_size:
+            shard = world_size // (pp * rep * cp * tp)
+        if pp * rep * shard * cp * tp != world_size:
             raise ConfigError(
-                f"parallelism: pipeline {pp} x replicate {rep} x shard {shard} x tensor {tp} = "
-                f"{pp * rep * shard * tp} ranks, but the world size is {world_size}; make the degrees multiply to "
-                "the number of processes (data_parallel_shard_degree = -1 takes whatever is left)"
+                f"parallelism: pipeline {pp} x replicate {rep} x shard {shard} x context {cp} x tensor {tp} = "
+                f"{pp * rep * shard * cp * tp} ranks, but the world size is {world_size}; make the degrees multiply "
+                "to the number of processes (data_parallel_shard_degree = -1 takes whatever is left)"
             )
-        return cls(pp=pp, dp_replicate=rep, dp_shard=shard, tp=tp, world_size=world_size)
+        return cls(pp=pp, dp_replicate=rep, dp_shard=shard, tp=tp, world_size=world_size, cp=cp)
 
     @property
     def dp(self) -> int:
@@ -67,6 +76,15 @@ class ParallelDims:
     @property
     def hsdp_enabled(self) -> bool:
         return self.dp_replicate > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        """Parameters are sharded (or replicated, HSDP) over more than one rank."""
+        return self.dp * self.cp > 1
 
     @property
     def tp_enabled(self) -> bool:
@@ -79,20 +97,44 @@ class ParallelDims:
     def build_mesh(self, device_type: str) -> DeviceMesh:
         return init_device_mesh(
             device_type,
-            (self.pp, self.dp_replicate, self.dp_shard, self.tp),
-            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"),
+            (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp),
+            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"),
         )
+
+    def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The mesh FSDP shards over: dp_shard (x cp, flattened into "dp_shard_cp"), under dp_replicate for HSDP."""
+        if not self.cp_enabled:
+            return mesh["dp_replicate", "dp_shard"] if self.hsdp_enabled else mesh["dp_shard"]
+        flat = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")  # (private, PyTorch 2.13, as torchtitan uses it)
+        if not self.hsdp_enabled:
+            return flat
+        with warnings.catch_warnings():  # 2.13 warns that slicing a flattened dimension will change; no other way yet
+            warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+            return mesh["dp_replicate", "dp_shard_cp"]
 
     def dp_rank(self, mesh: DeviceMesh) -> int:
         """This rank's index among the dp_replicate x dp_shard data-parallel ranks."""
         return mesh["dp_replicate"].get_local_rank() * self.dp_shard + mesh["dp_shard"].get_local_rank()
 
 
-def layout_problems(par: Parallelism, *, world_size: int, args: Any, seq_len: int, local_batch_size: int) -> list[str]:
+def layout_problems(
+    par: Parallelism,
+    *,
+    world_size: int,
+    args: Any,
+    seq_len: int,
+    local_batch_size: int,
+    validation_seq_len: int | None = None,
+) -> list[str]:
     """Every problem of the parallel layout for this world and model, from the rules where they live: the degrees
-    (ParallelDims), what TP needs of the shape (check_tp), the pipeline's split and micro-batches (pp.py). The run
-    (load_config) and the memory estimator ask the same rules."""
+    (ParallelDims), what TP needs of the shape (check_tp), how CP cuts a window (check_cp), the pipeline's split and
+    micro-batches (pp.py). The run (load_config) and the memory estimator ask the same rules."""
     rules = [lambda: ParallelDims.from_config(par, world_size=world_size)]
+    if par.context_parallel_degree > 1:
+        seq_lens = {"training.seq_len": seq_len} | (
+            {"validation.seq_len": validation_seq_len} if validation_seq_len is not None else {}
+        )
+        rules.append(lambda: check_cp(par, seq_lens=seq_lens))
     if par.tensor_parallel_degree > 1:
         rules.append(lambda: check_tp(args, tp_degree=par.tensor_parallel_degree, seq_len=seq_len))
     if par.pipeline_parallel_degree > 1:

@@ -13,6 +13,7 @@ from models import ModelFamily
 from parallelisms.ac import apply_ac
 from parallelisms.async_tp import apply_async_tp
 from parallelisms.compile import apply_compile, inductor_cache_dir
+from parallelisms.cp import apply_cp, context_parallel
 from parallelisms.float8 import adapt_tp_plan, apply_float8, float8_tp_plan
 from parallelisms.fsdp import DTYPES, apply_fsdp
 from parallelisms.parallel_dims import ParallelDims
@@ -34,7 +35,7 @@ def parallelize_model(
     inductor_cache_root: str | Path | None = None,
     planning: bool = False,
 ) -> nn.Module:
-    """Apply, in order, float8 -> TP (+ async TP) -> activation checkpointing -> compile -> FSDP to a (meta) model.
+    """Apply, in order, float8 -> TP (+ async TP) -> CP -> activation checkpointing -> compile -> FSDP to a (meta) model.
 
     The order is not a matter of taste:
       0. float8 first (when `float8` is given: [model] converters has "quantize.linear.float8"): it
@@ -45,6 +46,8 @@ def parallelize_model(
          input/output redistributions; every later step must see those final parameters.
          Async TP only sets the compiler pass that overlaps TP's collectives, so it must be on
          before compile.
+      1b. CP wraps each attention core (parallelisms/cp.py) before AC and compile see the block, so
+         its all-gather of keys and values is part of the checkpointed and compiled region.
       2. AC before compile: compile then traces the checkpointed block, so the recomputation
          (and selective AC's save/recompute choices) is part of the compiled graph.
       3. Compile per block before FSDP: each block's forward becomes one graph (shared by all
@@ -74,6 +77,8 @@ def parallelize_model(
         )  # fmt: skip
     if parallelism.enable_async_tensor_parallel:
         apply_async_tp(mesh["tp"], compile_enabled=compile.enable and "model" in compile.components, planning=planning)
+    if (cp := context_parallel(mesh, parallelism)) is not None:
+        apply_cp(model, cp)
 
     apply_ac(model, ac, saved_linears=family.sac_saved_linears)
 
@@ -89,11 +94,10 @@ def parallelize_model(
         }
         apply_compile(model, backend=compile.backend, cache_dir=inductor_cache_dir(recipe, root=inductor_cache_root))
 
-    if dims.dp > 1 or training.mixed_precision_param != "float32" or training.enable_cpu_offload:
-        dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.hsdp_enabled else mesh["dp_shard"]
+    if dims.fsdp_enabled or training.mixed_precision_param != "float32" or training.enable_cpu_offload:
         apply_fsdp(
             model,
-            dp_mesh,
+            dims.fsdp_mesh(mesh),
             param_dtype=DTYPES[training.mixed_precision_param],
             reduce_dtype=DTYPES[training.mixed_precision_reduce],
             cpu_offload=training.enable_cpu_offload,

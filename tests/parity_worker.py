@@ -38,6 +38,7 @@ from metrics import CollectiveLog, count_host_reads, mesh_group_dims, observe_op
 from models import with_seq_len
 from models.llama3 import FLAVORS, ModelArgs
 from models.qwen3 import FAMILY as QWEN3
+from parallelisms.cp import ContextParallel, context_parallel
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.pp import Pipeline
 from train import build_model, build_optimizer, init_model, train_step, world_mean
@@ -78,10 +79,11 @@ class Layout:
     schedule: str = "1F1B"  # parallelism.pipeline_parallel_schedule (micro-batches of one sequence)
     family: str = "llama3"  # [model] name: TINY or TINY_QWEN3
     z_loss: bool = False  # training.z_loss_weight = Z_LOSS_WEIGHT
+    cp: int = 1  # parallelism.context_parallel_degree (load-balanced: each rank holds 2 chunks of SEQ_LEN / 2cp)
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
 
 FULL = ActivationCheckpoint(mode="full")
@@ -107,6 +109,11 @@ LAYOUTS: dict[str, Layout] = {
     "pp2_gpipe": Layout(pp=2, schedule="GPipe"),
     "pp2_interleaved_1f1b": Layout(pp=2, schedule="Interleaved1F1B"),
     "pp2_interleaved_zero_bubble": Layout(pp=2, schedule="InterleavedZeroBubble"),
+    # Context parallel: FSDP shards over the CP ranks; SDPA with a dense mask of the rank's queries x the window.
+    "cp2": Layout(cp=2),
+    "cp2_block_causal": Layout(cp=2, block_causal=True, loss_chunk_tokens=16),
+    "cp2_compile_op_sac": Layout(cp=2, ac=OP_SAC, compile=True),
+    "cp2_full_ac": Layout(cp=2, ac=FULL),
     # 4 ranks
     "hsdp2x2_reshard_always": Layout(dp_replicate=2, dp_shard=2, reshard_after_forward="always"),
     "fsdp2_tp2": Layout(dp_shard=2, tp=2),
@@ -118,6 +125,10 @@ LAYOUTS: dict[str, Layout] = {
     "fsdp2_tp2_chunked_loss": Layout(dp_shard=2, tp=2, loss_chunk_tokens=16),
     "pp2_fsdp2": Layout(pp=2, dp_shard=2),
     "pp2_tp2": Layout(pp=2, tp=2),
+    "cp4": Layout(cp=4),
+    "fsdp2_cp2": Layout(dp_shard=2, cp=2),
+    "cp2_tp2": Layout(cp=2, tp=2, block_causal=True),  # sequence parallel splits each CP rank's tokens
+    "pp2_cp2": Layout(pp=2, cp=2),
     # Qwen3 through the same code: its TP plan (QK-norm weights replicated over TP, 2-D under FSDP x TP), its
     # named SAC linears under compile, its pipeline stages.
     "qwen3_fsdp2": Layout(dp_shard=2, family="qwen3"),
@@ -167,6 +178,7 @@ def train(
     pipeline: Pipeline | None = None,
     counts: dict[str, Any] | None = None,
     group_dims: dict[tuple[int, ...], str] | None = None,
+    cp: ContextParallel | None = None,
 ) -> tuple[list[float], list[float]]:
     """`steps` steps of train.py's `train_step` on `tokens` (this rank's slice); (losses, seconds per step).
     counts: filled with what decides GPU speed: the host reads of the last step, the graphs dynamo compiled
@@ -197,7 +209,7 @@ def train(
         ):
             loss = train_step(
                 model, optimizer, batch, grad_accum=1, max_norm=MAX_NORM, loss_fn=loss_fn, loss_parallel=loss_parallel,
-                device=torch.device("cpu"), pipeline=pipeline,
+                device=torch.device("cpu"), pipeline=pipeline, cp=cp,
             ).loss  # fmt: skip
         if last and counts is not None:
             counts["host_reads"] = dict(reads)
@@ -301,6 +313,7 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
         fsdp_reshard_after_forward=layout.reshard_after_forward,  # type: ignore[arg-type]
         pipeline_parallel_degree=layout.pp,
         pipeline_parallel_schedule=layout.schedule,
+        context_parallel_degree=layout.cp,
     )
     dims = ParallelDims.from_config(parallelism, world_size=world)
     mesh = dims.build_mesh("cpu")
@@ -333,8 +346,8 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
     losses, times = train(
         model, ref["tokens"][rows], segments=segments, loss_parallel=dims.tp_enabled and layout.loss_parallel,
         loss_chunk_tokens=layout.loss_chunk_tokens, z_loss_weight=z_loss_weight, collectives=collectives,
-        pipeline=pipeline, counts=counts,
-        group_dims=None if layout.compile else mesh_group_dims(mesh),
+        pipeline=pipeline, counts=counts, group_dims=None if layout.compile else mesh_group_dims(mesh),
+        cp=context_parallel(mesh, parallelism),
     )  # fmt: skip
     expected = (
         ref["block_causal"] if layout.block_causal

@@ -211,12 +211,12 @@ def problems(argv: list[str]) -> list[str]:
 
 
 def test_a_key_asking_for_what_this_recipe_does_not_do_is_refused_and_a_neutral_value_accepted() -> None:
-    cfg = load_config(["--parallelism.context_parallel_degree=1", "--memory_estimation.enable=false"])
-    assert cfg.parallelism.context_parallel_degree == 1
-    (problem,) = problems(["--parallelism.context_parallel_degree=2"])
+    cfg = load_config(["--parallelism.expert_parallel_degree=1", "--memory_estimation.enable=false"])
+    assert cfg.parallelism.expert_parallel_degree == 1
+    (problem,) = problems(["--parallelism.expert_parallel_degree=2"])
     assert problem == (
-        "parallelism.context_parallel_degree: 2 asks for context parallel, which this recipe does not do; "
-        "remove the key or set it to 1"
+        "parallelism.expert_parallel_degree: 2 asks for expert parallel (Llama 3 has no experts), which this recipe "
+        "does not do; remove the key or set it to 1"
     )
     (problem,) = problems(["--model.converters=quantize.linear.mx"])
     assert problem.startswith("model.converters: 'quantize.linear.mx' asks for MX (microscaling) linears")
@@ -226,11 +226,11 @@ def test_all_problems_come_in_one_round(tmp_path: Path) -> None:
     """Unknown keys, wrong types and bad values together, as torchtitan users met them in two rounds."""
     toml = tmp_path / "c.toml"
     toml.write_text(
-        '[training]\nsteps = 0\nseq_len = "long"\n[parallelism]\ncontext_parallel_degree = 2\n[metricz]\nx = 1\n'
+        '[training]\nsteps = 0\nseq_len = "long"\n[parallelism]\nexpert_parallel_degree = 2\n[metricz]\nx = 1\n'
     )
     found = problems(["--config", str(toml), "--optimizer.lr=-1"])
     assert [p.split(":")[0] for p in found] == [
-        "training.seq_len", "metricz.x", "parallelism.context_parallel_degree", "training.steps", "optimizer.lr",
+        "training.seq_len", "metricz.x", "parallelism.expert_parallel_degree", "training.steps", "optimizer.lr",
     ], found  # fmt: skip
 
 

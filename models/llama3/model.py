@@ -29,11 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-# A causal mask within documents: (bs, 1, seqlen, seqlen) booleans (True: attend) for SDPA, or a
-# FlexAttention BlockMask on CUDA; None: plain causal attention over the whole window.
-AttentionMask = torch.Tensor | BlockMask | None
+from models.attention import AttentionMask, ScaledDotProductAttention, attention_mask
 
 
 @dataclass(frozen=True)
@@ -170,6 +167,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.sdpa = ScaledDotProductAttention()
 
     def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, mask: AttentionMask = None) -> torch.Tensor:
         bs, seqlen, _ = x.shape
@@ -179,22 +177,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         q, k = apply_rope(q, cos_sin), apply_rope(k, cos_sin)
 
-        # Expand key/value heads to match the query heads (GQA). An expand+reshape instead
-        # of SDPA's enable_gqa, which not every fused kernel supports.
-        n_rep = q.shape[2] // k.shape[2]
-        if n_rep > 1:
-            k = k.repeat_interleave(n_rep, dim=2)
-            v = v.repeat_interleave(n_rep, dim=2)
-
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (bs, heads, seqlen, head_dim)
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        elif isinstance(mask, torch.Tensor):
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        else:
-            out = _flex_attention(q, k, v, block_mask=mask)
-        out = out.transpose(1, 2).reshape(bs, seqlen, -1)  # (bs, seqlen, n_heads * head_dim)
-        return self.wo(out)
+        return self.wo(self.sdpa(q, k, v, mask))  # (models/attention.py; context parallel wraps it)
 
     def init_weights(self, init_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
@@ -262,26 +245,30 @@ class Transformer(nn.Module):
         tokens: torch.Tensor,
         segments: torch.Tensor | None = None,
         *,
+        positions: torch.Tensor | None = None,
         head: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """tokens (bs, seqlen) int64 -> logits (bs, seqlen, vocab). On a pipeline stage: from hidden states
         (bs, seqlen, dim) if it has no embedding, to hidden states if it has no final norm.
 
         segments (bs, seqlen): each token's document index in its window, used by block_causal.
+        positions (seqlen,): the window positions of `tokens` when they are only a part of the window
+            (context parallel, parallelisms/cp.py: its wrapper of `Attention.sdpa` gathers the whole
+            window's keys and values); `segments` then covers the whole window. None: 0..seqlen-1.
         head: what to apply to the final norm's output (bs, seqlen, dim) instead of `project`; the
             training loss passes itself, to project and score a chunk of tokens at a time (loss.py).
             It runs inside this forward on purpose: FSDP gathers the projection's parameters for
             the root's forward, and a projection called after it costs one more all-gather and
             one more reduce-scatter per step (counted in tests/test_loss.py).
         """
-        mask = None
-        if self.args.attn_mask_type == "block_causal" and segments is not None:
-            mask = document_mask(segments.to(tokens.device))
+        segments = segments.to(tokens.device) if segments is not None else None
+        mask = attention_mask(self.args.attn_mask_type, segments, positions)
+        rope = self.rope_cos_sin if positions is None else self.rope_cos_sin[:, positions]
         # A pipeline stage (parallelisms/pp.py) may lack the embedding (it gets the previous stage's
         # hidden states) or the final norm and output (it returns its last block's hidden states).
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (bs, seqlen, dim)
         for layer in self.layers.values():
-            h = layer(h, self.rope_cos_sin, mask)
+            h = layer(h, rope, mask)
         if self.norm is None:
             return h
         h = self.norm(h)
@@ -311,35 +298,6 @@ class Transformer(nn.Module):
             # Logits start at unit scale: std dim^-0.5, truncated at 3 std.
             std = self.args.dim**-0.5
             nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
-
-
-def document_mask(segments: torch.Tensor) -> AttentionMask:
-    """Causal attention inside each document of a packed window; segments (bs, seqlen).
-
-    CUDA: a FlexAttention BlockMask, which skips the blocks no token of a query block may see.
-    Elsewhere a dense boolean mask for SDPA (FlexAttention has no CPU backward, PyTorch 2.13),
-    exact and fine for the sequence lengths of tests: bs x seqlen^2 bytes.
-    """
-    bs, seqlen = segments.shape
-    if segments.is_cuda:
-
-        def same_document_causal(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-            return (segments[b, q] == segments[b, kv]) & (q >= kv)
-
-        return create_block_mask(same_document_causal, bs, None, seqlen, seqlen, device=segments.device)
-    causal = torch.ones(seqlen, seqlen, dtype=torch.bool, device=segments.device).tril()
-    return ((segments[:, :, None] == segments[:, None, :]) & causal)[:, None]  # (bs, 1, seqlen, seqlen)
-
-
-_compiled_flex = None
-
-
-def _flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_mask: BlockMask) -> torch.Tensor:
-    """FlexAttention compiled once: eager flex_attention is a slow reference implementation."""
-    global _compiled_flex
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex(q, k, v, block_mask=block_mask)
 
 
 # ------------------------------------------------------------------ size and FLOPs
