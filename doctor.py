@@ -149,8 +149,9 @@ def _nodes(dims: ParallelDims, machine: Machine) -> list[Finding]:
     """docs/failures.md #3: keep TP and FSDP's all-gathers/reduce-scatters inside a node.
 
     Checked on CUDA only: CPU ranks of the debug recipes pretend to be nodes on one host. torchrun
-    numbers the ranks of a node consecutively and the mesh is (dp_replicate, dp_shard, tp) with tp
-    innermost, so a TP group is `tp` consecutive ranks and a shard group `dp_shard x tp` of them.
+    numbers the ranks of a node consecutively and the mesh is (dp_replicate, dp_shard, cp, tp) with tp
+    innermost, so a TP group is `tp` consecutive ranks, a CP group's ranks lie within `cp x tp` of them, and
+    a shard group is `dp_shard x cp x tp` of them.
     """
     n, world = machine.gpus_per_node, dims.world_size
     if not machine.cuda or n is None or n < 1:
@@ -164,7 +165,18 @@ def _nodes(dims: ParallelDims, machine: Machine) -> list[Finding]:
                 f"reduce-scatters go over the inter-node link; use a divisor of {n} and FSDP/HSDP across nodes",
             )
         ]
-    nodes, per_node_shard = world // n, n // dims.tp
+    inner = dims.cp * dims.tp
+    if dims.cp_enabled and (inner > n or n % inner):
+        return [
+            Finding(
+                "warning",
+                "parallelism.context_parallel_degree",
+                f"CP groups of context_parallel_degree {dims.cp} x tensor_parallel_degree {dims.tp} = {inner} ranks "
+                f"do not fit the nodes of {n} GPUs, so every layer's all-gather of keys and values crosses the "
+                f"inter-node link; make cp x tp a divisor of {n}",
+            )
+        ]
+    nodes, per_node_shard = world // n, n // inner
     if dims.hsdp_enabled and world <= n:
         message = (
             f"{dims.dp_replicate} > 1, but the whole job ({world} ranks) fits on one node of {n} GPUs: HSDP only "
@@ -172,15 +184,16 @@ def _nodes(dims: ParallelDims, machine: Machine) -> list[Finding]:
             "gradient all-reduce; set it to 1 (FSDP over all data-parallel ranks)"
         )
         return [Finding("warning", "parallelism.data_parallel_replicate_degree", message)]
-    if dims.hsdp_enabled and world % n == 0 and dims.dp_shard * dims.tp != n:
+    if dims.hsdp_enabled and world % n == 0 and dims.dp_shard * inner != n:
         where = (
             "span nodes, so all-gathers and reduce-scatters cross the inter-node link"
-            if dims.dp_shard * dims.tp > n
+            if dims.dp_shard * inner > n
             else "are smaller than a node, so the replicas inside a node hold duplicate shards"
         )
+        cp = f" x context_parallel_degree {dims.cp}" if dims.cp_enabled else ""
         message = (
-            f"HSDP shard groups of data_parallel_shard_degree {dims.dp_shard} x tensor_parallel_degree {dims.tp} = "
-            f"{dims.dp_shard * dims.tp} ranks {where}; make a shard group one node of {n} GPUs: "
+            f"HSDP shard groups of data_parallel_shard_degree {dims.dp_shard}{cp} x tensor_parallel_degree {dims.tp} "
+            f"= {dims.dp_shard * inner} ranks {where}; make a shard group one node of {n} GPUs: "
             f"data_parallel_replicate_degree = {nodes}, data_parallel_shard_degree = {per_node_shard}"
         )
         return [Finding("warning", "parallelism.data_parallel_shard_degree", message)]

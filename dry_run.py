@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 import doctor
 import train
 from config import JobConfig, dry_run_world, global_batch_size, input_problems, model_args
-from estimate_memory import GiB, Job, estimate, job_costs, job_of
+from estimate_memory import GiB, Job, checkpointed_blocks, cp_kv_bytes, estimate, job_costs, job_of
 from loss import Loss
 from models import family, with_seq_len
 from parallelisms.fsdp import DTYPES
@@ -101,7 +101,9 @@ def describe(
     total = family(cfg.model.name).num_params(args)
     lines = [
         f"{train.model_label(cfg.model)}: {total / 1e9:.2f}B parameters on {dims.world_size} ranks = pp {dims.pp} x "
-        f"replicate {dims.dp_replicate} x shard {dims.dp_shard} x tp {dims.tp} | global batch {global_batch} x "
+        f"replicate {dims.dp_replicate} x shard {dims.dp_shard} x "
+        + (f"cp {dims.cp} x " if dims.cp_enabled else "")
+        + f"tp {dims.tp} | global batch {global_batch} x "
         f"{t.seq_len} tokens, local batch {t.local_batch_size}, grad accumulation {grad_accum}",
     ]
     if dims.pp_enabled:
@@ -152,10 +154,14 @@ def comm_per_step(
     """Bytes each rank sends per optimizer step over each mesh dimension, by ring algorithms: an all-gather or
     reduce-scatter of N bytes (the full tensor) costs each of g ranks (g - 1) / g x N, an all-reduce twice that.
 
-    dp_shard  FSDP: each micro-batch's forward all-gathers the rank's stage in param_dtype, backward gathers
+    dp_shard  FSDP (over dp_shard x cp: the line is "cp" when dp_shard is 1, "dp_shard_cp" when both are > 1): each
+              micro-batch's forward all-gathers the rank's stage in param_dtype, backward gathers
               it again (not with parallelism.fsdp_reshard_after_forward = "never"; under PP the stage stays
               gathered for the whole step) but for the root unit, final norm and output, which FSDP2 keeps
               gathered from its forward to its backward, and reduce-scatters every gradient in reduce_dtype.
+    cp        context parallel: per block of the rank's stages and micro-batch, an all-gather of the window's
+              keys and values forward, a reduce-scatter of their gradients backward, and another all-gather
+              where AC recomputes the block (not under op SAC, which keeps the gathered tensors).
     dp_repl.  HSDP: an all-reduce of the gradient shards per micro-batch (of the step, under PP).
     tp        the collectives of the family's TP plan as one traced block runs them (estimate_memory.block_costs:
               forward, backward, and what AC recomputes), per block of the rank's stages and micro-batch, plus
@@ -166,9 +172,10 @@ def comm_per_step(
     args = job.args
     a, r = DTYPES[t.mixed_precision_param].itemsize, DTYPES[t.mixed_precision_reduce].itemsize
     ring = lambda g: (g - 1) / g  # noqa: E731
-    pp, tp, shard, rep = dims.pp, dims.tp, dims.dp_shard, dims.dp_replicate
+    pp, tp, shard, rep, cp = dims.pp, dims.tp, dims.dp_shard * dims.cp, dims.dp_replicate, dims.cp
+    fsdp_dim = "dp_shard" if cp == 1 else "cp" if dims.dp_shard == 1 else "dp_shard_cp"
     stage_params = family(cfg.model.name).num_params(args) / pp  # an average stage
-    local_tokens = t.local_batch_size * t.seq_len
+    local_tokens = t.local_batch_size * t.seq_len // cp
     reshard = par.fsdp_reshard_after_forward
     gathers = 1 if (pp > 1 and reshard != "always") else (grad_accum * (1 if reshard == "never" else 2))
     syncs = 1 if pp > 1 else grad_accum
@@ -178,7 +185,7 @@ def comm_per_step(
         if pp == 1 and reshard != "never":  # backward finds the root unit still gathered
             gathered -= grad_accum * job_costs(job, tp_mesh=tp_mesh).root_params
         nbytes = ring(shard) * (gathered * a + syncs * r * stage_params / tp)
-        out["dp_shard"] = (nbytes, f"FSDP: {gathers} all-gather(s) of the stage in {t.mixed_precision_param}, "
+        out[fsdp_dim] = (nbytes, f"FSDP: {gathers} all-gather(s) of the stage in {t.mixed_precision_param}, "
                                    f"{syncs} reduce-scatter(s) of its gradients in {t.mixed_precision_reduce}")  # fmt: skip
     if rep > 1:
         out["dp_replicate"] = (
@@ -198,6 +205,18 @@ def comm_per_step(
         per_local_batch = job.microbatches * (sum(costs.tp_block) * blocks + outside)
         out["tp"] = (ring(tp) * per_local_batch * grad_accum, "the TP plan's all-gathers and reduce-scatters, "
                      "traced on one block: forward, backward and AC's recomputation")  # fmt: skip
+    if cp > 1:
+        blocks, checkpointed = args.n_layers, checkpointed_blocks(args.n_layers, job.ac)
+        if pp > 1:
+            layers = stage_layers(args, par)
+            ours = [layers[s] for s in rank_stages(0, pp=pp, stages=len(layers))]
+            blocks = sum(map(len, ours))
+            checkpointed = sum(checkpointed_blocks(len(s), job.ac) for s in ours)
+        gathers = 2 * blocks + (0 if job.ac == "selective-op" else checkpointed)  # + backward's reduce-scatters
+        kv = ring(cp) * gathers * cp_kv_bytes(job)["gathered"] * job.microbatches * grad_accum
+        fsdp = out.get("cp", (0.0, ""))
+        what = "keys and values all-gathered per block (and gradients reduce-scattered), forward, backward, AC"
+        out["cp"] = (fsdp[0] + kv, f"{fsdp[1]}; {what}" if fsdp[1] else what)
     if pp > 1:  # rank 0's stages: each but the last sends activations, each but the first gradients
         stages = len(stage_layers(args, par))
         ours = rank_stages(0, pp=pp, stages=stages)

@@ -523,6 +523,8 @@ class Job:
     pp_layers_per_stage: int | None = None
     pp_first_stage_less_layers: int = 1
     pp_last_stage_less_layers: int = 1
+    # [parallelism] context_parallel_degree (parallelisms/cp.py): each rank holds seq_len / cp of every window.
+    cp: int = 1
     # "cuda": the caching allocator reserves more than it allocates (module docstring, "Reserved");
     # "cpu": CPU ranks have none, reserved = allocated.
     allocator: Literal["cuda", "cpu"] = "cuda"
@@ -565,11 +567,18 @@ class Job:
             pipeline_parallel_layers_per_stage=self.pp_layers_per_stage,
             pipeline_parallel_first_stage_less_layers=self.pp_first_stage_less_layers,
             pipeline_parallel_last_stage_less_layers=self.pp_last_stage_less_layers,
+            context_parallel_degree=self.cp,
         )  # fmt: skip
 
     @property
     def shard(self) -> int:
+        """The ranks FSDP shards parameters over: dp_shard x cp."""
         return self.ngpu // (self.pp * self.tp * self.replicate)
+
+    @property
+    def local_seq_len(self) -> int:
+        """The tokens of each window this rank computes: seq_len / cp."""
+        return self.seq_len // self.cp
 
     @property
     def stages(self) -> list[list[int]]:
@@ -583,8 +592,8 @@ class Job:
 
     @property
     def microbatch_tokens(self) -> int:
-        """T: the tokens one forward of a stage (or of the model, without PP) processes."""
-        return (self.pp_microbatch_size if self.pp > 1 else self.local_batch_size) * self.seq_len
+        """T: the tokens one forward of a stage (or of the model, without PP) processes on this rank."""
+        return (self.pp_microbatch_size if self.pp > 1 else self.local_batch_size) * self.local_seq_len
 
 
 _ACTIONS = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
@@ -606,7 +615,7 @@ def job_of(cfg: JobConfig, dims: ParallelDims, *, cuda: bool) -> Job:
         pp_microbatch_size=par.pipeline_parallel_microbatch_size,
         pp_layers_per_stage=par.pipeline_parallel_layers_per_stage,
         pp_first_stage_less_layers=par.pipeline_parallel_first_stage_less_layers,
-        pp_last_stage_less_layers=par.pipeline_parallel_last_stage_less_layers,
+        pp_last_stage_less_layers=par.pipeline_parallel_last_stage_less_layers, cp=dims.cp,
         # Eager CPU RMSNorm is the composite one; a CPU process has no CUDA context, NCCL buffers or caching
         # allocator.
         rmsnorm="fused" if cuda else "composite", overhead_gib=2.0 if cuda else 0.5,
@@ -641,12 +650,31 @@ def rank_ops(schedule: str, *, pp_rank: int, pp: int, n_local: int, n_mb: int) -
 
 
 def job_costs(job: Job, *, tp_mesh: DeviceMesh | None = None) -> BlockCosts:
-    """block_costs of one micro-batch of `job` through one block, in its param_dtype."""
-    return block_costs(
-        job.fam, job.args, batch=job.microbatch_tokens // job.seq_len, seq_len=job.seq_len,
+    """block_costs of one micro-batch of `job` through one block, in its param_dtype. Under context parallel the
+    block is traced on this rank's tokens, and attention's keys and values span the whole window (`cp_kv_bytes`)."""
+    costs = block_costs(
+        job.fam, job.args, batch=job.microbatch_tokens // job.local_seq_len, seq_len=job.local_seq_len,
         dtype=getattr(torch, job.param_dtype), ac=job.ac, tp=job.tp, rmsnorm=job.rmsnorm, tp_mesh=tp_mesh,
         loss_parallel=job.loss_parallel, loss_chunk_tokens=job.loss_chunk_tokens, z_loss=job.z_loss_weight > 0,
     )  # fmt: skip
+    if job.cp == 1:
+        return costs
+    extra = cp_kv_bytes(job)
+    return dataclasses.replace(costs, saved=costs.saved + extra["saved"], kept=costs.kept + extra["kept"])
+
+
+def cp_kv_bytes(job: Job) -> dict[str, int]:
+    """What context parallel adds to one block's activations (parallelisms/cp.py), per micro-batch: attention
+    saves its keys and values for the whole window instead of this rank's 1/cp of it, expanded to the query
+    heads (grouped-query attention repeats them before SDPA): `saved`; op SAC keeps the all-gather's output,
+    the window's keys and values at the KV heads, so that backward does not gather again: `kept`; one
+    all-gather's payload, the window's keys and values: `gathered`."""
+    args, a = job.args, DTYPE_BYTES[job.param_dtype]
+    batch, window = job.microbatch_tokens // job.local_seq_len, job.seq_len
+    head_bytes = batch * args.head_dim * a
+    saved = 2 * head_bytes * (window - job.local_seq_len) * (args.n_heads // job.tp)
+    gathered = 2 * head_bytes * window * (args.kv_heads // job.tp)
+    return {"saved": saved, "kept": gathered if job.ac == "selective-op" else 0, "gathered": gathered}
 
 
 def activation_bytes(job: Job, *, tp_mesh: DeviceMesh | None = None) -> dict[str, int]:
@@ -981,7 +1009,10 @@ def fake_job_memory(job: Job, *, pp_rank: int = 0, device: str = "cpu") -> dict[
 
     Single-stage schedules only (1F1B, GPipe): an interleaved rank's stages interleave their
     micro-batches, which one fake step of one module does not reproduce (estimate_rank replays them).
+    Not under context parallel (the fake step does not cut windows).
     """
+    if job.cp > 1:
+        raise ValueError("fake_job_memory: context parallel (cp > 1) is estimated by the formulas only")
     from config import ActivationCheckpoint, Compile
     from loss import Loss
     from parallelisms.parallelize import parallelize_model
@@ -1127,10 +1158,11 @@ def breakdown(job: Job, pp_rank: int | None = None) -> str:
         T, per_logit = job.loss_chunk_tokens, 8 + DTYPE_BYTES[job.param_dtype] + (8 if job.tp == 1 else 12)
         kept = f"chunked: one chunk of {T:,} tokens at a time + the gradients of the final norm's output and the output"
     checkpointed = f", {e['act_per_block_checkpointed'] / GiB:.3f} checkpointed" if job.ac != "none" else ""
-    layout = f"{job.ngpu} GPUs = replicate {job.replicate} x shard {job.shard} x tp {job.tp}"
+    shard = f"shard {job.shard // job.cp} x cp {job.cp}" if job.cp > 1 else f"shard {job.shard}"
+    layout = f"{job.ngpu} GPUs = replicate {job.replicate} x {shard} x tp {job.tp}"
     rank, grad_note = "", "reduce-scattered block by block in backward"
     if job.pp > 1:
-        layout = f"{job.ngpu} GPUs = pp {job.pp} x replicate {job.replicate} x shard {job.shard} x tp {job.tp}"
+        layout = f"{job.ngpu} GPUs = pp {job.pp} x replicate {job.replicate} x {shard} x tp {job.tp}"
         which = "the worst" if pp_rank is None else "asked for"
         rank = (
             f"\n  pipeline: {job.pp_schedule}, {job.microbatches} micro-batches of {job.pp_microbatch_size} x "
@@ -1257,6 +1289,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--replicate", type=int, default=1, help="HSDP replicate degree (dp_shard = ngpu / pp / tp / replicate)"
     )
+    p.add_argument("--cp", type=int, default=1, help="context_parallel_degree: each rank holds seq_len / cp tokens")
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--local-batch-size", type=int, default=1, help="sequences per data-parallel rank")
     p.add_argument(
@@ -1307,6 +1340,7 @@ _FLAGS = {
     "parallelism.pipeline_parallel_layers_per_stage": "--pp-layers-per-stage",
     "parallelism.pipeline_parallel_first/last_stage_less_layers": "--pp-first/last-stage-less-layers",
     "parallelism.tensor_parallel_degree": "--tp",
+    "parallelism.context_parallel_degree": "--cp",
     "parallelism.data_parallel_replicate_degree": "--replicate",
     "training.local_batch_size": "--local-batch-size",
     "training.seq_len": "--seq-len",
@@ -1331,9 +1365,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --flavor: {args.flavor!r} is no {args.model} flavor (choose from {names})"
               + (f"; or pass --model {other[0]}" if other else ""), file=sys.stderr)  # fmt: skip
         return 2
-    if args.ngpu < 1 or args.ngpu % (args.pp * args.tp * args.replicate):
+    group = args.pp * args.tp * args.replicate * args.cp
+    if args.ngpu < 1 or args.ngpu % group:
         print(f"error: --ngpu: {args.ngpu} GPUs do not split into groups of --pp {args.pp} x --replicate "
-              f"{args.replicate} x --tp {args.tp} = {args.pp * args.tp * args.replicate}; use a multiple of that",
+              f"{args.replicate} x --cp {args.cp} x --tp {args.tp} = {group}; use a multiple of that",
               file=sys.stderr)  # fmt: skip
         return 2
     try:
@@ -1346,7 +1381,7 @@ def main(argv: list[str] | None = None) -> int:
             pp=args.pp, pp_schedule=args.pp_schedule, pp_microbatch_size=args.pp_microbatch_size,
             pp_layers_per_stage=args.pp_layers_per_stage, pp_first_stage_less_layers=args.pp_first_stage_less_layers,
             pp_last_stage_less_layers=args.pp_last_stage_less_layers, allocator=args.allocator,
-            overhead_gib=args.overhead_gib,
+            overhead_gib=args.overhead_gib, cp=args.cp,
         )  # fmt: skip
         if args.pp_rank is not None and not 0 <= args.pp_rank < job.pp:
             raise ValueError(f"pp-rank: expected 0 to {job.pp - 1}, got {args.pp_rank}")

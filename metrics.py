@@ -308,8 +308,12 @@ class Collective:
 
 
 def mesh_group_dims(mesh: Any) -> dict[tuple[int, ...], str]:
-    """The ranks of this rank's group in each dimension of a DeviceMesh -> that dimension's name."""
-    return {tuple(dist.get_process_group_ranks(mesh.get_group(d))): d for d in mesh.mesh_dim_names}
+    """The ranks of this rank's group in each dimension of a DeviceMesh -> that dimension's name; a flattened
+    dimension (FSDP's "dp_shard_cp" under context parallel) names its group where no dimension of the mesh has
+    the same ranks."""
+    flattened = getattr(mesh._get_root_mesh(), "_flatten_mapping", {})  # (private, PyTorch 2.13)
+    groups = {tuple(dist.get_process_group_ranks(m.get_group())): name for name, m in flattened.items()}
+    return groups | {tuple(dist.get_process_group_ranks(mesh.get_group(d))): d for d in mesh.mesh_dim_names}
 
 
 def _process_group(arg: Any) -> ProcessGroup:

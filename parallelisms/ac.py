@@ -51,8 +51,10 @@ _SAVE_OPS: frozenset[torch._ops.OpOverload] = frozenset(
         aten._scaled_dot_product_cudnn_attention.default,
         aten._scaled_dot_product_flash_attention_for_cpu.default,
         torch.ops.higher_order.flex_attention,  # block_causal on CUDA
-        # A compiled TP block's reduce-scatter: recomputing it would repeat the communication.
+        # A compiled TP block's reduce-scatter, context parallel's all-gather of keys and values (parallelisms/cp.py):
+        # recomputing them would repeat the communication.
         torch.ops._c10d_functional.reduce_scatter_tensor.default,
+        torch.ops._c10d_functional.all_gather_into_tensor.default,
         # The amax of float8 scaling: cheap to keep, a full reduction to recompute.
         aten.max.default,
     }

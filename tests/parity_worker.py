@@ -113,7 +113,8 @@ LAYOUTS: dict[str, Layout] = {
     "cp2": Layout(cp=2),
     "cp2_block_causal": Layout(cp=2, block_causal=True, loss_chunk_tokens=16),
     "cp2_compile_op_sac": Layout(cp=2, ac=OP_SAC, compile=True),
-    "cp2_full_ac": Layout(cp=2, ac=FULL),
+    "cp2_full_ac": Layout(cp=2, ac=FULL),  # the recomputation gathers the keys and values again
+    "cp2_op_sac": Layout(cp=2, ac=OP_SAC),  # op SAC keeps the gathered keys and values: no second all-gather
     # 4 ranks
     "hsdp2x2_reshard_always": Layout(dp_replicate=2, dp_shard=2, reshard_after_forward="always"),
     "fsdp2_tp2": Layout(dp_shard=2, tp=2),

@@ -54,6 +54,21 @@ def test_dry_run_of_8b_on_64_ranks_and_without_world_size() -> None:
         ), err
 
 
+def test_dry_run_of_the_long_context_recipe_fits_80_gib() -> None:
+    """configs/llama3_8b_128k.toml on 64 ranks: CP 8 inside each node, HSDP replicas across nodes; the memory the
+    estimator predicts per GPU fits an 80 GiB H100, the K/V all-gathers are in the cp line, the doctor is quiet."""
+    code, out, err = dry_run("configs/llama3_8b_128k.toml", 64)
+    assert code == 0, out + err
+    assert "on 64 ranks = pp 1 x replicate 8 x shard 1 x cp 8 x tp 1 | global batch 16 x 131072 tokens" in out
+    assert "cp               8 ranks [0, 1, 2, 3, 4, 5, 6, 7]; 8 groups" in out
+    assert "parameters on rank 0: 1,003,782,656 " in out  # 8,030,261,248 / 8: FSDP shards over the CP ranks
+    total = float(out.split("reserved by the caching allocator, ")[1].split(" GiB")[0])
+    assert total < 80, out
+    (line,) = [line for line in out.splitlines() if line.startswith("  cp ") and " GiB " in line]
+    assert "keys and values all-gathered per block" in line and "FSDP" in line, line
+    assert "no known pitfalls found" in out, out
+
+
 def test_dry_run_of_the_second_family_with_its_inputs_elsewhere() -> None:
     """Qwen3 8B on 8 ranks: planned like Llama (the family's own shapes, TP plan and traced costs); the Base
     weights and the corpus this machine lacks are notes, not errors."""
@@ -80,6 +95,7 @@ def predicted_comm(layout: Layout) -> dict[str, float]:
         tensor_parallel_degree=layout.tp, disable_loss_parallel=not layout.loss_parallel,
         fsdp_reshard_after_forward=layout.reshard_after_forward,  # type: ignore[arg-type]
         pipeline_parallel_degree=layout.pp, pipeline_parallel_schedule=layout.schedule,
+        context_parallel_degree=layout.cp,
     )  # fmt: skip
     dims = ParallelDims.from_config(cfg.parallelism, world_size=layout.world_size)
     cfg.training = dataclasses.replace(
