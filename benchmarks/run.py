@@ -32,6 +32,7 @@ import torch
 from benchmarks import (
     comm_volume,
     compile_cache,
+    context_parallel,
     data_pipeline,
     float8,
     gpu_costs,
@@ -52,6 +53,7 @@ BENCHMARKS = {
         comm_volume,
         compile_cache,
         memory,
+        context_parallel,
         data_pipeline,
         float8,
         gpu_costs,

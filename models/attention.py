@@ -12,8 +12,11 @@ and values before calling this core. The masks cover both cases:
                        positions: queries x window, causal by position, within documents for block_causal
 
 CUDA gets FlexAttention BlockMasks for masks (blocks no query may see are skipped); elsewhere dense
-boolean masks for SDPA (FlexAttention has no CPU backward in PyTorch 2.13), exact and fine for the
-sequence lengths of tests: bs x queries x window bytes.
+additive masks for SDPA (FlexAttention has no CPU backward in PyTorch 2.13), exact and fine for the
+sequence lengths of tests: bs x queries x window elements in the compute dtype, built once per forward.
+Additive and in that dtype on purpose: SDPA saves its mask for backward, and a boolean one it first
+converts, once per block (measured: 16 MiB of converted copies for 2 blocks at 1,024 x 2,048 queries x
+keys, benchmarks/context_parallel.py), where this one is saved once, shared by every block.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-# (bs, 1, queries, keys) booleans (True: attend) for SDPA, or a FlexAttention BlockMask on CUDA;
+# (bs, 1, queries, keys) additive (0: attend, -inf: not) for SDPA, or a FlexAttention BlockMask on CUDA;
 # None: plain causal attention over the whole window.
 AttentionMask = torch.Tensor | BlockMask | None
 
@@ -50,19 +53,27 @@ class ScaledDotProductAttention(nn.Module):
 
 
 def attention_mask(
-    mask_type: str, segments: torch.Tensor | None, positions: torch.Tensor | None = None
+    mask_type: str,
+    segments: torch.Tensor | None,
+    positions: torch.Tensor | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
 ) -> AttentionMask:
     """The mask of one forward. segments (bs, window): each token's document index in its window (used by
     block_causal); positions (queries,): the window positions of the tokens when they are only a part of
-    the window (context parallel), which then needs `segments` for the window's length."""
+    the window (context parallel), which then needs `segments` for the window's length. dtype: the
+    attention's compute dtype (of a dense mask)."""
     if positions is None:
-        return document_mask(segments) if mask_type == "block_causal" and segments is not None else None
+        return document_mask(segments, dtype=dtype) if mask_type == "block_causal" and segments is not None else None
     if segments is None:
         raise ValueError("attention_mask: positions (a part of the window) need segments, the whole window's")
-    return document_mask(segments if mask_type == "block_causal" else torch.zeros_like(segments), positions)
+    docs = segments if mask_type == "block_causal" else torch.zeros_like(segments)
+    return document_mask(docs, positions, dtype=dtype)
 
 
-def document_mask(segments: torch.Tensor, positions: torch.Tensor | None = None) -> AttentionMask:
+def document_mask(
+    segments: torch.Tensor, positions: torch.Tensor | None = None, *, dtype: torch.dtype = torch.float32
+) -> AttentionMask:
     """Causal attention inside each document of a packed window, segments (bs, window); for the queries at
     window `positions` (all of them when None)."""
     bs, window = segments.shape
@@ -74,7 +85,8 @@ def document_mask(segments: torch.Tensor, positions: torch.Tensor | None = None)
 
         return create_block_mask(same_document_causal, bs, None, len(q_pos), window, device=segments.device)
     causal = q_pos[:, None] >= torch.arange(window, device=segments.device)[None, :]  # (queries, window)
-    return ((segments[:, q_pos, None] == segments[:, None, :]) & causal)[:, None]  # (bs, 1, queries, window)
+    allowed = ((segments[:, q_pos, None] == segments[:, None, :]) & causal)[:, None]  # (bs, 1, queries, window)
+    return torch.zeros(allowed.shape, dtype=dtype, device=segments.device).masked_fill_(~allowed, float("-inf"))
 
 
 _compiled_flex = None

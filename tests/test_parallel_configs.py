@@ -29,6 +29,7 @@ LAYOUTS = {
     "configs/debug_ac_op.toml": 2,
     "configs/debug_ac_layer.toml": 2,
     "configs/debug_pp.toml": 2,  # 2 stages, 2 micro-batches of 1 sequence, 4 accumulation steps (COMMON)
+    "configs/debug_cp.toml": 2,  # each 64-token window cut over 2 ranks
 }
 
 

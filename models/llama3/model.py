@@ -261,12 +261,12 @@ class Transformer(nn.Module):
             the root's forward, and a projection called after it costs one more all-gather and
             one more reduce-scatter per step (counted in tests/test_loss.py).
         """
-        segments = segments.to(tokens.device) if segments is not None else None
-        mask = attention_mask(self.args.attn_mask_type, segments, positions)
         rope = self.rope_cos_sin if positions is None else self.rope_cos_sin[:, positions]
         # A pipeline stage (parallelisms/pp.py) may lack the embedding (it gets the previous stage's
         # hidden states) or the final norm and output (it returns its last block's hidden states).
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (bs, seqlen, dim)
+        segments = segments.to(tokens.device) if segments is not None else None
+        mask = attention_mask(self.args.attn_mask_type, segments, positions, dtype=h.dtype)
         for layer in self.layers.values():
             h = layer(h, rope, mask)
         if self.norm is None:

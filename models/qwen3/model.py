@@ -225,11 +225,11 @@ class Transformer(nn.Module):
             training loss passes itself to project and score a chunk of tokens at a time (loss.py),
             inside this forward so FSDP gathers the projection once per step.
         """
-        segments = segments.to(tokens.device) if segments is not None else None
-        mask = attention_mask(self.args.attn_mask_type, segments, positions)
         rope = self.rope_cos_sin if positions is None else self.rope_cos_sin[:, positions]
         # A pipeline stage (parallelisms/pp.py) may lack the embedding or the final norm and output.
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (bs, seqlen, dim)
+        segments = segments.to(tokens.device) if segments is not None else None
+        mask = attention_mask(self.args.attn_mask_type, segments, positions, dtype=h.dtype)
         for layer in self.layers.values():
             h = layer(h, rope, mask)
         if self.norm is None:
