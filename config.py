@@ -50,6 +50,12 @@ SHIPPED_TOKENIZER, SHIPPED_CORPUS = "assets/tokenizer", "assets/corpus/stories.j
 INPUT_PATH = {"input_path": True}
 
 
+def optional_part(path: str, default: Any) -> Any:
+    """A key of an optional part (README "Removing a part"): in a fork that deleted `path`, a value other than the
+    default asks for what is gone and is refused in one line."""
+    return field(default=default, metadata={"part": path})
+
+
 def unsupported(what: str, default: Any) -> Any:
     """A torchtitan key this recipe takes at its default only; any other value asks for `what` and is refused."""
     kind = "default_factory" if isinstance(default, list) else "default"
@@ -258,11 +264,11 @@ class Parallelism:
     """torchtitan's MoE option; no experts in Llama 3."""
     module_fqns_per_model_part: list[list[str]] | None = unsupported("hand-written pipeline stages", None)
     """torchtitan's manual pipeline split."""
-    context_parallel_degree: int = 1
+    context_parallel_degree: int = optional_part("parallelisms/cp.py", 1)
     """Ranks each sequence is split over (context parallel, parallelisms/cp.py): each holds 1/cp of every window's tokens and all-gathers the keys and values."""
-    context_parallel_load_balancer: str | None = "headtail"
+    context_parallel_load_balancer: str | None = optional_part("parallelisms/cp.py", "headtail")
     """How a window is cut over the CP ranks: "headtail" (rank i holds chunks i and 2cp-1-i of 2cp, so causal work is even) or "none" (one contiguous chunk each)."""
-    context_parallel_rotate_method: Literal["allgather", "alltoall"] = "allgather"
+    context_parallel_rotate_method: Literal["allgather", "alltoall"] = optional_part("parallelisms/cp.py", "allgather")
     """How the CP ranks exchange keys and values: "allgather" (the one method here, as the Llama 3 paper does)."""
     expert_parallel_degree: int = unsupported("expert parallel (Llama 3 has no experts)", 1)
     """torchtitan's MoE option."""
@@ -807,7 +813,10 @@ def load_config(argv: list[str], *, inputs: bool = True, world_size: int | None 
         world, _, dry_run_problems = dry_run_world()
         problems += dry_run_problems
         world_size = world or None
-    if world_size is not None and not any(p.startswith(("model.", "training.seq_len")) for p in problems):
+    # The layout rules need a model shape, a sequence length and degrees >= 1.
+    if world_size is not None and not any(
+        p.startswith(("model.", "training.seq_len")) or "_degree: must be" in p for p in problems
+    ):
         from parallelisms.parallel_dims import layout_problems  # the rules live with the mesh, TP and PP
 
         t = cfg.training
@@ -1169,18 +1178,24 @@ def input_problems(cfg: JobConfig) -> list[str]:
 
 
 def _unsupported(cfg: JobConfig) -> list[str]:
-    """A torchtitan key set to anything but its default asks for something this recipe does not do."""
+    """A torchtitan key set to anything but its default asks for something this recipe does not do, or for an
+    optional part this copy of the recipe lacks (`optional_part`)."""
     problems = []
     defaults = JobConfig()
     for name, section in SECTIONS.items():
         for f in keys(section):
-            if "unsupported" not in f.metadata:
-                continue
             value, default = getattr(section_of(cfg, name), f.name), getattr(section_of(defaults, name), f.name)
-            if value != default:
+            if value == default:
+                continue
+            if "unsupported" in f.metadata:
                 problems.append(
                     f"{name}.{f.name}: {value!r} asks for {f.metadata['unsupported']}, which this recipe does not do; "
                     f"remove the key or set it to {default!r}"
+                )
+            elif "part" in f.metadata and not (REPO / f.metadata["part"]).exists():
+                problems.append(
+                    f"{name}.{f.name}: {value!r} asks for {f.metadata['part']}, which this copy of the recipe does "
+                    f"not have; remove the key or set it to {default!r}"
                 )
     return problems
 

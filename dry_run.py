@@ -101,9 +101,7 @@ def describe(
     total = family(cfg.model.name).num_params(args)
     lines = [
         f"{train.model_label(cfg.model)}: {total / 1e9:.2f}B parameters on {dims.world_size} ranks = pp {dims.pp} x "
-        f"replicate {dims.dp_replicate} x shard {dims.dp_shard} x "
-        + (f"cp {dims.cp} x " if dims.cp_enabled else "")
-        + f"tp {dims.tp} | global batch {global_batch} x "
+        f"{dims.describe()} | global batch {global_batch} x "
         f"{t.seq_len} tokens, local batch {t.local_batch_size}, grad accumulation {grad_accum}",
     ]
     if dims.pp_enabled:

@@ -235,9 +235,7 @@ def train(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
         print(
             f"{model_name}: {fam.num_params(args) / 1e6:,.1f}M parameters | world {world_size} = "
             + (f"pp {dims.pp} x " if dims.pp_enabled else "")
-            + f"replicate {dims.dp_replicate} x shard {dims.dp_shard} x "
-            + (f"cp {dims.cp} x " if dims.cp_enabled else "")
-            + f"tp {dims.tp} | global batch {global_batch} "
+            + f"{dims.describe()} | global batch {global_batch} "
             f"x {t.seq_len} tokens, grad accumulation {loader.grad_accum} | {corpus.num_tokens:,} tokens in corpus "
             f"| device {device.type} | steps {start_step + 1}..{t.steps}",
             flush=True,

@@ -68,6 +68,11 @@ class ParallelDims:
             )
         return cls(pp=pp, dp_replicate=rep, dp_shard=shard, tp=tp, world_size=world_size, cp=cp)
 
+    def describe(self) -> str:
+        """The layout as start-up and the dry run print it: "replicate R x shard S x [cp C x ]tp T"."""
+        cp = f"cp {self.cp} x " if self.cp_enabled else ""
+        return f"replicate {self.dp_replicate} x shard {self.dp_shard} x {cp}tp {self.tp}"
+
     @property
     def dp(self) -> int:
         """Data-parallel degree: how many different micro-batches are processed at once."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import sys
 import time
 from collections import Counter
@@ -80,10 +81,11 @@ class Layout:
     family: str = "llama3"  # [model] name: TINY or TINY_QWEN3
     z_loss: bool = False  # training.z_loss_weight = Z_LOSS_WEIGHT
     cp: int = 1  # parallelism.context_parallel_degree (load-balanced: each rank holds 2 chunks of SEQ_LEN / 2cp)
+    cp_load_balance: bool = True  # parallelism.context_parallel_load_balancer "headtail", else "none"
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+        return math.prod((self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp))
 
 
 FULL = ActivationCheckpoint(mode="full")
@@ -109,12 +111,6 @@ LAYOUTS: dict[str, Layout] = {
     "pp2_gpipe": Layout(pp=2, schedule="GPipe"),
     "pp2_interleaved_1f1b": Layout(pp=2, schedule="Interleaved1F1B"),
     "pp2_interleaved_zero_bubble": Layout(pp=2, schedule="InterleavedZeroBubble"),
-    # Context parallel: FSDP shards over the CP ranks; SDPA with a dense mask of the rank's queries x the window.
-    "cp2": Layout(cp=2),
-    "cp2_block_causal": Layout(cp=2, block_causal=True, loss_chunk_tokens=16),
-    "cp2_compile_op_sac": Layout(cp=2, ac=OP_SAC, compile=True),
-    "cp2_full_ac": Layout(cp=2, ac=FULL),  # the recomputation gathers the keys and values again
-    "cp2_op_sac": Layout(cp=2, ac=OP_SAC),  # op SAC keeps the gathered keys and values: no second all-gather
     # 4 ranks
     "hsdp2x2_reshard_always": Layout(dp_replicate=2, dp_shard=2, reshard_after_forward="always"),
     "fsdp2_tp2": Layout(dp_shard=2, tp=2),
@@ -126,16 +122,27 @@ LAYOUTS: dict[str, Layout] = {
     "fsdp2_tp2_chunked_loss": Layout(dp_shard=2, tp=2, loss_chunk_tokens=16),
     "pp2_fsdp2": Layout(pp=2, dp_shard=2),
     "pp2_tp2": Layout(pp=2, tp=2),
-    "cp4": Layout(cp=4),
-    "fsdp2_cp2": Layout(dp_shard=2, cp=2),
-    "cp2_tp2": Layout(cp=2, tp=2, block_causal=True),  # sequence parallel splits each CP rank's tokens
-    "pp2_cp2": Layout(pp=2, cp=2),
     # Qwen3 through the same code: its TP plan (QK-norm weights replicated over TP, 2-D under FSDP x TP), its
     # named SAC linears under compile, its pipeline stages.
     "qwen3_fsdp2": Layout(dp_shard=2, family="qwen3"),
     "qwen3_pp2": Layout(pp=2, family="qwen3", loss_chunk_tokens=24),
     "qwen3_fsdp2_tp2_compile_op_sac": Layout(dp_shard=2, tp=2, ac=OP_SAC, compile=True, family="qwen3"),
 }
+# Context parallel (parallelisms/cp.py): FSDP shards over the CP ranks; on CPU, SDPA with a dense mask of the rank's
+# queries x the window.
+CP_LAYOUTS: dict[str, Layout] = {
+    "cp2": Layout(cp=2),
+    "cp2_block_causal": Layout(cp=2, block_causal=True, loss_chunk_tokens=16),
+    "cp2_compile_op_sac": Layout(cp=2, ac=OP_SAC, compile=True),
+    "cp2_full_ac": Layout(cp=2, ac=FULL),  # the recomputation gathers the keys and values again
+    "cp2_op_sac": Layout(cp=2, ac=OP_SAC),  # op SAC keeps the gathered keys and values: no second all-gather
+    "cp2_no_load_balance": Layout(cp=2, cp_load_balance=False),  # rank 0 the first half of each window, rank 1 the rest
+    "cp4": Layout(cp=4),
+    "fsdp2_cp2": Layout(dp_shard=2, cp=2),
+    "cp2_tp2": Layout(cp=2, tp=2, block_causal=True),  # sequence parallel splits each CP rank's tokens
+    "pp2_cp2": Layout(pp=2, cp=2),
+}
+LAYOUTS |= CP_LAYOUTS
 
 
 # ------------------------------------------------------------------- shared pieces
@@ -315,6 +322,7 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
         pipeline_parallel_degree=layout.pp,
         pipeline_parallel_schedule=layout.schedule,
         context_parallel_degree=layout.cp,
+        context_parallel_load_balancer="headtail" if layout.cp_load_balance else "none",
     )
     dims = ParallelDims.from_config(parallelism, world_size=world)
     mesh = dims.build_mesh("cpu")

@@ -107,6 +107,17 @@ def test_tp_group_across_nodes_is_a_warning() -> None:
     assert keys(check(tp4, world_size=16, machine=GPUS)) == [("warning", "parallelism.data_parallel_replicate_degree")]
 
 
+def test_cp_groups_stay_inside_a_node_and_count_in_the_shard_group() -> None:
+    cp16 = recipe(parallelism__context_parallel_degree=16, training__seq_len=8192)
+    findings = check(cp16, world_size=16, machine=GPUS)
+    assert keys(findings) == [("warning", "parallelism.context_parallel_degree")]
+    assert "all-gather of keys and values crosses the inter-node link" in findings[0].message
+    # CP 8 fills each node: the shard group (dp_shard 1 x cp 8) is a node, the replicas span nodes.
+    long = recipe(parallelism__context_parallel_degree=8, parallelism__data_parallel_replicate_degree=2,
+                  parallelism__data_parallel_shard_degree=1, training__seq_len=8192)  # fmt: skip
+    assert check(long, world_size=16, machine=GPUS) == []
+
+
 def test_gpus_per_node_comes_from_local_world_size(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert Machine.this(cuda=True, device_memory_gib=80).gpus_per_node == 8

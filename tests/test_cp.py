@@ -1,0 +1,69 @@
+"""Context parallel's rules (parallelisms/cp.py): how a window is cut, what the config refuses in one line. Its
+parity with one process, its collectives against the dry run and its resume run with the other layouts
+(tests/test_parallelisms.py, tests/test_dry_run.py, tests/test_train.py); its memory in benchmarks/."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from config import load_config
+from errors import ConfigError
+from parallelisms.cp import window_positions
+
+
+def test_head_tail_chunks_cover_the_window_once_and_even_out_causal_work() -> None:
+    window, cp = 64, 4
+    parts = [window_positions(window, cp=cp, rank=r, load_balance=True) for r in range(cp)]
+    assert parts[0].tolist() == [*range(0, 8), *range(56, 64)]  # chunks 0 and 7 of 8
+    assert sorted(torch.cat(parts).tolist()) == list(range(window))
+    # Under a causal mask query position p attends to p + 1 keys: every rank gets the same number of pairs.
+    assert {int((p + 1).sum()) for p in parts} == {window * (window + 1) // 2 // cp}
+    # Without balancing, contiguous quarters: the last rank does 7x the first's work.
+    plain = [window_positions(window, cp=cp, rank=r, load_balance=False) for r in range(cp)]
+    assert plain[1].tolist() == list(range(16, 32))
+    assert int((plain[-1] + 1).sum()) > 6 * int((plain[0] + 1).sum())
+
+
+def problems(*argv: str, world_size: int = 4) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_config(["--config", "configs/debug_cp.toml", *argv], world_size=world_size)
+    return info.value.problems
+
+
+def test_what_context_parallel_refuses_in_one_line() -> None:
+    assert load_config(["--config", "configs/debug_cp.toml"], world_size=4).parallelism.context_parallel_degree == 2
+    assert problems("--training.seq_len=250") == [
+        "training.seq_len: 250 is not divisible by 4 (context_parallel_degree 2 cuts each window into 4 equal "
+        "chunks); use a multiple of 4"
+    ]
+    (p,) = problems("--validation.seq_len=130")
+    assert p.startswith("validation.seq_len: 130 is not divisible by 4")
+    (p,) = problems("--training.seq_len=260", "--parallelism.tensor_parallel_degree=4", world_size=8)
+    assert p == (
+        "training.seq_len: each context-parallel rank holds 130 tokens, not divisible by tensor_parallel_degree 4 "
+        "(sequence parallel splits them); use a multiple of 8"
+    )
+    (p,) = problems("--parallelism.context_parallel_load_balancer=ptrr")
+    assert p.startswith("parallelism.context_parallel_load_balancer: ptrr balances torchtitan's FlexAttention ring")
+    (p,) = problems("--parallelism.context_parallel_rotate_method=alltoall")
+    assert p.startswith('parallelism.context_parallel_rotate_method: "alltoall" rotates ring-attention shards')
+    (train, validation) = problems("--parallelism.context_parallel_degree=3", world_size=6)
+    assert train.startswith("training.seq_len: 256 is not divisible by 6") and validation.startswith(
+        "validation.seq_len"
+    )
+    (p,) = problems("--parallelism.context_parallel_degree=0")  # (and no layout rule divides by it)
+    assert p == "parallelism.context_parallel_degree: must be >= 1, got 0"
+
+
+def test_a_fork_without_cp_py_refuses_its_keys(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """README "Removing a part": in a copy without parallelisms/cp.py, context_parallel_degree > 1 is refused."""
+    import config
+
+    monkeypatch.setattr(config, "REPO", tmp_path)
+    with pytest.raises(ConfigError) as info:
+        load_config(["--parallelism.context_parallel_degree=2", "--memory_estimation.enable=false"])
+    assert info.value.problems == [
+        "parallelism.context_parallel_degree: 2 asks for parallelisms/cp.py, which this copy of the recipe does not "
+        "have; remove the key or set it to 1"
+    ]
