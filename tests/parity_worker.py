@@ -141,6 +141,8 @@ CP_LAYOUTS: dict[str, Layout] = {
     "fsdp2_cp2": Layout(dp_shard=2, cp=2),
     "cp2_tp2": Layout(cp=2, tp=2, block_causal=True),  # sequence parallel splits each CP rank's tokens
     "pp2_cp2": Layout(pp=2, cp=2),
+    "hsdp2x1_cp2": Layout(dp_replicate=2, cp=2),  # FSDP over the CP ranks inside, replicas outside
+    "qwen3_cp2": Layout(cp=2, family="qwen3"),  # the shared attention core, QK-norm before it
 }
 LAYOUTS |= CP_LAYOUTS
 
