@@ -142,7 +142,7 @@ def apply_cp(model: nn.Module, cp: ContextParallel) -> None:
     def add_positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         tokens = args[0] if args else kwargs["tokens"]  # (bs, local) tokens, or (bs, local, dim) hidden states
         window = tokens.shape[1] * cp.degree
-        if kwargs.get("segments") is None:  # one document per window
+        if len(args) < 2 and kwargs.get("segments") is None:  # one document per window
             kwargs["segments"] = torch.zeros(tokens.shape[0], window, dtype=torch.int32, device=tokens.device)
         kwargs["positions"] = cp.positions(window, tokens.device)
         return args, kwargs
