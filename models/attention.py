@@ -72,13 +72,17 @@ def attention_mask(
 
 
 def document_mask(
-    segments: torch.Tensor, positions: torch.Tensor | None = None, *, dtype: torch.dtype = torch.float32
+    segments: torch.Tensor,
+    positions: torch.Tensor | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    block_mask: bool | None = None,
 ) -> AttentionMask:
     """Causal attention inside each document of a packed window, segments (bs, window); for the queries at
-    window `positions` (all of them when None)."""
+    window `positions` (all of them when None). block_mask: a FlexAttention BlockMask (default: on CUDA)."""
     bs, window = segments.shape
     q_pos = torch.arange(window, device=segments.device) if positions is None else positions.to(segments.device)
-    if segments.is_cuda:
+    if segments.is_cuda if block_mask is None else block_mask:
 
         def same_document_causal(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
             return (segments[b, q_pos[q]] == segments[b, kv]) & (q_pos[q] >= kv)

@@ -67,3 +67,23 @@ def test_a_fork_without_cp_py_refuses_its_keys(monkeypatch: pytest.MonkeyPatch, 
         "parallelism.context_parallel_degree: 2 asks for parallelisms/cp.py, which this copy of the recipe does not "
         "have; remove the key or set it to 1"
     ]
+
+
+def test_the_cuda_block_mask_of_a_ranks_queries_is_the_cpu_mask() -> None:
+    """The FlexAttention BlockMask CUDA runs under CP (a rank's head-tail queries x the window, within documents),
+    built on CPU and run forward by flex_attention (which has a CPU forward, not a backward): the same output as
+    SDPA with the dense mask the CPU path uses."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from models.attention import document_mask
+
+    torch.manual_seed(0)
+    window, heads, dim = 256, 2, 16
+    segments = torch.cumsum(torch.rand(2, window) < 0.02, dim=1).int()
+    positions = window_positions(window, cp=2, rank=1, load_balance=True)  # chunks 1 and 2 of 4
+    q = torch.randn(2, heads, len(positions), dim)
+    k, v = torch.randn(2, heads, window, dim), torch.randn(2, heads, window, dim)
+    dense = document_mask(segments, positions)
+    blocks = document_mask(segments, positions, block_mask=True)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+    torch.testing.assert_close(flex_attention(q, k, v, block_mask=blocks), expected, atol=1e-5, rtol=1e-5)
