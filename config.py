@@ -1019,16 +1019,12 @@ def validate(cfg: JobConfig) -> list[str]:
     if not 0 <= s.min_lr_factor <= 1:
         p.append(f"lr_scheduler.min_lr_factor: must lie in [0, 1], got {s.min_lr_factor}")
     par = cfg.parallelism
-    if par.data_parallel_replicate_degree < 1:
-        p.append(f"parallelism.data_parallel_replicate_degree: must be >= 1, got {par.data_parallel_replicate_degree}")
+    for key in ("data_parallel_replicate_degree", "tensor_parallel_degree", "pipeline_parallel_degree",
+                "context_parallel_degree"):  # fmt: skip
+        if (degree := getattr(par, key)) < 1:
+            p.append(f"parallelism.{key}: must be >= 1, got {degree}")
     if par.data_parallel_shard_degree == 0 or par.data_parallel_shard_degree < -1:
         p.append(f"parallelism.data_parallel_shard_degree: must be -1 or >= 1, got {par.data_parallel_shard_degree}")
-    if par.tensor_parallel_degree < 1:
-        p.append(f"parallelism.tensor_parallel_degree: must be >= 1, got {par.tensor_parallel_degree}")
-    if par.pipeline_parallel_degree < 1:
-        p.append(f"parallelism.pipeline_parallel_degree: must be >= 1, got {par.pipeline_parallel_degree}")
-    if par.context_parallel_degree < 1:
-        p.append(f"parallelism.context_parallel_degree: must be >= 1, got {par.context_parallel_degree}")
     if par.context_parallel_load_balancer == "ptrr":
         p.append(
             "parallelism.context_parallel_load_balancer: ptrr balances torchtitan's FlexAttention ring; this recipe's "
