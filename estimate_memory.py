@@ -1014,7 +1014,7 @@ def fake_job_memory(job: Job, *, pp_rank: int = 0, device: str = "cpu") -> dict[
     Not under context parallel (the fake step does not cut windows).
     """
     if job.cp > 1:
-        raise ValueError("fake_job_memory: context parallel (cp > 1) is estimated by the formulas only")
+        raise ValueError("context parallel (cp > 1) is estimated by the formulas only (the breakdown above)")
     from config import ActivationCheckpoint, Compile
     from loss import Loss
     from parallelisms.parallelize import parallelize_model
@@ -1395,7 +1395,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(breakdown(job, args.pp_rank))
     if args.fake_step:
-        print(fake_breakdown(job, 0 if args.pp_rank is None else args.pp_rank))
+        try:
+            print(fake_breakdown(job, 0 if args.pp_rank is None else args.pp_rank))
+        except ValueError as e:  # a job the fake step cannot run (interleaved schedules, context parallel)
+            print(f"error: --fake-step: {e}", file=sys.stderr)
+            return 2
     return 0
 
 

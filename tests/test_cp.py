@@ -87,3 +87,15 @@ def test_the_cuda_block_mask_of_a_ranks_queries_is_the_cpu_mask() -> None:
     blocks = document_mask(segments, positions, block_mask=True)
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
     torch.testing.assert_close(flex_attention(q, k, v, block_mask=blocks), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_the_estimators_cli_plans_cp_and_refuses_a_fake_step_under_it(capsys: pytest.CaptureFixture[str]) -> None:
+    import estimate_memory
+
+    argv = ["--flavor", "debugmodel", "--ngpu", "4", "--cp", "2", "--seq-len", "1024", "--allocator", "cpu"]
+    assert estimate_memory.main(argv) == 0
+    assert "4 GPUs = replicate 1 x shard 2 x cp 2 x tp 1" in capsys.readouterr().out
+    assert estimate_memory.main([*argv, "--fake-step"]) == 2
+    assert capsys.readouterr().err == (
+        "error: --fake-step: context parallel (cp > 1) is estimated by the formulas only (the breakdown above)\n"
+    )
