@@ -813,10 +813,7 @@ def load_config(argv: list[str], *, inputs: bool = True, world_size: int | None 
         world, _, dry_run_problems = dry_run_world()
         problems += dry_run_problems
         world_size = world or None
-    # The layout rules need a model shape, a sequence length and degrees >= 1.
-    if world_size is not None and not any(
-        p.startswith(("model.", "training.seq_len")) or "_degree: must be" in p for p in problems
-    ):
+    if world_size is not None and not any(p.startswith(("model.", "training.seq_len")) for p in problems):
         from parallelisms.parallel_dims import layout_problems  # the rules live with the mesh, TP and PP
 
         t = cfg.training

@@ -170,55 +170,48 @@ def comm_per_step(
     args = job.args
     a, r = DTYPES[t.mixed_precision_param].itemsize, DTYPES[t.mixed_precision_reduce].itemsize
     ring = lambda g: (g - 1) / g  # noqa: E731
-    pp, tp, shard, rep, cp = dims.pp, dims.tp, dims.dp_shard * dims.cp, dims.dp_replicate, dims.cp
+    pp, tp, rep, cp = dims.pp, dims.tp, dims.dp_replicate, dims.cp
+    fsdp = dims.dp_shard * cp  # the ranks FSDP shards over; its line is named after their mesh dimension(s)
     fsdp_dim = "dp_shard" if cp == 1 else "cp" if dims.dp_shard == 1 else "dp_shard_cp"
     stage_params = family(cfg.model.name).num_params(args) / pp  # an average stage
     local_tokens = t.local_batch_size * t.seq_len // cp
+    # Rank 0's (virtual) stages and their blocks: without PP, one stage of all blocks.
+    layers = stage_layers(args, par) if pp > 1 else [list(range(args.n_layers))]
+    ours = rank_stages(0, pp=pp, stages=len(layers)) if pp > 1 else [0]
+    blocks = sum(len(layers[s]) for s in ours)
     reshard = par.fsdp_reshard_after_forward
     gathers = 1 if (pp > 1 and reshard != "always") else (grad_accum * (1 if reshard == "never" else 2))
     syncs = 1 if pp > 1 else grad_accum
     out: dict[str, tuple[float, str]] = {}
-    if shard > 1:
+    if fsdp > 1:
         gathered = gathers * stage_params / tp
         if pp == 1 and reshard != "never":  # backward finds the root unit still gathered
             gathered -= grad_accum * job_costs(job, tp_mesh=tp_mesh).root_params
-        nbytes = ring(shard) * (gathered * a + syncs * r * stage_params / tp)
+        nbytes = ring(fsdp) * (gathered * a + syncs * r * stage_params / tp)
         out[fsdp_dim] = (nbytes, f"FSDP: {gathers} all-gather(s) of the stage in {t.mixed_precision_param}, "
-                                   f"{syncs} reduce-scatter(s) of its gradients in {t.mixed_precision_reduce}")  # fmt: skip
+                                 f"{syncs} reduce-scatter(s) of its gradients in {t.mixed_precision_reduce}")  # fmt: skip
     if rep > 1:
         out["dp_replicate"] = (
-            2 * ring(rep) * syncs * r * stage_params / tp / shard,
+            2 * ring(rep) * syncs * r * stage_params / tp / fsdp,
             "HSDP: gradient shards all-reduced",
         )
     if tp > 1:
         costs = job_costs(job, tp_mesh=tp_mesh)
-        # Rank 0's stages: their blocks, the embedding (stage 0), the head and loss (the last stage's).
-        blocks, outside = args.n_layers, sum(costs.tp_embedding) + sum(costs.tp_head)
-        if pp > 1:
-            layers = stage_layers(args, par)
-            ours = rank_stages(0, pp=pp, stages=len(layers))
-            blocks = sum(len(layers[s]) for s in ours)
-            outside = sum(costs.tp_embedding) + (sum(costs.tp_head) if len(layers) - 1 in ours else 0)
+        # Rank 0's blocks, the embedding (stage 0, always rank 0's), the head and loss (the last stage's).
+        outside = sum(costs.tp_embedding) + (sum(costs.tp_head) if len(layers) - 1 in ours else 0)
         # A micro-batch of the pipeline is 1/microbatches of the local batch; the costs are per micro-batch.
         per_local_batch = job.microbatches * (sum(costs.tp_block) * blocks + outside)
         out["tp"] = (ring(tp) * per_local_batch * grad_accum, "the TP plan's all-gathers and reduce-scatters, "
                      "traced on one block: forward, backward and AC's recomputation")  # fmt: skip
     if cp > 1:
-        blocks, checkpointed = args.n_layers, checkpointed_blocks(args.n_layers, job.ac)
-        if pp > 1:
-            layers = stage_layers(args, par)
-            ours = [layers[s] for s in rank_stages(0, pp=pp, stages=len(layers))]
-            blocks = sum(map(len, ours))
-            checkpointed = sum(checkpointed_blocks(len(s), job.ac) for s in ours)
-        gathers = 2 * blocks + (0 if job.ac == "selective-op" else checkpointed)  # + backward's reduce-scatters
-        kv = ring(cp) * gathers * cp_kv_bytes(job)["gathered"] * job.microbatches * grad_accum
-        fsdp = out.get("cp", (0.0, ""))
+        recomputed = 0 if job.ac == "selective-op" else sum(checkpointed_blocks(len(layers[s]), job.ac) for s in ours)
+        passes = 2 * blocks + recomputed  # forward's all-gathers, backward's reduce-scatters, AC's re-gathers
+        kv = ring(cp) * passes * cp_kv_bytes(job)["gathered"] * job.microbatches * grad_accum
         what = "keys and values all-gathered per block (and gradients reduce-scattered), forward, backward, AC"
-        out["cp"] = (fsdp[0] + kv, f"{fsdp[1]}; {what}" if fsdp[1] else what)
+        shared = out.get("cp")  # FSDP's line when it shards over the CP ranks alone
+        out["cp"] = (shared[0] + kv, f"{shared[1]}; {what}") if shared else (kv, what)
     if pp > 1:  # rank 0's stages: each but the last sends activations, each but the first gradients
-        stages = len(stage_layers(args, par))
-        ours = rank_stages(0, pp=pp, stages=stages)
-        crossings = sum(s != stages - 1 for s in ours) + sum(s != 0 for s in ours)
+        crossings = sum(s != len(layers) - 1 for s in ours) + sum(s != 0 for s in ours)
         boundary = local_tokens / tp * args.dim * a
         out["pp"] = (crossings * boundary * grad_accum, f"sends of every micro-batch's hidden states: {crossings} per "
                      "micro-batch (activations forward, their gradients backward)")  # fmt: skip

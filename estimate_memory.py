@@ -657,8 +657,6 @@ def job_costs(job: Job, *, tp_mesh: DeviceMesh | None = None) -> BlockCosts:
         dtype=getattr(torch, job.param_dtype), ac=job.ac, tp=job.tp, rmsnorm=job.rmsnorm, tp_mesh=tp_mesh,
         loss_parallel=job.loss_parallel, loss_chunk_tokens=job.loss_chunk_tokens, z_loss=job.z_loss_weight > 0,
     )  # fmt: skip
-    if job.cp == 1:
-        return costs
     extra = cp_kv_bytes(job)
     return dataclasses.replace(costs, saved=costs.saved + extra["saved"], kept=costs.kept + extra["kept"])
 
@@ -669,7 +667,10 @@ def cp_kv_bytes(job: Job) -> dict[str, int]:
     heads (grouped-query attention repeats them before SDPA): `saved`; op SAC keeps the all-gather's output,
     the window's keys and values at the KV heads, so that backward does not gather again: `kept`; one
     all-gather's payload, the window's keys and values: `gathered`; on CPU ranks, SDPA's dense additive mask of
-    this rank's queries x the window, one per forward (models/attention.py; CUDA's BlockMask is a few KiB): `mask`."""
+    this rank's queries x the window, one per forward (models/attention.py; CUDA's BlockMask is a few KiB): `mask`.
+    All 0 without context parallel."""
+    if job.cp == 1:
+        return dict.fromkeys(("saved", "kept", "gathered", "mask"), 0)
     args, a = job.args, DTYPE_BYTES[job.param_dtype]
     batch, window = job.microbatch_tokens // job.local_seq_len, job.seq_len
     head_bytes = batch * args.head_dim * a
@@ -686,7 +687,7 @@ def activation_bytes(job: Job, *, tp_mesh: DeviceMesh | None = None) -> dict[str
     costs, args, a = job_costs(job, tp_mesh=tp_mesh), job.args, DTYPE_BYTES[job.param_dtype]
     T, checkpointed = job.microbatch_tokens, checkpointed_blocks(job.args.n_layers, job.ac)
     blocks = (args.n_layers - checkpointed) * costs.saved + checkpointed * costs.kept
-    outside = 16 * T + costs.final_norm + a * T * args.dim + (cp_kv_bytes(job)["mask"] if job.cp > 1 else 0)
+    outside = 16 * T + costs.final_norm + a * T * args.dim + cp_kv_bytes(job)["mask"]
     log_softmax = 4 * T * args.vocab_size // job.tp
     return {
         "per_block_no_ac": costs.saved,
@@ -750,7 +751,7 @@ def estimate_rank(job: Job, pp_rank: int = 0, *, tp_mesh: DeviceMesh | None = No
     chunked = 0 < job.loss_chunk_tokens < T
     # The loss's fp32 log-softmax (loss parallel keeps the vocabulary sharded); the chunked loss keeps none.
     log_softmax = 0 if chunked else 4 * T * V // t
-    ids = 16 * T + (cp_kv_bytes(job)["mask"] if job.cp > 1 else 0)  # token ids and labels (int64), CP's CPU mask
+    ids = 16 * T + cp_kv_bytes(job)["mask"]  # token ids and labels (int64), and CP's mask on CPU
     stage_output = a * T * D / t  # kept by a pipeline stage for its backward; the last stage's feeds the norm
     # The final norm's saves, and its output, gathered over the sequence, which the loss keeps.
     final_norm = costs.final_norm + a * T * D

@@ -100,8 +100,8 @@ class Validator:
                     loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
                     total += torch.stack([loss * rows, torch.tensor(float(rows), device=self.device)])
         model.train()
-        # The ranks of a TP group hold the same sums, those of a CP group the means of equal parts, and under PP only the last stage's ranks hold any: they count
-        # alike in numerator and denominator.
+        # The ranks of a TP group hold the same sums, those of a CP group the means of equal parts of each window,
+        # and under PP only the last stage's ranks hold any: they count alike in numerator and denominator.
         dist.all_reduce(total)
         self.seconds = time.perf_counter() - begin
         loss_sum, sequences = total.tolist()

@@ -15,8 +15,8 @@ CUDA gets FlexAttention BlockMasks for masks (blocks no query may see are skippe
 additive masks for SDPA (FlexAttention has no CPU backward in PyTorch 2.13), exact and fine for the
 sequence lengths of tests: bs x queries x window elements in the compute dtype, built once per forward.
 Additive and in that dtype on purpose: SDPA saves its mask for backward, and a boolean one it first
-converts, once per block (measured: 16 MiB of converted copies for 2 blocks at 1,024 x 2,048 queries x
-keys, benchmarks/context_parallel.py), where this one is saved once, shared by every block.
+converts to a float copy in every block, where this one is saved once, shared by every block (what it
+saves: docs/benchmarks.md, "Context parallel").
 """
 
 from __future__ import annotations

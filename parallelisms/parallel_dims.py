@@ -134,6 +134,10 @@ def layout_problems(
     """Every problem of the parallel layout for this world and model, from the rules where they live: the degrees
     (ParallelDims), what TP needs of the shape (check_tp), how CP cuts a window (check_cp), the pipeline's split and
     micro-batches (pp.py). The run (load_config) and the memory estimator ask the same rules."""
+    degrees = (par.pipeline_parallel_degree, par.data_parallel_replicate_degree, par.context_parallel_degree,
+               par.tensor_parallel_degree)  # fmt: skip
+    if min(degrees) < 1:
+        return []  # config.validate names the degree; no layout rule can divide by it
     rules = [lambda: ParallelDims.from_config(par, world_size=world_size)]
     if par.context_parallel_degree > 1:
         seq_lens = {"training.seq_len": seq_len} | (
