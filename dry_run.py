@@ -156,7 +156,8 @@ def comm_per_step(
               micro-batch's forward all-gathers the rank's stage in param_dtype, backward gathers
               it again (not with parallelism.fsdp_reshard_after_forward = "never"; under PP the stage stays
               gathered for the whole step) but for the root unit, final norm and output, which FSDP2 keeps
-              gathered from its forward to its backward, and reduce-scatters every gradient in reduce_dtype.
+              gathered from its forward to its backward, and the embedding, whose backward does not read it,
+              and reduce-scatters every gradient in reduce_dtype.
     cp        context parallel: per block of the rank's stages and micro-batch, an all-gather of the window's
               keys and values forward, a reduce-scatter of their gradients backward, and another all-gather
               where AC recomputes the block (not under op SAC, which keeps the gathered tensors).
@@ -187,6 +188,8 @@ def comm_per_step(
         gathered = gathers * stage_params / tp
         if pp == 1 and reshard != "never":  # backward finds the root unit still gathered
             gathered -= grad_accum * job_costs(job, tp_mesh=tp_mesh).root_params
+        if reshard == "always" or (pp == 1 and reshard == "default"):  # backward does not gather the embedding
+            gathered -= grad_accum * job_costs(job, tp_mesh=tp_mesh).embedding_params
         nbytes = ring(fsdp) * (gathered * a + syncs * r * stage_params / tp)
         out[fsdp_dim] = (nbytes, f"FSDP: {gathers} all-gather(s) of the stage in {t.mixed_precision_param}, "
                                  f"{syncs} reduce-scatter(s) of its gradients in {t.mixed_precision_reduce}")  # fmt: skip

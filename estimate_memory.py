@@ -730,7 +730,8 @@ def estimate_rank(job: Job, pp_rank: int = 0, *, tp_mesh: DeviceMesh | None = No
     earlier_grads = grads if on_gpu and job.grad_accum > 1 else 0.0  # the step's earlier micro-batches'
 
     # Gathered in param_dtype. Without PP the embedding and blocks are resharded after forward and
-    # the root (norm + output) is not; in backward one block is gathered plus the prefetched one.
+    # the root (norm + output) is not; in backward one block is gathered plus the prefetched one, and
+    # the embedding is not gathered again (its backward does not read it, parallelisms/fsdp.py).
     # Under PP the rank's stages stay gathered from their first forward to the end of the step.
     if pipelined:
         gathered = dict.fromkeys(("loss", "block", "embedding"), a * rank_p)
@@ -738,7 +739,7 @@ def estimate_rank(job: Job, pp_rank: int = 0, *, tp_mesh: DeviceMesh | None = No
         gathered = {
             "loss": a * output_p,
             "block": a * (output_p + 2 * block_p),
-            "embedding": a * (output_p + embedding_p),
+            "embedding": a * output_p,
         }
 
     # Activations of one micro-batch through one stage, as the trace found them.

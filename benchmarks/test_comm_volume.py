@@ -38,17 +38,17 @@ def analytic() -> dict[str, dict[str, int]]:
     """Payloads per step (bytes) from the parameter count, for reshard_after_forward="default".
 
     apply_fsdp makes units: embedding, each block, norm + output (the root holds no parameter).
-    Forward all-gathers every unit; backward re-gathers the units resharded after forward (all
-    but norm + output); each unit's gradient is reduce-scattered once. HSDP then all-reduces the
+    Forward all-gathers every unit; backward re-gathers the blocks (norm + output stay gathered, the
+    embedding's backward does not read it); each unit's gradient is reduce-scattered once. HSDP then all-reduces the
     gradient shard (1/dp_shard of the gradients) across the replicas.
     """
     total = num_params(ARGS)
     embedding = ARGS.vocab_size * ARGS.dim
     norm_output = ARGS.dim + ARGS.vocab_size * ARGS.dim
-    resharded = total - norm_output
+    regathered = total - norm_output - embedding
     return {
         "params": {"total": total, "embedding": embedding, "norm_output": norm_output},
-        "all_gather": {"payload": (total + resharded) * FP32, "calls": 2 * (N_LAYERS + 2) - 1},
+        "all_gather": {"payload": (total + regathered) * FP32, "calls": 2 * N_LAYERS + 2},
         "reduce_scatter": {"payload": total * FP32, "calls": N_LAYERS + 2},
         "grad_all_reduce": {"payload": total * FP32, "calls": N_LAYERS + 2},  # / dp_shard under HSDP
     }
