@@ -24,3 +24,5 @@ def test_torchtitans_trainer_and_this_recipe_side_by_side(tmp_path: Path) -> Non
         ("vs torchtitan", "torchtitan 0.2.2", "this recipe", "tok/s"),
         ("vs torchtitan", "torchtitan 0.2.2", "this recipe", "GiB"),
     ]
+    ratio = fsdp2["recipe_tps"] / fsdp2["torchtitan_tps"]  # one round: the per-round ratio is the ratio
+    assert rows[0].metric == f"tokens/s per device, FSDP 2; per round {ratio:.3f}x ({ratio:.3f}-{ratio:.3f})"
