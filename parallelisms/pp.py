@@ -49,6 +49,8 @@ SCHEDULES = {
     "Interleaved1F1B": ScheduleInterleaved1F1B,
     "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
 }
+# torch runs these schedules' micro-batches in max(1, micro-batches // pp) rounds of equal size.
+IN_ROUNDS = (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)
 
 
 def stage_layers(args: Any, cfg: Parallelism) -> list[list[int]]:
@@ -132,7 +134,14 @@ def check_microbatches(cfg: Parallelism, *, local_batch_size: int) -> int:
             f"local_batch_size {local_batch_size}, fewer than the {pp} stages 1F1B needs (more shrink the bubble); "
             f"lower it or raise training.local_batch_size"
         )
-    return local_batch_size // mb
+    n = local_batch_size // mb
+    if SCHEDULES.get(cfg.pipeline_parallel_schedule) in IN_ROUNDS and n % (rounds := max(1, n // pp)):
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_microbatch_size: {mb} makes {n} micro-batches of local_batch_size "
+            f"{local_batch_size}; {cfg.pipeline_parallel_schedule} runs them in rounds, {n} // {pp} stages = "
+            f"{rounds} of them, so their number must divide by {rounds}: make it a multiple of {pp} (or below {2 * pp})"
+        )
+    return n
 
 
 def stage_module(model: nn.Module, layers: list[int], *, first: bool, last: bool) -> nn.Module:

@@ -13,6 +13,7 @@ import pytest
 from config import Parallelism
 from errors import ConfigError
 from models.llama3 import FLAVORS
+from estimate_memory import Job, estimate
 from parallelisms.pp import check_microbatches, rank_stages, stage_layers
 
 
@@ -65,3 +66,22 @@ def test_micro_batches() -> None:
     with pytest.raises(ConfigError, match="fewer than the 4 stages 1F1B needs"):
         check_microbatches(cfg, local_batch_size=6)
     assert check_microbatches(dataclasses.replace(cfg, pipeline_parallel_schedule="GPipe"), local_batch_size=6) == 3
+
+
+@pytest.mark.parametrize("schedule", ["Interleaved1F1B", "InterleavedZeroBubble"])
+def test_interleaved_micro_batches_come_in_rounds(schedule: str) -> None:
+    """torch runs these schedules' micro-batches in max(1, n // pp) equal rounds and fails otherwise (in the
+    estimator's copy of its plan, a KeyError from every rank): refused in one line; every count accepted plans."""
+    for pp, most, refused in ((2, 12, [5, 7, 9, 11]), (4, 16, [9, 11, 13, 14])):
+        found = []
+        for n in range(1, most + 1):
+            try:
+                job = Job(flavor="llama3_8b", ngpu=pp, pp=pp, pp_schedule=schedule, local_batch_size=n, seq_len=1024)
+            except ConfigError as e:
+                (line,) = e.problems
+                assert line.startswith(f"parallelism.pipeline_parallel_microbatch_size: 1 makes {n} micro-batches")
+                assert f"make it a multiple of {pp}" in line
+                found.append(n)
+                continue
+            assert job.microbatches == n and estimate(job)["total"] > 0  # torch's plan for every rank
+        assert found == refused, (pp, found)
