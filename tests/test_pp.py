@@ -12,8 +12,8 @@ import pytest
 
 from config import Parallelism
 from errors import ConfigError
-from models.llama3 import FLAVORS
 from estimate_memory import Job, estimate
+from models.llama3 import FLAVORS
 from parallelisms.pp import check_microbatches, rank_stages, stage_layers
 
 
