@@ -57,9 +57,9 @@ def apply_fsdp(
     if model.output is not None and model.tok_embeddings is not None:  # None: a pipeline stage without it
         fully_shard(model.tok_embeddings, **kw, reshard_after_forward=reshard)
         # An embedding's backward reads the token ids, never the table: its gradient is the output
-        # gradient added into the rows of those ids. So backward does not gather the table again
-        # (one all-gather of vocab x dim less per step where it was resharded after forward: 0.98 GiB
-        # in bf16 at 8B); its gradient is reduce-scattered as any other.
+        # gradient added into the rows of those ids. So backward does not gather the table again (one
+        # all-gather of vocab x dim less per step where it was resharded after forward; what that is at
+        # 8B: docs/benchmarks.md); its gradient is reduce-scattered as any other.
         model.tok_embeddings.set_unshard_in_backward(False)
     for block in model.layers.values():
         fully_shard(block, **kw, reshard_after_forward=reshard)
