@@ -40,7 +40,7 @@ from config import JobConfig, dry_run_world, global_batch_size, input_problems, 
 from estimate_memory import GiB, Job, checkpointed_blocks, cp_kv_bytes, estimate, job_costs, job_of
 from loss import Loss
 from models import family, with_seq_len
-from parallelisms.fsdp import DTYPES
+from parallelisms.fsdp import DTYPES, reshards_after_forward
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.pp import check_microbatches, rank_stages, stage_layers
 
@@ -180,16 +180,15 @@ def comm_per_step(
     layers = stage_layers(args, par) if pp > 1 else [list(range(args.n_layers))]
     ours = rank_stages(0, pp=pp, stages=len(layers)) if pp > 1 else [0]
     blocks = sum(len(layers[s]) for s in ours)
-    reshard = par.fsdp_reshard_after_forward
-    gathers = 1 if (pp > 1 and reshard != "always") else (grad_accum * (1 if reshard == "never" else 2))
+    costs = job_costs(job, tp_mesh=tp_mesh)
+    resharded = reshards_after_forward(par.fsdp_reshard_after_forward, pp_enabled=pp > 1)
+    gathers = 2 * grad_accum if resharded else (1 if pp > 1 else grad_accum)
     syncs = 1 if pp > 1 else grad_accum
     out: dict[str, tuple[float, str]] = {}
     if fsdp > 1:
         gathered = gathers * stage_params / tp
-        if pp == 1 and reshard != "never":  # backward finds the root unit still gathered
-            gathered -= grad_accum * job_costs(job, tp_mesh=tp_mesh).root_params
-        if reshard == "always" or (pp == 1 and reshard == "default"):  # backward does not gather the embedding
-            gathered -= grad_accum * job_costs(job, tp_mesh=tp_mesh).embedding_params
+        if resharded:  # backward gathers neither the embedding nor (without PP) the root unit, still gathered
+            gathered -= grad_accum * (costs.embedding_params + (costs.root_params if pp == 1 else 0))
         nbytes = ring(fsdp) * (gathered * a + syncs * r * stage_params / tp)
         out[fsdp_dim] = (nbytes, f"FSDP: {gathers} all-gather(s) of the stage in {t.mixed_precision_param}, "
                                  f"{syncs} reduce-scatter(s) of its gradients in {t.mixed_precision_reduce}")  # fmt: skip
@@ -199,7 +198,6 @@ def comm_per_step(
             "HSDP: gradient shards all-reduced",
         )
     if tp > 1:
-        costs = job_costs(job, tp_mesh=tp_mesh)
         # Rank 0's blocks, the embedding (stage 0, always rank 0's), the head and loss (the last stage's).
         outside = sum(costs.tp_embedding) + (sum(costs.tp_head) if len(layers) - 1 in ours else 0)
         # A micro-batch of the pipeline is 1/microbatches of the local batch; the costs are per micro-batch.

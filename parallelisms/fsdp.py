@@ -12,6 +12,14 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def reshards_after_forward(policy: str, *, pp_enabled: bool) -> bool:
+    """Whether the embedding and the blocks are freed after forward and gathered again for backward (the
+    root unit never is, nor the embedding for backward: apply_fsdp); the dry run counts traffic by it."""
+    if policy not in ("default", "always", "never"):
+        raise ValueError(f"reshard_after_forward: expected 'default', 'always' or 'never', got {policy!r}")
+    return policy == "always" or (policy == "default" and not pp_enabled)
+
+
 def apply_fsdp(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -41,11 +49,7 @@ def apply_fsdp(
     several micro-batches' forwards before their backwards, and resharding would gather its
     parameters again for each of them (torchtitan's rule).
     """
-    if reshard_after_forward not in ("default", "always", "never"):
-        raise ValueError(
-            f"reshard_after_forward: expected 'default', 'always' or 'never', got {reshard_after_forward!r}"
-        )
-    reshard = reshard_after_forward == "always" or (reshard_after_forward == "default" and not pp_enabled)
+    reshard = reshards_after_forward(reshard_after_forward, pp_enabled=pp_enabled)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     # Pinned host memory needs a CUDA driver; on a CPU-only machine the default
     # pin_memory=True fails, so pin only where CUDA exists.

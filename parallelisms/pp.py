@@ -128,13 +128,13 @@ def check_microbatches(cfg: Parallelism, *, local_batch_size: int) -> int:
             f"parallelism.pipeline_parallel_microbatch_size: {mb} does not divide training.local_batch_size "
             f"{local_batch_size}; the pipeline splits each local batch into micro-batches of this many sequences"
         )
-    if cfg.pipeline_parallel_schedule == "1F1B" and local_batch_size // mb < pp:
+    n = local_batch_size // mb
+    if cfg.pipeline_parallel_schedule == "1F1B" and n < pp:
         raise ConfigError(
-            f"parallelism.pipeline_parallel_microbatch_size: {mb} makes {local_batch_size // mb} micro-batches of "
+            f"parallelism.pipeline_parallel_microbatch_size: {mb} makes {n} micro-batches of "
             f"local_batch_size {local_batch_size}, fewer than the {pp} stages 1F1B needs (more shrink the bubble); "
             f"lower it or raise training.local_batch_size"
         )
-    n = local_batch_size // mb
     if SCHEDULES.get(cfg.pipeline_parallel_schedule) in IN_ROUNDS and n % (rounds := max(1, n // pp)):
         raise ConfigError(
             f"parallelism.pipeline_parallel_microbatch_size: {mb} makes {n} micro-batches of local_batch_size "
