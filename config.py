@@ -3,15 +3,17 @@
 Each TOML section is a dataclass below and each key a field; the string under a field is its
 documentation and becomes `--help`. Sections may nest (`[training.dataloader]`,
 `[quantize.linear.float8]`). Section and key names are torchtitan v0.2.2's wherever it has one, with
-its meaning, so its TOMLs run unchanged; a torchtitan key that asks for something this recipe does
-not do is accepted at its default value (which changes nothing) and refused in one line otherwise
-(`unsupported` below). Precedence: `--section.key=value` on the command line > the TOML file > the
+its meaning, so its TOMLs run unchanged; the torchtitan keys this recipe has no use for live in
+config_torchtitan.py (each section here inherits its own), accepted at their default value (which
+changes nothing) and refused in one line otherwise, or ignored. Precedence: `--section.key=value` on the command line > the TOML file > the
 defaults written here. `--job.config_file FILE` (torchtitan's flag) is `--config FILE`.
 
 Every user mistake raises `ConfigError` (errors.py) with one line per problem, naming the key and
-the fix: unknown keys, wrong types and bad values of one command, all in one round. Each rule about
-the values of a config lives in `validate` below; rules that need the process group or the model
-live next to the fact they check (ParallelDims, apply_tp, the data loader) and run at start-up.
+the fix: unknown keys, wrong types and bad values of one command, all in one round. Each section
+checks its own values (its `problems` method, next to its keys); `validate` gathers them. Rules that
+need the world size live next to the fact they check (ParallelDims, check_tp, pp.py) and join the
+same round through load_config's `extra_checks`; those that need the process group or the model run
+at start-up.
 
 Relative input paths (fields marked `input_path`) are read from the current directory, else from
 the repo: a shipped config works from any working directory, and a torchtitan TOML from the user's
@@ -23,6 +25,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import functools
 import inspect
 import itertools
 import json
@@ -31,7 +34,7 @@ import os
 import textwrap
 import types
 import typing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -41,8 +44,27 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
+from config_torchtitan import (
+    MOVED,
+    OTHER_CONVERTERS,
+    Experimental,
+    FaultTolerance,
+    MemoryEstimation,
+    MXLinear,
+    QuantizeGroupedMM,
+    TorchtitanActivationCheckpoint,
+    TorchtitanCheckpoint,
+    TorchtitanDebug,
+    TorchtitanJob,
+    TorchtitanMetrics,
+    TorchtitanOptimizer,
+    TorchtitanParallelism,
+    TorchtitanTraining,
+    TorchtitanValidation,
+    refusal,
+)
 from errors import ConfigError, warn
-from models import NAMES, ModelFamily, family, parameter_shapes
+from models import NAMES, ModelFamily, family, parameter_shapes, with_seq_len
 
 REPO = Path(__file__).resolve().parent
 SHIPPED_TOKENIZER, SHIPPED_CORPUS = "assets/tokenizer", "assets/corpus/stories.jsonl"
@@ -56,18 +78,13 @@ def optional_part(path: str, default: Any) -> Any:
     return field(default=default, metadata={"part": path})
 
 
-def unsupported(what: str, default: Any) -> Any:
-    """A torchtitan key this recipe takes at its default only; any other value asks for `what` and is refused."""
-    kind = "default_factory" if isinstance(default, list) else "default"
-    value = (lambda: list(default)) if isinstance(default, list) else default
-    return field(**{kind: value}, metadata={"unsupported": what})
-
-
 # ------------------------------------------------------------------------ sections
 
 
 @dataclass
-class Job:
+class Job(TorchtitanJob):
+    """Where a run writes, and what it says about itself."""
+
     dump_folder: str = "./outputs"
     """Folder for everything a run writes: checkpoints, metrics.jsonl, TensorBoard events."""
     description: str = ""
@@ -78,22 +95,22 @@ class Job:
     """The TOML file to read (torchtitan's --job.config_file; the same as --config)."""
     save_config_file: str | None = None
     """Also write the resolved config to this file (relative to job.dump_folder) at start-up."""
-    custom_config_module: str = unsupported("a custom config module", "")
-    """torchtitan's extension point; not used by this recipe."""
 
 
 @dataclass
 class Model:
+    """Which model: its family, size or Hugging Face folder, tokenizer, converters and attention mask."""
+
     name: str = "llama3"
     """Model family, a folder of models/ (torchtitan's key): llama3 or qwen3 (models.NAMES)."""
     flavor: str = "debugmodel"
     """Model size: a key of the family's FLAVORS in models/<name>/model.py, or one of its aliases (torchtitan's 8B, ...); a wrong one lists them."""
     hf_assets_path: str | None = field(default=None, metadata=INPUT_PATH)
-    """A Hugging Face Llama folder: the tokenizer when tokenizer_path is unset, and the weights with checkpoint.initial_load_in_hf."""
+    """A Hugging Face folder of a model of this family: the tokenizer when tokenizer_path is unset, and the weights with checkpoint.initial_load_in_hf."""
     tokenizer_path: str | None = field(default=None, metadata=INPUT_PATH)
     """A tokenizer.json file, a Hugging Face tokenizer folder, or "byte"; unset: hf_assets_path, else the shipped assets/tokenizer."""
     shape_from_hf_config: bool = False
-    """Take the model shape from hf_assets_path's config.json instead of flavor (a Llama whose size is no flavor)."""
+    """Take the model shape from hf_assets_path's config.json instead of flavor (a model of the family whose size is no flavor)."""
     converters: list[str] = field(default_factory=list)
     """Model converters applied before parallelizing: "quantize.linear.float8" (alias "float8")."""
     print_after_conversion: bool = False
@@ -101,21 +118,28 @@ class Model:
     attn_mask_type: Literal["causal", "block_causal"] = "causal"
     """causal: every token sees all earlier tokens of its window; block_causal: only those of its own document (FlexAttention on CUDA)."""
 
+    def problems(self, *, seq_len: int, validation_seq_len: int | None) -> list[str]:
+        """The family and flavor exist, the Hugging Face folder agrees, the model takes the training (and held-out)
+        sequence length, and the converters are this recipe's."""
+        p = _check_model(self, seq_len=seq_len)
+        if validation_seq_len is not None and not p:  # the same rule for held-out sequences
+            p += [f"validation.{q.removeprefix('training.')}" for q in _check_model(self, seq_len=validation_seq_len)]
+        for converter in self.converters:
+            if converter in OTHER_CONVERTERS:
+                asks = OTHER_CONVERTERS[converter].format(model=self.name)
+                p.append(f"model.converters: {converter!r} asks for {asks}, which this recipe does not do; remove it")
+            elif converter != "quantize.linear.float8":
+                p.append(
+                    f'model.converters: {converter!r} is not a converter of this recipe; use "quantize.linear.float8" (float8 linears)'
+                )
+        return p  # fmt: skip
+
 
 @dataclass
-class DataLoader:
-    num_workers: int = unsupported("worker processes for data loading (windows are memory-map slices)", 0)
-    """Loader processes; this recipe reads memory-mapped shards in the training process."""
-    persistent_workers: bool = unsupported("persistent data-loading workers", False)
-    """torchtitan's DataLoader option; no workers here."""
-    pin_memory: bool = unsupported("pinned data-loading buffers", False)
-    """torchtitan's DataLoader option; not used here."""
-    prefetch_factor: int | None = unsupported("data prefetching by workers", None)
-    """torchtitan's DataLoader option; not used here."""
+class Training(TorchtitanTraining):
+    """The training run: its data (torchtitan's names), batch and sequence sizes, precision, and what a step
+    tolerates."""
 
-
-@dataclass
-class Training:
     dataset: str | None = None
     """torchtitan's dataset name: c4 or c4_validation (hub, prepared with scripts/prepare_data.py), c4_test (./tests/assets/c4_test); unset: data.path."""
     dataset_path: str | None = field(default=None, metadata=INPUT_PATH)
@@ -134,8 +158,6 @@ class Training:
     """Dtype FSDP gathers parameters in for forward and backward; the sharded master copy stays float32. float16 is refused: it needs loss scaling."""
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
     """Dtype FSDP reduces gradients in."""
-    dtype: Literal["float32", "bfloat16"] = unsupported("pure bfloat16 training (no float32 master weights)", "float32")
-    """Dtype of parameters and optimizer state; float32 here (training.mixed_precision_param sets the compute dtype)."""
     enable_cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state in host memory (FSDP CPUOffloadPolicy)."""
     skip_nonfinite_steps: int = 0
@@ -150,13 +172,46 @@ class Training:
     """Output projection + cross-entropy on this many tokens at a time, recomputed in backward (loss.py): the peak holds one chunk's logits instead of the micro-batch's. 0 = all at once; a micro-batch of at most this many tokens is one chunk."""
     gc_freq: int = 50
     """Python's garbage collector runs every gc_freq steps on every rank at once, instead of whenever it likes (a pause on one rank stalls all)."""
-    gc_debug: bool = unsupported("garbage-collector debugging", False)
-    """torchtitan's gc debugging; not implemented here."""
-    dataloader: DataLoader = field(default_factory=DataLoader)
+
+    def problems(self) -> list[str]:
+        p = [f"training.{key}: must be >= 1, got {getattr(self, key)}"
+             for key in ("steps", "local_batch_size", "gc_freq") if getattr(self, key) < 1]  # fmt: skip
+        if self.seq_len < 2:
+            p.append(f"training.seq_len: must be >= 2, got {self.seq_len}")
+        if self.global_batch_size != -1 and self.global_batch_size < self.local_batch_size:
+            p.append(
+                f"training.global_batch_size: {self.global_batch_size} is below local_batch_size {self.local_batch_size}; use -1 or a multiple of local_batch_size x data-parallel degree"
+            )
+        if self.max_norm < 0:
+            p.append(f"training.max_norm: must be >= 0 (0 disables clipping), got {self.max_norm}")
+        if self.mixed_precision_param == "float16":
+            p.append(
+                "training.mixed_precision_param: float16 needs loss scaling to keep small gradients from underflowing "
+                "to zero, which this recipe does not implement; use bfloat16 (same memory, float32's exponent range)"
+            )
+        if self.skip_nonfinite_steps < 0:
+            p.append(f"training.skip_nonfinite_steps: must be >= 0, got {self.skip_nonfinite_steps}")
+        if self.skip_spike_sigma < 0:
+            p.append(
+                f"training.skip_spike_sigma: must be >= 0 (0 = off; OLMo-core uses 6), got {self.skip_spike_sigma}"
+            )
+        if self.skip_spike_window < 2:
+            p.append(
+                f"training.skip_spike_window: must be >= 2 (a standard deviation needs two steps), got {self.skip_spike_window}"
+            )
+        if self.z_loss_weight < 0:
+            p.append(
+                f"training.z_loss_weight: must be >= 0 (0 = off; PaLM and OLMo use 1e-4 and 1e-5), got {self.z_loss_weight}"
+            )
+        if self.loss_chunk_tokens < 0:
+            p.append(f"training.loss_chunk_tokens: must be >= 0 (0 = no chunks), got {self.loss_chunk_tokens}")
+        return p  # fmt: skip
 
 
 @dataclass
-class Optimizer:
+class Optimizer(TorchtitanOptimizer):
+    """The optimizer (AdamW) and its hyperparameters."""
+
     name: Literal["AdamW"] = "AdamW"
     """Optimizer (torchtitan's key); AdamW is the one implemented."""
     lr: float = 8e-4
@@ -171,12 +226,22 @@ class Optimizer:
     """Decoupled weight decay."""
     implementation: Literal["fused", "foreach", "for-loop"] = "fused"
     """AdamW kernel: fused (one kernel, CUDA and CPU), foreach (multi-tensor) or for-loop."""
-    early_step_in_backward: bool = unsupported("optimizer steps inside backward", False)
-    """torchtitan's memory optimization; not implemented here."""
+
+    def problems(self) -> list[str]:
+        p = []
+        if self.lr <= 0:
+            p.append(f"optimizer.lr: must be > 0, got {self.lr}")
+        if self.eps <= 0:
+            p.append(f"optimizer.eps: must be > 0 (it keeps AdamW's division away from zero), got {self.eps}")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            p.append(f"optimizer.beta1/beta2: must lie in [0, 1), got {self.beta1}, {self.beta2}")
+        return p
 
 
 @dataclass
 class LRScheduler:
+    """The learning-rate schedule: linear warmup, then a decay (torchtitan's schedule)."""
+
     warmup_steps: int = 200
     """Steps of linear warmup: step s (from 0) uses lr x (s + 1) / warmup_steps (torchtitan's schedule)."""
     total_steps: int | None = None
@@ -188,9 +253,29 @@ class LRScheduler:
     min_lr_factor: float = 0.0
     """Final learning rate as a fraction of optimizer.lr."""
 
+    def problems(self, *, training_steps: int) -> list[str]:
+        p = []
+        total = self.total_steps if self.total_steps is not None else training_steps
+        if self.warmup_steps < 0:
+            p.append(f"lr_scheduler.warmup_steps: must be >= 0, got {self.warmup_steps}")
+        elif self.warmup_steps > total:
+            warn(
+                f"lr_scheduler.warmup_steps = {self.warmup_steps} exceeds the {total} steps of the schedule; warming "
+                f"up over {total} steps instead (as torchtitan does)"
+            )
+        if self.total_steps is not None and self.total_steps < 1:
+            p.append(f"lr_scheduler.total_steps: must be >= 1 or unset, got {self.total_steps}")
+        if self.decay_ratio is not None and not 0 < self.decay_ratio <= 1:
+            p.append(f"lr_scheduler.decay_ratio: must lie in (0, 1] or be unset, got {self.decay_ratio}")
+        if not 0 <= self.min_lr_factor <= 1:
+            p.append(f"lr_scheduler.min_lr_factor: must lie in [0, 1], got {self.min_lr_factor}")
+        return p
+
 
 @dataclass
 class Data:
+    """The training data: prepared folders, raw files read at start-up, or a mixture, and the order read."""
+
     path: str | None = field(default=None, metadata=INPUT_PATH)
     """A folder prepared by scripts/prepare_data.py, or raw json/jsonl(.gz)/parquet/txt files (up to 256 MiB: prepared into cache_folder at start-up); unset: training.dataset_path or training.dataset, else the shipped corpus."""
     format: Literal["auto", "json", "parquet", "text", "hub"] = "auto"
@@ -212,9 +297,36 @@ class Data:
     ignore_resume_mismatch: bool = False
     """Resume a checkpoint trained on other data, tokenizer, seq_len, global batch or shuffle order anyway (from its sample count)."""
 
+    def problems(self, *, training_dataset: str | None) -> list[str]:
+        """The mixture's weights fit its folders; training.dataset (resolved into data.path) is one this recipe knows."""
+        if self.mixture:
+            p = []
+            if self.mixture_weights and len(self.mixture_weights) != len(self.mixture):
+                p.append(
+                    f"data.mixture_weights: {len(self.mixture_weights)} weights for {len(self.mixture)} data.mixture "
+                    "folders; give one weight per folder (or none for equal shares)"
+                )
+            if any(w <= 0 for w in self.mixture_weights):
+                p.append(
+                    f"data.mixture_weights: every weight must be > 0, got {self.mixture_weights}; leave a folder out instead"
+                )
+            return p
+        if self.mixture_weights:
+            return [
+                "data.mixture_weights: weighs the folders of data.mixture, which is empty; set data.mixture or remove the key"
+            ]
+        if self.path is None:  # training.dataset names no dataset this recipe knows
+            known = ", ".join(name for name in DATASETS if "validation" not in name)
+            return [
+                f"training.dataset: unknown dataset {training_dataset!r} ({known}, or set training.dataset_path / data.path to your data)"
+            ]
+        return []  # fmt: skip
+
 
 @dataclass
-class Validation:
+class Validation(TorchtitanValidation):
+    """The loss on held-out data, every freq steps."""
+
     enable: bool = False
     """Compute the loss on held-out data every freq steps (no effect on training)."""
     dataset: str = "c4_validation"
@@ -229,11 +341,29 @@ class Validation:
     """Validate after step 1, every this many training steps, and after the last one."""
     steps: int = -1
     """Validation steps per validation; -1 reads the held-out data once."""
-    dataloader: DataLoader = field(default_factory=DataLoader)
+
+    def problems(self, *, training: Training, pp: int) -> list[str]:
+        if not self.enable:
+            return []
+        p = [f"validation.{key}: must be >= 1, got {getattr(self, key)}"
+             for key in ("local_batch_size", "freq", "seq_len") if getattr(self, key) < 1]  # fmt: skip
+        if self.steps == 0 or self.steps < -1:
+            p.append(f"validation.steps: must be -1 (the whole held-out data) or >= 1, got {self.steps}")
+        for key in ("local_batch_size", "seq_len") if pp > 1 else ():
+            if getattr(self, key) != getattr(training, key):
+                p.append(
+                    f"validation.{key}: {getattr(self, key)} differs from training.{key} = {getattr(training, key)}; "
+                    "under pipeline parallel the stages' receive buffers hold one micro-batch shape, so validation "
+                    "uses training's: set it to that"
+                )
+        return p
 
 
 @dataclass
-class Parallelism:
+class Parallelism(TorchtitanParallelism):
+    """How the ranks split the work: data parallel (FSDP, HSDP), tensor, pipeline and context parallel. The rules
+    that need the world size or the model are parallelisms/'s (layout_settings names what they read)."""
+
     data_parallel_replicate_degree: int = 1
     """Replicas of the model (HSDP outer dimension, usually the number of nodes)."""
     data_parallel_shard_degree: int = -1
@@ -250,8 +380,6 @@ class Parallelism:
     """Ranks the model's layers are split over (pipeline parallel, parallelisms/pp.py; the outermost dimension)."""
     pipeline_parallel_schedule: str = "1F1B"
     """Pipeline schedule: 1F1B, GPipe (one stage per rank), Interleaved1F1B, InterleavedZeroBubble (2+ stages per rank)."""
-    pipeline_parallel_schedule_csv: str | None = unsupported("a pipeline schedule from a CSV file", "")
-    """torchtitan's custom pipeline schedule."""
     pipeline_parallel_microbatch_size: int = 1
     """Sequences per pipeline micro-batch (with pipeline_parallel_degree > 1)."""
     pipeline_parallel_layers_per_stage: int | None = None
@@ -260,26 +388,59 @@ class Parallelism:
     """Blocks fewer in the first stage, which also holds the embedding (with pipeline_parallel_degree > 1)."""
     pipeline_parallel_last_stage_less_layers: int = 1
     """Blocks fewer in the last stage, which also holds the output and loss (with pipeline_parallel_degree > 1)."""
-    pipeline_parallel_expert_parallel_overlap: bool = True
-    """torchtitan's MoE option; no experts in Llama 3."""
-    module_fqns_per_model_part: list[list[str]] | None = unsupported("hand-written pipeline stages", None)
-    """torchtitan's manual pipeline split."""
     context_parallel_degree: int = optional_part("parallelisms/cp.py", 1)
     """Ranks each sequence is split over (context parallel, parallelisms/cp.py): each holds 1/cp of every window's tokens and all-gathers the keys and values."""
     context_parallel_load_balancer: str | None = optional_part("parallelisms/cp.py", "headtail")
     """How a window is cut over the CP ranks: "headtail" (rank i holds chunks i and 2cp-1-i of 2cp, so causal work is even) or "none" (one contiguous chunk each)."""
     context_parallel_rotate_method: Literal["allgather", "alltoall"] = optional_part("parallelisms/cp.py", "allgather")
     """How the CP ranks exchange keys and values: "allgather" (the one method here, as the Llama 3 paper does)."""
-    expert_parallel_degree: int = unsupported("expert parallel (Llama 3 has no experts)", 1)
-    """torchtitan's MoE option."""
-    expert_tensor_parallel_degree: int = unsupported("expert tensor parallel (Llama 3 has no experts)", 1)
-    """torchtitan's MoE option."""
-    expert_parallel_comm_backend: Literal["standard", "deepep"] = "standard"
-    """torchtitan's MoE option; no experts in Llama 3."""
+
+    def problems(self) -> list[str]:
+        p = []
+        for key in ("data_parallel_replicate_degree", "tensor_parallel_degree", "pipeline_parallel_degree",
+                    "context_parallel_degree"):  # fmt: skip
+            if (degree := getattr(self, key)) < 1:
+                p.append(f"parallelism.{key}: must be >= 1, got {degree}")
+        if self.data_parallel_shard_degree == 0 or self.data_parallel_shard_degree < -1:
+            p.append(
+                f"parallelism.data_parallel_shard_degree: must be -1 or >= 1, got {self.data_parallel_shard_degree}"
+            )
+        if self.context_parallel_load_balancer == "ptrr":
+            p.append(
+                "parallelism.context_parallel_load_balancer: ptrr balances torchtitan's FlexAttention ring; this "
+                'recipe\'s all-gather context parallel balances causal work with "headtail" for SDPA and FlexAttention '
+                "alike: use it"
+            )
+        elif self.context_parallel_load_balancer not in ("headtail", "none", None):
+            p.append(
+                f'parallelism.context_parallel_load_balancer: expected "headtail" or "none", got '
+                f"{self.context_parallel_load_balancer!r}"
+            )
+        if self.context_parallel_rotate_method == "alltoall":
+            p.append(
+                'parallelism.context_parallel_rotate_method: "alltoall" rotates ring-attention shards; context parallel '
+                'here all-gathers the keys and values once per layer (the Llama 3 paper\'s design): use "allgather"'
+            )
+        return p
+
+    def layout_settings(self) -> dict[str, Any]:
+        """This section as the plain values parallelisms.parallel_dims.layout_problems takes."""
+        return {
+            "pp": self.pipeline_parallel_degree, "dp_replicate": self.data_parallel_replicate_degree,
+            "dp_shard": self.data_parallel_shard_degree, "cp": self.context_parallel_degree,
+            "tp": self.tensor_parallel_degree, "cp_load_balancer": self.context_parallel_load_balancer,
+            "pp_schedule": self.pipeline_parallel_schedule,
+            "pp_microbatch_size": self.pipeline_parallel_microbatch_size,
+            "pp_layers_per_stage": self.pipeline_parallel_layers_per_stage,
+            "pp_first_stage_less_layers": self.pipeline_parallel_first_stage_less_layers,
+            "pp_last_stage_less_layers": self.pipeline_parallel_last_stage_less_layers,
+        }  # fmt: skip
 
 
 @dataclass
-class ActivationCheckpoint:
+class ActivationCheckpoint(TorchtitanActivationCheckpoint):
+    """Activation checkpointing: which blocks' activations backward recomputes, and torch.utils.checkpoint's switches."""
+
     mode: Literal["none", "full", "selective", "memory_budget"] = "none"
     """Recompute activations in backward: none, full (every block) or selective."""
     selective_ac_option: str = "op"
@@ -294,16 +455,33 @@ class ActivationCheckpoint:
     """torch.utils.checkpoint's check of recomputed tensors: "default" (shapes, dtypes, devices) or "none"."""
     debug: bool = False
     """torch.utils.checkpoint's debug mode: a trace of the forward and recomputation on a mismatch."""
-    per_op_sac_force_recompute_mm_shapes_by_fqns: list[str] = field(default_factory=lambda: ["moe.router.gate"])
-    """torchtitan's MoE option; no experts in Llama 3."""
-    memory_budget: float = 0.5
-    """torchtitan's memory_budget mode (refused)."""
-    visualize_memory_budget_pareto: bool = unsupported("the memory_budget mode", False)
-    """torchtitan's memory_budget mode."""
+
+    @property
+    def selective_every(self) -> int | None:
+        """k of selective_ac_option = "k" (checkpoint every k-th block); None for "op" or a value that is no k."""
+        return selective_ac_every(self.selective_ac_option)
+
+    def problems(self) -> list[str]:
+        p = []
+        if self.mode == "memory_budget":
+            p.append(
+                "activation_checkpoint.mode: memory_budget asks for torchtitan's memory-budget AC, which this recipe does not do; use selective or full"
+            )
+        if self.mode == "selective" and self.selective_ac_option != "op" and self.selective_every is None:
+            p.append(
+                f"activation_checkpoint.selective_ac_option: expected 'op' or a positive integer k, got {self.selective_ac_option!r}"
+            )
+        if self.determinism_check not in ("default", "none"):
+            p.append(
+                f"activation_checkpoint.determinism_check: expected 'default' or 'none', got {self.determinism_check!r}"
+            )
+        return p  # fmt: skip
 
 
 @dataclass
 class Compile:
+    """torch.compile: what is compiled, with which backend."""
+
     enable: bool = False
     """torch.compile the components below."""
     components: list[str] = field(default_factory=lambda: ["model", "loss"])
@@ -311,9 +489,27 @@ class Compile:
     backend: str = "inductor"
     """torch.compile backend (inductor; aot_eager or eager to debug a compile problem)."""
 
+    def problems(self) -> list[str]:
+        p = []
+        if unknown := sorted(set(self.components) - {"model", "loss"}):
+            p.append(f'compile.components: unknown {", ".join(unknown)}; use "model" and/or "loss"')
+        if self.backend != "inductor" and self.backend not in (known := compile_backends()):
+            p.append(f"compile.backend: unknown backend {self.backend!r}; use one of {', '.join(known)}")
+        return p
+
+
+@functools.cache
+def compile_backends() -> tuple[str, ...]:
+    """The backends torch.compile takes (torch._dynamo's list, imported only for a backend other than inductor)."""
+    import torch._dynamo
+
+    return tuple(sorted({*torch._dynamo.list_backends(exclude_tags=()), "inductor"}))
+
 
 @dataclass
 class Float8Linear:
+    """Float8 linear layers (torchao), with the quantize.linear.float8 converter."""
+
     recipe_name: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] | None = None
     """torchao float8 recipe; unset: tensorwise."""
     enable_fsdp_float8_all_gather: bool = False
@@ -327,51 +523,47 @@ class Float8Linear:
 
 
 @dataclass
-class MXLinear:
-    """torchtitan's MX (microscaling, Blackwell) linears: read only with the quantize.linear.mx converter, which is refused."""
-
-    mxfp8_dim1_cast_kernel_choice: Literal["triton", "cuda", "torch"] = "triton"
-    """torchtitan's MX option."""
-    recipe_name: str = "mxfp8_cublas"
-    """torchtitan's MX option."""
-    filter_fqns: list[str] = field(default_factory=lambda: ["output"])
-    """torchtitan's MX option."""
-
-
-@dataclass
 class QuantizeLinear:
+    """The linear layers' quantization: float8 here (MX is torchtitan's, refused)."""
+
     float8: Float8Linear = field(default_factory=Float8Linear)
     mx: MXLinear = field(default_factory=MXLinear)
 
 
 @dataclass
-class Float8GroupedMM:
-    fqns: list[str] = unsupported("float8 grouped GEMMs (MoE experts; Llama 3 has none)", [])
-    """torchtitan's MoE option."""
-
-
-@dataclass
-class MXGroupedMM:
-    recipe_name: Literal["mxfp8"] = "mxfp8"
-    """torchtitan's MoE option."""
-    fqns: list[str] = unsupported("MX grouped GEMMs (MoE experts; Llama 3 has none)", [])
-    """torchtitan's MoE option."""
-
-
-@dataclass
-class QuantizeGroupedMM:
-    float8: Float8GroupedMM = field(default_factory=Float8GroupedMM)
-    mx: MXGroupedMM = field(default_factory=MXGroupedMM)
-
-
-@dataclass
 class Quantize:
+    """Low-precision layers, applied by model.converters."""
+
     linear: QuantizeLinear = field(default_factory=QuantizeLinear)
     grouped_mm: QuantizeGroupedMM = field(default_factory=QuantizeGroupedMM)
 
+    def problems(self, *, converters: list[str], compiled_model: bool) -> list[str]:
+        """The float8 settings fit together (with the converter on; without it they are not read)."""
+        f8, p = self.linear.float8, []
+        if "quantize.linear.float8" not in converters:
+            return p
+        if f8.recipe_name not in (None, "tensorwise") and f8.enable_fsdp_float8_all_gather:
+            p.append(
+                f"quantize.linear.float8.enable_fsdp_float8_all_gather: the float8 all-gather needs tensorwise "
+                f"scales, and recipe_name is {f8.recipe_name!r}; set it to false or use recipe_name = 'tensorwise'"
+            )
+        if f8.precompute_float8_dynamic_scale_for_fsdp and not f8.enable_fsdp_float8_all_gather:
+            p.append(
+                "quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp: precomputes the scales of the "
+                "float8 all-gather, which is off; set enable_fsdp_float8_all_gather = true or this to false"
+            )
+        if f8.emulate and compiled_model:
+            p.append(
+                "quantize.linear.float8.emulate: emulated float8 is for eager tests (torchao does not support it "
+                "under torch.compile); set compile.enable = false or emulate = false"
+            )
+        return p
+
 
 @dataclass
-class Checkpoint:
+class Checkpoint(TorchtitanCheckpoint):
+    """Distributed checkpoints: when to save, what to keep, what to load at the start, and Hugging Face export."""
+
     enable: bool = False
     """Save distributed checkpoints (torch.distributed.checkpoint) and resume from the latest one."""
     folder: str = "checkpoint"
@@ -388,12 +580,8 @@ class Checkpoint:
     """Parts of a checkpoint not restored on resume: model, optimizer, dataloader, train_state (lr_scheduler: nothing to restore)."""
     initial_load_path: str | None = field(default=None, metadata=INPUT_PATH)
     """Checkpoint to initialize the model weights from when the run has no checkpoint of its own yet (e.g. a seed checkpoint)."""
-    initial_load_model_only: bool = unsupported("optimizer state from initial_load_path", True)
-    """initial_load_path holds the model only (torchtitan's default)."""
     initial_load_in_hf: bool = False
     """initial_load_path (else model.hf_assets_path) is a Hugging Face folder of safetensors weights."""
-    initial_load_in_hf_quantized: bool = unsupported("quantized Hugging Face weights", False)
-    """torchtitan's quantized HF loading."""
     last_save_model_only: bool = False
     """The checkpoint of the last step holds the model weights only (in export_dtype): smaller, not resumable."""
     last_save_in_hf: bool = False
@@ -404,14 +592,29 @@ class Checkpoint:
     """Initialize the model, save it as step 0 and exit. Run on one process; load it in parallel runs with initial_load_path so every layout starts from the same weights."""
     enable_first_step_checkpoint: bool = False
     """Also save after step 1 (to find out early that saving works)."""
-    enable_ft_dataloader_checkpoints: bool = True
-    """torchtitan's fault-tolerance option; no effect here."""
-    load_only: bool = unsupported("loading without ever saving", False)
-    """torchtitan's option."""
+
+    def problems(self, *, hf_assets_path: str | None) -> list[str]:
+        p = []
+        if self.interval < 1:
+            p.append(f"checkpoint.interval: must be >= 1, got {self.interval}")
+        if self.keep_latest_k < 0:
+            p.append(f"checkpoint.keep_latest_k: must be >= 0 (0 keeps all), got {self.keep_latest_k}")
+        parts = {"model", "optimizer", "dataloader", "train_state", "lr_scheduler"}
+        if unknown := sorted(set(self.exclude_from_loading) - parts):
+            p.append(
+                f"checkpoint.exclude_from_loading: unknown {', '.join(unknown)}; use model, optimizer, dataloader or train_state"
+            )
+        if self.initial_load_in_hf and (self.initial_load_path or hf_assets_path) is None:
+            p.append(
+                "checkpoint.initial_load_in_hf: set checkpoint.initial_load_path or model.hf_assets_path to the Hugging Face folder"
+            )
+        return p  # fmt: skip
 
 
 @dataclass
 class Comm:
+    """The process group's timeouts and flight recorder, and the dry run (fake_backend)."""
+
     init_timeout_seconds: int = 300
     """Timeout of collectives until the first step is done (process-group set-up, tokenization, loading a checkpoint)."""
     train_timeout_seconds: int = 100
@@ -425,9 +628,20 @@ class Comm:
     mode: Literal["default", "fake_backend", "local_tensor"] = "default"
     """fake_backend: a dry run of rank 0 of a WORLD_SIZE-rank job on this machine, on a fake process group and no real tensors (dry_run.py); local_tensor is refused."""
 
+    def problems(self) -> list[str]:
+        p = [f"comm.{key}: must be >= 1, got {getattr(self, key)}"
+             for key in ("init_timeout_seconds", "train_timeout_seconds") if getattr(self, key) < 1]  # fmt: skip
+        if self.mode == "local_tensor":
+            p.append(
+                'comm.mode: "local_tensor" is torchtitan\'s single-process simulation, not done here; use "fake_backend"'
+            )
+        return p
+
 
 @dataclass
-class Metrics:
+class Metrics(TorchtitanMetrics):
+    """What is logged, how often, and where: metrics.jsonl, TensorBoard, Weights & Biases."""
+
     log_freq: int = 10
     """Log loss, grad norm, lr, tokens/s, MFU and memory every this many steps."""
     enable_tensorboard: bool = False
@@ -436,14 +650,20 @@ class Metrics:
     """TensorBoard folder, relative to job.dump_folder."""
     enable_wandb: bool = False
     """Also log to Weights & Biases (the wandb package; WANDB_PROJECT, WANDB_MODE=offline, ... as usual)."""
-    disable_color_printing: bool = False
-    """torchtitan's option; this recipe prints no colors."""
-    save_for_all_ranks: bool = unsupported("metrics files of every rank", False)
-    """torchtitan's option; rank 0 logs here."""
+
+    def problems(self) -> list[str]:
+        p = []
+        if self.log_freq < 1:
+            p.append(f"metrics.log_freq: must be >= 1, got {self.log_freq}")
+        if self.enable_wandb and not _importable("wandb"):
+            p.append("metrics.enable_wandb: the wandb package is not installed; pip install wandb, or set it to false")
+        return p
 
 
 @dataclass
 class Profiling:
+    """torch.profiler traces and CUDA memory snapshots of chosen steps."""
+
     enable_profiling: bool = False
     """Write a torch.profiler trace per rank of every profile_freq-th step to <dump_folder>/<save_traces_folder>/iteration_N/."""
     save_traces_folder: str = "profile_traces"
@@ -459,57 +679,34 @@ class Profiling:
     save_memory_snapshot_folder: str = "memory_snapshot"
     """Memory snapshot folder, relative to job.dump_folder (open the pickles at pytorch.org/memory_viz)."""
 
+    def problems(self) -> list[str]:
+        p = [f"profiling.{key}: must be >= 1, got {getattr(self, key)}"
+             for key in ("profile_freq", "profiler_active") if getattr(self, key) < 1]  # fmt: skip
+        if self.profiler_warmup < 0:
+            p.append(f"profiling.profiler_warmup: must be >= 0, got {self.profiler_warmup}")
+        if self.profiler_active > self.profile_freq:
+            p.append(
+                f"profiling.profiler_active: {self.profiler_active} steps recorded per profile do not fit in profile_freq = {self.profile_freq}"
+            )
+        return p  # fmt: skip
+
 
 @dataclass
-class Debug:
+class Debug(TorchtitanDebug):
+    """Seeds and determinism."""
+
     seed: int | None = 42
     """Seed of every random number generator, identical on all ranks; unset: 42."""
     deterministic: bool = False
     """Use deterministic algorithms only (slower), so that reruns give bit-identical losses."""
     deterministic_warn_only: bool = False
     """With deterministic: warn about an operation with no deterministic implementation instead of failing."""
-    moe_force_load_balance: bool = unsupported("MoE load balancing (Llama 3 has no experts)", False)
-    """torchtitan's MoE option."""
-
-
-@dataclass
-class MemoryEstimation:
-    enable: bool = unsupported(
-        "torchtitan's memory estimation (python estimate_memory.py and the doctor do it here)", False
-    )
-    """torchtitan's option."""
-    disable_fake_mode: bool = False
-    """torchtitan's option."""
-
-
-@dataclass
-class FaultTolerance:
-    enable: bool = unsupported("torchft fault tolerance", False)
-    """torchtitan's option."""
-    process_group: str = "gloo"
-    """torchtitan's option."""
-    process_group_timeout_ms: int = 10000
-    """torchtitan's option."""
-    replica_id: int = 0
-    """torchtitan's option."""
-    group_size: int = 0
-    """torchtitan's option."""
-    min_replica_size: int = 1
-    """torchtitan's option."""
-    semi_sync_method: str | None = None
-    """torchtitan's option."""
-
-
-@dataclass
-class Experimental:
-    custom_import: str = unsupported("custom imports", "")
-    """torchtitan's extension point."""
-    custom_args_module: str = unsupported("a custom config module", "")
-    """torchtitan's extension point."""
 
 
 @dataclass
 class JobConfig:
+    """The whole config: one field per TOML section."""
+
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
@@ -532,6 +729,15 @@ class JobConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def layout_settings(self) -> dict[str, Any]:
+        """What the parallel layout's rules (parallelisms.parallel_dims.layout_problems) read, as plain values: the
+        parallelism keys, the model shape, the sequence lengths and the local batch."""
+        return self.parallelism.layout_settings() | {
+            "args": model_args(self.model), "seq_len": self.training.seq_len,
+            "local_batch_size": self.training.local_batch_size,
+            "validation_seq_len": self.validation.seq_len if self.validation.enable else None,
+        }  # fmt: skip
 
 
 # ---------------------------------------------------------------- the section tree
@@ -558,8 +764,11 @@ SECTIONS: dict[str, type] = dict(sections())
 
 
 def keys(section: type) -> list[dataclasses.Field]:
-    """The fields of a section that are values, not sub-sections."""
-    return [f for f in dataclasses.fields(section) if not _is_section(_types(section)[f.name])]
+    """The fields of a section that are values, not sub-sections: the recipe's first, then those it inherits from
+    config_torchtitan.py."""
+    own = inspect.get_annotations(section)
+    values = [f for f in dataclasses.fields(section) if not _is_section(_types(section)[f.name])]
+    return sorted(values, key=lambda f: f.name not in own)
 
 
 def section_of(cfg: JobConfig, name: str) -> Any:
@@ -570,19 +779,20 @@ def section_of(cfg: JobConfig, name: str) -> Any:
 
 
 def field_docs(section: type) -> dict[str, str]:
-    """The docstring under each field of a section dataclass, read from the source."""
-    class_def = ast.parse(textwrap.dedent(inspect.getsource(section))).body[0]
-    assert isinstance(class_def, ast.ClassDef)
+    """The docstring under each field of a section dataclass and the ones it inherits, read from the source."""
     docs: dict[str, str] = {}
-    for node, after in itertools.pairwise(class_def.body):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(after, ast.Expr)
-            and isinstance(after.value, ast.Constant)
-            and isinstance(after.value.value, str)
-        ):
-            docs[node.target.id] = " ".join(after.value.value.split())
+    for cls in reversed([c for c in section.__mro__ if dataclasses.is_dataclass(c)]):
+        class_def = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+        assert isinstance(class_def, ast.ClassDef)
+        for node, after in itertools.pairwise(class_def.body):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
+                docs[node.target.id] = " ".join(after.value.value.split())
     return docs
 
 
@@ -734,25 +944,6 @@ def load_toml(cfg: JobConfig, name: str, *, keys: set[str] | None = None) -> lis
     return problems
 
 
-# torchtitan's names of earlier releases, and where the key lives now (here and in torchtitan v0.2.2).
-MOVED = {
-    "training.seed": "debug.seed",
-    "training.deterministic": "debug.deterministic",
-    "training.batch_size": "training.local_batch_size",
-    "training.compile": "compile.enable",
-    "training.data_parallel_replicate_degree": "parallelism.data_parallel_replicate_degree",
-    "training.data_parallel_shard_degree": "parallelism.data_parallel_shard_degree",
-    "training.tensor_parallel_degree": "parallelism.tensor_parallel_degree",
-    "training.disable_loss_parallel": "parallelism.disable_loss_parallel",
-    "training.fsdp_reshard_after_forward": "parallelism.fsdp_reshard_after_forward",
-    "experimental.enable_async_tensor_parallel": "parallelism.enable_async_tensor_parallel",
-    "experimental.pipeline_parallel_degree": "parallelism.pipeline_parallel_degree",
-    "experimental.pipeline_parallel_schedule": "parallelism.pipeline_parallel_schedule",
-    "experimental.pipeline_parallel_microbatches": "parallelism.pipeline_parallel_microbatch_size",
-    "experimental.context_parallel_degree": "parallelism.context_parallel_degree",
-    "checkpoint.model_weights_only": "checkpoint.last_save_model_only",
-    "model.norm_type": None,  # torchtitan <= 0.1: the norm is the model's own (RMSNorm) here
-}
 # The command line's own flags (not section.key), for --help and did-you-mean.
 FLAGS = ("--config", "--print-config", "--help")
 
@@ -782,14 +973,34 @@ def parse_overrides(args: list[str]) -> tuple[list[tuple[str, str | None]], list
     return overrides, problems
 
 
-def load_config(argv: list[str], *, inputs: bool = True, world_size: int | None = None) -> JobConfig:
+def load_config(
+    argv: list[str], *, inputs: bool = True, extra_checks: Callable[[JobConfig], list[str]] | None = None
+) -> JobConfig:
     """defaults < `--config FILE` < `--section.key value` overrides; raises ConfigError with every problem.
 
     inputs: also require the input files (input_problems), unless the config is a dry run (comm.mode =
     fake_backend), which plans a job for other machines; --print-config and doctor.py pass False and
-    print them as notes. world_size: the ranks of the run, whose layout rules (parallel degrees, what
-    TP and PP need of the model) then join the same round.
+    print them as notes. extra_checks: rules this module does not import, run in the same round once the
+    model and its sequence length are valid (they may build the model's shape): train.py and doctor.py
+    pass the parallel layout's for the ranks of the run (parallel degrees, what TP, CP and PP need of the
+    model): parallelisms.parallel_dims.layout_checks(world_size).
     """
+    cfg, problems = _read(argv)
+    resolve(cfg)
+    problems += validate(cfg)  # in the same round: a typo elsewhere does not hide a bad value
+    if inputs and cfg.comm.mode != "fake_backend":
+        problems += input_problems(cfg)
+    if cfg.comm.mode == "fake_backend":  # a dry run plans the job for the world it is told
+        problems += dry_run_world()[2]
+    if extra_checks is not None and not any(p.startswith(("model.", "training.seq_len")) for p in problems):
+        problems += extra_checks(cfg)
+    if problems:
+        raise ConfigError(*dict.fromkeys(problems))
+    return cfg
+
+
+def _read(argv: list[str]) -> tuple[JobConfig, list[str]]:
+    """The config the command line asks for, unresolved, and the problems of reading it (keys, types)."""
     cfg = JobConfig()
     overrides, problems = parse_overrides(argv)
     files = [value for name, value in overrides if name in ("config", "job.config_file")]
@@ -805,26 +1016,7 @@ def load_config(argv: list[str], *, inputs: bool = True, world_size: int | None 
         if problem := _set(cfg, dotted, value, source="the command line", from_cli=True):
             problems.append(problem)
     problems += _training_data_source(cfg, toml_keys=toml_keys, cli_keys={name for name, _ in overrides})
-    resolve(cfg)
-    problems += validate(cfg)  # in the same round: a typo elsewhere does not hide a bad value
-    if inputs and cfg.comm.mode != "fake_backend":
-        problems += input_problems(cfg)
-    if cfg.comm.mode == "fake_backend":  # a dry run plans the job for the world it is told
-        world, _, dry_run_problems = dry_run_world()
-        problems += dry_run_problems
-        world_size = world or None
-    if world_size is not None and not any(p.startswith(("model.", "training.seq_len")) for p in problems):
-        from parallelisms.parallel_dims import layout_problems  # the rules live with the mesh, TP and PP
-
-        t = cfg.training
-        problems += layout_problems(
-            cfg.parallelism, world_size=world_size, args=model_args(cfg.model), seq_len=t.seq_len,
-            local_batch_size=t.local_batch_size,
-            validation_seq_len=cfg.validation.seq_len if cfg.validation.enable else None,
-        )  # fmt: skip
-    if problems:
-        raise ConfigError(*dict.fromkeys(problems))
-    return cfg
+    return cfg, problems
 
 
 def dry_run_world() -> tuple[int, int, list[str]]:
@@ -882,12 +1074,6 @@ DATASETS = {
     "c4": ("allenai/c4", "en", "train"),
     "c4_validation": ("allenai/c4", "en", "validation"),
     "c4_test": ("tests/assets/c4_test", None, "train"),  # torchtitan's repo layout, in the user's folder
-}
-# torchtitan's other converters, refused by name.
-OTHER_CONVERTERS = {
-    "quantize.linear.mx": "MX (microscaling) linears, a Blackwell format",
-    "quantize.grouped_mm.float8": "float8 grouped GEMMs for MoE experts (Llama 3 has none)",
-    "quantize.grouped_mm.mx": "MX grouped GEMMs for MoE experts (Llama 3 has none)",
 }
 
 
@@ -947,6 +1133,24 @@ def model_args(cfg: Model) -> Any:
     return model_args_from_hf(fam, cfg.hf_assets_path or "")
 
 
+def run_model_args(cfg: JobConfig) -> Any:
+    """The model a run builds: the config's shape (`model_args`), a RoPE table covering the longest
+    sequence trained or validated on, and the config's attention mask. train.py and the dry run both use it."""
+    longest = max(cfg.training.seq_len, cfg.validation.seq_len if cfg.validation.enable else 0)
+    return dataclasses.replace(with_seq_len(model_args(cfg.model), longest), attn_mask_type=cfg.model.attn_mask_type)
+
+
+def float8_settings(cfg: JobConfig) -> Float8Linear | None:
+    """The float8 linears' settings when [model] converters has them (the one converter validate accepts)."""
+    return cfg.quantize.linear.float8 if "quantize.linear.float8" in cfg.model.converters else None
+
+
+def model_label(cfg: JobConfig) -> str:
+    """How start-up names the model: the flavor, or the Hugging Face folder that gives the shape."""
+    m = cfg.model
+    return f"{m.name} {Path(m.hf_assets_path).name if m.shape_from_hf_config and m.hf_assets_path else m.flavor}"
+
+
 def validation_path(cfg: Validation) -> str | None:
     """Where the held-out data is: dataset_path, else the local folder torchtitan's name stands for."""
     if cfg.dataset_path is not None:
@@ -959,180 +1163,41 @@ def validation_path(cfg: Validation) -> str | None:
 
 
 def validate(cfg: JobConfig) -> list[str]:
-    """Cross-field checks that need no process group; every problem, not just the first."""
-    p: list[str] = _unsupported(cfg)
-    t, m, o, s = cfg.training, cfg.model, cfg.optimizer, cfg.lr_scheduler
-    p += (model_problems := _check_model(m, seq_len=t.seq_len))
-    if cfg.validation.enable and not model_problems:  # the same rule for held-out sequences
-        p += [f"validation.{q.removeprefix('training.')}" for q in _check_model(m, seq_len=cfg.validation.seq_len)]
-    for key in ("steps", "local_batch_size", "gc_freq"):
-        if getattr(t, key) < 1:
-            p.append(f"training.{key}: must be >= 1, got {getattr(t, key)}")
-    if t.seq_len < 2:
-        p.append(f"training.seq_len: must be >= 2, got {t.seq_len}")
-    if t.global_batch_size != -1 and t.global_batch_size < t.local_batch_size:
-        p.append(
-            f"training.global_batch_size: {t.global_batch_size} is below local_batch_size {t.local_batch_size}; use -1 or a multiple of local_batch_size x data-parallel degree"
+    """The checks that need no process group, section by section; every problem, not just the first."""
+    m, t = cfg.model, cfg.training
+    return [
+        *_default_only(cfg),
+        *m.problems(seq_len=t.seq_len, validation_seq_len=cfg.validation.seq_len if cfg.validation.enable else None),
+        *t.problems(),
+        *cfg.optimizer.problems(),
+        *cfg.lr_scheduler.problems(training_steps=t.steps),
+        *cfg.parallelism.problems(),
+        *cfg.comm.problems(),
+        *cfg.activation_checkpoint.problems(),
+        *cfg.compile.problems(),
+        *cfg.quantize.problems(
+            converters=m.converters, compiled_model=cfg.compile.enable and "model" in cfg.compile.components
+        ),
+        *cfg.checkpoint.problems(hf_assets_path=m.hf_assets_path),
+        *cfg.metrics.problems(),
+        *_missing_parts(cfg),
+        *cfg.profiling.problems(),
+        *cfg.data.problems(training_dataset=t.dataset),
+        *cfg.validation.problems(training=t, pp=cfg.parallelism.pipeline_parallel_degree),
+    ]
+
+
+def _missing_parts(cfg: JobConfig) -> list[str]:
+    """Optional parts a fork may have deleted (README.md, "Removing a part"): a setting that asks for one is refused."""
+    return [
+        f"{key}: needs {module.replace('.', '/')}.py, which this checkout does not have; turn it off"
+        for asks, module, key in (
+            ("quantize.linear.float8" in cfg.model.converters, "parallelisms.float8", "model.converters"),
+            (cfg.validation.enable, "validation", "validation.enable"),
+            (cfg.comm.mode == "fake_backend", "dry_run", "comm.mode"),
         )
-    if t.max_norm < 0:
-        p.append(f"training.max_norm: must be >= 0 (0 disables clipping), got {t.max_norm}")
-    if t.mixed_precision_param == "float16":
-        p.append(
-            "training.mixed_precision_param: float16 needs loss scaling to keep small gradients from underflowing "
-            "to zero, which this recipe does not implement; use bfloat16 (same memory, float32's exponent range)"
-        )
-    if t.skip_nonfinite_steps < 0:
-        p.append(f"training.skip_nonfinite_steps: must be >= 0, got {t.skip_nonfinite_steps}")
-    if t.skip_spike_sigma < 0:
-        p.append(f"training.skip_spike_sigma: must be >= 0 (0 = off; OLMo-core uses 6), got {t.skip_spike_sigma}")
-    if t.skip_spike_window < 2:
-        p.append(
-            f"training.skip_spike_window: must be >= 2 (a standard deviation needs two steps), got {t.skip_spike_window}"
-        )
-    if t.z_loss_weight < 0:
-        p.append(
-            f"training.z_loss_weight: must be >= 0 (0 = off; PaLM and OLMo use 1e-4 and 1e-5), got {t.z_loss_weight}"
-        )
-    if t.loss_chunk_tokens < 0:
-        p.append(f"training.loss_chunk_tokens: must be >= 0 (0 = no chunks), got {t.loss_chunk_tokens}")
-    if o.lr <= 0:
-        p.append(f"optimizer.lr: must be > 0, got {o.lr}")
-    if o.eps <= 0:
-        p.append(f"optimizer.eps: must be > 0 (it keeps AdamW's division away from zero), got {o.eps}")
-    if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
-        p.append(f"optimizer.beta1/beta2: must lie in [0, 1), got {o.beta1}, {o.beta2}")
-    total = s.total_steps if s.total_steps is not None else t.steps
-    if s.warmup_steps < 0:
-        p.append(f"lr_scheduler.warmup_steps: must be >= 0, got {s.warmup_steps}")
-    elif s.warmup_steps > total:
-        warn(
-            f"lr_scheduler.warmup_steps = {s.warmup_steps} exceeds the {total} steps of the schedule; warming up "
-            f"over {total} steps instead (as torchtitan does)"
-        )
-    if s.total_steps is not None and s.total_steps < 1:
-        p.append(f"lr_scheduler.total_steps: must be >= 1 or unset, got {s.total_steps}")
-    if s.decay_ratio is not None and not 0 < s.decay_ratio <= 1:
-        p.append(f"lr_scheduler.decay_ratio: must lie in (0, 1] or be unset, got {s.decay_ratio}")
-    if not 0 <= s.min_lr_factor <= 1:
-        p.append(f"lr_scheduler.min_lr_factor: must lie in [0, 1], got {s.min_lr_factor}")
-    par = cfg.parallelism
-    for key in ("data_parallel_replicate_degree", "tensor_parallel_degree", "pipeline_parallel_degree",
-                "context_parallel_degree"):  # fmt: skip
-        if (degree := getattr(par, key)) < 1:
-            p.append(f"parallelism.{key}: must be >= 1, got {degree}")
-    if par.data_parallel_shard_degree == 0 or par.data_parallel_shard_degree < -1:
-        p.append(f"parallelism.data_parallel_shard_degree: must be -1 or >= 1, got {par.data_parallel_shard_degree}")
-    if par.context_parallel_load_balancer == "ptrr":
-        p.append(
-            "parallelism.context_parallel_load_balancer: ptrr balances torchtitan's FlexAttention ring; this recipe's "
-            'all-gather context parallel balances causal work with "headtail" for SDPA and FlexAttention alike: use it'
-        )
-    elif par.context_parallel_load_balancer not in ("headtail", "none", None):
-        p.append(
-            f'parallelism.context_parallel_load_balancer: expected "headtail" or "none", got '
-            f"{par.context_parallel_load_balancer!r}"
-        )
-    if par.context_parallel_rotate_method == "alltoall":
-        p.append(
-            'parallelism.context_parallel_rotate_method: "alltoall" rotates ring-attention shards; context parallel '
-            'here all-gathers the keys and values once per layer (the Llama 3 paper\'s design): use "allgather"'
-        )
-    if par.pipeline_parallel_degree > 1 and cfg.validation.enable:
-        v = cfg.validation
-        for key in ("local_batch_size", "seq_len"):
-            if getattr(v, key) != getattr(t, key):
-                p.append(
-                    f"validation.{key}: {getattr(v, key)} differs from training.{key} = {getattr(t, key)}; under "
-                    "pipeline parallel the stages' receive buffers hold one micro-batch shape, so validation "
-                    "uses training's: set it to that"
-                )
-    if cfg.comm.mode == "local_tensor":
-        p.append(
-            'comm.mode: "local_tensor" is torchtitan\'s single-process simulation, not done here; use "fake_backend"'
-        )
-    ac = cfg.activation_checkpoint
-    if ac.mode == "memory_budget":
-        p.append(
-            "activation_checkpoint.mode: memory_budget asks for torchtitan's memory-budget AC, which this recipe does not do; use selective or full"
-        )
-    if ac.mode == "selective" and ac.selective_ac_option != "op" and selective_ac_every(ac.selective_ac_option) is None:
-        p.append(
-            f"activation_checkpoint.selective_ac_option: expected 'op' or a positive integer k, got {ac.selective_ac_option!r}"
-        )
-    if ac.determinism_check not in ("default", "none"):
-        p.append(f"activation_checkpoint.determinism_check: expected 'default' or 'none', got {ac.determinism_check!r}")
-    if unknown := sorted(set(cfg.compile.components) - {"model", "loss"}):
-        p.append(f'compile.components: unknown {", ".join(unknown)}; use "model" and/or "loss"')
-    for converter in m.converters:
-        if converter in OTHER_CONVERTERS:
-            p.append(
-                f"model.converters: {converter!r} asks for {OTHER_CONVERTERS[converter]}, which this recipe does not do; remove it"
-            )
-        elif converter != "quantize.linear.float8":
-            p.append(
-                f'model.converters: {converter!r} is not a converter of this recipe; use "quantize.linear.float8" (float8 linears)'
-            )
-    f8 = cfg.quantize.linear.float8
-    if "quantize.linear.float8" in m.converters:
-        rowwise = f8.recipe_name not in (None, "tensorwise")
-        if rowwise and f8.enable_fsdp_float8_all_gather:
-            p.append(
-                f"quantize.linear.float8.enable_fsdp_float8_all_gather: the float8 all-gather needs tensorwise "
-                f"scales, and recipe_name is {f8.recipe_name!r}; set it to false or use recipe_name = 'tensorwise'"
-            )
-        if f8.precompute_float8_dynamic_scale_for_fsdp and not f8.enable_fsdp_float8_all_gather:
-            p.append(
-                "quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp: precomputes the scales of the "
-                "float8 all-gather, which is off; set enable_fsdp_float8_all_gather = true or this to false"
-            )
-        if f8.emulate and cfg.compile.enable and "model" in cfg.compile.components:
-            p.append(
-                "quantize.linear.float8.emulate: emulated float8 is for eager tests (torchao does not support it "
-                "under torch.compile); set compile.enable = false or emulate = false"
-            )
-    ck = cfg.checkpoint
-    if ck.interval < 1:
-        p.append(f"checkpoint.interval: must be >= 1, got {ck.interval}")
-    if ck.keep_latest_k < 0:
-        p.append(f"checkpoint.keep_latest_k: must be >= 0 (0 keeps all), got {ck.keep_latest_k}")
-    if unknown := sorted(
-        set(ck.exclude_from_loading) - {"model", "optimizer", "dataloader", "train_state", "lr_scheduler"}
-    ):
-        p.append(
-            f"checkpoint.exclude_from_loading: unknown {', '.join(unknown)}; use model, optimizer, dataloader or train_state"
-        )
-    if ck.initial_load_in_hf and (ck.initial_load_path or m.hf_assets_path) is None:
-        p.append(
-            "checkpoint.initial_load_in_hf: set checkpoint.initial_load_path or model.hf_assets_path to the Hugging Face folder"
-        )
-    for key in ("init_timeout_seconds", "train_timeout_seconds"):
-        if getattr(cfg.comm, key) < 1:
-            p.append(f"comm.{key}: must be >= 1, got {getattr(cfg.comm, key)}")
-    if cfg.metrics.log_freq < 1:
-        p.append(f"metrics.log_freq: must be >= 1, got {cfg.metrics.log_freq}")
-    if cfg.metrics.enable_wandb and not _importable("wandb"):
-        p.append("metrics.enable_wandb: the wandb package is not installed; pip install wandb, or set it to false")
-    # Optional parts a fork may have deleted (README.md, "Removing a part"): a setting that asks for one is refused.
-    for asks, module, key in (
-        ("quantize.linear.float8" in m.converters, "parallelisms.float8", "model.converters"),
-        (cfg.validation.enable, "validation", "validation.enable"),
-        (cfg.comm.mode == "fake_backend", "dry_run", "comm.mode"),
-    ):
-        if asks and not _importable(module):
-            p.append(f"{key}: needs {module.replace('.', '/')}.py, which this checkout does not have; turn it off")
-    prof = cfg.profiling
-    for key in ("profile_freq", "profiler_active"):
-        if getattr(prof, key) < 1:
-            p.append(f"profiling.{key}: must be >= 1, got {getattr(prof, key)}")
-    if prof.profiler_warmup < 0:
-        p.append(f"profiling.profiler_warmup: must be >= 0, got {prof.profiler_warmup}")
-    if prof.profiler_active > prof.profile_freq:
-        p.append(
-            f"profiling.profiler_active: {prof.profiler_active} steps recorded per profile do not fit in profile_freq = {prof.profile_freq}"
-        )
-    p += _check_data(cfg)
-    p += _check_validation(cfg.validation)
-    return p  # fmt: skip
+        if asks and not _importable(module)
+    ]
 
 
 def _importable(module: str) -> bool:
@@ -1170,65 +1235,22 @@ def input_problems(cfg: JobConfig) -> list[str]:
     return p  # fmt: skip
 
 
-def _unsupported(cfg: JobConfig) -> list[str]:
-    """A torchtitan key set to anything but its default asks for something this recipe does not do, or for an
-    optional part this copy of the recipe lacks (`optional_part`)."""
-    problems = []
-    defaults = JobConfig()
+def _default_only(cfg: JobConfig) -> list[str]:
+    """Keys taken at their default only, set to something else: a torchtitan key asking for what this recipe does
+    not do (config_torchtitan.refusal), or a key of an optional part this copy of the recipe lacks (`optional_part`)."""
+    problems, defaults = [], JobConfig()
+    model = cfg.model.name if cfg.model.name in NAMES else "this model"
     for name, section in SECTIONS.items():
         for f in keys(section):
             value, default = getattr(section_of(cfg, name), f.name), getattr(section_of(defaults, name), f.name)
-            if value == default:
-                continue
-            if "unsupported" in f.metadata:
-                problems.append(
-                    f"{name}.{f.name}: {value!r} asks for {f.metadata['unsupported']}, which this recipe does not do; "
-                    f"remove the key or set it to {default!r}"
-                )
-            elif "part" in f.metadata and not (REPO / f.metadata["part"]).exists():
+            if problem := refusal(f"{name}.{f.name}", f, value, default, model=model):
+                problems.append(problem)
+            elif "part" in f.metadata and value != default and not (REPO / f.metadata["part"]).exists():
                 problems.append(
                     f"{name}.{f.name}: {value!r} asks for {f.metadata['part']}, which this copy of the recipe does "
                     f"not have; remove the key or set it to {default!r}"
                 )
     return problems
-
-
-def _check_data(cfg: JobConfig) -> list[str]:
-    d = cfg.data
-    if d.mixture:
-        p = []
-        if d.mixture_weights and len(d.mixture_weights) != len(d.mixture):
-            p.append(
-                f"data.mixture_weights: {len(d.mixture_weights)} weights for {len(d.mixture)} data.mixture folders; "
-                "give one weight per folder (or none for equal shares)"
-            )
-        if any(w <= 0 for w in d.mixture_weights):
-            p.append(
-                f"data.mixture_weights: every weight must be > 0, got {d.mixture_weights}; leave a folder out instead"
-            )
-        return p
-    if d.mixture_weights:
-        return [
-            "data.mixture_weights: weighs the folders of data.mixture, which is empty; set data.mixture or remove the key"
-        ]
-    if cfg.data.path is None:  # training.dataset names no dataset this recipe knows
-        known = ", ".join(name for name in DATASETS if "validation" not in name)
-        return [
-            f"training.dataset: unknown dataset {cfg.training.dataset!r} ({known}, or set training.dataset_path / data.path to your data)"
-        ]
-    return []
-
-
-def _check_validation(v: Validation) -> list[str]:
-    if not v.enable:
-        return []
-    p = []
-    for key in ("local_batch_size", "freq", "seq_len"):
-        if getattr(v, key) < 1:
-            p.append(f"validation.{key}: must be >= 1, got {getattr(v, key)}")
-    if v.steps == 0 or v.steps < -1:
-        p.append(f"validation.steps: must be -1 (the whole held-out data) or >= 1, got {v.steps}")
-    return p
 
 
 def _missing_validation(v: Validation) -> list[str]:

@@ -11,7 +11,7 @@ Modes (config section [activation_checkpoint]):
 Exactly one checkpointing mechanism may be active (docs/failures.md #1): `apply_ac` refuses a
 model whose blocks are already checkpointed, by us or by FSDP's `checkpoint_wrapper`.
 Checkpointing is non-reentrant by default, which keeps the recomputed-metadata checks that
-catch a stateful forward (docs/failures.md #2). `metrics.count_calls` and `metrics.count_ops`
+catch a stateful forward (docs/failures.md #2). `tests.instruments.count_calls` and `tests.instruments.count_ops`
 count what the recomputation really runs (tests/test_parallelisms.py).
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -35,8 +35,10 @@ from torch.utils.checkpoint import (
     set_checkpoint_early_stop,
 )
 
-from config import ActivationCheckpoint, selective_ac_every
 from errors import ConfigError, warn
+
+if TYPE_CHECKING:
+    from config import ActivationCheckpoint
 
 aten = torch.ops.aten
 
@@ -79,7 +81,7 @@ def apply_ac(model: nn.Module, cfg: ActivationCheckpoint, *, saved_linears: tupl
     refuse_nested_checkpointing(model)
     every, op_sac = 1, cfg.mode == "selective" and cfg.selective_ac_option == "op"
     if cfg.mode == "selective" and not op_sac:
-        every = selective_ac_every(cfg.selective_ac_option)
+        every = cfg.selective_every
         assert every is not None, "config.validate checks selective_ac_option"
     if cfg.use_reentrant:
         if op_sac:

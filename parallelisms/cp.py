@@ -32,22 +32,24 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from config import Parallelism
 from errors import ConfigError
 from models.attention import ScaledDotProductAttention
 
+if TYPE_CHECKING:
+    from config import Parallelism
 
-def check_cp(par: Parallelism, *, seq_lens: dict[str, int]) -> None:
-    """What context parallel needs of the sequence lengths (key -> length): every problem in one ConfigError."""
-    cp, tp = par.context_parallel_degree, par.tensor_parallel_degree
-    chunks = 2 * cp if par.context_parallel_load_balancer == "headtail" else cp
+
+def check_cp(*, cp: int, tp: int, load_balancer: str | None, seq_lens: dict[str, int]) -> None:
+    """What context parallel of degree `cp` (`load_balancer`: parallelism.context_parallel_load_balancer) needs of
+    the sequence lengths (key -> length): every problem in one ConfigError."""
+    chunks = 2 * cp if load_balancer == "headtail" else cp
     problems = []
     for key, seq_len in seq_lens.items():
         if seq_len % chunks:

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -46,8 +46,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
 
-from config import Float8Linear as Float8Config
 from errors import ConfigError, warn
+
+if TYPE_CHECKING:
+    from config import Float8Linear as Float8Config
 
 TORCHAO_PIN = "torchao==0.18.0"  # pyproject.toml's pin
 

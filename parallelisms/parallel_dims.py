@@ -21,16 +21,19 @@ group and the PP ranks of one pipeline share it and so read the same micro-batch
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from config import Parallelism
 from errors import ConfigError
 from parallelisms.cp import check_cp
-from parallelisms.pp import check_microbatches, stage_layers
+from parallelisms.pp import check_microbatches, split_layers
 from parallelisms.tp import check_tp
+
+if TYPE_CHECKING:
+    from config import JobConfig, Parallelism
 
 
 @dataclass(frozen=True)
@@ -44,14 +47,16 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, cfg: Parallelism, *, world_size: int) -> ParallelDims:
-        """Resolve data_parallel_shard_degree = -1 and check that the degrees fill the world."""
-        pp, rep, shard, tp = (
-            cfg.pipeline_parallel_degree,
-            cfg.data_parallel_replicate_degree,
-            cfg.data_parallel_shard_degree,
-            cfg.tensor_parallel_degree,
-        )
-        cp = cfg.context_parallel_degree
+        """The layout of a [parallelism] section on world_size ranks (resolve)."""
+        return cls.resolve(
+            world_size=world_size, pp=cfg.pipeline_parallel_degree, dp_replicate=cfg.data_parallel_replicate_degree,
+            dp_shard=cfg.data_parallel_shard_degree, cp=cfg.context_parallel_degree, tp=cfg.tensor_parallel_degree,
+        )  # fmt: skip
+
+    @classmethod
+    def resolve(cls, *, world_size: int, pp: int, dp_replicate: int, dp_shard: int, cp: int, tp: int) -> ParallelDims:
+        """Resolve dp_shard = -1 (parallelism.data_parallel_shard_degree) and check that the degrees fill the world."""
+        rep, shard = dp_replicate, dp_shard
         if shard == -1:
             if world_size % (pp * rep * cp * tp):
                 raise ConfigError(
@@ -123,32 +128,51 @@ class ParallelDims:
 
 
 def layout_problems(
-    par: Parallelism,
     *,
     world_size: int,
     args: Any,
     seq_len: int,
     local_batch_size: int,
     validation_seq_len: int | None = None,
+    pp: int,
+    dp_replicate: int,
+    dp_shard: int,
+    cp: int,
+    tp: int,
+    cp_load_balancer: str | None,
+    pp_schedule: str,
+    pp_microbatch_size: int,
+    pp_layers_per_stage: int | None,
+    pp_first_stage_less_layers: int,
+    pp_last_stage_less_layers: int,
 ) -> list[str]:
     """Every problem of the parallel layout for this world and model, from the rules where they live: the degrees
     (ParallelDims), what TP needs of the shape (check_tp), how CP cuts a window (check_cp), the pipeline's split and
-    micro-batches (pp.py). The run (load_config) and the memory estimator ask the same rules."""
-    degrees = (par.pipeline_parallel_degree, par.data_parallel_replicate_degree, par.context_parallel_degree,
-               par.tensor_parallel_degree)  # fmt: skip
-    if min(degrees) < 1:
+    micro-batches (pp.py). The run (train.py passes it to load_config; config.layout_settings names the keys) and
+    the memory estimator ask the same rules."""
+    if min(pp, dp_replicate, cp, tp) < 1:
         return []  # config.validate names the degree; no layout rule can divide by it
-    rules = [lambda: ParallelDims.from_config(par, world_size=world_size)]
-    if par.context_parallel_degree > 1:
+    rules = [lambda: ParallelDims.resolve(world_size=world_size, pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard,
+                                          cp=cp, tp=tp)]  # fmt: skip
+    if cp > 1:
         seq_lens = {"training.seq_len": seq_len} | (
             {"validation.seq_len": validation_seq_len} if validation_seq_len is not None else {}
         )
-        rules.append(lambda: check_cp(par, seq_lens=seq_lens))
-    if par.tensor_parallel_degree > 1:
-        rules.append(lambda: check_tp(args, tp_degree=par.tensor_parallel_degree, seq_len=seq_len))
-    if par.pipeline_parallel_degree > 1:
-        rules.append(lambda: stage_layers(args, par))
-        rules.append(lambda: check_microbatches(par, local_batch_size=local_batch_size))
+        rules.append(lambda: check_cp(cp=cp, tp=tp, load_balancer=cp_load_balancer, seq_lens=seq_lens))
+    if tp > 1:
+        rules.append(lambda: check_tp(args, tp_degree=tp, seq_len=seq_len))
+    if pp > 1:
+        rules.append(
+            lambda: split_layers(
+                args, pp=pp, schedule=pp_schedule, layers_per_stage=pp_layers_per_stage,
+                first_less=pp_first_stage_less_layers, last_less=pp_last_stage_less_layers,
+            )
+        )  # fmt: skip
+        rules.append(
+            lambda: check_microbatches(
+                pp=pp, schedule=pp_schedule, microbatch_size=pp_microbatch_size, local_batch_size=local_batch_size
+            )
+        )
     problems: list[str] = []
     for rule in rules:
         try:
@@ -156,3 +180,8 @@ def layout_problems(
         except ConfigError as e:
             problems += e.problems
     return problems
+
+
+def layout_checks(world_size: int) -> Callable[[JobConfig], list[str]]:
+    """config.load_config's extra_checks for a run on world_size ranks: the layout's rules, in the config's round."""
+    return lambda cfg: layout_problems(**cfg.layout_settings(), world_size=world_size)

@@ -26,7 +26,7 @@ import copy
 import functools
 import math
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -40,8 +40,10 @@ from torch.distributed.pipelining.schedules import (
     ScheduleInterleavedZeroBubble,
 )
 
-from config import Parallelism
 from errors import ConfigError
+
+if TYPE_CHECKING:
+    from config import Parallelism
 
 SCHEDULES = {
     "1F1B": Schedule1F1B,
@@ -54,14 +56,22 @@ IN_ROUNDS = (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)
 
 
 def stage_layers(args: Any, cfg: Parallelism) -> list[list[int]]:
+    """The blocks of each stage of a [parallelism] section's pipeline (split_layers)."""
+    return split_layers(
+        args, pp=cfg.pipeline_parallel_degree, schedule=cfg.pipeline_parallel_schedule,
+        layers_per_stage=cfg.pipeline_parallel_layers_per_stage,
+        first_less=cfg.pipeline_parallel_first_stage_less_layers,
+        last_less=cfg.pipeline_parallel_last_stage_less_layers,
+    )  # fmt: skip
+
+
+def split_layers(
+    args: Any, *, pp: int, schedule: str, layers_per_stage: int | None, first_less: int, last_less: int
+) -> list[list[int]]:
     """The blocks of each stage (virtual stages in order; stage 0 also holds the embedding, the last
-    norm + output). Every problem of the PP keys for this model in one ConfigError."""
-    pp, name, per_stage = (
-        cfg.pipeline_parallel_degree,
-        cfg.pipeline_parallel_schedule,
-        cfg.pipeline_parallel_layers_per_stage,
-    )
-    first_less, last_less = cfg.pipeline_parallel_first_stage_less_layers, cfg.pipeline_parallel_last_stage_less_layers
+    norm + output), from the parallelism.pipeline_parallel_* keys. Every problem of the PP keys for this
+    model in one ConfigError."""
+    name, per_stage = schedule, layers_per_stage
     key = "parallelism.pipeline_parallel"
     if name not in SCHEDULES:
         raise ConfigError(f"{key}_schedule: {name!r} is not one of {', '.join(SCHEDULES)}")
@@ -120,25 +130,26 @@ def rank_stages(pp_rank: int, *, pp: int, stages: int) -> list[int]:
     return list(range(pp_rank, stages, pp))
 
 
-def check_microbatches(cfg: Parallelism, *, local_batch_size: int) -> int:
-    """Micro-batches per step of the pipeline: local_batch_size / pipeline_parallel_microbatch_size."""
-    mb, pp = cfg.pipeline_parallel_microbatch_size, cfg.pipeline_parallel_degree
+def check_microbatches(*, pp: int, schedule: str, microbatch_size: int, local_batch_size: int) -> int:
+    """Micro-batches per step of the pipeline: local_batch_size / microbatch_size (the parallelism.pipeline_parallel_*
+    keys)."""
+    mb = microbatch_size
     if mb < 1 or local_batch_size % mb:
         raise ConfigError(
             f"parallelism.pipeline_parallel_microbatch_size: {mb} does not divide training.local_batch_size "
             f"{local_batch_size}; the pipeline splits each local batch into micro-batches of this many sequences"
         )
     n = local_batch_size // mb
-    if cfg.pipeline_parallel_schedule == "1F1B" and n < pp:
+    if schedule == "1F1B" and n < pp:
         raise ConfigError(
             f"parallelism.pipeline_parallel_microbatch_size: {mb} makes {n} micro-batches of "
             f"local_batch_size {local_batch_size}, fewer than the {pp} stages 1F1B needs (more shrink the bubble); "
             f"lower it or raise training.local_batch_size"
         )
-    if SCHEDULES.get(cfg.pipeline_parallel_schedule) in IN_ROUNDS and n % (rounds := max(1, n // pp)):
+    if SCHEDULES.get(schedule) in IN_ROUNDS and n % (rounds := max(1, n // pp)):
         raise ConfigError(
             f"parallelism.pipeline_parallel_microbatch_size: {mb} makes {n} micro-batches of local_batch_size "
-            f"{local_batch_size}; {cfg.pipeline_parallel_schedule} runs them in rounds, {n} // {pp} stages = "
+            f"{local_batch_size}; {schedule} runs them in rounds, {n} // {pp} stages = "
             f"{rounds} of them, so their number must divide by {rounds}: make it a multiple of {pp} (or below {2 * pp})"
         )
     return n
@@ -229,7 +240,10 @@ def pipeline_model(
     `loss_fn` is what training minimises, `score_fn` what validation reports (default: the same)."""
     pp = mesh["pp"].size()
     layers = stage_layers(model.args, cfg)
-    n_microbatches = check_microbatches(cfg, local_batch_size=local_batch_size)
+    n_microbatches = check_microbatches(
+        pp=pp, schedule=cfg.pipeline_parallel_schedule, microbatch_size=cfg.pipeline_parallel_microbatch_size,
+        local_batch_size=local_batch_size,
+    )  # fmt: skip
     pp_group = mesh["pp"].get_group()
     stages, parts = [], []
     for index in rank_stages(mesh["pp"].get_local_rank(), pp=pp, stages=len(layers)):

@@ -8,6 +8,7 @@ import pytest
 
 from config import REPO, SECTIONS, JobConfig, field_docs, help_text, input_problems, keys, load_config, script, to_toml
 from errors import ConfigError
+from parallelisms.parallel_dims import layout_checks
 from tests.conftest import SHIPPED, Launch
 
 
@@ -203,9 +204,22 @@ def test_a_mixture_names_the_training_data_instead_of_data_path(
 
 def problems_with_world(argv: list[str], *, world_size: int) -> list[str]:
     with pytest.raises(ConfigError) as info:
-        load_config(argv, world_size=world_size)
+        load_config(argv, extra_checks=layout_checks(world_size))
     return info.value.problems
 
 
 def test_unexpected_arguments() -> None:
     assert "unexpected argument" in problems(["steps=3"])[0]
+
+
+def test_compile_backend_is_checked_when_the_config_loads() -> None:
+    assert load_config(["--compile.backend=aot_eager"]).compile.backend == "aot_eager"
+    (problem,) = problems(["--compile.backend=inductr"])
+    assert problem.startswith("compile.backend: unknown backend 'inductr'; use one of ") and "inductor" in problem
+
+
+def test_messages_name_the_configured_model_family() -> None:
+    (problem,) = problems(["--model.name=qwen3", "--model.flavor=debugmodel", "--parallelism.expert_parallel_degree=2"])
+    assert "expert parallel (qwen3 has no experts)" in problem
+    (problem,) = problems(["--model.name=qwen3", "--model.converters=quantize.grouped_mm.float8"])
+    assert "MoE experts (qwen3 has none)" in problem

@@ -10,6 +10,7 @@ import torch
 from config import load_config
 from errors import ConfigError
 from parallelisms.cp import window_positions
+from parallelisms.parallel_dims import layout_checks
 
 
 def test_head_tail_chunks_cover_the_window_once_and_even_out_causal_work() -> None:
@@ -27,12 +28,13 @@ def test_head_tail_chunks_cover_the_window_once_and_even_out_causal_work() -> No
 
 def problems(*argv: str, world_size: int = 4) -> list[str]:
     with pytest.raises(ConfigError) as info:
-        load_config(["--config", "configs/debug_cp.toml", *argv], world_size=world_size)
+        load_config(["--config", "configs/debug_cp.toml", *argv], extra_checks=layout_checks(world_size))
     return info.value.problems
 
 
 def test_what_context_parallel_refuses_in_one_line() -> None:
-    assert load_config(["--config", "configs/debug_cp.toml"], world_size=4).parallelism.context_parallel_degree == 2
+    cfg = load_config(["--config", "configs/debug_cp.toml"], extra_checks=layout_checks(4))
+    assert cfg.parallelism.context_parallel_degree == 2
     assert problems("--training.seq_len=250") == [
         "training.seq_len: 250 is not divisible by 4 (context_parallel_degree 2 cuts each window into 4 equal "
         "chunks); use a multiple of 4"

@@ -6,8 +6,6 @@ x TP), tests/test_parallel_configs.py (configs/debug_pp.toml) and tests/test_tra
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from config import Parallelism
@@ -59,13 +57,13 @@ def test_bad_pipeline_keys_name_key_and_fix(flavor: str, keys: dict, expected: s
 
 
 def test_micro_batches() -> None:
-    cfg = Parallelism(pipeline_parallel_degree=4, pipeline_parallel_microbatch_size=2)
-    assert check_microbatches(cfg, local_batch_size=8) == 4
+    cfg = {"pp": 4, "schedule": "1F1B", "microbatch_size": 2}
+    assert check_microbatches(**cfg, local_batch_size=8) == 4
     with pytest.raises(ConfigError, match="does not divide training.local_batch_size 7"):
-        check_microbatches(cfg, local_batch_size=7)
+        check_microbatches(**cfg, local_batch_size=7)
     with pytest.raises(ConfigError, match="fewer than the 4 stages 1F1B needs"):
-        check_microbatches(cfg, local_batch_size=6)
-    assert check_microbatches(dataclasses.replace(cfg, pipeline_parallel_schedule="GPipe"), local_batch_size=6) == 3
+        check_microbatches(**cfg, local_batch_size=6)
+    assert check_microbatches(**{**cfg, "schedule": "GPipe"}, local_batch_size=6) == 3
 
 
 @pytest.mark.parametrize("schedule", ["Interleaved1F1B", "InterleavedZeroBubble"])
