@@ -356,8 +356,10 @@ class CheckpointManager:
         model_args: Any = None,
         hf_assets_path: str | None = None,
         tokenizer_path: str | None = None,
+        optional: tuple[str, ...] = (),
     ):
-        """`stateful`: everything else to save and restore (loader, train state).
+        """`stateful`: everything else to save and restore (loader, train state); the keys in `optional` may
+        be missing from checkpoints of earlier versions (they then keep their fresh state).
         family, model_args: the model's family and its shape as published (Hugging Face names and
         config.json; default model.args); only Hugging Face loading and export need them.
         hf_assets_path: the Hugging Face folder initial_load_in_hf reads when initial_load_path is unset.
@@ -366,7 +368,7 @@ class CheckpointManager:
         self.folder = Path(dump_folder) / cfg.folder
         self.model, self.optimizer = model, optimizer
         self.family, self.model_args = family, model_args or model.args
-        self.stateful = stateful
+        self.stateful, self.optional = stateful, optional
         self.hf_assets_path = hf_assets_path
         self.side_files = hf_assets_path or (
             tokenizer_path if tokenizer_path and Path(tokenizer_path).is_dir() else None
@@ -446,6 +448,9 @@ class CheckpointManager:
         self, path: Path, metadata: Metadata, weights: ModelAndOptimizer, parts: dict[str, Stateful], *, key: str,
         load_model: bool = True,
     ) -> None:  # fmt: skip
+        for name in [name for name in parts if name in self.optional and not _holds_part(metadata, name)]:
+            del parts[name]  # saved by a recipe that did not have it yet: it starts afresh
+            _log(f"{path} holds no {name} (saved before it was checkpointed): it starts afresh")
         model_state = get_model_state_dict(self.model)
         check_holds(path, metadata, {f"model_and_optimizer.model.{k}": v for k, v in model_state.items()}, key=key)
         state: dict[str, Any] = {**parts}
@@ -620,6 +625,24 @@ class CheckpointManager:
 
     def close(self) -> None:
         self._finish_pending()
+
+
+def _holds_part(metadata: Metadata, name: str) -> bool:
+    return any(key == name or key.startswith(f"{name}.") for key in metadata.state_dict_metadata)
+
+
+class SaveStep:
+    """After each step: publish a finished async save; save every checkpoint.interval steps and after the last."""
+
+    def __init__(self, checkpoint: CheckpointManager, *, total_steps: int):
+        self.checkpoint, self.total_steps = checkpoint, total_steps
+
+    def __call__(self, step: int, result: Any) -> bool:
+        self.checkpoint.poll()
+        last = step == self.total_steps
+        if self.checkpoint.should_save(step, last=last):
+            self.checkpoint.save(step, last=last)
+        return False
 
 
 class _OptimizerOnly(Stateful):

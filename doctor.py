@@ -41,10 +41,10 @@ from config import JobConfig, global_batch_size, input_problems, load_config, mo
 from data.corpus import corpus_size
 from data.tokenizers import build_tokenizer
 from errors import ConfigError, is_rank0, warn
-from estimate_memory import GiB, estimate, job_of
-from parallelisms.parallel_dims import ParallelDims
+from parallelisms.parallel_dims import ParallelDims, layout_checks
 
 Severity = Literal["error", "warning", "note"]
+GiB = 2**30
 
 USAGE = """\
 usage: python doctor.py [--config FILE.toml] [--world-size N] [--gpus-per-node N] [--cuda]
@@ -298,6 +298,9 @@ def _memory(cfg: JobConfig, dims: ParallelDims, machine: Machine, *, tp_mesh: De
     """The estimate of estimate_memory.py for this job against the memory one rank can use."""
     if machine.device_memory_gib is None:
         return []
+    # Imported here: the estimator (its fake-tensor trace of a block) loads only when this check runs.
+    from estimate_memory import estimate, job_of
+
     try:
         job = job_of(cfg, dims, cuda=machine.cuda)
     except ConfigError:  # a shape TP or PP cannot split: the run refuses it at start-up, with its own message
@@ -403,7 +406,7 @@ def main(argv: list[str]) -> int:
     if not world.isdigit() and "--world-size" not in options:
         problems.append(f"WORLD_SIZE: {world!r} is not a number of ranks; pass --world-size N")
     try:
-        cfg = load_config(rest, inputs=False, world_size=int(world) if world.isdigit() else None)
+        cfg = load_config(rest, inputs=False, extra_checks=layout_checks(int(world)) if world.isdigit() else None)
     except ConfigError as e:
         problems += e.problems
     if problems:

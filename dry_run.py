@@ -25,7 +25,6 @@ Async TP (a CUDA-only compiler pass) is checked against a CUDA + NCCL machine an
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any
 
@@ -35,13 +34,21 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 import doctor
-import train
-from config import JobConfig, dry_run_world, global_batch_size, input_problems, model_args
+from config import (
+    JobConfig,
+    dry_run_world,
+    float8_settings,
+    global_batch_size,
+    input_problems,
+    model_label,
+    run_model_args,
+)
 from estimate_memory import GiB, Job, checkpointed_blocks, cp_kv_bytes, estimate, job_costs, job_of
 from loss import Loss
-from models import family, with_seq_len
+from models import family
 from parallelisms.fsdp import DTYPES, reshards_after_forward
 from parallelisms.parallel_dims import ParallelDims
+from parallelisms.parallelize import build_model
 from parallelisms.pp import check_microbatches, rank_stages, stage_layers
 
 
@@ -62,17 +69,14 @@ def run(cfg: JobConfig) -> int:
     try:
         mesh = dims.build_mesh("cpu")
         fam = family(cfg.model.name)
-        args = dataclasses.replace(
-            with_seq_len(model_args(cfg.model), t.seq_len), attn_mask_type=cfg.model.attn_mask_type
-        )
-        float8 = cfg.quantize.linear.float8 if "quantize.linear.float8" in cfg.model.converters else None
-        model, pipeline = train.build_model(
+        args = run_model_args(cfg)  # what train.py builds
+        model, pipeline = build_model(
             fam, args, dims=dims, mesh=mesh, training=t, parallelism=par, ac=cfg.activation_checkpoint,
-            compile=cfg.compile, float8=float8, loss_fn=Loss(), device=torch.device("cpu"), planning=True,
+            compile=cfg.compile, float8=float8_settings(cfg), loss_fn=Loss(), device=torch.device("cpu"), planning=True,
         )  # fmt: skip
         parts = pipeline.parts if pipeline else [model]
         local = sum(_local_numel(p) for part in parts for p in part.parameters())
-        lines += describe(cfg, dims, args, mesh=mesh, local_params=local, job=job_of(cfg, dims, cuda=True))
+        lines += plan_lines(cfg, dims, args, mesh=mesh, local_params=local, job=job_of(cfg, dims, cuda=True))
     finally:
         dist.destroy_process_group()
     # Optional parts (doctor.py): each adds its lines and says whether it found an error. The GPUs planned for
@@ -92,21 +96,25 @@ def _local_numel(p: torch.Tensor) -> int:
     return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
 
 
-def describe(
+def plan_lines(
     cfg: JobConfig, dims: ParallelDims, args: Any, *, mesh: DeviceMesh, local_params: int, job: Job
 ) -> list[str]:
+    """The plan's lines before the doctor's: layout, groups, params, memory and comm (the module docstring)."""
     t, par = cfg.training, cfg.parallelism
     global_batch = global_batch_size(t, dp=dims.dp)
     grad_accum = global_batch // (t.local_batch_size * dims.dp)
     total = family(cfg.model.name).num_params(args)
     lines = [
-        f"{train.model_label(cfg.model)}: {total / 1e9:.2f}B parameters on {dims.world_size} ranks = pp {dims.pp} x "
+        f"{model_label(cfg)}: {total / 1e9:.2f}B parameters on {dims.world_size} ranks = pp {dims.pp} x "
         f"{dims.describe()} | global batch {global_batch} x "
         f"{t.seq_len} tokens, local batch {t.local_batch_size}, grad accumulation {grad_accum}",
     ]
     if dims.pp_enabled:
         layers = stage_layers(args, par)
-        n_mb = check_microbatches(par, local_batch_size=t.local_batch_size)
+        n_mb = check_microbatches(
+            pp=dims.pp, schedule=par.pipeline_parallel_schedule, microbatch_size=par.pipeline_parallel_microbatch_size,
+            local_batch_size=t.local_batch_size,
+        )  # fmt: skip
         ours = rank_stages(0, pp=dims.pp, stages=len(layers))
         lines.append(
             f"pipeline: {par.pipeline_parallel_schedule}, {len(layers)} stages ({len(layers) // dims.pp} per rank), "
@@ -169,7 +177,7 @@ def comm_per_step(
     """
     t, par = cfg.training, cfg.parallelism
     args = job.args
-    a, r = DTYPES[t.mixed_precision_param].itemsize, DTYPES[t.mixed_precision_reduce].itemsize
+    param_bytes, reduce_bytes = DTYPES[t.mixed_precision_param].itemsize, DTYPES[t.mixed_precision_reduce].itemsize
     ring = lambda g: (g - 1) / g  # noqa: E731
     pp, tp, rep, cp = dims.pp, dims.tp, dims.dp_replicate, dims.cp
     fsdp = dims.dp_shard * cp  # the ranks FSDP shards over; its line is named after their mesh dimension(s)
@@ -189,12 +197,12 @@ def comm_per_step(
         gathered = gathers * stage_params / tp
         if resharded:  # backward gathers neither the embedding nor (without PP) the root unit, still gathered
             gathered -= grad_accum * (costs.embedding_params + (costs.root_params if pp == 1 else 0))
-        nbytes = ring(fsdp) * (gathered * a + syncs * r * stage_params / tp)
+        nbytes = ring(fsdp) * (gathered * param_bytes + syncs * reduce_bytes * stage_params / tp)
         out[fsdp_dim] = (nbytes, f"FSDP: {gathers} all-gather(s) of the stage in {t.mixed_precision_param}, "
-                                 f"{syncs} reduce-scatter(s) of its gradients in {t.mixed_precision_reduce}")  # fmt: skip
+                         f"{syncs} reduce-scatter(s) of its gradients in {t.mixed_precision_reduce}")  # fmt: skip
     if rep > 1:
         out["dp_replicate"] = (
-            2 * ring(rep) * syncs * r * stage_params / tp / fsdp,
+            2 * ring(rep) * syncs * reduce_bytes * stage_params / tp / fsdp,
             "HSDP: gradient shards all-reduced",
         )
     if tp > 1:
@@ -213,7 +221,7 @@ def comm_per_step(
         out["cp"] = (shared[0] + kv, f"{shared[1]}; {what}") if shared else (kv, what)
     if pp > 1:  # rank 0's stages: each but the last sends activations, each but the first gradients
         crossings = sum(s != len(layers) - 1 for s in ours) + sum(s != 0 for s in ours)
-        boundary = local_tokens / tp * args.dim * a
+        boundary = local_tokens / tp * args.dim * param_bytes
         out["pp"] = (crossings * boundary * grad_accum, f"sends of every micro-batch's hidden states: {crossings} per "
                      "micro-batch (activations forward, their gradients backward)")  # fmt: skip
     return out

@@ -170,9 +170,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.multiprocessing.reductions import StorageWeakRef
 
+# TorchDispatchMode is the documented way to see every aten op, in a private module (PyTorch 2.13).
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from config import JobConfig, Parallelism, Training, global_batch_size, model_args, selective_ac_every
 from errors import ConfigError
-from metrics import observe_ops
 from models import NAMES, ModelFamily, family, with_seq_len
 from parallelisms.parallel_dims import ParallelDims, layout_problems
 from parallelisms.pp import SCHEDULES, rank_stages, stage_layers
@@ -296,6 +298,32 @@ def _tp_mesh(tp: int, mesh: DeviceMesh | None) -> Iterator[DeviceMesh | None]:
         yield init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
     finally:
         dist.destroy_process_group()
+
+
+OpCallback = Callable[[torch._ops.OpOverload, tuple[Any, ...], dict[str, Any], Any], None]
+
+
+class _OpObserver(TorchDispatchMode):
+    def __init__(self, on_op: OpCallback):
+        super().__init__()
+        self.on_op = on_op
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        # Let DTensor lower itself first (as CommDebugMode does): its local ops and collectives
+        # come back here on plain tensors.
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.on_op(func, args, kwargs, out)
+        return out
+
+
+@contextlib.contextmanager
+def observe_ops(on_op: OpCallback) -> Iterator[None]:
+    """Call `on_op(op, args, kwargs, output)` after every aten/c10d op that runs inside (eager mode)."""
+    with _OpObserver(on_op):
+        yield
 
 
 def trace_costs(
@@ -533,7 +561,7 @@ class Job:
         """The recipe's own rules (ParallelDims, the TP plan, the pipeline split and micro-batches) raise one
         ConfigError with all their problems; the estimator's own inputs ValueError."""
         problems = layout_problems(
-            self.parallelism, world_size=self.ngpu, args=self.args, seq_len=self.seq_len,
+            **self.parallelism.layout_settings(), world_size=self.ngpu, args=self.args, seq_len=self.seq_len,
             local_batch_size=self.local_batch_size,
         )  # fmt: skip
         if problems:
@@ -602,15 +630,15 @@ _ACTIONS = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWA
 def job_of(cfg: JobConfig, dims: ParallelDims, *, cuda: bool) -> Job:
     """A run's config as a Job (the doctor's memory check, the dry run): for CUDA GPUs, or for CPU ranks. ConfigError
     for a shape the layout cannot split, which the run itself refuses with its own message."""
-    t, ac, par = cfg.training, cfg.activation_checkpoint, cfg.parallelism
+    training, ac, par = cfg.training, cfg.activation_checkpoint, cfg.parallelism
     return Job(
         family=cfg.model.name, flavor=cfg.model.flavor, model=model_args(cfg.model), ngpu=dims.world_size, tp=dims.tp,
-        replicate=dims.dp_replicate, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
-        grad_accum=global_batch_size(t, dp=dims.dp) // (t.local_batch_size * dims.dp),
-        param_dtype=t.mixed_precision_param, reduce_dtype=t.mixed_precision_reduce,
+        replicate=dims.dp_replicate, seq_len=training.seq_len, local_batch_size=training.local_batch_size,
+        grad_accum=global_batch_size(training, dp=dims.dp) // (training.local_batch_size * dims.dp),
+        param_dtype=training.mixed_precision_param, reduce_dtype=training.mixed_precision_reduce,
         ac=f"selective-{ac.selective_ac_option}" if ac.mode == "selective" else ac.mode,
-        cpu_offload=t.enable_cpu_offload and cuda, loss_chunk_tokens=t.loss_chunk_tokens,
-        loss_parallel=not par.disable_loss_parallel, z_loss_weight=t.z_loss_weight,
+        cpu_offload=training.enable_cpu_offload and cuda, loss_chunk_tokens=training.loss_chunk_tokens,
+        loss_parallel=not par.disable_loss_parallel, z_loss_weight=training.z_loss_weight,
         pp=dims.pp, pp_schedule=par.pipeline_parallel_schedule,
         pp_microbatch_size=par.pipeline_parallel_microbatch_size,
         pp_layers_per_stage=par.pipeline_parallel_layers_per_stage,
@@ -671,12 +699,12 @@ def cp_kv_bytes(job: Job) -> dict[str, int]:
     All 0 without context parallel."""
     if job.cp == 1:
         return dict.fromkeys(("saved", "kept", "gathered", "mask"), 0)
-    args, a = job.args, DTYPE_BYTES[job.param_dtype]
+    args, param_bytes = job.args, DTYPE_BYTES[job.param_dtype]
     batch, window = job.microbatch_tokens // job.local_seq_len, job.seq_len
-    head_bytes = batch * args.head_dim * a
+    head_bytes = batch * args.head_dim * param_bytes
     saved = 2 * head_bytes * (window - job.local_seq_len) * (args.n_heads // job.tp)
     gathered = 2 * head_bytes * window * (args.kv_heads // job.tp)
-    mask = batch * job.local_seq_len * window * a if job.allocator == "cpu" else 0
+    mask = batch * job.local_seq_len * window * param_bytes if job.allocator == "cpu" else 0
     return {"saved": saved, "kept": gathered if job.ac == "selective-op" else 0, "gathered": gathered, "mask": mask}
 
 
@@ -684,11 +712,11 @@ def activation_bytes(job: Job, *, tp_mesh: DeviceMesh | None = None) -> dict[str
     """Bytes saved for backward at the end of one micro-batch's forward through the whole model (what
     benchmarks/memory.py measures), by part: the blocks, what lies outside them (token ids, the final
     norm and its gathered output), the loss's fp32 log-softmax."""
-    costs, args, a = job_costs(job, tp_mesh=tp_mesh), job.args, DTYPE_BYTES[job.param_dtype]
-    T, checkpointed = job.microbatch_tokens, checkpointed_blocks(job.args.n_layers, job.ac)
+    costs, args, param_bytes = job_costs(job, tp_mesh=tp_mesh), job.args, DTYPE_BYTES[job.param_dtype]
+    tokens, checkpointed = job.microbatch_tokens, checkpointed_blocks(job.args.n_layers, job.ac)
     blocks = (args.n_layers - checkpointed) * costs.saved + checkpointed * costs.kept
-    outside = 16 * T + costs.final_norm + a * T * args.dim + cp_kv_bytes(job)["mask"]
-    log_softmax = 4 * T * args.vocab_size // job.tp
+    outside = 16 * tokens + costs.final_norm + param_bytes * tokens * args.dim + cp_kv_bytes(job)["mask"]
+    log_softmax = 4 * tokens * args.vocab_size // job.tp
     return {
         "per_block_no_ac": costs.saved,
         "per_block_checkpointed": costs.kept if checkpointed else 0,
@@ -699,199 +727,348 @@ def activation_bytes(job: Job, *, tp_mesh: DeviceMesh | None = None) -> dict[str
     }
 
 
+# estimate_rank's terms, phase by phase: the parameters a rank holds and their sharded state (the whole step),
+# the parameters gathered during backward, the activations a micro-batch leaves for backward, the transients of a
+# backward; then a replay of the rank's schedule finds the worst moment, and the reserved bytes follow from it.
+
+
+@dataclass(frozen=True)
+class _RankParams:
+    """The parameters of one pp rank as TP left them, before FSDP shards them (the family's plan splits a block's
+    matmul weights, the skeleton's the vocabulary). A tied model's one matrix lives in the root unit
+    (parallelisms/fsdp.py)."""
+
+    stages: list[list[int]]
+    """The blocks of every (virtual) pipeline stage of the job; one stage of all blocks without PP."""
+    local: list[int]
+    """The stages this rank runs."""
+    block: int
+    embedding: int
+    root: int
+    """The root unit: final norm + output projection (or the tied matrix)."""
+
+    @property
+    def last_stage(self) -> int:
+        return len(self.stages) - 1
+
+    def of_stage(self, stage: int) -> int:
+        embedding = self.embedding if stage == 0 else 0
+        root = self.root if stage == self.last_stage else 0
+        return len(self.stages[stage]) * self.block + embedding + root
+
+    @property
+    def total(self) -> int:
+        """Of all the rank's stages."""
+        return sum(self.of_stage(stage) for stage in self.local)
+
+    @property
+    def largest_unit(self) -> int:
+        """The largest FSDP unit of the rank: a block, or the embedding or root unit where the rank has them."""
+        return max([self.block] + [self.embedding] * (0 in self.local) + [self.root] * (self.last_stage in self.local))
+
+
+def _rank_params(job: Job, costs: BlockCosts, pp_rank: int) -> _RankParams:
+    stages = job.stages
+    local = rank_stages(pp_rank, pp=job.pp, stages=len(stages)) if job.pp > 1 else [0]
+    return _RankParams(
+        stages, local, block=costs.block_params, embedding=costs.embedding_params, root=costs.root_params
+    )
+
+
+@dataclass(frozen=True)
+class _ShardedState:
+    """The fp32 master state of a rank, FSDP's shards of what TP left: 4 bytes per parameter for the parameters,
+    4 for the gradients, 8 for AdamW's two moments. On the GPU unless CPU offload moves it to the host."""
+
+    params: float
+    grads: float
+    adam: float
+    on_gpu: bool
+    static: float
+    """Allocated once and never freed, on the GPU: parameters and AdamW state."""
+    block_grads: float
+    """One block's gradient shards, on the GPU."""
+    earlier_grads: float
+    """The gradient shards of the step's earlier micro-batches (gradient accumulation), on the GPU."""
+
+
+def _sharded_state(job: Job, params: _RankParams) -> _ShardedState:
+    master, grads, adam = (n * params.total / job.shard for n in (4, 4, 8))
+    on_gpu = not job.cpu_offload
+    return _ShardedState(
+        params=master, grads=grads, adam=adam, on_gpu=on_gpu, static=master + adam if on_gpu else 0.0,
+        block_grads=4 * params.block / job.shard if on_gpu else 0.0,
+        earlier_grads=grads if on_gpu and job.grad_accum > 1 else 0.0,
+    )  # fmt: skip
+
+
+def _gathered_params(job: Job, params: _RankParams) -> dict[str, float]:
+    """Bytes of the parameters gathered in param_dtype during each phase of backward (loss, block, embedding).
+
+    Without PP the embedding and blocks are resharded after forward and the root (norm + output) is not; in
+    backward one block is gathered plus the prefetched one, and the embedding is not gathered again (its backward
+    does not read it, parallelisms/fsdp.py). Under PP the rank's stages stay gathered from their first forward to
+    the end of the step."""
+    param_bytes = DTYPE_BYTES[job.param_dtype]
+    if job.pp > 1:
+        return dict.fromkeys(("loss", "block", "embedding"), param_bytes * params.total)
+    root = param_bytes * params.root
+    return {"loss": root, "block": param_bytes * (params.root + 2 * params.block), "embedding": root}
+
+
+@dataclass(frozen=True)
+class _Activations:
+    """What one micro-batch leaves for backward on this rank, as the trace found it: per block of a stage, and
+    outside the blocks."""
+
+    stages: list[list[int]]
+    no_ac: int
+    """One block's saved bytes without activation checkpointing."""
+    checkpointed: int
+    """What a checkpointed block keeps (its input; under op SAC also its cache)."""
+    every: int
+    """apply_ac's period (checkpoint_every)."""
+    token_ids: int
+    """Token ids and labels (int64), and CP's mask on CPU."""
+    final_norm: int
+    """The final norm's saves and its output, gathered over the sequence, which the loss keeps."""
+    log_softmax: int
+    """The loss's fp32 log-softmax (loss parallel keeps the vocabulary sharded); the chunked loss keeps none."""
+    stage_output: float
+    """Kept by a pipeline stage for its backward; the last stage's feeds the final norm."""
+
+    def blocks(self, stage: int) -> list[int]:
+        every = self.every
+        checkpointed = [every and (i + 1) % every == 0 for i in range(len(self.stages[stage]))]
+        return [self.checkpointed if ckpt else self.no_ac for ckpt in checkpointed]
+
+    def outside(self, stage: int) -> float:
+        last = stage == len(self.stages) - 1
+        return self.token_ids + (self.final_norm + self.log_softmax if last else self.stage_output)
+
+
+def _activations(job: Job, costs: BlockCosts, stages: list[list[int]]) -> _Activations:
+    param_bytes, tokens, dim = DTYPE_BYTES[job.param_dtype], job.microbatch_tokens, job.args.dim
+    chunked = 0 < job.loss_chunk_tokens < tokens
+    return _Activations(
+        stages=stages, no_ac=costs.saved, checkpointed=costs.kept, every=checkpoint_every(job.ac),
+        token_ids=16 * tokens + cp_kv_bytes(job)["mask"], final_norm=costs.final_norm + param_bytes * tokens * dim,
+        log_softmax=0 if chunked else 4 * tokens * job.args.vocab_size // job.tp,
+        stage_output=param_bytes * tokens * dim / job.tp,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Transients:
+    """What exists during part of a backward only, per micro-batch."""
+
+    logits_held: float
+    """The logits in param_dtype, while a loop that keeps them holds them."""
+    loss: float
+    """The loss backward's buffers beyond the saved log-softmax (module docstring, "logits + loss")."""
+    activation_grads: float
+    """A block backward's activation gradients."""
+    reduce_scatter_inputs: float
+    """A block's unsharded gradient in param_dtype and its reduce_dtype copy."""
+    root_grad: float
+    """The root unit's unsharded gradient, from the loss backward to the end."""
+    pp_buffers: float
+    """The pipeline's send and receive buffers."""
+    weight_grad_inputs: int
+    """Zero bubble: per block, what its weight gradients need between a micro-batch's input and weight backward."""
+
+
+def _transients(job: Job, costs: BlockCosts) -> _Transients:
+    tp, tokens, vocab, dim = job.tp, job.microbatch_tokens, job.args.vocab_size, job.args.dim
+    param_bytes, reduce_bytes = DTYPE_BYTES[job.param_dtype], DTYPE_BYTES[job.reduce_dtype]
+    # Start of the loss backward, in fp32 per logit: the saved log-softmax (4, counted with the activations) plus,
+    # for the fused cross-entropy (tp 1), nll's gradient and log-softmax's gradient (4 + 4); under loss parallel
+    # (tp > 1) torch's DTensor backward builds zeros_like(x), exp(x), their sum and the product (up to 4 x 4
+    # alive). Plus the logits in param_dtype while the loop still holds them.
+    logits = param_bytes * tokens * vocab / tp if job.logits_kept_in_backward else 0.0
+    loss = (8 if tp == 1 else 12) * tokens * vocab / tp + logits
+    if 0 < job.loss_chunk_tokens < tokens:
+        # loss.py: forward keeps no logits; backward recomputes one chunk (bf16 logits, fp32 copy, log-softmax,
+        # gradients) while the gradients of the final norm's output and of the output projection accumulate.
+        per_logit = param_bytes + 4 + 4 + (8 if tp == 1 else 12)
+        loss = per_logit * job.loss_chunk_tokens * vocab / tp + 4 * tokens * dim + param_bytes * costs.root_params
+    return _Transients(
+        logits_held=logits, loss=loss,
+        # Backward of one block: besides the recomputation (AC) of what it did not keep, its activation gradients
+        # (about two T x D tensors and two of the widest projection's output alive at once, SwiGLU's hidden
+        # units for Llama; under TP one T x D is the full-size partial gradient of a gathered input) and its
+        # unsharded gradient in param_dtype plus its reduce_dtype copy (FSDP's reduce-scatter input; under PP
+        # the accumulator's first upcast).
+        activation_grads=param_bytes * tokens * (dim + dim / tp) + 2 * costs.widest,
+        reduce_scatter_inputs=(param_bytes + reduce_bytes) * costs.block_params,
+        root_grad=param_bytes * costs.root_params,
+        pp_buffers=2 * param_bytes * tokens * dim / tp if job.pp > 1 else 0.0,
+        weight_grad_inputs=costs.matmul_inputs,
+    )  # fmt: skip
+
+
+class _Replay:
+    """The rank's forwards and backwards in its schedule's order, and the worst moment of each phase of backward
+    (loss, block, embedding): the bytes alive then beyond the static state, the gradient shards among them (they
+    live in the reduce-scatter stream's pool, see "Reserved"), and where."""
+
+    def __init__(
+        self, job: Job, *, params: _RankParams, state: _ShardedState, gathered: dict[str, float],
+        acts: _Activations, transients: _Transients,
+    ) -> None:  # fmt: skip
+        self.params, self.state, self.gathered, self.acts, self.transients = params, state, gathered, acts, transients
+        self.pipelined = job.pp > 1
+        self.param_bytes, self.reduce_bytes = DTYPE_BYTES[job.param_dtype], DTYPE_BYTES[job.reduce_dtype]
+        self.held: dict[tuple[int, int], float] = {}  # (local stage, micro-batch) -> its activations
+        self.backward_done: set[int] = set()  # stages with fp32 accumulators (PP: after their first backward)
+        self.phases: dict[str, tuple[float, float, str]] = {}  # phase -> (bytes, shards among them, where)
+        self.most_held = 0
+
+    def run(self, ops: list[tuple[str, int, int]]) -> None:
+        """ops: (kind, local stage, micro-batch) as rank_ops lists them; kind F forward, B backward, or zero bubble's
+        I (input) and W (weight) backward."""
+        for kind, local_stage, microbatch in ops:
+            stage, key = self.params.local[local_stage], (local_stage, microbatch)
+            if kind == "F":
+                self.held[key] = sum(self.acts.blocks(stage)) + self.acts.outside(stage)
+                self.most_held = max(self.most_held, len(self.held))
+            elif kind == "W":
+                del self.held[key]
+            else:
+                self._backward(stage, key)
+                self.backward_done.add(stage)
+                if kind == "I":
+                    self.held[key] = len(self.acts.blocks(stage)) * self.transients.weight_grad_inputs
+                else:
+                    del self.held[key]
+
+    def _backward(self, stage: int, key: tuple[int, int]) -> None:
+        """One backward of `stage` for one micro-batch: the loss (on the last stage), every block from the last to
+        the first, the embedding (on stage 0)."""
+        params, state, acts, transients = self.params, self.state, self.acts, self.transients
+        others = sum(self.held.values()) - self.held[key]
+        first = stage not in self.backward_done
+        accumulated = sum(params.of_stage(k) for k in self.backward_done)
+        accumulators = self.reduce_bytes * accumulated if self.pipelined else 0.0
+        base = state.earlier_grads + accumulators + others + transients.pp_buffers
+        where = f"stage {stage}, micro-batch {key[1]}" if self.pipelined else ""
+        last = stage == params.last_stage
+        if last:
+            value = self.gathered["loss"] + base + self.held[key] + transients.loss
+            self._record("loss", value, state.earlier_grads, where)
+        blocks = acts.blocks(stage)
+        remaining = sum(blocks) + acts.token_ids
+        root_grad = transients.root_grad if last else 0.0
+        # Per block processed: its gradient joins the shards (no PP) or, in a stage's first backward, the
+        # accumulators (PP); later backwards add into accumulators that exist.
+        done_each = (self.reduce_bytes * params.block if first else 0.0) if self.pipelined else state.block_grads
+        unsharded = transients.reduce_scatter_inputs if first or not self.pipelined else self.param_bytes * params.block
+        for j, i in enumerate(reversed(range(len(blocks)))):
+            transient = acts.no_ac - blocks[i] + transients.activation_grads + unsharded  # recompute + gradients
+            done = j * done_each
+            value = self.gathered["block"] + base + done + root_grad + remaining + transient
+            shards = state.earlier_grads + (0.0 if self.pipelined else done)
+            self._record("block", value, shards, f"{where}, block {params.stages[stage][i]}".removeprefix(", "))
+            remaining -= blocks[i]
+        if stage == 0 and params.embedding:
+            done = len(blocks) * done_each
+            grads = (self.param_bytes + (self.reduce_bytes if first else 0)) * params.embedding
+            value = self.gathered["embedding"] + base + done + root_grad + acts.token_ids + grads
+            self._record("embedding", value, state.earlier_grads + (0.0 if self.pipelined else done), where)
+
+    def worst(self) -> tuple[str, float, float, str]:
+        """The phase with the most bytes alive at its worst moment: its name, the bytes, the shards in them, where."""
+        phase = max(self.phases, key=lambda k: self.phases[k][0])
+        return (phase, *self.phases[phase])
+
+    def _record(self, phase: str, value: float, shards: float, where: str) -> None:
+        if value > self.phases.get(phase, (-1.0,))[0]:
+            self.phases[phase] = (value, shards, where)
+
+
 def estimate_rank(job: Job, pp_rank: int = 0, *, tp_mesh: DeviceMesh | None = None) -> dict[str, float | int | str]:
     """Per-GPU bytes by component, the allocated peak and the reserved estimate of one pp rank (the module
     docstring tells the story). tp_mesh: see block_costs."""
-    args, t, a, r = job.args, job.tp, DTYPE_BYTES[job.param_dtype], DTYPE_BYTES[job.reduce_dtype]
-    V, D = args.vocab_size, args.dim
-    pipelined = job.pp > 1
-    stages = job.stages
-    last = len(stages) - 1
-    local = rank_stages(pp_rank, pp=job.pp, stages=len(stages)) if pipelined else [0]
-    T = job.microbatch_tokens
     costs = job_costs(job, tp_mesh=tp_mesh)
-
-    # Parameters per rank before FSDP shards them, as TP left them (the family's plan splits a block's
-    # matmul weights, the skeleton's the vocabulary). A tied model's one matrix lives in the root unit
-    # (parallelisms/fsdp.py).
-    block_p, embedding_p, output_p = costs.block_params, costs.embedding_params, costs.root_params
-
-    def stage_p(g: int) -> float:
-        return len(stages[g]) * block_p + (embedding_p if g == 0 else 0) + (output_p if g == last else 0)
-
-    rank_p = sum(stage_p(g) for g in local)
-    largest_unit = max([block_p] + [embedding_p] * (0 in local) + [output_p] * (last in local))
-
-    # Sharded fp32 master state: FSDP splits what TP left again.
-    params, grads, adam = (n * rank_p / job.shard for n in (4, 4, 8))
-    on_gpu = not job.cpu_offload
-    static = params + adam if on_gpu else 0.0
-    block_shards = 4 * block_p / job.shard if on_gpu else 0.0  # one block's fp32 gradient shards
-    earlier_grads = grads if on_gpu and job.grad_accum > 1 else 0.0  # the step's earlier micro-batches'
-
-    # Gathered in param_dtype. Without PP the embedding and blocks are resharded after forward and
-    # the root (norm + output) is not; in backward one block is gathered plus the prefetched one, and
-    # the embedding is not gathered again (its backward does not read it, parallelisms/fsdp.py).
-    # Under PP the rank's stages stay gathered from their first forward to the end of the step.
-    if pipelined:
-        gathered = dict.fromkeys(("loss", "block", "embedding"), a * rank_p)
+    params = _rank_params(job, costs, pp_rank)
+    state = _sharded_state(job, params)
+    acts, transients = _activations(job, costs, params.stages), _transients(job, costs)
+    replay = _Replay(
+        job, params=params, state=state, gathered=_gathered_params(job, params), acts=acts, transients=transients
+    )
+    if job.pp > 1:
+        n_local, n_mb = len(params.local), job.microbatches
+        replay.run(rank_ops(job.pp_schedule, pp_rank=pp_rank, pp=job.pp, n_local=n_local, n_mb=n_mb))
     else:
-        gathered = {
-            "loss": a * output_p,
-            "block": a * (output_p + 2 * block_p),
-            "embedding": a * output_p,
-        }
+        replay.run([("F", 0, 0), ("B", 0, 0)])
+    return _report(job, pp_rank, replay)
 
-    # Activations of one micro-batch through one stage, as the trace found them.
-    per_none, per_ckpt = costs.saved, costs.kept
-    every = checkpoint_every(job.ac)
 
-    def block_acts(g: int) -> list[float]:
-        return [per_ckpt if every and (i + 1) % every == 0 else per_none for i in range(len(stages[g]))]
-
-    chunked = 0 < job.loss_chunk_tokens < T
-    # The loss's fp32 log-softmax (loss parallel keeps the vocabulary sharded); the chunked loss keeps none.
-    log_softmax = 0 if chunked else 4 * T * V // t
-    ids = 16 * T + cp_kv_bytes(job)["mask"]  # token ids and labels (int64), and CP's mask on CPU
-    stage_output = a * T * D / t  # kept by a pipeline stage for its backward; the last stage's feeds the norm
-    # The final norm's saves, and its output, gathered over the sequence, which the loss keeps.
-    final_norm = costs.final_norm + a * T * D
-
-    def outside(g: int) -> float:
-        return ids + (final_norm + log_softmax if g == last else stage_output)
-
-    # Transients. Start of the loss backward, in fp32 per logit: the saved log-softmax (4, counted
-    # with the activations) plus, for the fused cross-entropy (t = 1), nll's gradient and
-    # log-softmax's gradient (4 + 4); under loss parallel (t > 1) torch's DTensor backward builds
-    # zeros_like(x), exp(x), their sum and the product (up to 4 x 4 alive). Plus the logits in
-    # param_dtype while the loop still holds them.
-    logits = a * T * V / t if job.logits_kept_in_backward else 0.0
-    loss_transient = (8 if t == 1 else 12) * T * V / t + logits
-    if chunked:
-        # loss.py: forward keeps no logits; backward recomputes one chunk (bf16 logits, fp32 copy,
-        # log-softmax, gradients) while the gradients of the final norm's output and of the output
-        # projection accumulate.
-        C = job.loss_chunk_tokens
-        loss_transient = (a + 4 + 4 + (8 if t == 1 else 12)) * C * V / t + 4 * T * D + a * output_p
-    # Backward of one block: recomputation (AC) of what it did not keep, its activation gradients
-    # (about two T x D tensors and two of the widest projection's output alive at once, SwiGLU's hidden
-    # units for Llama; under TP one T x D is the full-size partial gradient of a gathered input) and its
-    # unsharded gradient in param_dtype plus its reduce_dtype copy (FSDP's reduce-scatter input; under
-    # PP the accumulator's first upcast).
-    grad_acts = a * T * (D + D / t) + 2 * costs.widest
-    rs_buffers = (a + r) * block_p
-    root_grad = a * output_p  # the root unit's unsharded gradient, from the loss backward to the end
-    pp_buffers = 2 * a * T * D / t if pipelined else 0.0
-    # Zero bubble: between a micro-batch's input and weight backward, what its weight gradients need.
-    wgrad_inputs = costs.matmul_inputs
-
-    # Replay the rank's forwards and backwards; phases exclude the static state and note the
-    # gradient shards they hold (those live in the reduce-scatter stream's pool, see "Reserved").
-    if pipelined:
-        ops = rank_ops(job.pp_schedule, pp_rank=pp_rank, pp=job.pp, n_local=len(local), n_mb=job.microbatches)
-    else:
-        ops = [("F", 0, 0), ("B", 0, 0)]
-    held: dict[tuple[int, int], float] = {}
-    backward_done: set[int] = set()  # local stages with fp32 accumulators (PP: after their first backward)
-    phases: dict[str, tuple[float, float, str]] = {}  # kind -> (bytes, shards in them, where)
-    most_held = 0
-
-    def phase(kind: str, value: float, shards: float, where: str) -> None:
-        if value > phases.get(kind, (-1.0,))[0]:
-            phases[kind] = (value, shards, where)
-
-    for kind, s, m in ops:  # s: the local stage, m: the micro-batch
-        g = local[s]
-        if kind == "F":
-            held[(s, m)] = sum(block_acts(g)) + outside(g)
-            most_held = max(most_held, len(held))
-            continue
-        if kind == "W":
-            del held[(s, m)]
-            continue
-        others = sum(held.values()) - held[(s, m)]
-        first = g not in backward_done
-        accumulators = r * sum(stage_p(k) for k in backward_done) if pipelined else 0.0
-        base = earlier_grads + accumulators + others + pp_buffers
-        where = f"stage {g}, micro-batch {m}" if pipelined else ""
-        if g == last:
-            value = gathered["loss"] + base + held[(s, m)] + loss_transient
-            phase("loss", value, earlier_grads, where)
-        blocks = block_acts(g)
-        remaining = sum(blocks) + ids
-        out_grad = root_grad if g == last else 0.0
-        # Per block processed: its gradient joins the shards (no PP) or, in a stage's first
-        # backward, the accumulators (PP); later backwards add into accumulators that exist.
-        done_each = (r * block_p if first else 0.0) if pipelined else block_shards
-        for j, i in enumerate(reversed(range(len(blocks)))):
-            recompute = per_none - blocks[i]
-            transient = recompute + grad_acts + (rs_buffers if first or not pipelined else a * block_p)
-            done = j * done_each
-            value = gathered["block"] + base + done + out_grad + remaining + transient
-            shards = earlier_grads + (0.0 if pipelined else done)
-            phase("block", value, shards, f"{where}, block {stages[g][i]}".removeprefix(", "))
-            remaining -= blocks[i]
-        if g == 0 and embedding_p:
-            done = len(blocks) * done_each
-            value = gathered["embedding"] + base + done + out_grad + ids + (a + (r if first else 0)) * embedding_p
-            phase("embedding", value, earlier_grads + (0.0 if pipelined else done), where)
-        backward_done.add(g)
-        if kind == "I":
-            held[(s, m)] = len(blocks) * wgrad_inputs
-        else:
-            del held[(s, m)]
-
-    peak_kind = max(phases, key=lambda k: phases[k][0])
-    peak_value, peak_shards, peak_where = phases[peak_kind]
-    allocated = static + peak_value
-    # Reserved: state + the reduce-scatter stream's shards + the all-gather stream's flat outputs +
-    # the compute stream's peak with fragmentation (module docstring, "Reserved").
-    rs_pool = grads if on_gpu else 4 * largest_unit / job.shard
-    ag_pool = a * max(largest_unit, 2 * block_p)
+def _peak(job: Job, replay: _Replay) -> dict[str, float | str]:
+    """The allocated peak (static state + the worst phase) and what the caching allocator reserves for it: state +
+    the reduce-scatter stream's shards + the all-gather stream's flat outputs + the compute stream's peak with
+    fragmentation (module docstring, "Reserved")."""
+    params, state, phases = replay.params, replay.state, replay.phases
+    peak_phase, peak_value, _, peak_where = replay.worst()
+    allocated = state.static + peak_value
+    rs_pool = state.grads if state.on_gpu else 4 * params.largest_unit / job.shard
+    ag_pool = DTYPE_BYTES[job.param_dtype] * max(params.largest_unit, 2 * params.block)
     compute = max(value - shards for value, shards, _ in phases.values())
-    reserved = static + rs_pool + ag_pool + (1 + FRAGMENTATION) * compute if job.allocator == "cuda" else allocated
-    overhead = job.overhead_gib * GiB
-    rank_blocks = sum(len(stages[g]) for g in local)
-    recompute_max = max(per_none - min(block_acts(g), default=per_none) for g in local)  # the worst block's
+    if job.allocator == "cuda":
+        reserved = state.static + rs_pool + ag_pool + (1 + FRAGMENTATION) * compute
+    else:
+        reserved = allocated
     return {
-        "pp_rank": pp_rank,
-        "pp_stages": ", ".join(map(str, local)),
-        "rank_blocks": rank_blocks,
-        "microbatches_held": most_held,
-        "params": params,
-        "grads": grads,
-        "adam": adam,
-        "state_on_gpu": params + grads + adam if on_gpu else 0.0,
-        "state_on_host": 0.0 if on_gpu else params + grads + adam,
-        "grads_at_peak": peak_shards,
-        "block_unit": a * block_p,
-        "output_unit": a * output_p,
-        "embedding_unit": a * embedding_p,
-        "gathered_loss_phase": gathered["loss"],
-        "gathered_block_phase": gathered["block"],
-        "act_per_block_no_ac": per_none,
-        "act_per_block_checkpointed": per_ckpt if every else 0,
-        "act_blocks": sum(sum(block_acts(g)) for g in local),
-        "act_outside_blocks": ids + final_norm,
-        "loss_buffers": log_softmax + loss_transient,
-        "logits_held": logits,
-        "root_grad": root_grad,
-        "accumulators": r * rank_p if pipelined else 0.0,
-        "pp_buffers": pp_buffers,
-        "block_backward": recompute_max + grad_acts + rs_buffers,
-        "recompute": recompute_max,
-        "grad_acts": grad_acts,
-        "rs_buffers": rs_buffers,
-        **{f"{kind}_phase": phases.get(kind, (0.0,))[0] for kind in ("loss", "block", "embedding")},
-        **{f"{kind}_phase_at": phases.get(kind, (0.0, 0.0, "-"))[2] for kind in ("loss", "block", "embedding")},
-        "peak_phase": f"{peak_kind} backward" + (f" ({peak_where})" if peak_where else ""),
+        "peak_phase": f"{peak_phase} backward" + (f" ({peak_where})" if peak_where else ""),
         "allocator_peak": allocated,
         "rs_pool": rs_pool,
         "ag_pool": ag_pool,
         "compute_peak": compute,
         "reserved": reserved,
+    }
+
+
+def _report(job: Job, pp_rank: int, replay: _Replay) -> dict[str, float | int | str]:
+    """estimate_rank's result: every term of the breakdown, the peak and the reserved estimate."""
+    params, state, acts, transients, phases = replay.params, replay.state, replay.acts, replay.transients, replay.phases
+    param_bytes, reduce_bytes = DTYPE_BYTES[job.param_dtype], DTYPE_BYTES[job.reduce_dtype]
+    recompute = max(acts.no_ac - min(acts.blocks(g), default=acts.no_ac) for g in params.local)  # the worst block's
+    peak = _peak(job, replay)
+    overhead = job.overhead_gib * GiB
+    return {
+        "pp_rank": pp_rank,
+        "pp_stages": ", ".join(map(str, params.local)),
+        "rank_blocks": sum(len(params.stages[g]) for g in params.local),
+        "microbatches_held": replay.most_held,
+        "params": state.params,
+        "grads": state.grads,
+        "adam": state.adam,
+        "state_on_gpu": state.params + state.grads + state.adam if state.on_gpu else 0.0,
+        "state_on_host": 0.0 if state.on_gpu else state.params + state.grads + state.adam,
+        "grads_at_peak": replay.worst()[2],
+        "block_unit": param_bytes * params.block,
+        "output_unit": param_bytes * params.root,
+        "embedding_unit": param_bytes * params.embedding,
+        "gathered_loss_phase": replay.gathered["loss"],
+        "gathered_block_phase": replay.gathered["block"],
+        "act_per_block_no_ac": acts.no_ac,
+        "act_per_block_checkpointed": acts.checkpointed if acts.every else 0,
+        "act_blocks": sum(sum(acts.blocks(g)) for g in params.local),
+        "act_outside_blocks": acts.token_ids + acts.final_norm,
+        "loss_buffers": acts.log_softmax + transients.loss,
+        "logits_held": transients.logits_held,
+        "root_grad": transients.root_grad,
+        "accumulators": reduce_bytes * params.total if job.pp > 1 else 0.0,
+        "pp_buffers": transients.pp_buffers,
+        "block_backward": recompute + transients.activation_grads + transients.reduce_scatter_inputs,
+        "recompute": recompute,
+        "grad_acts": transients.activation_grads,
+        "rs_buffers": transients.reduce_scatter_inputs,
+        **{f"{kind}_phase": phases.get(kind, (0.0,))[0] for kind in ("loss", "block", "embedding")},
+        **{f"{kind}_phase_at": phases.get(kind, (0.0, 0.0, "-"))[2] for kind in ("loss", "block", "embedding")},
+        **peak,
         "overhead": overhead,
-        "total": reserved + overhead,
+        "total": peak["reserved"] + overhead,
     }
 
 
@@ -951,57 +1128,82 @@ def fake_step_memory(
     not; its state is created before, from zero gradients, and counted) and the pipeline's end-of-step
     reduce-scatter. Returns the categories of _TRACKED and "total", in bytes, at the peak.
     """
-    # Imported here: torch's testing and tracking tools are for this check only.
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    # Imported here: torch's tracking tools are for this check only.
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
 
     from parallelisms.tp import loss_parallel_context
 
     if not isinstance(model, FSDPModule):
         raise ValueError("fake_step_memory: the model is not FSDP-wrapped (parallelize_model applies FSDP when dp > 1 "
                          "or param_dtype is not float32); FSDPMemTracker needs FSDP's hooks")  # fmt: skip
-    first, last = model.tok_embeddings is not None, model.norm is not None
-    stage = not (first and last)
+    last = model.norm is not None
     meshes = [p.device_mesh for p in model.parameters() if isinstance(p, DTensor)]
     tp = next((m.size(m.mesh_dim_names.index("tp")) for m in meshes if "tp" in (m.mesh_dim_names or ())), 1)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device=device)
-        optimizer = optimizer_factory(model)
-        for p in model.parameters():
-            p.grad = torch.zeros_like(p)
-        optimizer.step()  # creates AdamW's state
-        if not accumulated:
-            optimizer.zero_grad(set_to_none=True)
+        optimizer = _optimizer_with_state(model, optimizer_factory, accumulated=accumulated)
         labels = torch.randint(0, model.args.vocab_size, (batch, seq_len), device=device)
-        if first:
-            inputs = [torch.randint(0, model.args.vocab_size, (batch, seq_len), device=device)]
-        else:
-            shape = (batch, seq_len // tp, model.args.dim)
-            inputs = [torch.empty(shape, device=device, dtype=param_dtype, requires_grad=True)]
-        inputs *= microbatches  # the same fake tensor: a pipeline's received inputs cost no more than this
+        x = _stage_input(model, batch=batch, seq_len=seq_len, tp=tp, device=device, dtype=param_dtype)
         tracker = FSDPMemTracker(model, optimizer)
-        tracker.track_inputs((inputs[0], labels))
+        tracker.track_inputs((x, labels))
         head = functools.partial(loss_fn, model, labels=labels) if last else None
         with tracker, loss_parallel_context(loss_parallel):
-            outputs = []
-            for x in inputs:
-                # The tracker refuses a second forward of the root module (it takes it for the next step);
-                # its per-module statistics are all it resets, not the peak.
-                tracker.reset_mod_stats()
-                outputs.append(model(x, head=head))
-            for out in outputs:
-                if stage:  # torch.distributed.pipelining's stage backward
-                    model.set_requires_gradient_sync(False)
-                    model.set_reshard_after_backward(False)
-                out.backward(None if last else torch.empty_like(out))
-            del outputs
-        peak: dict[str, int] = {}
-        for snapshot in tracker.get_tracker_snapshot("peak").values():
-            for kind, nbytes in snapshot.items():
-                name = _TRACKED.get(getattr(kind, "value", kind), "total")
-                peak[name] = peak.get(name, 0) + nbytes
+            # The same fake tensor for every micro-batch: a pipeline's received inputs cost no more than this.
+            _forwards_then_backwards(model, tracker, [x] * microbatches, head=head)
+        return _peak_by_category(tracker)
+
+
+def _optimizer_with_state(
+    model: nn.Module, optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer], *, accumulated: bool
+) -> torch.optim.Optimizer:
+    """The model's optimizer with its state created by a step on zero gradients, which stay as an earlier
+    micro-batch's gradients when `accumulated` and are freed (train.py's zero_grad(set_to_none=True)) otherwise."""
+    optimizer = optimizer_factory(model)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    if not accumulated:
+        optimizer.zero_grad(set_to_none=True)
+    return optimizer
+
+
+def _stage_input(
+    model: nn.Module, *, batch: int, seq_len: int, tp: int, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    """A micro-batch's input: token ids (batch, seq_len) for the model or its first stage, else the hidden states a
+    stage receives, (batch, seq_len / tp, dim) in param_dtype."""
+    if model.tok_embeddings is not None:
+        return torch.randint(0, model.args.vocab_size, (batch, seq_len), device=device)
+    return torch.empty((batch, seq_len // tp, model.args.dim), device=device, dtype=dtype, requires_grad=True)
+
+
+def _forwards_then_backwards(
+    model: nn.Module, tracker: Any, inputs: list[torch.Tensor], *, head: Callable[..., torch.Tensor] | None
+) -> None:
+    """Every micro-batch's forward, then every backward; a pipeline stage's as torch.distributed.pipelining runs
+    them (without gradient sync or resharding), and one without the loss (`head`) gets a gradient of its output."""
+    stage = model.tok_embeddings is None or model.norm is None
+    outputs = []
+    for x in inputs:
+        # The tracker refuses a second forward of the root module (it takes it for the next step); its per-module
+        # statistics are all it resets, not the peak.
+        tracker.reset_mod_stats()
+        outputs.append(model(x, head=head))
+    for out in outputs:
+        if stage:
+            model.set_requires_gradient_sync(False)
+            model.set_reshard_after_backward(False)
+        out.backward(None if head is not None else torch.empty_like(out))
+
+
+def _peak_by_category(tracker: Any) -> dict[str, int]:
+    """The bytes of FSDPMemTracker's peak snapshot, by category of _TRACKED, and their "total"."""
+    peak: dict[str, int] = {}
+    for snapshot in tracker.get_tracker_snapshot("peak").values():
+        for kind, nbytes in snapshot.items():
+            name = _TRACKED.get(getattr(kind, "value", kind), "total")
+            peak[name] = peak.get(name, 0) + nbytes
     return peak
 
 
@@ -1154,99 +1356,103 @@ def _row(label: str, value: float, note: str = "") -> str:
 def breakdown(job: Job, pp_rank: int | None = None) -> str:
     """The per-GPU breakdown as printed by the script: of `pp_rank`, or of the rank that needs the most."""
     e = estimate(job) if pp_rank is None else estimate_rank(job, pp_rank)
-    a = job.args
-    T = job.microbatch_tokens
-    per_logit = (12 if job.tp == 1 else 16) + (DTYPE_BYTES[job.param_dtype] if job.logits_kept_in_backward else 0)
-    kept = "logits held through backward" if job.logits_kept_in_backward else "logits freed before backward"
-    if 0 < job.loss_chunk_tokens < T:
-        T, per_logit = job.loss_chunk_tokens, 8 + DTYPE_BYTES[job.param_dtype] + (8 if job.tp == 1 else 12)
-        kept = f"chunked: one chunk of {T:,} tokens at a time + the gradients of the final norm's output and the output"
-    checkpointed = f", {e['act_per_block_checkpointed'] / GiB:.3f} checkpointed" if job.ac != "none" else ""
+    rows = [*_state_rows(job, e), *_activation_rows(job, e), *_peak_rows(job, e)]
+    return "\n".join([_heading(job, e, pp_rank), *rows])
+
+
+def _heading(job: Job, e: dict[str, Any], pp_rank: int | None) -> str:
+    """The job in one line; under PP a second one: the schedule and the rank broken down."""
     shard = f"shard {job.shard // job.cp} x cp {job.cp}" if job.cp > 1 else f"shard {job.shard}"
-    layout = f"{job.ngpu} GPUs = replicate {job.replicate} x {shard} x tp {job.tp}"
-    rank, grad_note = "", "reduce-scattered block by block in backward"
-    if job.pp > 1:
-        layout = f"{job.ngpu} GPUs = pp {job.pp} x replicate {job.replicate} x {shard} x tp {job.tp}"
-        which = "the worst" if pp_rank is None else "asked for"
-        rank = (
-            f"\n  pipeline: {job.pp_schedule}, {job.microbatches} micro-batches of {job.pp_microbatch_size} x "
-            f"{job.seq_len} tokens, {len(job.stages)} stages | pp rank {e['pp_rank']} ({which}): stage(s) "
-            f"{e['pp_stages']}, {e['rank_blocks']} blocks, up to {e['microbatches_held']} micro-batch(es) in flight"
-        )
-        grad_note = "reduce-scattered at the end of the step"
-    held = f", {e['microbatches_held']} micro-batch(es) of them held" if job.pp > 1 else ""
-    return "\n".join(
-        [
-            f"{job.family} {job.flavor}: {job.fam.num_params(a) / 1e9:.2f}B params | {layout} | local batch "
-            f"{job.local_batch_size} x "
-            f"{job.seq_len} tokens, grad accumulation {job.grad_accum} | params {job.param_dtype}, reduce "
-            f"{job.reduce_dtype} | AC {job.ac} | RMSNorm {job.rmsnorm}"
-            + (" | CPU offload" if job.cpu_offload else "")
-            + rank,
-            _row("sharded fp32 params", e["params"], "4 B per parameter of the rank / (shard x tp)"),
-            _row("AdamW state (2 x fp32)", e["adam"]),
-            _row(
-                "gradients (fp32 shards)",
-                e["grads"],
-                f"{grad_note}; {e['grads_at_peak'] / GiB:.2f} GiB of them at the peak",
-            ),
-            _row("  -> on the GPU", e["state_on_gpu"], f"host: {e['state_on_host'] / GiB:.2f} GiB" * job.cpu_offload),
-            _row(
-                "gathered params in flight",
-                max(e["gathered_loss_phase"], e["gathered_block_phase"]),
-                "the rank's stages, from their first forward to the end of the step"
-                if job.pp > 1
-                else f"norm+output unit {e['output_unit'] / GiB:.2f}, + 2 blocks x {e['block_unit'] / GiB:.2f} in backward",
-            ),
-            *(
-                [
-                    _row(
-                        "gradient accumulators",
-                        e["accumulators"],
-                        "unsharded, reduce_dtype, from a stage's first backward",
-                    )
-                ]
-                if job.pp > 1
-                else [_row("root unit's gradient", e["root_grad"], "unsharded, param_dtype, loss backward to the end")]
-            ),
-            _row(
-                f"activations, {e['rank_blocks']} blocks",
-                e["act_blocks"],
-                f"per micro-batch{held}; per block {e['act_per_block_no_ac'] / GiB:.3f} without AC{checkpointed}",
-            ),
-            _row("activations outside blocks", e["act_outside_blocks"], "final norm, token ids"),
-            _row(
-                "logits + loss buffers",
-                e["loss_buffers"],
-                f"{T:,} x {a.vocab_size // job.tp:,} logits x {per_logit} B ({kept})",
-            ),
-            _row(
-                "one block's backward",
-                e["block_backward"],
-                f"recompute {e['recompute'] / GiB:.2f} + activation grads {e['grad_acts'] / GiB:.2f} "
-                f"+ unsharded grads/RS {e['rs_buffers'] / GiB:.2f}",
-            ),
-            *([_row("pp send/recv buffers", e["pp_buffers"])] if job.pp > 1 else []),
-            _row(
-                "peak, allocated",
-                e["allocator_peak"],
-                f"at the {e['peak_phase']}: static state + max(loss phase {e['loss_phase'] / GiB:.2f}, "
-                f"block phase {e['block_phase'] / GiB:.2f}, embedding phase {e['embedding_phase'] / GiB:.2f})",
-            ),
-            _row(
-                "peak, reserved",
-                e["reserved"],
-                (
-                    f"static + shards {e['rs_pool'] / GiB:.2f} + all-gather outputs {e['ag_pool'] / GiB:.2f} + "
-                    f"{1 + FRAGMENTATION:.2f} x compute stream {e['compute_peak'] / GiB:.2f} (caching allocator)"
-                )
-                if job.allocator == "cuda"
-                else "no caching allocator: = allocated",
-            ),
-            _row("CUDA context + NCCL (assumed)", e["overhead"]),
-            _row("total per GPU", e["total"], "reserved + overhead"),
-        ]
+    pp = f"pp {job.pp} x " if job.pp > 1 else ""
+    heading = (
+        f"{job.family} {job.flavor}: {job.fam.num_params(job.args) / 1e9:.2f}B params | {job.ngpu} GPUs = "
+        f"{pp}replicate {job.replicate} x {shard} x tp {job.tp} | local batch {job.local_batch_size} x "
+        f"{job.seq_len} tokens, grad accumulation {job.grad_accum} | params {job.param_dtype}, reduce "
+        f"{job.reduce_dtype} | AC {job.ac} | RMSNorm {job.rmsnorm}" + (" | CPU offload" if job.cpu_offload else "")
     )
+    if job.pp == 1:
+        return heading
+    which = "the worst" if pp_rank is None else "asked for"
+    return (
+        f"{heading}\n  pipeline: {job.pp_schedule}, {job.microbatches} micro-batches of {job.pp_microbatch_size} x "
+        f"{job.seq_len} tokens, {len(job.stages)} stages | pp rank {e['pp_rank']} ({which}): stage(s) "
+        f"{e['pp_stages']}, {e['rank_blocks']} blocks, up to {e['microbatches_held']} micro-batch(es) in flight"
+    )
+
+
+def _state_rows(job: Job, e: dict[str, Any]) -> list[str]:
+    """The sharded state, the gathered parameters and the unsharded gradients."""
+    if job.pp > 1:
+        grads = "reduce-scattered at the end of the step"
+        gathered = "the rank's stages, from their first forward to the end of the step"
+        accumulators = "unsharded, reduce_dtype, from a stage's first backward"
+        unsharded = _row("gradient accumulators", e["accumulators"], accumulators)
+    else:
+        grads = "reduce-scattered block by block in backward"
+        units = f"norm+output unit {e['output_unit'] / GiB:.2f}, + 2 blocks x {e['block_unit'] / GiB:.2f}"
+        gathered = f"{units} in backward"
+        unsharded = _row("root unit's gradient", e["root_grad"], "unsharded, param_dtype, loss backward to the end")
+    return [
+        _row("sharded fp32 params", e["params"], "4 B per parameter of the rank / (shard x tp)"),
+        _row("AdamW state (2 x fp32)", e["adam"]),
+        _row("gradients (fp32 shards)", e["grads"], f"{grads}; {e['grads_at_peak'] / GiB:.2f} GiB of them at the peak"),
+        _row("  -> on the GPU", e["state_on_gpu"], f"host: {e['state_on_host'] / GiB:.2f} GiB" * job.cpu_offload),
+        _row("gathered params in flight", max(e["gathered_loss_phase"], e["gathered_block_phase"]), gathered),
+        unsharded,
+    ]
+
+
+def _activation_rows(job: Job, e: dict[str, Any]) -> list[str]:
+    """The activations, the loss's buffers, one block's backward and the pipeline's buffers."""
+    checkpointed = f", {e['act_per_block_checkpointed'] / GiB:.3f} checkpointed" if job.ac != "none" else ""
+    held = f", {e['microbatches_held']} micro-batch(es) of them held" if job.pp > 1 else ""
+    per_block = f"per micro-batch{held}; per block {e['act_per_block_no_ac'] / GiB:.3f} without AC{checkpointed}"
+    block_backward = (
+        f"recompute {e['recompute'] / GiB:.2f} + activation grads {e['grad_acts'] / GiB:.2f} "
+        f"+ unsharded grads/RS {e['rs_buffers'] / GiB:.2f}"
+    )
+    rows = [
+        _row(f"activations, {e['rank_blocks']} blocks", e["act_blocks"], per_block),
+        _row("activations outside blocks", e["act_outside_blocks"], "final norm, token ids"),
+        _row("logits + loss buffers", e["loss_buffers"], _loss_note(job)),
+        _row("one block's backward", e["block_backward"], block_backward),
+    ]
+    return rows + ([_row("pp send/recv buffers", e["pp_buffers"])] if job.pp > 1 else [])
+
+
+def _loss_note(job: Job) -> str:
+    """The logits the loss buffers are made of, and the bytes per logit."""
+    tokens, param_bytes = job.microbatch_tokens, DTYPE_BYTES[job.param_dtype]
+    per_logit = (12 if job.tp == 1 else 16) + (param_bytes if job.logits_kept_in_backward else 0)
+    kept = "logits held through backward" if job.logits_kept_in_backward else "logits freed before backward"
+    if 0 < job.loss_chunk_tokens < tokens:
+        tokens, per_logit = job.loss_chunk_tokens, 8 + param_bytes + (8 if job.tp == 1 else 12)
+        kept = (
+            f"chunked: one chunk of {tokens:,} tokens at a time + the gradients of the final norm's output and the "
+            "output"
+        )
+    return f"{tokens:,} x {job.args.vocab_size // job.tp:,} logits x {per_logit} B ({kept})"
+
+
+def _peak_rows(job: Job, e: dict[str, Any]) -> list[str]:
+    """The allocated and reserved peaks, the overhead outside the allocator and the total."""
+    phases = (
+        f"at the {e['peak_phase']}: static state + max(loss phase {e['loss_phase'] / GiB:.2f}, "
+        f"block phase {e['block_phase'] / GiB:.2f}, embedding phase {e['embedding_phase'] / GiB:.2f})"
+    )
+    if job.allocator == "cuda":
+        reserved = (
+            f"static + shards {e['rs_pool'] / GiB:.2f} + all-gather outputs {e['ag_pool'] / GiB:.2f} + "
+            f"{1 + FRAGMENTATION:.2f} x compute stream {e['compute_peak'] / GiB:.2f} (caching allocator)"
+        )
+    else:
+        reserved = "no caching allocator: = allocated"
+    return [
+        _row("peak, allocated", e["allocator_peak"], phases),
+        _row("peak, reserved", e["reserved"], reserved),
+        _row("CUDA context + NCCL (assumed)", e["overhead"]),
+        _row("total per GPU", e["total"], "reserved + overhead"),
+    ]
 
 
 def fake_breakdown(job: Job, pp_rank: int = 0) -> str:
@@ -1257,8 +1463,8 @@ def fake_breakdown(job: Job, pp_rank: int = 0) -> str:
     e = estimate_rank(job, pp_rank)
     MiB = 2**20
     lines = [
-        f"fake-tensor step (torch's FSDPMemTracker, {seconds:.1f} s), pp rank {pp_rank}: peak {fake['total'] / MiB:,.1f} "
-        f"MiB; the estimate's allocated peak {e['allocator_peak'] / MiB:,.1f} MiB "
+        f"fake-tensor step (torch's FSDPMemTracker, {seconds:.1f} s), pp rank {pp_rank}: peak "
+        f"{fake['total'] / MiB:,.1f} MiB; the estimate's allocated peak {e['allocator_peak'] / MiB:,.1f} MiB "
         f"({fake['total'] / e['allocator_peak'] - 1:+.1%})"
     ]
     lines += [f"  {name:<30} {nbytes / MiB:10,.1f} MiB" for name, nbytes in fake.items() if nbytes and name != "total"]

@@ -1,36 +1,23 @@
-"""Throughput, MFU, memory, the metrics log (console, metrics.jsonl, TensorBoard), and counters
-of what really ran (module calls, aten ops), which the tests and `make bench` use to count
-recomputation and communication instead of assuming them."""
+"""Throughput, MFU, memory and the metrics log (console, metrics.jsonl, TensorBoard). The counters of
+what really ran, which the tests and `make bench` use, are in tests/instruments.py."""
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import functools
 import json
 import os
 import resource
 import time
-import traceback
-from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.distributed import ProcessGroup
-from torch.distributed.tensor import DTensor
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.overrides import TorchFunctionMode
-
-# TorchDispatchMode is the documented way to see every aten op, in a private module (PyTorch 2.13).
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from config import Metrics
 from errors import ConfigError
+from loss import mean_over_loss_ranks
 
 # Dense (no sparsity) bf16 tensor-core peak, FLOP/s, by a substring of the device name.
 # Order matters: the first match wins ("H100 NVL" before "H100").
@@ -69,6 +56,15 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 @dataclass
+class StepResult:
+    """What train.py's `train_step` returns: device tensors, no host sync."""
+
+    loss: torch.Tensor  # this rank's mean loss over its micro-batches (z-loss included)
+    grad_norm: torch.Tensor  # the global gradient norm, before clipping
+    z_loss: torch.Tensor | None = None  # training.z_loss_weight > 0: the mean z-loss, unweighted
+
+
+@dataclass
 class StepMetrics:
     step: int
     loss: float
@@ -80,6 +76,7 @@ class StepMetrics:
     step_time_s: float
     z_loss: float | None = None  # training.z_loss_weight > 0: the z-loss, unweighted (`loss` is the cross-entropy)
     tokens_per_source: dict[str, int] | None = None  # data.mixture: tokens trained from each source so far
+    warmup: bool = False  # the first steps of a process: tps and mfu include start-up (compilation, allocation)
 
 
 class MetricsLogger:
@@ -144,7 +141,7 @@ class MetricsLogger:
             f" | loss {m.loss:7.4f}"
             + (f" | z_loss {m.z_loss:.4g}" if m.z_loss is not None else "")
             + f" | grad_norm {m.grad_norm:7.3f} | lr {m.lr:.2e}"
-            f" | tps {m.tps:,.0f} | mfu {mfu} | mem {m.memory_gib:.2f} GiB"
+            f" | tps {m.tps:,.0f}{' (warm-up)' if m.warmup else ''} | mfu {mfu} | mem {m.memory_gib:.2f} GiB"
             f" | step {m.step_time_s * 1000:.0f} ms | eta {_duration(eta)}",
             flush=True,
         )
@@ -176,255 +173,71 @@ class MetricsLogger:
             self.wandb.finish()
 
 
+class LogStep:
+    """After each step: every metrics.log_freq steps and after the last, the step's metrics go to the
+    logger (rank 0). Reading the loss is the one host sync of a logged step; the others read nothing.
+
+    Throughput is averaged over the steps since the last logged one, validation's time left out; the
+    first logged window of a process includes start-up (compilation, allocation) and says so."""
+
+    def __init__(
+        self,
+        logger: MetricsLogger,
+        *,
+        freq: int,
+        total_steps: int,
+        start_step: int,
+        tokens_per_step: int,
+        flops_per_token: float,
+        device: torch.device,
+        pp_degree: int,
+        z_loss_weight: float,
+        lr: Callable[[], float],
+        tokens_per_source: Callable[[], dict[str, int]] | None = None,
+    ):
+        self.logger, self.freq, self.total_steps = logger, freq, total_steps
+        self.tokens_per_device = tokens_per_step / dist.get_world_size()
+        self.flops_per_token, self.peak, self.device = flops_per_token, peak_flops(device), device
+        self.pp_degree, self.z_loss_weight = pp_degree, z_loss_weight
+        self.lr, self.tokens_per_source = lr, tokens_per_source
+        self.first_step = start_step + 1
+        self.since, self.since_step = time.perf_counter(), start_step
+
+    def pause(self, seconds: float) -> None:
+        """Leave `seconds` (a validation) out of the throughput."""
+        self.since += seconds
+
+    def __call__(self, step: int, result: StepResult) -> bool:
+        if step % self.freq and step != self.total_steps:
+            return False
+        loss = mean_over_loss_ranks(result.loss, pp_degree=self.pp_degree).item()
+        z_loss = None
+        if result.z_loss is not None:
+            z_loss = mean_over_loss_ranks(result.z_loss, pp_degree=self.pp_degree).item()
+        now = time.perf_counter()
+        step_time = (now - self.since) / (step - self.since_step)
+        tps = self.tokens_per_device / step_time
+        self.logger.log(
+            StepMetrics(
+                step=step,
+                loss=loss - self.z_loss_weight * (z_loss or 0.0),
+                z_loss=z_loss,
+                grad_norm=result.grad_norm.item(),
+                lr=self.lr(),
+                tps=tps,
+                mfu=100 * self.flops_per_token * tps / self.peak if self.peak else None,
+                memory_gib=peak_memory_gib(self.device),
+                step_time_s=step_time,
+                tokens_per_source=self.tokens_per_source() if self.tokens_per_source else None,
+                warmup=self.since_step < self.first_step,
+            )
+        )
+        self.since, self.since_step = time.perf_counter(), step
+        return False
+
+
 def _duration(seconds: float) -> str:
     seconds = int(seconds)
     if seconds >= 3600:
         return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
     return f"{seconds // 60}m{seconds % 60:02d}s"
-
-
-# ------------------------------------------------------------------ counters
-
-
-@contextlib.contextmanager
-def count_calls(root: nn.Module, module_type: type[nn.Module] | tuple[type[nn.Module], ...]) -> Iterator[Counter[str]]:
-    """Count forward calls, by name, of each submodule of `root` that is a `module_type`.
-
-    Forward hooks also fire when activation checkpointing recomputes a block, so per step the
-    attention count is 1 per block without AC, 2 with AC and 3 when two checkpoints are nested
-    and either is reentrant (docs/failures.md #1). Eager mode only: inside a compiled region the
-    hooks are traced once, not run per call.
-    """
-    counts: Counter[str] = Counter()
-    handles = [
-        module.register_forward_hook(functools.partial(_count_hook, counts, name))
-        for name, module in root.named_modules()
-        if isinstance(module, module_type)
-    ]
-    try:
-        yield counts
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def _count_hook(counts: Counter[str], name: str, *_: Any) -> None:
-    counts[name] += 1
-
-
-OpCallback = Callable[[torch._ops.OpOverload, tuple[Any, ...], dict[str, Any], Any], None]
-
-
-class _OpObserver(TorchDispatchMode):
-    def __init__(self, on_op: OpCallback):
-        super().__init__()
-        self.on_op = on_op
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        # Let DTensor lower itself first (as CommDebugMode does): its local ops and collectives
-        # come back here on plain tensors.
-        if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        self.on_op(func, args, kwargs, out)
-        return out
-
-
-@contextlib.contextmanager
-def observe_ops(on_op: OpCallback) -> Iterator[None]:
-    """Call `on_op(op, args, kwargs, output)` after every aten/c10d op that runs inside (eager mode)."""
-    with _OpObserver(on_op):
-        yield
-
-
-@contextlib.contextmanager
-def count_ops() -> Iterator[Counter[torch._ops.OpOverload]]:
-    """Count, per op overload, the ops that actually run inside the block.
-
-    Wrap `loss.backward()` to see what was recomputed: under selective op AC the saved ops come
-    from the cache and are not counted.
-    """
-    counts: Counter[torch._ops.OpOverload] = Counter()
-    with observe_ops(lambda op, *_: counts.update([op])):
-        yield counts
-
-
-# Collectives, as the dispatcher runs them (observe_ops): FSDP2 calls c10d directly, DTensor lowers itself
-# to functional collectives, pipeline stages send and receive. The payload S of each: the gathered output of
-# an all-gather, the input of a reduce-scatter, the all-reduced tensor, the tensor sent.
-c10d = torch.ops.c10d
-funcol = torch.ops._c10d_functional
-# op packet -> (kind, name of the argument holding the full-size payload S, multiply by group size)
-_COLLECTIVES: dict[Any, tuple[str, str, bool]] = {
-    c10d._allgather_base_: ("all_gather", "output_tensor", False),
-    c10d.allgather_into_tensor_coalesced_: ("all_gather", "outputs", False),
-    c10d.allgather_: ("all_gather", "output_tensors", False),
-    c10d._reduce_scatter_base_: ("reduce_scatter", "input_tensor", False),
-    c10d.reduce_scatter_tensor_coalesced_: ("reduce_scatter", "inputs", False),
-    c10d.reduce_scatter_: ("reduce_scatter", "input_tensors", False),
-    c10d.allreduce_: ("all_reduce", "tensors", False),
-    c10d.allreduce_coalesced_: ("all_reduce", "tensors", False),
-    funcol.all_reduce: ("all_reduce", "input", False),
-    funcol.all_reduce_: ("all_reduce", "input", False),
-    funcol.all_reduce_coalesced: ("all_reduce", "inputs", False),
-    funcol.all_reduce_coalesced_: ("all_reduce", "inputs", False),
-    funcol.all_gather_into_tensor: ("all_gather", "input", True),
-    funcol.all_gather_into_tensor_out: ("all_gather", "input", True),
-    funcol.all_gather_into_tensor_coalesced: ("all_gather", "inputs", True),
-    funcol.reduce_scatter_tensor: ("reduce_scatter", "input", False),
-    funcol.reduce_scatter_tensor_coalesced: ("reduce_scatter", "inputs", False),
-    c10d.send: ("send", "tensors", False),  # pipeline stages: point to point
-    c10d.recv_: ("recv", "tensors", False),
-}
-_GROUP_ARGS = ("process_group", "group_name")
-
-
-@dataclasses.dataclass(frozen=True)
-class Collective:
-    op: str  # all_gather | reduce_scatter | all_reduce | send | recv | other:<name>
-    dim: str  # mesh dimension of the group ("dp_shard", "dp_replicate", ...) or "other"
-    ranks: tuple[int, ...]  # the group's global ranks, in group-rank order
-    payload_bytes: int  # S: gathered output / reduce-scatter input / all-reduced tensor / tensor sent
-
-    @property
-    def sent_per_rank(self) -> int:
-        """Bytes each rank of the group sends (= bytes on each directed ring link); for a send, the sender's."""
-        n = len(self.ranks)
-        if self.op == "send":
-            return self.payload_bytes
-        if self.op == "all_reduce":
-            return 2 * (n - 1) * self.payload_bytes // n
-        if self.op in ("all_gather", "reduce_scatter"):
-            return (n - 1) * self.payload_bytes // n
-        return 0
-
-    def crossing_links(self, ranks_per_node: int) -> int:
-        """Directed links of the rank-ordered ring whose two ends sit on different nodes."""
-        if len(self.ranks) == 1:
-            return 0
-        ring = zip(self.ranks, self.ranks[1:] + self.ranks[:1], strict=True)
-        return sum(a // ranks_per_node != b // ranks_per_node for a, b in ring)
-
-
-def mesh_group_dims(mesh: Any) -> dict[tuple[int, ...], str]:
-    """The ranks of this rank's group in each dimension of a DeviceMesh -> that dimension's name; a flattened
-    dimension (FSDP's "dp_shard_cp" under context parallel) names its group where no dimension of the mesh has
-    the same ranks."""
-    flattened = getattr(mesh._get_root_mesh(), "_flatten_mapping", {})  # (private, PyTorch 2.13)
-    groups = {tuple(dist.get_process_group_ranks(m.get_group())): name for name, m in flattened.items()}
-    return groups | {tuple(dist.get_process_group_ranks(mesh.get_group(d))): d for d in mesh.mesh_dim_names}
-
-
-def _process_group(arg: Any) -> ProcessGroup:
-    # c10d ops receive the group boxed as a TorchScript object, functional collectives its name
-    # (or the group itself). Both ways back to the ProcessGroup are private torch APIs (2.13).
-    if isinstance(arg, ProcessGroup):
-        return arg
-    if isinstance(arg, str):
-        return dist.distributed_c10d._resolve_process_group(arg)
-    return ProcessGroup.unbox(arg)
-
-
-def _nbytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    return sum(_nbytes(v) for v in value)  # lists (of lists) of tensors
-
-
-class CollectiveLog:
-    """An `observe_ops` callback: records every collective with its group and payload size.
-
-    group_dims: `mesh_group_dims(mesh)`, to name each group's mesh dimension."""
-
-    def __init__(self, group_dims: dict[tuple[int, ...], str]):
-        # A group's ranks -> the mesh dimension they make up (DTensor and the pipeline may use other group
-        # objects over the same ranks).
-        self.group_dims = group_dims
-        self.records: list[Collective] = []
-
-    def __call__(self, op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        # A collective is a c10d op with a process group; wait_tensor and friends have none.
-        if op.namespace not in ("c10d", "_c10d_functional"):
-            return
-        # strict=False: trailing arguments with defaults may be left out of `args`.
-        bound = {a.name: v for a, v in zip(op._schema.arguments, args, strict=False)} | kwargs
-        group = next((bound[name] for name in _GROUP_ARGS if bound.get(name) is not None), None)
-        if group is not None:
-            self.records.append(self._record(op, bound, _process_group(group)))
-
-    def _record(self, op: torch._ops.OpOverload, bound: dict[str, Any], group: ProcessGroup) -> Collective:
-        ranks = tuple(dist.get_process_group_ranks(group))
-        dim = self.group_dims.get(ranks, "other")
-        if op._overloadpacket not in _COLLECTIVES:
-            return Collective(f"other:{op._opname}", dim, ranks, 0)
-        kind, payload_arg, times_group = _COLLECTIVES[op._overloadpacket]
-        payload = _nbytes(bound[payload_arg]) * (len(ranks) if times_group else 1)
-        return Collective(kind, dim, ranks, payload)
-
-
-# What reads a tensor's value into Python: on a GPU each one waits for the device (a host sync).
-_HOST_READS = {
-    torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu,
-    torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__index__,
-}  # fmt: skip
-
-
-class _HostReads(TorchFunctionMode):
-    def __init__(self, device: torch.device):
-        super().__init__()
-        self.device, self.found = device, Counter[str]()
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func in _HOST_READS and isinstance(args[0], torch.Tensor) and args[0].device.type == self.device.type:
-            self._record(func.__name__)
-        return func(*args, **(kwargs or {}))
-
-    @torch.compiler.disable
-    def _record(self, name: str) -> None:
-        torch_root = str(Path(torch.__file__).parent)
-        outside = (f for f in reversed(traceback.extract_stack()) if f.filename != __file__)
-        caller = next(f for f in outside if not f.filename.startswith(torch_root))  # the recipe's line
-        self.found[f"{name} at {Path(caller.filename).name}:{caller.lineno}"] += 1
-
-
-@contextlib.contextmanager
-def count_host_reads(device: torch.device) -> Iterator[Counter[str]]:
-    """Count, by call site, the reads of `device` tensors into Python (`.item()`, `.tolist()`, `bool()`,
-    `.cpu()`, ...) inside the block: on a GPU each is a host sync, the CPU waiting for the device.
-
-    A step that logs nothing should read nothing (train.train_step returns device tensors). On a CPU
-    device every tensor counts; host-side tensors that never touch a GPU (the stop request's flags
-    on a gloo group) are read outside train_step.
-    """
-    mode = _HostReads(device)
-    with mode:
-        yield mode.found
-
-
-class LiveBytes:
-    """Bytes of the tensors created inside `track()` that are still alive, and their peak.
-
-    Every op output's storage is remembered through a weak reference; after each op the storages
-    still alive are summed. The peak is thus what the ops of the block held at once on top of what
-    existed before it (inputs, parameters), temporaries and autograd's saved tensors included.
-    Eager mode, one thread (CPU backward runs on the caller's thread): what the tests and
-    `make bench` use to weigh the loss on machines without a CUDA allocator to ask.
-    """
-
-    def __init__(self) -> None:
-        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.peak = 0
-
-    def _on_op(self, op: torch._ops.OpOverload, args: Any, kwargs: Any, out: Any) -> None:
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
-                storage = t.untyped_storage()
-                self.live.setdefault(storage.data_ptr(), (StorageWeakRef(storage), storage.nbytes()))
-        self.live = {ptr: (ref, n) for ptr, (ref, n) in self.live.items() if not ref.expired()}
-        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
-
-    @contextlib.contextmanager
-    def track(self) -> Iterator[LiveBytes]:
-        with observe_ops(self._on_op):
-            yield self

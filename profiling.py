@@ -154,3 +154,14 @@ def _record_memory_history(enabled: bool) -> None:
     # Private API (PyTorch 2.13), the documented way to record allocator history; the ring buffer
     # keeps the last 100k allocations and frees (a few KB each).
     torch.cuda.memory._record_memory_history("all" if enabled else None, max_entries=100_000)
+
+
+class ProfileStep:
+    """After each step: the step ends for the profiler and memory snapshots (no-ops by default)."""
+
+    def __init__(self, profiler: Stepper):
+        self.profiler = profiler
+
+    def __call__(self, step: int, result: object) -> bool:
+        self.profiler.step()
+        return False

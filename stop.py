@@ -80,3 +80,30 @@ class StopRequest:
         if self.is_rank0:
             self.stop_file.unlink(missing_ok=True)
             print(f"{message} ({time.time() - self.since:.1f} s after the request)", flush=True)
+
+
+class StopAfterStep:
+    """After each step (every rank): on a stop request, save this step and end the run."""
+
+    def __init__(self, request: StopRequest, checkpoint: Any):
+        self.request, self.checkpoint = request, checkpoint
+
+    def __call__(self, step: int, result: Any) -> bool:
+        if reason := self.request.requested():
+            self.checkpoint.save(step, wait=True)
+            self.request.done(f"{reason}: saved step {step} and stopped; rerun the same command to resume")
+            return True
+        return False
+
+    def abandoned(self, step: int, *, start_step: int) -> None:
+        """A stop request between the micro-batches of `step`: it is not applied; the last completed step is saved."""
+        if step - 1 == start_step:
+            saved = "nothing new to save"
+        else:
+            if self.checkpoint.last_saved != step - 1:  # (an interval save may have written it already)
+                self.checkpoint.save(step - 1, wait=True)
+            saved = f"saved step {step - 1}"
+        self.request.done(
+            f"{self.request.reason}: abandoned step {step} in flight, {saved} and stopped; rerun the same command to "
+            "resume"
+        )

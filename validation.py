@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -109,3 +110,21 @@ class Validator:
 
     def _loss(self, model: torch.nn.Module, rows: int, labels: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(model, h[:rows], labels) if rows else torch.zeros((), device=self.device)
+
+
+class ValidateStep:
+    """After step 1, every validation.freq steps and after the last: the held-out loss, logged, its time
+    left out of the training throughput."""
+
+    def __init__(
+        self, validator: Validator, *, model: torch.nn.Module, pipeline: Pipeline | None, freq: int, total_steps: int,
+        logger: Any, throughput: Any,
+    ):  # fmt: skip
+        self.validator, self.model, self.pipeline = validator, model, pipeline
+        self.freq, self.total_steps, self.logger, self.throughput = freq, total_steps, logger, throughput
+
+    def __call__(self, step: int, result: Any) -> bool:
+        if step == 1 or step % self.freq == 0 or step == self.total_steps:
+            self.logger.log_validation(step, *self.validator.validate(self.model, self.pipeline))
+            self.throughput.pause(self.validator.seconds)
+        return False

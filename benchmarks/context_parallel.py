@@ -39,12 +39,12 @@ from benchmarks.memory import ActivationCensus
 from config import ActivationCheckpoint, Compile, Parallelism, Training
 from estimate_memory import Job, activation_bytes, cp_kv_bytes
 from loss import build_loss_fn
-from metrics import observe_ops
 from models import family, with_seq_len
 from models.llama3 import FLAVORS
 from parallelisms.cp import context_parallel
 from parallelisms.parallel_dims import ParallelDims
-from train import build_model, init_model
+from parallelisms.parallelize import build_model, init_model
+from tests.instruments import observe_ops
 
 PROBLEM = "context parallel"
 funcol = torch.ops._c10d_functional

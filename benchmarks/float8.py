@@ -35,10 +35,11 @@ from config import ActivationCheckpoint, Compile, Float8Linear, Optimizer, Paral
 from models import with_seq_len
 from models.llama3 import FAMILY as LLAMA3
 from models.llama3 import FLAVORS, Transformer
+from optimizer import build_optimizer
 from parallelisms.float8 import float8_problems
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import parallelize_model
-from train import build_optimizer, train_step
+from train import train_step
 
 PROBLEM = "float8"
 SETUPS = ("bf16", "float8", "float8_all_gather")

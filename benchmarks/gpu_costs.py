@@ -3,9 +3,9 @@ the first step, graph breaks.
 
     python -m benchmarks.gpu_costs --out outputs/bench/gpu_costs.json   # starts torchrun (2 CPU ranks) itself
 
-FSDP 2 on the debug model (as train.py builds it, build_model). Host reads (`metrics.count_host_reads`:
+FSDP 2 on the debug model (as train.py builds it, build_model). Host reads (`tests.instruments.count_host_reads`:
 `.item()`, `.tolist()`, `bool()`, `.cpu()`, ... of device tensors, each a host sync on a GPU) of one
-warm training step with fused AdamW, which skips a bad step on the device (train.optimizer_step), and
+warm training step with fused AdamW, which skips a bad step on the device (optimizer.SkipStepAdamW), and
 with for-each AdamW, which cannot (on CPU its count also holds torch's reads of each parameter's step
 counter, which live on the CPU with a GPU too: there only the recipe's one read is a sync); then the same model compiled (compile + op SAC): the graphs dynamo
 compiles in the first step, in the next `--steps` - 1 with a no-grad validation forward among them
@@ -26,11 +26,13 @@ from benchmarks import harness
 from benchmarks.harness import Row
 from config import ActivationCheckpoint, Compile, Optimizer, Parallelism, Training
 from loss import build_loss_fn
-from metrics import count_host_reads
 from models import family
 from models.llama3 import FLAVORS
+from optimizer import build_optimizer
 from parallelisms.parallel_dims import ParallelDims
-from train import build_model, build_optimizer, init_model, train_step
+from parallelisms.parallelize import build_model, init_model
+from tests.instruments import count_host_reads
+from train import train_step
 
 PROBLEM = "GPU costs"
 

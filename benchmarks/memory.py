@@ -36,7 +36,7 @@ checkpointing keeps: a non-reentrant checkpoint installs its own saved_tensors_h
 block (the innermost hooks win), which drop what autograd saves inside the block. So:
   * the block's inputs, which the checkpoint keeps (in its recomputation closure) until backward,
     are read in a forward pre-hook of each checkpointed block and counted;
-  * selective op AC keeps the outputs of its save-list ops in its own cache: `metrics.observe_ops`
+  * selective op AC keeps the outputs of its save-list ops in its own cache: `estimate_memory.observe_ops`
     records a weak reference to the storage of every op output produced inside a checkpointed
     block's forward, and those still alive once forward is over are counted (under full AC the
     only survivors are block outputs, already counted as the next block's input);
@@ -76,13 +76,13 @@ from benchmarks.harness import MiB, Row
 from config import ActivationCheckpoint, Compile, Parallelism, Training
 from estimate_memory import Job, activation_bytes
 from loss import chunked_cross_entropy_loss, cross_entropy_loss
-from metrics import LiveBytes, observe_ops
 from models import with_seq_len
 from models.llama3 import FAMILY as LLAMA3
 from models.llama3 import FLAVORS, ModelArgs, Transformer
 from parallelisms.ac import CheckpointedModule
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import parallelize_model
+from tests.instruments import LiveBytes, observe_ops
 
 PROBLEM = "#5 memory"
 
@@ -419,7 +419,7 @@ LOSS_PHASE = {"tokens": 2048, "dim": 256, "vocab": 128_256, "chunk_tokens": 512}
 
 
 def loss_phase(*, tokens: int, dim: int, vocab: int, chunk_tokens: int) -> dict[str, Any]:
-    """Peak bytes the output projection + loss hold in forward and backward (metrics.LiveBytes), fp32."""
+    """Peak bytes the output projection + loss hold in forward and backward (tests.instruments.LiveBytes), fp32."""
     torch.manual_seed(0)
     project = nn.Linear(dim, vocab, bias=False)
     h = torch.randn(1, tokens, dim, requires_grad=True)

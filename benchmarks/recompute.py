@@ -76,8 +76,8 @@ from benchmarks.hf_llama import (
     shape_from_args,
     wrap_layers_fsdp1_style,
 )
-from metrics import count_calls
 from parallelisms.ac import checkpoint_module
+from tests.instruments import count_calls
 
 PROBLEM = "#1 nested AC"
 VARIANTS: dict[str, str] = {

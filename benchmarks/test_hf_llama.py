@@ -15,7 +15,7 @@ from benchmarks.hf_llama import (
     wrap_layers_fsdp1_style,
 )
 from errors import ConfigError
-from metrics import count_calls
+from tests.instruments import count_calls
 
 
 def test_hf_gradient_checkpointing_is_refused() -> None:

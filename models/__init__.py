@@ -38,40 +38,14 @@ Adding a family: copy a folder, change it, add one arm to `family` below (docs/n
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
 
 import torch
-from torch import nn
 
 from errors import ConfigError
+from models.family import ModelFamily  # (its own module: the family folders import it)
 
 NAMES = ("llama3", "qwen3")  # the arms of `family`, for messages and --help
-
-
-@dataclass(frozen=True)
-class ModelFamily:
-    """What the generic code needs to know about one architecture."""
-
-    name: str
-    flavors: Mapping[str, Any]
-    """Flavor name -> ModelArgs (a frozen dataclass with the skeleton's fields)."""
-    flavor_aliases: Mapping[str, str]
-    """Other names users type for a flavor (torchtitan's "8B"), -> a key of flavors."""
-    model_cls: Callable[[Any], nn.Module]
-    """ModelArgs -> the module (built on whatever device is current; train.py uses meta)."""
-    tp_plan: Callable[[], dict[str, Any]]
-    """A fresh tensor-parallel plan of one block: {module name inside the block: ParallelStyle}."""
-    sac_saved_linears: tuple[str, ...]
-    """Linears (names inside a block) whose matmul outputs selective op-level AC keeps."""
-    num_params: Callable[..., int]
-    """num_params(args, *, exclude_embedding=False): from the shapes alone."""
-    num_flops_per_token: Callable[[Any, int], int]
-    """num_flops_per_token(args, seq_len): training FLOPs per token, the MFU numerator."""
-    hf: ModuleType
-    """The family's hf.py: model_args_from_hf_config, hf_config, hf_to_ours, PUBLISHED, MODEL_TYPE."""
 
 
 def family(name: str) -> ModelFamily:

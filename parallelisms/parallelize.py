@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from config import ActivationCheckpoint, Compile, Float8Linear, Parallelism, Training
 from models import ModelFamily
 from parallelisms.ac import apply_ac
 from parallelisms.async_tp import apply_async_tp
@@ -17,7 +19,12 @@ from parallelisms.cp import apply_cp, context_parallel
 from parallelisms.float8 import adapt_tp_plan, apply_float8, float8_tp_plan
 from parallelisms.fsdp import DTYPES, apply_fsdp
 from parallelisms.parallel_dims import ParallelDims
+from parallelisms.pp import Pipeline, pipeline_model
 from parallelisms.tp import apply_tp
+
+if TYPE_CHECKING:
+    from config import ActivationCheckpoint, Compile, Float8Linear, Parallelism, Training
+    from loss import Loss
 
 
 def parallelize_model(
@@ -105,3 +112,50 @@ def parallelize_model(
             pp_enabled=dims.pp_enabled,
         )
     return model
+
+
+def build_model(
+    family: ModelFamily,
+    args: Any,
+    *,
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    training: Training,
+    parallelism: Parallelism,
+    ac: ActivationCheckpoint,
+    compile: Compile,
+    float8: Float8Linear | None,
+    loss_fn: Loss,
+    device: torch.device,
+    planning: bool = False,
+) -> tuple[torch.nn.Module, Pipeline | None]:
+    """The model on the meta device, parallelized: shapes and shardings, no storage yet (`init_model`).
+    planning: for a dry run (dry_run.py; parallelize_model's argument).
+
+    With pipeline parallel this rank holds some stages, each parallelized on its own; the module returned
+    is then those stages as one (the whole model's parameter names), and the Pipeline runs them."""
+    with torch.device("meta"):
+        model = family.model_cls(args)
+    parallelize = functools.partial(
+        parallelize_model, family=family, dims=dims, mesh=mesh, training=training, parallelism=parallelism, ac=ac,
+        compile=compile, float8=float8, device=device, planning=planning,
+    )  # fmt: skip
+    if not dims.pp_enabled:
+        return parallelize(model), None
+    pipeline = pipeline_model(
+        model, mesh=mesh, cfg=parallelism, local_batch_size=training.local_batch_size, loss_fn=loss_fn,
+        score_fn=loss_fn.cross_entropy_only(), parallelize=parallelize, device=device,
+    )  # fmt: skip
+    return pipeline.module, pipeline
+
+
+def init_model(model: torch.nn.Module, pipeline: Pipeline | None, *, device: torch.device) -> None:
+    """Allocate the (meta) parameters on `device` and initialize them, stage by stage under pipeline parallel."""
+    for part in pipeline.parts if pipeline else [model]:
+        part.to_empty(device=device)
+        with warnings.catch_warnings():
+            # On a CPU mesh DTensor's RNG cannot make sharded init match unsharded init; runs
+            # that must start from identical weights load a seed checkpoint (initial_load_path).
+            warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
+            part.init_weights(buffer_device=device)
+    model.train()

@@ -34,15 +34,17 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 import models
 from config import ActivationCheckpoint, Compile, Optimizer, Parallelism, Training
 from data.loader import Batch
-from loss import build_loss_fn
-from metrics import CollectiveLog, count_host_reads, mesh_group_dims, observe_ops
+from loss import build_loss_fn, mean_over_loss_ranks
 from models import with_seq_len
 from models.llama3 import FLAVORS, ModelArgs
 from models.qwen3 import FAMILY as QWEN3
+from optimizer import build_optimizer
 from parallelisms.cp import ContextParallel, context_parallel
 from parallelisms.parallel_dims import ParallelDims
+from parallelisms.parallelize import build_model, init_model
 from parallelisms.pp import Pipeline
-from train import build_model, build_optimizer, init_model, train_step, world_mean
+from tests.instruments import CollectiveLog, count_host_reads, mesh_group_dims, observe_ops
+from train import train_step
 
 TINY: ModelArgs = with_seq_len(
     dataclasses.replace(FLAVORS["debugmodel"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128), 32
@@ -196,7 +198,7 @@ def train(
     mesh dimension) the collectives of the last step (eager: a dispatch mode does not see into compiled graphs).
 
     The loss is the mean over this rank's tokens. With a process group it is averaged over all
-    ranks (`world_mean`, as train.py logs it): TP ranks of a data-parallel group hold the same
+    ranks (`mean_over_loss_ranks`, as train.py logs it): TP ranks of a data-parallel group hold the same
     loss, so this is the mean over the data-parallel ranks, the average FSDP takes of the
     gradients, and thus the single-process mean over the global batch.
     """
@@ -231,7 +233,7 @@ def train(
             counts["graphs_recompiled"] = compiled_graphs() - graphs_before - counts["graphs_compiled"]
             counts["graph_breaks"] = graph_breaks() - breaks_before
         pp = dist.get_world_size(pipeline.pp_group) if pipeline else 1
-        losses.append(world_mean(loss, pp=pp) if dist.is_initialized() else loss.item())
+        losses.append(mean_over_loss_ranks(loss, pp_degree=pp).item() if dist.is_initialized() else loss.item())
         times.append(time.perf_counter() - start)
     return losses, times
 

@@ -14,7 +14,7 @@ from dry_run import comm_per_step
 from estimate_memory import job_of
 from models.llama3 import FLAVORS
 from parallelisms.parallel_dims import ParallelDims
-from tests.launch import python
+from tests.launch import python, two_at_a_time
 from tests.parity_worker import GLOBAL_BATCH, LAYOUTS, TINY, TINY_QWEN3, TRAINING, Z_LOSS_WEIGHT, Layout
 
 
@@ -41,13 +41,17 @@ def test_dry_run_of_405b_on_512_ranks() -> None:
 
 
 def test_dry_run_of_8b_on_64_ranks_and_without_world_size() -> None:
-    code, out, err = dry_run("configs/llama3_8b.toml", 64)
+    runs = two_at_a_time(
+        lambda: dry_run("configs/llama3_8b.toml", 64),
+        lambda: dry_run("configs/llama3_8b.toml", None),
+        *(lambda bad=bad: dry_run("configs/llama3_8b.toml", 64, LOCAL_WORLD_SIZE=bad) for bad in ("abc", "0")),
+    )
+    code, out, err = runs[0]
     assert code == 0, out + err
     assert "parameters on rank 0: 125,472,832 " in out  # 8,030,261,248 / 64
-    code, out, err = dry_run("configs/llama3_8b.toml", None)
+    code, out, err = runs[1]
     assert code == 2 and err.count("error: ") == 1 and "WORLD_SIZE is 'unset'" in err, err
-    for bad in ("abc", "0"):
-        code, out, err = dry_run("configs/llama3_8b.toml", 64, LOCAL_WORLD_SIZE=bad)
+    for bad, (code, _, err) in zip(("abc", "0"), runs[2:], strict=True):
         assert code == 2 and err.strip() == (
             f"error: comm.mode: fake_backend plans nodes of LOCAL_WORLD_SIZE GPUs, but LOCAL_WORLD_SIZE is {bad!r}; "
             "set it to the GPUs per node (e.g. 8) or leave it unset"
@@ -72,14 +76,18 @@ def test_dry_run_of_the_long_context_recipe_fits_80_gib() -> None:
 def test_dry_run_of_the_second_family_with_its_inputs_elsewhere() -> None:
     """Qwen3 8B on 8 ranks: planned like Llama (the family's own shapes, TP plan and traced costs); the Base
     weights and the corpus this machine lacks are notes, not errors."""
-    code, out, err = dry_run("configs/qwen3_8b.toml", 8)
+    plain, tp = two_at_a_time(
+        lambda: dry_run("configs/qwen3_8b.toml", 8),
+        lambda: dry_run("configs/qwen3_8b.toml", 16, "--parallelism.tensor_parallel_degree=2"),
+    )
+    code, out, err = plain
     assert code == 0, out + err
     assert out.startswith("qwen3 qwen3_8b: 8.19B parameters on 8 ranks")
     assert "parameters on rank 0: 1,023,841,920 " in out  # 8,190,735,360 / 8
     notes = out[out.index("inputs the job reads that this machine lacks") :]
     assert "model.hf_assets_path: assets/hf/Qwen3-8B-Base not found" in notes and "data.path: data/" in notes
     # Under TP the communication line comes from the traced block: QK-norm and all.
-    code, out, err = dry_run("configs/qwen3_8b.toml", 16, "--parallelism.tensor_parallel_degree=2")
+    code, out, err = tp
     assert code == 0, out + err
     assert "tp  " in out and "traced on one block" in out
 
@@ -115,7 +123,7 @@ EAGER = [name for name, layout in LAYOUTS.items() if not layout.compile]
 @pytest.mark.parametrize("name", EAGER)
 def test_the_dry_runs_communication_lines_are_what_each_layout_sends(name: str, request: pytest.FixtureRequest) -> None:
     """Bytes rank 0 sent in one training step, by mesh dimension (the collectives and sends the dispatcher ran,
-    metrics.CollectiveLog), against the dry run's lines for the same layout and model: within 1%. What the dry
+    tests.instruments.CollectiveLog), against the dry run's lines for the same layout and model: within 1%. What the dry
     run leaves out: the all-reduce of the gradient norm and, under TP, of the gradients of parameters TP does
     not split (the norms' weights), 2.6 KB of 332 KB on this tiny model and nothing that shows on a real one."""
     layout = LAYOUTS[name]

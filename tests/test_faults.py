@@ -28,24 +28,17 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from checkpoint import CheckpointManager, DumpFolderLock, prepare_dump_folder, verify
-from config import Checkpoint, Comm, Data, LRScheduler, Optimizer, load_config
+from config import Checkpoint, Comm, Data, LRScheduler, Optimizer, Training, load_config
 from data.corpus import TokenCorpus, open_corpus
 from data.tokenizers import build_tokenizer
 from errors import ConfigError
-from spikes import SpikeGuard
+from metrics import StepResult
+from optimizer import SkipStepAdamW, SpikeWindow, build_optimizer, lr_factor
 from tests.conftest import TINY, losses
-from tests.launch import REPO, free_port, python
+from tests.launch import REPO, free_port, python, two_at_a_time
 from tests.parity_worker import GLOBAL_BATCH, SEQ_LEN, build_tiny, random_batch
 from tests.parity_worker import TINY as TINY_ARGS
-from train import (
-    NonFiniteSteps,
-    StepResult,
-    build_optimizer,
-    init_distributed,
-    lr_factor,
-    set_collective_timeout,
-    train_step,
-)
+from train import init_distributed, set_collective_timeout, train_step
 
 CKPT = ["--checkpoint.enable", "--checkpoint.interval=2"]
 
@@ -93,13 +86,14 @@ def test_a_nonfinite_step_changes_neither_weights_nor_optimizer_state(implementa
     tokens = random_batch()
     batch = [(tokens[:, :-1], tokens[:, 1:])]
     step = dict(grad_accum=1, max_norm=1.0, loss_parallel=False, device=torch.device("cpu"))
-    assert train_step(model, optimizer, batch, **step).finite.item() == 1.0
+    train_step(model, optimizer, batch, **step)
+    assert optimizer.skipped.item() == 0
     with torch.no_grad():
         model.layers["0"].attention.wq.weight[0, 0] = float("nan")  # what a corrupted shard would do
     before = {k: v.clone() for k, v in model.state_dict().items()}
     state = {k: {n: t.clone() for n, t in s.items()} for k, s in optimizer.state.items()}
     result = train_step(model, optimizer, batch, **step)
-    assert result.finite.item() == 0.0 and not torch.isfinite(result.loss)
+    assert optimizer.skipped.item() == 1 and not torch.isfinite(result.loss)  # 1: non-finite
     for name, value in model.state_dict().items():
         assert torch.allclose(value, before[name], rtol=0, atol=0, equal_nan=True), name
     for param, saved in state.items():
@@ -117,38 +111,61 @@ def test_a_loss_spike_is_skipped_and_the_run_goes_on_as_if_it_had_never_come(cap
     ordinary, garbage = [(pattern[:, :-1], pattern[:, 1:])], [(lambda t: (t[:, :-1], t[:, 1:]))(random_batch())]
     step = dict(grad_accum=1, max_norm=1.0, loss_parallel=False, device=torch.device("cpu"))
 
-    def run(*, guard: bool, spike_at: int | None) -> tuple[nn.Module, torch.optim.Optimizer, list[StepResult]]:
+    def run(
+        *, guard: bool, spike_at: int | None, steps: int = 36, resume_at: int | None = None
+    ) -> tuple[nn.Module, SkipStepAdamW, list[tuple[StepResult, float]]]:
+        """(model, optimizer, [(result, skipped)]); with resume_at, the optimizer's spike window goes through
+        a checkpoint's state_dict into a new optimizer at that step, as a resumed run's does."""
         model = build_tiny()
-        optimizer = build_optimizer(Optimizer(lr=1e-2), model)
-        spikes = SpikeGuard(sigma=6, window=8, device=torch.device("cpu")) if guard else None
+        training = Training(skip_spike_sigma=6 if guard else 0, skip_spike_window=8)
+        optimizer = build_optimizer(Optimizer(lr=1e-2), model, training=training)
         results = []
-        for i in range(36):
+        for i in range(steps):
+            if i == resume_at:
+                saved = {k: v.clone() for k, v in optimizer.window.state_dict().items()}
+                state = optimizer.state_dict()
+                optimizer = build_optimizer(Optimizer(lr=1e-2), model, training=training)
+                optimizer.load_state_dict(state)
+                optimizer.window.load_state_dict(saved)
             if i != spike_at or guard:  # the reference run never takes the spike's step
                 batch = garbage if i == spike_at else ordinary
-                results.append(train_step(model, optimizer, batch, **step, spike_guard=spikes))
+                result = train_step(model, optimizer, batch, step=i + 1, **step)
+                results.append((result, optimizer.skipped.item()))
         return model, optimizer, results
 
     init_distributed(Comm(), dump_folder="unused")  # the guard's all-reduce of the loss
     try:
         guarded, guarded_opt, results = run(guard=True, spike_at=30)
         reference, reference_opt, _ = run(guard=False, spike_at=30)
+        resumed_model, _, resumed = run(guard=True, spike_at=30, resume_at=25)
     finally:
         dist.destroy_process_group()
-    assert [i for i, r in enumerate(results) if r.spike.item()] == [30]  # and none of the learned pattern's
-    assert results[30].finite.item() == 1.0 and results[30].loss > 3 * results[29].loss  # finite, and a spike
+    assert [i for i, (_, skipped) in enumerate(results) if skipped] == [30]  # and none of the learned pattern's
+    assert results[30][1] == 2 and results[30][0].loss > 3 * results[29][0].loss  # finite (2: a spike)
     for name, value in guarded.state_dict().items():
         assert torch.equal(value, reference.state_dict()[name]), name
+        assert torch.equal(value, resumed_model.state_dict()[name]), name  # the window came through the resume
+    assert [skipped for _, skipped in resumed] == [skipped for _, skipped in results]
     for param, ref in zip(guarded_opt.param_groups[0]["params"], reference_opt.param_groups[0]["params"], strict=True):
         for name, value in guarded_opt.state[param].items():
             assert torch.equal(value, reference_opt.state[ref][name]), name  # moments and step counts too
-
-    counter = NonFiniteSteps(tolerate=0, spike_sigma=6)
-    for i, result in enumerate(results):
-        counter.record(i + 1, result)
-    counter.record(len(results) + 1, results[0])  # (the last record is read at the next one)
+    guarded_opt.read_reports()  # (train.py's loop reads them after each step)
     warned = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: training: step")]
     assert len(warned) == 1 and warned[0].startswith("warning: training: step 31 had loss ") and "a spike" in warned[0]
-    assert counter.spikes == 1 and not counter.exceeded()
+    assert guarded_opt.spikes == 1 and not guarded_opt.too_many_nonfinite()
+
+
+def test_a_resumed_run_without_the_spike_window_would_skip_other_steps() -> None:
+    """What the saved window buys: a fresh window after a resume judges nothing until it is full, so
+    a spike within its first skip_spike_window steps would be applied. With the window restored (the
+    test above) the resumed run skips exactly the straight run's steps."""
+    window = SpikeWindow(4, sigma=6, device=torch.device("cpu"))
+    for loss in (1.0, 1.01, 0.99, 1.0, 1.02):
+        assert not window.is_spike(torch.tensor([loss, 0.5]))
+    fresh = SpikeWindow(4, sigma=6, device=torch.device("cpu"))
+    restored = SpikeWindow(4, sigma=6, device=torch.device("cpu"))
+    restored.load_state_dict({k: v.clone() for k, v in window.state_dict().items()})
+    assert restored.is_spike(torch.tensor([9.0, 0.5])) and not fresh.is_spike(torch.tensor([9.0, 0.5]))
 
 
 class _StopAt:
@@ -492,10 +509,13 @@ def test_a_crafted_metadata_runs_nothing(tmp_path: Path) -> None:
     marker, fake = tmp_path / "PWNED", tmp_path / "step-1"
     fake.mkdir()
     (fake / ".metadata").write_bytes(pickle.dumps(_RunsAShellCommand(marker)))
-    line = one_error(train_py(tmp_path / "run", f"--checkpoint.initial_load_path={fake}"))
+    run, proc = two_at_a_time(
+        lambda: train_py(tmp_path / "run", f"--checkpoint.initial_load_path={fake}"),
+        lambda: python("scripts/convert_hf.py", "to-hf", str(fake), str(tmp_path / "hf"), "--flavor", "debugmodel",
+                       "--tokenizer-path", "assets/tokenizer"),
+    )  # fmt: skip
+    line = one_error(run)
     assert "refused unread (it names posix.system" in line and "nothing in the folder was run" in line
-    proc = python("scripts/convert_hf.py", "to-hf", str(fake), str(tmp_path / "hf"), "--flavor", "debugmodel",
-                  "--tokenizer-path", "assets/tokenizer")  # fmt: skip
     assert proc.returncode == 2 and "refused unread" in proc.stderr, proc.stderr[-2000:]
     assert not marker.exists()
 

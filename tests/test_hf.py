@@ -270,7 +270,7 @@ def test_bf16_hf_checkpoint_converts_and_loads_into_fp32_parameters(tmp_path: Pa
 def test_hf_assets_path_gives_the_tokenizer_and_the_flavor_the_shape(tmp_path: Path) -> None:
     """torchtitan's meaning: the flavor is the shape, and config.json must agree with it; a Llama of
     another size takes its shape from config.json with shape_from_hf_config."""
-    from train import describe
+    from train import config_summary
 
     folder = tiny_hf_folder(tmp_path / "hf")
     base = ["--config", str(REPO / "configs/finetune_hf.toml"), f"--model.hf_assets_path={folder}", *REPO_DATA[1:]]
@@ -279,7 +279,7 @@ def test_hf_assets_path_gives_the_tokenizer_and_the_flavor_the_shape(tmp_path: P
     assert problem.endswith("fix the flavor, or set model.shape_from_hf_config = true"), problem
     cfg = load_config([*base, "--training.seq_len=64", "--model.shape_from_hf_config"])
     assert cfg.model.tokenizer_path == str(folder)  # no tokenizer_path: the HF folder's tokenizer
-    assert f"# parameters: {num_params(model_args_from_hf(LLAMA3, folder)):,}" in describe(cfg)
+    assert f"# parameters: {num_params(model_args_from_hf(LLAMA3, folder)):,}" in config_summary(cfg)
 
 
 def problems_of(argv: list[str]) -> list[str]:

@@ -11,8 +11,8 @@ import torch
 
 from config import Compile
 from loss import build_loss_fn, chunked_cross_entropy_loss, cross_entropy_loss
-from metrics import LiveBytes
 from models.llama3 import Transformer
+from tests.instruments import LiveBytes
 from tests.parity_worker import TINY, build_tiny, random_batch
 
 

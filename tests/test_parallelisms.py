@@ -22,15 +22,16 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from config import ActivationCheckpoint, Optimizer
 from errors import ConfigError
-from metrics import count_calls, count_host_reads, count_ops
 from models.llama3 import FAMILY as LLAMA3
 from models.llama3.model import Attention
+from optimizer import build_optimizer
 from parallelisms.ac import apply_ac
 from parallelisms.compile import apply_compile, inductor_cache_dir
 from parallelisms.tp import check_tp
+from tests.instruments import count_calls, count_host_reads, count_ops
 from tests.launch import REPO
 from tests.parity_worker import LAYOUTS, OP_SAC, TINY, build_tiny, max_param_diff, random_batch, train
-from train import build_optimizer, train_step
+from train import train_step
 
 TOL = 1e-5
 SAVED = LLAMA3.sac_saved_linears
@@ -65,7 +66,7 @@ def test_a_step_reads_nothing_back_and_compiled_steps_neither_recompile_nor_brea
     name: str, request: pytest.FixtureRequest
 ) -> None:
     """What decides GPU speed, counted on CPU: the host reads of a training step (`.item()`, `bool()`, ...,
-    metrics.count_host_reads), each a host sync on a GPU: none on any layout; dynamo's graphs: compiled by the
+    tests.instruments.count_host_reads), each a host sync on a GPU: none on any layout; dynamo's graphs: compiled by the
     first step, none recompiled by the next four, no graph break."""
     layout = LAYOUTS[name]
     result = request.getfixturevalue(f"results_{layout.world_size}")[name]
@@ -75,8 +76,8 @@ def test_a_step_reads_nothing_back_and_compiled_steps_neither_recompile_nor_brea
 
 
 def test_the_host_read_counter_sees_the_reads_a_gpu_would_wait_for() -> None:
-    """The counter of the test above can fail: for-each AdamW has no skip-step input, so optimizer_step
-    reads the skip flag (train.py says so); fused AdamW reads nothing."""
+    """The counter of the test above can fail: for-each AdamW has no skip-step input, so SkipStepAdamW
+    reads the skip flag (optimizer.py says so); fused AdamW reads nothing."""
     model, tokens = build_tiny(), random_batch()
     batch = [(tokens[:, :-1], tokens[:, 1:])]
     found = {}
@@ -88,9 +89,9 @@ def test_the_host_read_counter_sees_the_reads_a_gpu_would_wait_for() -> None:
             )
         found[implementation] = dict(reads)
     line = next(
-        i for i, text in enumerate((REPO / "train.py").read_text().splitlines(), 1) if "elif apply.item():" in text
+        i for i, text in enumerate((REPO / "optimizer.py").read_text().splitlines(), 1) if "elif apply.item():" in text
     )
-    assert found["fused"] == {} and found["foreach"][f"item at train.py:{line}"] == 1, found
+    assert found["fused"] == {} and found["foreach"][f"item at optimizer.py:{line}"] == 1, found
 
 
 def test_chunked_loss_adds_no_fsdp_collective(results_2: dict[str, dict]) -> None:

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import shutil
+import subprocess
 import typing
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ import models
 from config import SECTIONS, JobConfig, LRScheduler, keys, load_config, section_of
 from errors import ConfigError
 from models.llama3 import FLAVORS as LLAMA3_FLAVORS
-from tests.launch import REPO, python, torchrun
+from tests.launch import REPO, python, torchrun, two_at_a_time
 from train import lr_factor
 
 TORCHTITAN = REPO / "tests" / "torchtitan"
@@ -94,6 +95,28 @@ def test_fixture_holds_torchtitans_keys(name: str) -> None:
 
 @pytest.fixture
 def user_folder(tmp_path: Path, llama3_stand_ins: tuple[Path, Path]) -> Path:
+    return make_user_folder(tmp_path, llama3_stand_ins)
+
+
+@pytest.fixture(scope="module")
+def printed_configs(
+    tmp_path_factory: pytest.TempPathFactory, llama3_stand_ins: tuple[Path, Path]
+) -> dict[str, subprocess.CompletedProcess[str]]:
+    """`python path/to/train.py --config their.toml --print-config` for each of their TOMLs, from their folder,
+    no PYTHONPATH (two at a time)."""
+    folder = make_user_folder(tmp_path_factory.mktemp("user"), llama3_stand_ins)
+    procs = two_at_a_time(
+        *(
+            lambda name=name: python(
+                str(REPO / "train.py"), "--config", f"{name}.toml", "--print-config", cwd=folder, env={"PYTHONPATH": ""}
+            )
+            for name in NAMES
+        )
+    )
+    return dict(zip(NAMES, procs, strict=True))
+
+
+def make_user_folder(tmp_path: Path, llama3_stand_ins: tuple[Path, Path]) -> Path:
     """A torchtitan user's working folder: ./assets/hf/Llama-3.1-*/ (tokenizers only: the Llama 3
     stand-in), ./tests/assets/tokenizer (the debug tokenizer, here ours) and ./tests/assets/c4_test."""
     tokenizer, _ = llama3_stand_ins
@@ -140,12 +163,10 @@ def test_every_flavor_has_torchtitans_shape() -> None:
     ],
 )
 def test_torchtitan_toml_prints_its_config_unchanged(
-    user_folder: Path, name: str, parameters: str, flavor: str
+    printed_configs: dict[str, subprocess.CompletedProcess[str]], name: str, parameters: str, flavor: str
 ) -> None:
     """`python path/to/train.py --config their.toml --print-config`, from their folder, no PYTHONPATH."""
-    proc = python(
-        str(REPO / "train.py"), "--config", f"{name}.toml", "--print-config", cwd=user_folder, env={"PYTHONPATH": ""}
-    )
+    proc = printed_configs[name]
     assert proc.returncode == 0, proc.stderr
     assert f'flavor = "{flavor}"' in proc.stdout and f"# parameters: {parameters} " in proc.stdout
     tokenizer = "./tests/assets/tokenizer" if name == "debug_model" else f"./assets/hf/Llama-3.1-{name[7:].upper()}"
@@ -215,7 +236,7 @@ def test_a_key_asking_for_what_this_recipe_does_not_do_is_refused_and_a_neutral_
     assert cfg.parallelism.expert_parallel_degree == 1
     (problem,) = problems(["--parallelism.expert_parallel_degree=2"])
     assert problem == (
-        "parallelism.expert_parallel_degree: 2 asks for expert parallel (Llama 3 has no experts), which this recipe "
+        "parallelism.expert_parallel_degree: 2 asks for expert parallel (llama3 has no experts), which this recipe "
         "does not do; remove the key or set it to 1"
     )
     (problem,) = problems(["--model.converters=quantize.linear.mx"])

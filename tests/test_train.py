@@ -18,18 +18,13 @@ from config import load_config
 from data.prepare import prepare
 from data.sources import find_source
 from tests.conftest import TINY, losses
-from tests.launch import REPO, free_port, python, torchrun
+from tests.launch import REPO, free_port, python, torchrun, two_at_a_time
 
 
-def test_two_rank_run_loss_falls_and_metrics_are_logged(tmp_path: Path) -> None:
-    dump = tmp_path / "run"
-    proc = torchrun(
-        "train.py", *TINY, "--training.steps=30", "--training.local_batch_size=4", f"--job.dump_folder={dump}",
-        "--metrics.log_freq=5", "--metrics.enable_tensorboard",
-        "--training.skip_spike_sigma=6", "--training.skip_spike_window=10",  # agreed on by both ranks, no spike
-        "--training.z_loss_weight=1e-4",
-        nproc=2,
-    )  # fmt: skip
+def test_two_rank_run_loss_falls_and_metrics_are_logged(
+    two_rank_run: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    dump, proc = two_rank_run
     rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [5, 10, 15, 20, 25, 30]
     for row in rows:
@@ -45,21 +40,31 @@ def test_two_rank_run_loss_falls_and_metrics_are_logged(tmp_path: Path) -> None:
 
 def run(dump: Path, *, nproc: int, steps: int, seed: Path, extra: tuple[str, ...] = ()) -> None:
     """A run of `steps` steps. The LR stays flat after warmup (min_lr_factor = 1), so that a
-    10-step run is the first half of a 20-step run, as if the 20-step job was stopped."""
-    torchrun(
+    10-step run is the first half of a 20-step run, as if the 20-step job was stopped. One rank: `python train.py`,
+    as a user starts it (torchrun's start-up would add seconds)."""
+    args = (
         "train.py", *TINY, f"--training.steps={steps}", "--training.global_batch_size=8", "--debug.deterministic",
         "--lr_scheduler.min_lr_factor=1.0",
         f"--job.dump_folder={dump}", "--checkpoint.enable", "--checkpoint.interval=5",
-        f"--checkpoint.initial_load_path={seed}", *extra, nproc=nproc,
+        f"--checkpoint.initial_load_path={seed}", *extra,
     )  # fmt: skip
+    if nproc > 1:
+        torchrun(*args, nproc=nproc)
+        return
+    proc = python(*args)
+    assert proc.returncode == 0, proc.stderr[-6000:]
 
 
-def test_resume_gives_the_losses_of_a_straight_run(tmp_path: Path, seed: Path) -> None:
+def test_resume_gives_the_losses_of_a_straight_run_and_skips_partial_checkpoints(tmp_path: Path, seed: Path) -> None:
     straight, resumed, resharded = tmp_path / "straight", tmp_path / "resumed", tmp_path / "resharded"
     run(straight, nproc=2, steps=20, seed=seed)
     # Same world size; async saves and pruning on the way.
     run(resumed, nproc=2, steps=10, seed=seed, extra=("--checkpoint.async_mode=async", "--checkpoint.keep_latest_k=1"))
     assert sorted(p.name for p in (resumed / "checkpoint").iterdir()) == ["step-10"]
+    # A save killed half way: a .partial folder, and a step folder without .metadata; never resumed (the losses
+    # below are those of a resume from step 10).
+    (resumed / "checkpoint" / "step-15.partial").mkdir()
+    (resumed / "checkpoint" / "step-20").mkdir()
     run(resumed, nproc=2, steps=20, seed=seed)
     # Saved on 4 ranks as 2 pipeline stages x FSDP 2, resumed on 2 without pipeline: DCP reshards
     # model and optimizer state (parameter names do not depend on the stages).
@@ -147,10 +152,16 @@ def test_torchtitans_checkpoint_keys(tmp_path: Path, seed: Path) -> None:
             "--lr_scheduler.warmup_steps=2",
             f"--job.dump_folder={dump}", "--checkpoint.enable", "--checkpoint.interval=2", "--checkpoint.keep_latest_k=0",
             f"--checkpoint.initial_load_path={seed}")  # fmt: skip
-    proc = python("train.py", *base, "--training.steps=4", "--checkpoint.enable_first_step_checkpoint",
-                  "--checkpoint.last_save_model_only", "--checkpoint.export_dtype=bfloat16",
-                  "--job.save_config_file=configs/used.toml")  # fmt: skip
+    straight = tmp_path / "straight"
+    # Side by side (two_at_a_time): the run of this folder, and runs that read none of it.
+    proc, straight_proc = two_at_a_time(
+        lambda: python("train.py", *base, "--training.steps=4", "--checkpoint.enable_first_step_checkpoint",
+                       "--checkpoint.last_save_model_only", "--checkpoint.export_dtype=bfloat16",
+                       "--job.save_config_file=configs/used.toml"),
+        lambda: python("train.py", *base, "--training.steps=6", f"--job.dump_folder={straight}"),
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
+    assert straight_proc.returncode == 0, straight_proc.stderr
     assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-1", "step-2", "step-4"]
     saved = load_config(["--config", str(dump / "configs" / "used.toml")])  # its folder made as it was written
     assert (
@@ -160,34 +171,34 @@ def test_torchtitans_checkpoint_keys(tmp_path: Path, seed: Path) -> None:
     assert is_model_only(last) and not is_model_only(earlier)
     weights = [m for k, m in last.state_dict_metadata.items() if k.startswith("model_and_optimizer.model.")]
     assert weights and {m.properties.dtype for m in weights} == {torch.bfloat16}
-    # Started again with the same steps: nothing to do. With more: the model-only save cannot resume.
-    proc = python("train.py", *base, "--training.steps=4")
+    # Started again with the same steps: nothing to do. With more: the model-only save cannot resume. In a folder
+    # with no checkpoint, or with checkpointing off, load_step has nothing to load: refused, not ignored.
+    proc, new = two_at_a_time(
+        lambda: python("train.py", *base, "--training.steps=4"),
+        lambda: python("train.py", *base, "--training.steps=8", "--checkpoint.load_step=3",
+                       f"--job.dump_folder={tmp_path}/new"),
+    )  # fmt: skip
     assert proc.returncode == 0 and "nothing to train" in proc.stdout, proc.stderr
-    proc = python("train.py", *base, "--training.steps=6")
+    assert new.returncode == 2 and "has no step-3 (it has no checkpoint)" in new.stderr, new.stderr
+    proc, off = two_at_a_time(
+        lambda: python("train.py", *base, "--training.steps=6"),
+        lambda: python("train.py", *TINY, "--checkpoint.load_step=3", f"--job.dump_folder={tmp_path}/off"),
+    )
     assert proc.returncode == 2 and "holds the model weights only (checkpoint.last_save_model_only)" in proc.stderr
+    assert (
+        off.returncode == 2
+        and "checkpoint.load_step: 3 resumes from a checkpoint, but checkpoint.enable is false" in off.stderr
+    )
     # load_step picks the full checkpoint of step 2; the run goes on from there as a straight one would.
     proc = python("train.py", *base, "--training.steps=6", "--checkpoint.load_step=2")
     assert proc.returncode == 0, proc.stderr
     assert "resumed from" in proc.stdout and "step-2" in proc.stdout
-    straight = tmp_path / "straight"
-    proc = python("train.py", *base, "--training.steps=6", f"--job.dump_folder={straight}")
-    assert proc.returncode == 0, proc.stderr
     assert losses(dump) == losses(straight)
     proc = python("train.py", *base, "--training.steps=8", "--checkpoint.load_step=3")
     assert (
         proc.returncode == 2
         and "checkpoint.load_step: " in proc.stderr
         and "has no step-3 (it has steps 1, 2, 4, 6)" in proc.stderr
-    )
-    # In a folder with no checkpoint, or with checkpointing off, load_step has nothing to load: refused, not ignored.
-    proc = python(
-        "train.py", *base, "--training.steps=8", "--checkpoint.load_step=3", f"--job.dump_folder={tmp_path}/new"
-    )
-    assert proc.returncode == 2 and "has no step-3 (it has no checkpoint)" in proc.stderr, proc.stderr
-    proc = python("train.py", *TINY, "--checkpoint.load_step=3", f"--job.dump_folder={tmp_path}/off")
-    assert (
-        proc.returncode == 2
-        and "checkpoint.load_step: 3 resumes from a checkpoint, but checkpoint.enable is false" in proc.stderr
     )
 
 
@@ -204,16 +215,6 @@ def test_exclude_from_loading_restores_the_rest(tmp_path: Path, seed: Path) -> N
     assert "(not restored: dataloader, train_state)" in proc.stdout
     again = losses(dump)
     assert sorted(again) == [1, 2] and again[1] < first[1] - 0.1  # step 1's data, on trained weights
-
-
-def test_a_partial_checkpoint_is_never_resumed(tmp_path: Path, seed: Path) -> None:
-    dump = tmp_path / "run"
-    run(dump, nproc=2, steps=5, seed=seed)
-    # A save killed half way: a .partial folder, and a step folder without .metadata.
-    (dump / "checkpoint" / "step-10.partial").mkdir()
-    (dump / "checkpoint" / "step-15").mkdir()
-    run(dump, nproc=2, steps=7, seed=seed)
-    assert sorted(losses(dump)) == [1, 2, 3, 4, 5, 6, 7]  # resumed from step 5
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_zero(tmp_path: Path, seed: Path) -> None:
@@ -263,13 +264,25 @@ def one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
         (["--model.tokenizer_path=missing"], "model.tokenizer_path: missing not found"),
         (["--training.seq_len=4096"], "training.seq_len: 4096 exceeds the 2048 tokens"),
         (["--parallelism.data_parallel_shard_degree=2"], "but the world size is 1"),
-        (["--checkpoint.initial_load_path=assets"], "checkpoint.initial_load_path: assets is not a DCP checkpoint"),
         (["--model.flavor=llama3_9b"], "did you mean 'llama3_8b'"),
     ],
 )
 def test_bad_input_gets_one_line_and_exit_code_2(args: list[str], expected: str) -> None:
-    line = one_line_error(python("train.py", "--config", "configs/debug.toml", *args))
-    assert expected in line
+    """Refused by train.py's `main` before anything starts, with one problem: the CLI prints each problem as one
+    `error: ` line and exits 2 (that path runs in a subprocess in the tests below; here, a launch per input would
+    import torch again for each)."""
+    from errors import ConfigError
+    from train import main
+
+    with pytest.raises(ConfigError) as e:
+        main(["--config", "configs/debug.toml", *args])
+    (problem,) = e.value.problems
+    assert expected in f"error: {problem}"
+
+
+def test_a_folder_that_is_not_a_checkpoint_gets_one_line_and_exit_code_2() -> None:
+    line = one_line_error(python("train.py", "--config", "configs/debug.toml", "--checkpoint.initial_load_path=assets"))
+    assert "checkpoint.initial_load_path: assets is not a DCP checkpoint" in line
 
 
 def test_empty_dataset(tmp_path: Path) -> None:
@@ -305,15 +318,23 @@ def test_error_under_torchrun_is_printed_once(tmp_path: Path) -> None:
     assert proc.stderr.count("error: data.path: missing.jsonl not found") == 1
 
 
-def test_help_and_print_config() -> None:
-    proc = python("train.py", "--help")
-    assert proc.returncode == 0 and "--training.local_batch_size" in proc.stdout
-    proc = python("train.py", "--config", "configs/debug.toml", "--print-config", env={"WORLD_SIZE": "2"})
-    assert proc.returncode == 0
-    assert 'flavor = "debugmodel"' in proc.stdout
-    assert "# parameters: 6,163,712" in proc.stdout and "FLOPs per token" in proc.stdout
+def test_help_and_print_config(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from train import main
+
+    assert main(["--help"]) == 0 and "--training.local_batch_size" in capsys.readouterr().out
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["--config", "configs/debug.toml", "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert 'flavor = "debugmodel"' in out
+    assert "# parameters: 6,163,712" in out and "FLOPs per token" in out
     # local batch 8 x 2 data-parallel ranks x 256 tokens
-    assert "# tokens per step: 4,096 (global batch 16 x seq_len 256; world size 2" in proc.stdout
+    assert "# tokens per step: 4,096 (global batch 16 x seq_len 256; data-parallel degree 2, world size 2" in out
+    # Without WORLD_SIZE the plan says which world it assumed: the smallest the degrees fit (TP 8 for 70B).
+    monkeypatch.delenv("WORLD_SIZE")
+    assert main(["--config", "configs/llama3_70b.toml", "--print-config"]) == 0
+    assert "data-parallel degree 1, assuming world size 8, the smallest the parallel degrees fit" in (
+        capsys.readouterr().out
+    )
 
 
 def test_the_command_users_type_works_from_any_folder(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """Llama 3 (3.0, 3.1, 3.2 text): the family as the generic code sees it (models/__init__.py)."""
 
-from models import ModelFamily
+from models.family import ModelFamily
 from models.llama3 import hf, plans
 from models.llama3.model import FLAVORS, ModelArgs, Transformer, num_flops_per_token, num_params
 

@@ -1,6 +1,6 @@
 """Qwen3 dense (0.6B to 32B): the family as the generic code sees it (models/__init__.py)."""
 
-from models import ModelFamily
+from models.family import ModelFamily
 from models.qwen3 import hf, plans
 from models.qwen3.model import FLAVORS, ModelArgs, Transformer, num_flops_per_token, num_params
 

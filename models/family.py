@@ -1,0 +1,35 @@
+"""`ModelFamily`: what the generic code needs to know about one architecture (models/__init__.py
+describes the skeleton its model keeps). Its own module so that a family folder imports it without
+importing the package that looks families up."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """What the generic code needs to know about one architecture."""
+
+    name: str
+    flavors: Mapping[str, Any]
+    """Flavor name -> ModelArgs (a frozen dataclass with the skeleton's fields)."""
+    flavor_aliases: Mapping[str, str]
+    """Other names users type for a flavor (torchtitan's "8B"), -> a key of flavors."""
+    model_cls: Callable[[Any], nn.Module]
+    """ModelArgs -> the module (built on whatever device is current; train.py uses meta)."""
+    tp_plan: Callable[[], dict[str, Any]]
+    """A fresh tensor-parallel plan of one block: {module name inside the block: ParallelStyle}."""
+    sac_saved_linears: tuple[str, ...]
+    """Linears (names inside a block) whose matmul outputs selective op-level AC keeps."""
+    num_params: Callable[..., int]
+    """num_params(args, *, exclude_embedding=False): from the shapes alone."""
+    num_flops_per_token: Callable[[Any, int], int]
+    """num_flops_per_token(args, seq_len): training FLOPs per token, the MFU numerator."""
+    hf: ModuleType
+    """The family's hf.py: model_args_from_hf_config, hf_config, hf_to_ours, PUBLISHED, MODEL_TYPE."""

@@ -1,0 +1,257 @@
+"""AdamW, its learning-rate schedule, and the updates it refuses to apply.
+
+An update is skipped (weights, moments and step counts stay as they were) when the step's gradient
+norm is not finite, or when the step is a spike: its global loss or gradient norm stands more than
+training.skip_spike_sigma standard deviations above the mean of the last training.skip_spike_window
+steps. The rule is OLMo-core's `SkipStepOptimizer`. A finite spike (a batch of garbage, one unlucky
+update) does not stop a run the way a NaN does, but applying it can cost thousands of steps of
+recovery, or the run.
+
+Every finite step enters the window, skipped or not, as in OLMo-core: a lasting jump of the loss (a
+new data source, a learning-rate change) widens the window's spread and is applied after a few
+skipped steps instead of stalling the run. Non-finite steps stay out of it. The window is saved in
+checkpoints (`SkipStepAdamW.window`, a Stateful), so a resumed run skips exactly the steps a straight
+run skips.
+
+No host sync: the decision is a 0/1 device tensor that fused AdamW takes as GradScaler's `found_inf`
+(where it is 1 the kernel leaves everything as it was); the foreach and for-loop kernels have no
+such input and pay one host read per step. What happened (skipped or not, the loss, the norm)
+is read after the step (`read_reports`, on CUDA one step later, through a non-blocking copy that has
+long finished by then), so a run that must stop stops at most one step after the bad one, naming it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from config import LRScheduler, Optimizer, Training
+from errors import ConfigError, warn
+from loss import mean_over_loss_ranks
+
+
+def build_optimizer(
+    o: Optimizer, model: torch.nn.Module, *, training: Training | None = None, pp_degree: int = 1
+) -> SkipStepAdamW:
+    """AdamW over the model's parameters; `training` gives the skip rules (default: skip non-finite
+    steps only, and stop at the first)."""
+    impl = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[o.implementation]
+    t = training or Training()
+    params = list(model.parameters())
+    return SkipStepAdamW(
+        params,
+        window=SpikeWindow(t.skip_spike_window, sigma=t.skip_spike_sigma, device=params[0].device),
+        tolerate_nonfinite=t.skip_nonfinite_steps,
+        pp_degree=pp_degree,
+        lr=o.lr,
+        betas=(o.beta1, o.beta2),
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        **impl,
+    )
+
+
+class SpikeWindow:
+    """The global (loss, gradient norm) of the last `size` finite steps, on the device; a Stateful."""
+
+    def __init__(self, size: int, *, sigma: float, device: torch.device):
+        self.size, self.sigma = size, sigma
+        self.history = torch.full((size, 2), float("nan"), device=device)  # NaN rows: empty
+        self.seen = 0  # steps offered to the window (a host count: no sync to know it is full)
+
+    def is_spike(self, step: torch.Tensor) -> torch.Tensor:
+        """`step`: (global loss, gradient norm). Whether it is a spike (a bool device tensor); enters the window."""
+        finite = torch.isfinite(step).all()  # a non-finite step is skipped anyway, and stays out of the window
+        spike = torch.zeros((), dtype=torch.bool, device=step.device)
+        if self.sigma > 0 and self.seen >= self.size:
+            filled = torch.isfinite(self.history).all(dim=1, keepdim=True)
+            n = filled.sum()
+            mean = torch.where(filled, self.history, 0.0).sum(0) / n
+            std = (torch.where(filled, self.history - mean, 0.0).square().sum(0) / (n - 1)).sqrt()
+            spike = ((step - mean) > self.sigma * std).any() & (n >= 2) & finite
+        self.history[self.seen % self.size] = torch.where(finite, step, float("nan"))
+        self.seen += 1
+        return spike
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": self.history, "seen": torch.tensor(self.seen)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.history.copy_(state["history"])
+        self.seen = int(state["seen"])
+
+
+class SkipStepAdamW(torch.optim.AdamW):
+    """AdamW whose `step_unless_bad` skips non-finite steps and spikes (this module's docstring).
+    `optimizer.step()` itself is AdamW's, unconditional."""
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        *,
+        window: SpikeWindow,
+        tolerate_nonfinite: int = 0,
+        pp_degree: int = 1,
+        **adamw: Any,
+    ):
+        super().__init__(params, **adamw)
+        self.window, self.tolerate_nonfinite, self.pp_degree = window, tolerate_nonfinite, pp_degree
+        self.nonfinite = 0  # skipped steps of this process, read on the host
+        self.spikes = 0
+        self.last_nonfinite: tuple[int, float, float] | None = None  # (step, loss, grad norm)
+        self.skipped: torch.Tensor | None = None  # the last step's: 0 applied, 1 non-finite, 2 spike (device)
+        self._reports: list[tuple[int, torch.Tensor, torch.cuda.Event | None]] = []  # not yet read
+
+    def step_unless_bad(self, step: int, *, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """The update of training step `step`, unless it is bad. `loss`: this rank's mean loss of the step (0
+        on ranks before the last pipeline stage); `grad_norm`: the global norm, the same on every rank, so
+        every rank decides alike (a non-finite loss anywhere means non-finite gradients there)."""
+        finite = torch.isfinite(grad_norm)
+        spike = torch.zeros_like(finite)
+        if self.window.sigma > 0:  # one all-reduce of a scalar: the loss of the whole step
+            global_loss = mean_over_loss_ranks(loss, pp_degree=self.pp_degree)
+            spike = self.window.is_spike(torch.stack([global_loss, grad_norm.detach().float()]))
+        self._update_if(finite & ~spike)
+        self.skipped = torch.where(finite, spike.float() * 2, 1.0)
+        self._report(step, torch.stack([self.skipped, loss.detach().float(), grad_norm.detach().float()]))
+
+    def _update_if(self, apply: torch.Tensor) -> None:
+        if self.defaults.get("fused"):
+            # Fused AdamW reads GradScaler's `found_inf` from these attributes (PyTorch 2.0-2.13).
+            self.found_inf, self.grad_scale = (~apply).float(), None
+            try:
+                self.step()
+            finally:
+                del self.found_inf, self.grad_scale
+        elif apply.item():
+            self.step()
+
+    def _report(self, step: int, values: torch.Tensor) -> None:
+        """Start the step's numbers on their way to the host: a non-blocking copy on CUDA."""
+        event = None
+        if values.is_cuda:
+            host = torch.empty(len(values), pin_memory=True)
+            host.copy_(values, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            values = host
+        self._reports.append((step, values, event))
+
+    def read_reports(self) -> None:
+        """Count and warn about the steps whose numbers are on the host: on CUDA all but the last step's
+        (its copy may still run: it is read after the next step), elsewhere all."""
+        while self._reports and (len(self._reports) > 1 or self._reports[0][2] is None):
+            self._read(*self._reports.pop(0))
+
+    def _read(self, step: int, values: torch.Tensor, event: torch.cuda.Event | None) -> None:
+        if event is not None:
+            event.synchronize()  # the copy of an earlier step: already done
+        skipped, loss, grad_norm = values.tolist()
+        if skipped == 2:
+            self.spikes += 1
+            warn(
+                f"training: step {step} had loss {loss:g} (this rank's) and gradient norm {grad_norm:g}, a spike "
+                f"(more than training.skip_spike_sigma = {self.window.sigma:g} standard deviations above the recent "
+                f"steps'); its update was skipped ({self.spikes} so far)"
+            )
+        elif skipped == 1:
+            self.nonfinite += 1
+            self.last_nonfinite = (step, loss, grad_norm)
+            if self.nonfinite <= self.tolerate_nonfinite:
+                warn(
+                    f"training: step {step} had loss {loss:g} and gradient norm {grad_norm:g}; its update was skipped "
+                    f"({self.nonfinite} of training.skip_nonfinite_steps = {self.tolerate_nonfinite})"
+                )
+
+    def too_many_nonfinite(self) -> bool:
+        return self.nonfinite > self.tolerate_nonfinite
+
+    def nonfinite_error(self, *, last_checkpoint: str) -> ConfigError:
+        step, loss, grad_norm = self.last_nonfinite or (0, math.nan, math.nan)
+        return ConfigError(
+            f"training.skip_nonfinite_steps: step {step} had loss {loss:g} and gradient norm {grad_norm:g} "
+            f"({self.nonfinite} such steps, {self.tolerate_nonfinite} tolerated); its update was skipped and the run "
+            f"stops. Last checkpoint: {last_checkpoint}. Lower optimizer.lr (or check the data) and rerun to resume "
+            "from it"
+        )
+
+
+class StopOnNonfinite:
+    """After each step: more non-finite steps than training.skip_nonfinite_steps stop the run (a
+    ConfigError), after publishing a save that finished (skipped updates leave its weights finite)."""
+
+    def __init__(self, optimizer: SkipStepAdamW, checkpoint: Any):
+        self.optimizer, self.checkpoint = optimizer, checkpoint
+
+    def __call__(self, step: int, result: object) -> bool:
+        self.optimizer.read_reports()
+        if self.optimizer.too_many_nonfinite():
+            self.checkpoint.close()
+            raise self.optimizer.nonfinite_error(last_checkpoint=self.checkpoint.latest())
+        return False
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> float:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+def set_hyperparameters(optimizer: torch.optim.Optimizer, o: Optimizer) -> None:
+    """The config's AdamW settings win over those a checkpoint restored into the param groups."""
+    for group in optimizer.param_groups:
+        group.update(betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+
+
+def lr_factor(step: int, cfg: LRScheduler, *, training_steps: int) -> float:
+    """Multiplier of optimizer.lr after `step` scheduler steps (the lr of training step step + 1):
+    linear warmup, constant, decay; torchtitan's schedule, step for step.
+
+    Warmup: step s (from 0) uses (s + 1) / warmup_steps, so the first step learns and step
+    warmup_steps - 1 reaches the peak. Decay over the last decay_ratio of the steps (all of them after
+    warmup when unset), ending one step past the last, so the last step's lr is not exactly 0.
+    """
+    total = cfg.total_steps if cfg.total_steps is not None else training_steps
+    warmup = min(cfg.warmup_steps, total)
+    decay = total - warmup if cfg.decay_ratio is None else min(round(total * cfg.decay_ratio), total - warmup)
+    stable_end = total + 1 - decay  # warmup + stable steps, with one virtual step at the end
+    if step < warmup:
+        return (step + 1) / warmup
+    if step < stable_end:
+        return 1.0
+    progress = (step + 1 - stable_end) / decay
+    match cfg.decay_type:
+        case "linear":
+            decayed = 1.0 - progress
+        case "sqrt":
+            decayed = 1.0 - math.sqrt(progress)
+        case "cosine":
+            decayed = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.min_lr_factor + (1.0 - cfg.min_lr_factor) * decayed
+
+
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor], max_norm: float, *, pp_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Global L2 gradient norm (and clipping to max_norm > 0) over plain or DTensor grads.
+
+    With sharded (DTensor) gradients the per-shard norms are partial results; `full_tensor()`
+    reduces them across ranks, so every rank clips by the same, true global norm. Pipeline stages
+    hold different parameters: their squared norms add up over `pp_group`.
+    """
+    parameters = [p for p in parameters if p.grad is not None]
+    total_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters], foreach=True)
+    if isinstance(total_norm, DTensor):
+        total_norm = total_norm.full_tensor()
+    if pp_group is not None:
+        total_norm = total_norm**2
+        dist.all_reduce(total_norm, group=pp_group)
+        total_norm = total_norm.sqrt()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=True)
+    return total_norm
