@@ -4,6 +4,7 @@ with the launch it is meant for."""
 from __future__ import annotations
 
 import json
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,6 +113,24 @@ def seed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     proc = python("train.py", *TINY, f"--job.dump_folder={dump}", "--checkpoint.create_seed_checkpoint")
     assert proc.returncode == 0, proc.stderr
     return dump / "checkpoint" / "step-0"
+
+
+@pytest.fixture(scope="session")
+def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """30 steps of the debug model on 2 ranks (FSDP), logging every 5 steps and profiling every 15: its dump folder
+    and output, read by tests/test_train.py (loss and metrics) and tests/test_profiling.py (traces)."""
+    from tests.launch import torchrun
+
+    dump = tmp_path_factory.mktemp("two_rank") / "run"
+    proc = torchrun(
+        "train.py", *TINY, "--training.steps=30", "--training.local_batch_size=4", f"--job.dump_folder={dump}",
+        "--metrics.log_freq=5", "--metrics.enable_tensorboard",
+        "--training.skip_spike_sigma=6", "--training.skip_spike_window=10",  # agreed on by both ranks, no spike
+        "--training.z_loss_weight=1e-4",
+        "--profiling.enable_profiling", "--profiling.profile_freq=15", "--profiling.enable_memory_snapshot",
+        nproc=2,
+    )  # fmt: skip
+    return dump, proc
 
 
 # ------------------------------------------------------------ parity layouts

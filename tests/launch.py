@@ -6,9 +6,14 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 from config import REPO
+
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -50,3 +55,10 @@ def python(
     return subprocess.run(
         [sys.executable, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout
     )
+
+
+def two_at_a_time(*launches: Callable[[], T]) -> list[T]:
+    """Independent launches side by side, their results in the order given: a launch spends its first seconds
+    importing torch in one process (train.py of one rank, torchrun's launcher), on one of the machine's two cores."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return list(pool.map(lambda launch: launch(), launches))

@@ -5,7 +5,7 @@ checked against the CUDA + NCCL machine a dry run plans for. It cannot run here:
 from __future__ import annotations
 
 from parallelisms.async_tp import async_tp_problems
-from tests.launch import python, torchrun
+from tests.launch import python, torchrun, two_at_a_time
 
 
 def test_what_async_tp_needs() -> None:
@@ -26,13 +26,12 @@ def test_async_tp_on_cpu_is_refused_in_one_line() -> None:
 
 def test_a_dry_run_checks_async_tp_against_the_gpus_it_plans_for() -> None:
     """The 70B recipe turns async TP on with compile: fine for CUDA + NCCL; without compile it is refused there too."""
-    env = {"WORLD_SIZE": "64"}
-    proc = python("train.py", "--config", "configs/llama3_70b.toml", "--comm.mode=fake_backend", env=env, timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    proc = python(
-        "train.py", "--config", "configs/llama3_70b.toml", "--comm.mode=fake_backend", "--compile.enable=false",
-        env=env, timeout=120,
-    )  # fmt: skip
-    assert proc.returncode == 2 and proc.stderr.count("error: ") == 1, proc.stderr
-    assert "parallelism.enable_async_tensor_parallel: async TP needs compile.enable = true" in proc.stderr
-    assert "but compile.enable is false; set it to false" in proc.stderr
+    args, env = ("train.py", "--config", "configs/llama3_70b.toml", "--comm.mode=fake_backend"), {"WORLD_SIZE": "64"}
+    planned, refused = two_at_a_time(
+        lambda: python(*args, env=env, timeout=120),
+        lambda: python(*args, "--compile.enable=false", env=env, timeout=120),
+    )
+    assert planned.returncode == 0, planned.stdout + planned.stderr
+    assert refused.returncode == 2 and refused.stderr.count("error: ") == 1, refused.stderr
+    assert "parallelism.enable_async_tensor_parallel: async TP needs compile.enable = true" in refused.stderr
+    assert "but compile.enable is false; set it to false" in refused.stderr

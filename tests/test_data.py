@@ -21,7 +21,7 @@ from data.prepare import prepare, shard_name, tokenize
 from data.sources import find_source
 from data.tokenizers import ByteTokenizer, build_tokenizer
 from errors import ConfigError
-from tests.launch import REPO, python
+from tests.launch import REPO, python, two_at_a_time
 
 BYTE = ByteTokenizer()
 
@@ -233,16 +233,23 @@ def test_raw_data_is_cached_and_too_much_of_it_is_refused_with_the_command(tmp_p
 
 def test_prepare_data_script(tmp_path: Path) -> None:
     source = write_jsonl(tmp_path / "d.jsonl", TEXTS)
-    proc = python("scripts/prepare_data.py", "--source", str(source), "--tokenizer", "byte", "--output",
-                  str(tmp_path / "out"), "--workers", "1")  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    assert "300 documents, 13,618 tokens (uint16, 2.01 bytes per token on disk), 1 shards" in proc.stdout
-    proc = python("scripts/prepare_data.py", "--source", str(tmp_path / "nope"), "--tokenizer", "byte", "--output",
-                  str(tmp_path / "x"))  # fmt: skip
-    assert proc.returncode == 2 and proc.stderr.startswith("error: --source: ") and "Traceback" not in proc.stderr
-    proc = python("scripts/prepare_data.py", "--source", str(source), "--tokenizer", "nope", "--output",
-                  str(tmp_path / "y"))  # fmt: skip
-    assert proc.returncode == 2 and proc.stderr.startswith("error: --tokenizer: nope not found"), proc.stderr
+    prepared, no_source, no_tokenizer = two_at_a_time(
+        lambda: python("scripts/prepare_data.py", "--source", str(source), "--tokenizer", "byte", "--output",
+                       str(tmp_path / "out"), "--workers", "1"),
+        lambda: python("scripts/prepare_data.py", "--source", str(tmp_path / "nope"), "--tokenizer", "byte",
+                       "--output", str(tmp_path / "x")),
+        lambda: python("scripts/prepare_data.py", "--source", str(source), "--tokenizer", "nope", "--output",
+                       str(tmp_path / "y")),
+    )  # fmt: skip
+    assert prepared.returncode == 0, prepared.stderr
+    assert "300 documents, 13,618 tokens (uint16, 2.01 bytes per token on disk), 1 shards" in prepared.stdout
+    assert (
+        no_source.returncode == 2 and no_source.stderr.startswith("error: --source: ")
+        and "Traceback" not in no_source.stderr
+    )  # fmt: skip
+    assert no_tokenizer.returncode == 2 and no_tokenizer.stderr.startswith("error: --tokenizer: nope not found"), (
+        no_tokenizer.stderr
+    )
 
 
 def test_an_unwritable_cache_folder_is_one_line(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from errors import ConfigError
 from models.llama3 import FLAVORS, Transformer
 from parallelisms.float8 import apply_float8, float8_problems
 from tests.conftest import TINY, losses
-from tests.launch import torchrun
+from tests.launch import torchrun, two_at_a_time
 from tests.parity_worker import TINY as TINY_ARGS
 from tests.parity_worker import build_tiny, random_batch, train
 
@@ -78,9 +78,11 @@ def test_fsdp_float8_all_gather_trains_and_checkpoints_cross_with_bf16(tmp_path:
     all_gather = ["--quantize.linear.float8.enable_fsdp_float8_all_gather",
                   "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"]  # fmt: skip
     bf16, f8 = tmp_path / "bf16", tmp_path / "float8"
-    torchrun("train.py", *common, f"--job.dump_folder={bf16}", nproc=2)
-    proc = torchrun("train.py", *common, *FLOAT8, *all_gather, f"--job.dump_folder={f8}", "--training.steps=3",
-                    "--model.print_after_conversion", nproc=2)  # fmt: skip
+    _, proc = two_at_a_time(
+        lambda: torchrun("train.py", *common, f"--job.dump_folder={bf16}", nproc=2),
+        lambda: torchrun("train.py", *common, *FLOAT8, *all_gather, f"--job.dump_folder={f8}", "--training.steps=3",
+                         "--model.print_after_conversion", nproc=2),
+    )  # fmt: skip
     assert proc.stdout.count("Float8Linear(") == 7 * FLAVORS["debugmodel"].n_layers  # every block linear, printed once
     # The float8 checkpoint of step 3 resumes without float8 ...
     torchrun("train.py", *common, f"--job.dump_folder={f8}", nproc=2)

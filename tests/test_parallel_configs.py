@@ -1,4 +1,4 @@
-"""Every shipped parallel config through train.py's CLI: the same losses as one process.
+"""Every shipped parallel config, loaded and trained as train.py does: the same losses as one process.
 
 All runs start from one seed checkpoint and read the same global batch per step (8
 sequences, split over however many data-parallel ranks a layout has), so any layout that
@@ -7,6 +7,7 @@ computes the same function must log the same losses.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -44,22 +45,32 @@ def reference(seed: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int,
     return losses(dump)
 
 
-def run_config(config: str, nproc: int, seed: Path, dump: Path, *extra: str) -> dict[int, float]:
-    torchrun(
-        "train.py", "--config", config, *COMMON, f"--job.dump_folder={dump}",
-        f"--checkpoint.initial_load_path={seed}", *extra, nproc=nproc,
-    )  # fmt: skip
-    return losses(dump)
-
-
 LAYOUTS = {config: nproc for config, nproc in LAYOUTS.items() if (REPO / config).exists()}  # (a fork removed it)
+
+
+@pytest.fixture(scope="module")
+def config_losses(seed: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, float]]:
+    """Each config's losses, the configs of one world size run one after another in one launch
+    (tests/config_worker.py)."""
+    root = tmp_path_factory.mktemp("configs")
+    dumps = {config: root / Path(config).stem for config in LAYOUTS}
+    for nproc in sorted(set(LAYOUTS.values())):
+        seeded = f"--checkpoint.initial_load_path={seed}"
+        runs = [
+            ["--config", config, *COMMON, f"--job.dump_folder={dumps[config]}", seeded]
+            for config, n in LAYOUTS.items()
+            if n == nproc
+        ]
+        (root / f"runs-{nproc}.json").write_text(json.dumps(runs))
+        torchrun(REPO / "tests" / "config_worker.py", str(root / f"runs-{nproc}.json"), nproc=nproc)
+    return {config: losses(dump) for config, dump in dumps.items()}
 
 
 @pytest.mark.parametrize(("config", "nproc"), list(LAYOUTS.items()))
 def test_parallel_config_matches_one_process(
-    config: str, nproc: int, seed: Path, reference: dict[int, float], tmp_path: Path
+    config: str, nproc: int, config_losses: dict[str, dict[int, float]], reference: dict[int, float]
 ) -> None:
-    got = run_config(config, nproc, seed, tmp_path)
+    got = config_losses[config]
     assert sorted(got) == [1, 2, 3]
     assert max(abs(got[s] - reference[s]) for s in got) <= 1e-5, (got, reference)
 

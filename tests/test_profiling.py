@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -11,19 +12,16 @@ import torch
 from config import Profiling, load_config
 from errors import ConfigError
 from profiling import maybe_profile
-from tests.launch import torchrun
 
 
-def test_two_rank_run_writes_a_trace_per_rank_every_profile_freq_steps(tmp_path: Path) -> None:
-    dump = tmp_path / "run"
-    proc = torchrun(
-        "train.py", "--config", "configs/debug.toml", "--training.steps=4", "--training.seq_len=64",
-        "--training.local_batch_size=2", "--profiling.enable_profiling", "--profiling.profile_freq=2", "--validation.enable=false",
-        "--profiling.enable_memory_snapshot", f"--job.dump_folder={dump}", nproc=2,
-    )  # fmt: skip
+def test_two_rank_run_writes_a_trace_per_rank_every_profile_freq_steps(
+    two_rank_run: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    """The shared 30-step run of tests/conftest.py, profiling every 15 steps."""
+    dump, proc = two_rank_run
     traces = dump / "profile_traces"
-    assert sorted(p.name for p in traces.iterdir()) == ["iteration_2", "iteration_4"]
-    for iteration in ("iteration_2", "iteration_4"):
+    assert sorted(p.name for p in traces.iterdir()) == ["iteration_15", "iteration_30"]
+    for iteration in ("iteration_15", "iteration_30"):
         assert sorted(p.name for p in (traces / iteration).iterdir()) == ["rank0_trace.json", "rank1_trace.json"]
         for rank in (0, 1):
             trace = json.loads((traces / iteration / f"rank{rank}_trace.json").read_text())
@@ -32,7 +30,7 @@ def test_two_rank_run_writes_a_trace_per_rank_every_profile_freq_steps(tmp_path:
             assert any(n and n.startswith("ProfilerStep#") for n in names)  # exactly the recorded step
             assert "c10d::_allgather_base_" in names  # FSDP's all-gathers are in the trace
             assert trace["distributedInfo"]["rank"] == rank
-    assert proc.stdout.count("profiler: step 2 trace written") == 1  # rank 0 only
+    assert proc.stdout.count("profiler: step 15 trace written") == 1  # rank 0 only
     # Memory snapshots need the CUDA caching allocator: on CPU one warning (rank 0), no files.
     assert proc.stderr.count("profiling.enable_memory_snapshot is ignored") == 1, proc.stderr[-3000:]
     assert not (dump / "memory_snapshot").exists()

@@ -34,6 +34,15 @@ def test_two_rank_run_loss_falls_and_metrics_are_logged(
     assert rows[-1]["loss"] < rows[0]["loss"] - 1.0, [r["loss"] for r in rows]
     assert "world 2 = replicate 1 x shard 2 x tp 1" in proc.stdout
     assert proc.stdout.count("step 30/30 (100%)") == 1  # rank 0 only
+    # Where the outputs go, before the first step; the first logged window includes start-up and says so;
+    # a closing line.
+    lines = proc.stdout.splitlines()
+    assert lines.index(next(line for line in lines if line.startswith(f"outputs: {dump} | metrics "))) < next(
+        i for i, line in enumerate(lines) if line.startswith("step ")
+    )
+    logged = [line for line in lines if line.startswith("step ")]
+    assert "(warm-up)" in logged[0] and not any("(warm-up)" in line for line in logged[1:])
+    assert lines[-1].startswith("end: trained steps 1..30 in ") and f"metrics: {dump / 'metrics.jsonl'}" in lines[-1]
     assert any((dump / "tb").iterdir())
     assert "a spike" not in proc.stderr, proc.stderr  # (tests/test_faults.py skips one)
 
@@ -280,15 +289,18 @@ def test_bad_input_gets_one_line_and_exit_code_2(args: list[str], expected: str)
     assert expected in f"error: {problem}"
 
 
-def test_a_folder_that_is_not_a_checkpoint_gets_one_line_and_exit_code_2() -> None:
-    line = one_line_error(python("train.py", "--config", "configs/debug.toml", "--checkpoint.initial_load_path=assets"))
+def test_a_folder_that_is_not_a_checkpoint_gets_one_line_and_exit_code_2(tmp_path: Path) -> None:
+    args = ("--config", "configs/debug.toml", "--checkpoint.initial_load_path=assets", f"--job.dump_folder={tmp_path}")
+    line = one_line_error(python("train.py", *args))
     assert "checkpoint.initial_load_path: assets is not a DCP checkpoint" in line
 
 
 def test_empty_dataset(tmp_path: Path) -> None:
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    line = one_line_error(python("train.py", "--config", "configs/debug.toml", f"--data.path={empty}"))
+    line = one_line_error(
+        python("train.py", "--config", "configs/debug.toml", f"--data.path={empty}", f"--job.dump_folder={tmp_path}")
+    )
     assert "data.path" in line
 
 
@@ -296,7 +308,9 @@ def test_checkpoint_folder_that_is_not_a_checkpoint(tmp_path: Path) -> None:
     fake = tmp_path / "step-3"
     fake.mkdir()
     (fake / ".metadata").write_text("not a checkpoint")
-    line = one_line_error(python("train.py", *TINY, f"--checkpoint.initial_load_path={fake}"))
+    line = one_line_error(
+        python("train.py", *TINY, f"--checkpoint.initial_load_path={fake}", f"--job.dump_folder={tmp_path / 'run'}")
+    )
     assert f"checkpoint.initial_load_path: {fake}/.metadata was refused unread" in line
 
 
