@@ -3,7 +3,8 @@
 #   make train CONFIG=configs/debug.toml NPROC=4 ARGS="--training.steps=50"
 #   make test                       # the test suite (tests/, and benchmarks/ when it is there)
 #   make bench                      # what each fix buys, measured: one table, bench.json, bench.png
-#   TORCH_VERSION=2.11.0 make setup # another torch (e.g. the CUDA build a GPU machine has)
+#   TORCH_VERSION=2.11.0 make setup # another torch; a build of PyTorch's own index also needs the index, e.g.
+#   PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cu128 TORCH_VERSION=2.13.0+cu128 make setup
 
 PYTHON ?= python3
 VENV ?= .venv

@@ -1,5 +1,6 @@
-"""The docs hold: their links resolve, the commands README.md shows for planning run as written, and every number
-this repo measured is stated in one place, docs/benchmarks.md (README.md and the other pages link to it).
+"""The docs hold: their links resolve, the outputs they quote are what their commands print (the cheap ones; all of
+them: `python scripts/record_transcripts.py --check`), the commands README.md shows for planning are among them, and
+every number this repo measured is stated in one place, docs/benchmarks.md (README.md and the other pages link to it).
 
 (The removal table is performed by tests/test_removal.py; the torchtitan keys by tests/test_torchtitan.py.)
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
+import sys
 from pathlib import Path
 
 import pytest
@@ -57,21 +58,29 @@ def test_measured_numbers_live_in_benchmarks_md(page: Path) -> None:
     assert not found, f"{page.name} states {found}: record them in docs/benchmarks.md and link there"
 
 
-def test_the_readme_planning_commands_run_as_written() -> None:
-    """The block under "Plan a job without its GPUs or its data", each line through the shell, from the repo."""
+def test_the_recorded_transcripts_are_what_their_commands_print() -> None:
+    """Every block marked cheap (dry runs, --print-config, doctor.py, estimate_memory.py, a refused start), rerun by
+    scripts/record_transcripts.py in one process; its output names each block that differs and shows the diff.
+    `python scripts/record_transcripts.py` rewrites them."""
+    proc = subprocess.run(
+        [sys.executable, "scripts/record_transcripts.py", "--check", "--cheap"],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"{proc.stdout[-6000:]}{proc.stderr[-2000:]}"
+
+
+def test_the_readme_planning_commands_are_recorded_transcripts() -> None:
+    """The block under "Plan a job without its GPUs or its data": each line is the command of a cheap transcript (run
+    by the test above), as written but for `python` in place of `.venv/bin/python`."""
     text = (REPO / "README.md").read_text()
     section = text[text.index("### Plan a job without its GPUs or its data") :]
     block = re.search(r"```bash\n(.*?)```", section, flags=re.S)[1]
-    commands = [line for line in block.splitlines() if line.strip()]
+    commands = [line.replace(".venv/bin/python", "python") for line in block.splitlines() if line.strip()]
     assert len(commands) == 4, commands
-
-    def run(command: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["bash", "-c", command], cwd=REPO, capture_output=True, text=True, timeout=300)
-
-    with ThreadPoolExecutor(max_workers=2) as pool:  # independent commands, two cores
-        for command, proc in zip(commands, pool.map(run, commands), strict=True):
-            assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
-            assert "Traceback" not in proc.stderr and "error:" not in proc.stderr, proc.stderr
+    pages = "\n".join(page.read_text() for page in PAGES)
+    recorded = re.findall(r"^<!-- transcript [a-z ]*cheap[a-z ]*: (.+?) -->$", pages, flags=re.M)
+    for command in commands:
+        assert any(r == command or r.startswith(f"{command} ") for r in recorded), f"{command} is no cheap transcript"
 
 
 def test_the_readme_data_commands_run_as_written(tmp_path: Path) -> None:
