@@ -429,8 +429,14 @@ class CheckpointManager:
             model_only = is_model_only(metadata) or weights_only
             parts = {} if model_only else {k: v for k, v in self.stateful.items() if k not in excluded}
             optimizer = None if model_only or "optimizer" in excluded else self.optimizer
-            self._load(path, metadata, ModelAndOptimizer(self.model, optimizer), parts, key="checkpoint.folder",
-                       load_model="model" not in excluded)  # fmt: skip
+            self._load(
+                path,
+                metadata,
+                ModelAndOptimizer(self.model, optimizer),
+                parts,
+                key="checkpoint.folder",
+                load_model="model" not in excluded,
+            )
             _log(f"resumed from {path}" + (f" (not restored: {', '.join(sorted(excluded))})" if excluded else ""))
             return step if "train_state" not in excluded and not model_only else 0
         if self.cfg.initial_load_in_hf:
@@ -445,9 +451,15 @@ class CheckpointManager:
         return 0
 
     def _load(
-        self, path: Path, metadata: Metadata, weights: ModelAndOptimizer, parts: dict[str, Stateful], *, key: str,
+        self,
+        path: Path,
+        metadata: Metadata,
+        weights: ModelAndOptimizer,
+        parts: dict[str, Stateful],
+        *,
+        key: str,
         load_model: bool = True,
-    ) -> None:  # fmt: skip
+    ) -> None:
         for name in [name for name in parts if name in self.optional and not _holds_part(metadata, name)]:
             del parts[name]  # saved by a recipe that did not have it yet: it starts afresh
             _log(f"{path} holds no {name} (saved before it was checkpointed): it starts afresh")
@@ -548,9 +560,13 @@ class CheckpointManager:
         with _OutOfSpace(partial):
             assert self.family is not None, "CheckpointManager(family=...) exports Hugging Face folders"
             export_hf_folder(
-                self.folder / f"step-{step}", partial, family=self.family, args=self.model_args,
-                dtype=getattr(torch, self.cfg.export_dtype), side_files_from=self.side_files,
-            )  # fmt: skip
+                self.folder / f"step-{step}",
+                partial,
+                family=self.family,
+                args=self.model_args,
+                dtype=getattr(torch, self.cfg.export_dtype),
+                side_files_from=self.side_files,
+            )
         if target.exists():
             shutil.rmtree(target)
         os.replace(partial, target)
@@ -568,9 +584,12 @@ class CheckpointManager:
         if self._stager is None:
             self._stager = DefaultStager(StagingOptions(True, True, True, True))
         response = dcp.async_save(
-            state, checkpoint_id=str(partial), process_group=self.process_group,
-            async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=self._stager,
-        )  # fmt: skip
+            state,
+            checkpoint_id=str(partial),
+            process_group=self.process_group,
+            async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+            async_stager=self._stager,
+        )
         self._staging = response.staging_completion
         return response.upload_completion
 

@@ -132,7 +132,7 @@ class Model:
                 p.append(
                     f'model.converters: {converter!r} is not a converter of this recipe; use "quantize.linear.float8" (float8 linears)'
                 )
-        return p  # fmt: skip
+        return p
 
 
 @dataclass
@@ -163,7 +163,7 @@ class Training(TorchtitanTraining):
     skip_nonfinite_steps: int = 0
     """Steps with a non-finite loss or gradient norm to tolerate: their update is skipped (weights and optimizer state unchanged). One more stops the run, naming the step and the last checkpoint; 0 stops at the first."""
     skip_spike_sigma: float = 0.0
-    """Skip the update of a step whose global loss or gradient norm is more than this many standard deviations above the mean of the last training.skip_spike_window steps (OLMo-core's rule; it uses 6). 0 = off. spikes.py."""
+    """Skip the update of a step whose global loss or gradient norm is more than this many standard deviations above the mean of the last training.skip_spike_window steps (OLMo-core's rule; it uses 6). 0 = off. optimizer.py."""
     skip_spike_window: int = 128
     """Steps the spike rule compares with; none is skipped before the window is full (again after a resume: the window is not checkpointed)."""
     z_loss_weight: float = 0.0
@@ -174,8 +174,11 @@ class Training(TorchtitanTraining):
     """Python's garbage collector runs every gc_freq steps on every rank at once, instead of whenever it likes (a pause on one rank stalls all)."""
 
     def problems(self) -> list[str]:
-        p = [f"training.{key}: must be >= 1, got {getattr(self, key)}"
-             for key in ("steps", "local_batch_size", "gc_freq") if getattr(self, key) < 1]  # fmt: skip
+        p = [
+            f"training.{key}: must be >= 1, got {getattr(self, key)}"
+            for key in ("steps", "local_batch_size", "gc_freq")
+            if getattr(self, key) < 1
+        ]
         if self.seq_len < 2:
             p.append(f"training.seq_len: must be >= 2, got {self.seq_len}")
         if self.global_batch_size != -1 and self.global_batch_size < self.local_batch_size:
@@ -205,7 +208,7 @@ class Training(TorchtitanTraining):
             )
         if self.loss_chunk_tokens < 0:
             p.append(f"training.loss_chunk_tokens: must be >= 0 (0 = no chunks), got {self.loss_chunk_tokens}")
-        return p  # fmt: skip
+        return p
 
 
 @dataclass
@@ -320,7 +323,7 @@ class Data:
             return [
                 f"training.dataset: unknown dataset {training_dataset!r} ({known}, or set training.dataset_path / data.path to your data)"
             ]
-        return []  # fmt: skip
+        return []
 
 
 @dataclass
@@ -345,8 +348,11 @@ class Validation(TorchtitanValidation):
     def problems(self, *, training: Training, pp: int) -> list[str]:
         if not self.enable:
             return []
-        p = [f"validation.{key}: must be >= 1, got {getattr(self, key)}"
-             for key in ("local_batch_size", "freq", "seq_len") if getattr(self, key) < 1]  # fmt: skip
+        p = [
+            f"validation.{key}: must be >= 1, got {getattr(self, key)}"
+            for key in ("local_batch_size", "freq", "seq_len")
+            if getattr(self, key) < 1
+        ]
         if self.steps == 0 or self.steps < -1:
             p.append(f"validation.steps: must be -1 (the whole held-out data) or >= 1, got {self.steps}")
         for key in ("local_batch_size", "seq_len") if pp > 1 else ():
@@ -397,8 +403,12 @@ class Parallelism(TorchtitanParallelism):
 
     def problems(self) -> list[str]:
         p = []
-        for key in ("data_parallel_replicate_degree", "tensor_parallel_degree", "pipeline_parallel_degree",
-                    "context_parallel_degree"):  # fmt: skip
+        for key in (
+            "data_parallel_replicate_degree",
+            "tensor_parallel_degree",
+            "pipeline_parallel_degree",
+            "context_parallel_degree",
+        ):
             if (degree := getattr(self, key)) < 1:
                 p.append(f"parallelism.{key}: must be >= 1, got {degree}")
         if self.data_parallel_shard_degree == 0 or self.data_parallel_shard_degree < -1:
@@ -475,7 +485,7 @@ class ActivationCheckpoint(TorchtitanActivationCheckpoint):
             p.append(
                 f"activation_checkpoint.determinism_check: expected 'default' or 'none', got {self.determinism_check!r}"
             )
-        return p  # fmt: skip
+        return p
 
 
 @dataclass
@@ -608,7 +618,7 @@ class Checkpoint(TorchtitanCheckpoint):
             p.append(
                 "checkpoint.initial_load_in_hf: set checkpoint.initial_load_path or model.hf_assets_path to the Hugging Face folder"
             )
-        return p  # fmt: skip
+        return p
 
 
 @dataclass
@@ -629,8 +639,11 @@ class Comm:
     """fake_backend: a dry run of rank 0 of a WORLD_SIZE-rank job on this machine, on a fake process group and no real tensors (dry_run.py); local_tensor is refused."""
 
     def problems(self) -> list[str]:
-        p = [f"comm.{key}: must be >= 1, got {getattr(self, key)}"
-             for key in ("init_timeout_seconds", "train_timeout_seconds") if getattr(self, key) < 1]  # fmt: skip
+        p = [
+            f"comm.{key}: must be >= 1, got {getattr(self, key)}"
+            for key in ("init_timeout_seconds", "train_timeout_seconds")
+            if getattr(self, key) < 1
+        ]
         if self.mode == "local_tensor":
             p.append(
                 'comm.mode: "local_tensor" is torchtitan\'s single-process simulation, not done here; use "fake_backend"'
@@ -680,15 +693,18 @@ class Profiling:
     """Memory snapshot folder, relative to job.dump_folder (open the pickles at pytorch.org/memory_viz)."""
 
     def problems(self) -> list[str]:
-        p = [f"profiling.{key}: must be >= 1, got {getattr(self, key)}"
-             for key in ("profile_freq", "profiler_active") if getattr(self, key) < 1]  # fmt: skip
+        p = [
+            f"profiling.{key}: must be >= 1, got {getattr(self, key)}"
+            for key in ("profile_freq", "profiler_active")
+            if getattr(self, key) < 1
+        ]
         if self.profiler_warmup < 0:
             p.append(f"profiling.profiler_warmup: must be >= 0, got {self.profiler_warmup}")
         if self.profiler_active > self.profile_freq:
             p.append(
                 f"profiling.profiler_active: {self.profiler_active} steps recorded per profile do not fit in profile_freq = {self.profile_freq}"
             )
-        return p  # fmt: skip
+        return p
 
 
 @dataclass
@@ -1232,7 +1248,7 @@ def input_problems(cfg: JobConfig) -> list[str]:
         p.append(
             f"checkpoint.initial_load_path: {ck.initial_load_path} is not a folder; point it at a checkpoint step folder (contains .metadata) or a Hugging Face folder (initial_load_in_hf)"
         )
-    return p  # fmt: skip
+    return p
 
 
 def _default_only(cfg: JobConfig) -> list[str]:
@@ -1352,7 +1368,7 @@ def _check_model(m: Model, *, seq_len: int) -> list[str]:
     if seq_len > args.max_seq_len:
         source = f"{m.hf_assets_path} (max_position_embeddings)" if m.shape_from_hf_config else m.flavor
         return [f"training.seq_len: {seq_len} exceeds the {args.max_seq_len} tokens {source} supports; lower it"]
-    return []  # fmt: skip
+    return []
 
 
 def _differing_parameter(fam: ModelFamily, theirs: Any, ours: Any) -> str:

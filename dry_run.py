@@ -71,9 +71,19 @@ def run(cfg: JobConfig) -> int:
         fam = family(cfg.model.name)
         args = run_model_args(cfg)  # what train.py builds
         model, pipeline = build_model(
-            fam, args, dims=dims, mesh=mesh, training=t, parallelism=par, ac=cfg.activation_checkpoint,
-            compile=cfg.compile, float8=float8_settings(cfg), loss_fn=Loss(), device=torch.device("cpu"), planning=True,
-        )  # fmt: skip
+            fam,
+            args,
+            dims=dims,
+            mesh=mesh,
+            training=t,
+            parallelism=par,
+            ac=cfg.activation_checkpoint,
+            compile=cfg.compile,
+            float8=float8_settings(cfg),
+            loss_fn=Loss(),
+            device=torch.device("cpu"),
+            planning=True,
+        )
         parts = pipeline.parts if pipeline else [model]
         local = sum(_local_numel(p) for part in parts for p in part.parameters())
         lines += plan_lines(cfg, dims, args, mesh=mesh, local_params=local, job=job_of(cfg, dims, cuda=True))
@@ -112,9 +122,11 @@ def plan_lines(
     if dims.pp_enabled:
         layers = stage_layers(args, par)
         n_mb = check_microbatches(
-            pp=dims.pp, schedule=par.pipeline_parallel_schedule, microbatch_size=par.pipeline_parallel_microbatch_size,
+            pp=dims.pp,
+            schedule=par.pipeline_parallel_schedule,
+            microbatch_size=par.pipeline_parallel_microbatch_size,
             local_batch_size=t.local_batch_size,
-        )  # fmt: skip
+        )
         ours = rank_stages(0, pp=dims.pp, stages=len(layers))
         lines.append(
             f"pipeline: {par.pipeline_parallel_schedule}, {len(layers)} stages ({len(layers) // dims.pp} per rank), "
@@ -198,8 +210,11 @@ def comm_per_step(
         if resharded:  # backward gathers neither the embedding nor (without PP) the root unit, still gathered
             gathered -= grad_accum * (costs.embedding_params + (costs.root_params if pp == 1 else 0))
         nbytes = ring(fsdp) * (gathered * param_bytes + syncs * reduce_bytes * stage_params / tp)
-        out[fsdp_dim] = (nbytes, f"FSDP: {gathers} all-gather(s) of the stage in {t.mixed_precision_param}, "
-                         f"{syncs} reduce-scatter(s) of its gradients in {t.mixed_precision_reduce}")  # fmt: skip
+        out[fsdp_dim] = (
+            nbytes,
+            f"FSDP: {gathers} all-gather(s) of the stage in {t.mixed_precision_param}, "
+            f"{syncs} reduce-scatter(s) of its gradients in {t.mixed_precision_reduce}",
+        )
     if rep > 1:
         out["dp_replicate"] = (
             2 * ring(rep) * syncs * reduce_bytes * stage_params / tp / fsdp,
@@ -210,8 +225,11 @@ def comm_per_step(
         outside = sum(costs.tp_embedding) + (sum(costs.tp_head) if len(layers) - 1 in ours else 0)
         # A micro-batch of the pipeline is 1/microbatches of the local batch; the costs are per micro-batch.
         per_local_batch = job.microbatches * (sum(costs.tp_block) * blocks + outside)
-        out["tp"] = (ring(tp) * per_local_batch * grad_accum, "the TP plan's all-gathers and reduce-scatters, "
-                     "traced on one block: forward, backward and AC's recomputation")  # fmt: skip
+        out["tp"] = (
+            ring(tp) * per_local_batch * grad_accum,
+            "the TP plan's all-gathers and reduce-scatters, "
+            "traced on one block: forward, backward and AC's recomputation",
+        )
     if cp > 1:
         recomputed = 0 if job.ac == "selective-op" else sum(checkpointed_blocks(len(layers[s]), job.ac) for s in ours)
         passes = 2 * blocks + recomputed  # forward's all-gathers, backward's reduce-scatters, AC's re-gathers
@@ -222,6 +240,9 @@ def comm_per_step(
     if pp > 1:  # rank 0's stages: each but the last sends activations, each but the first gradients
         crossings = sum(s != len(layers) - 1 for s in ours) + sum(s != 0 for s in ours)
         boundary = local_tokens / tp * args.dim * param_bytes
-        out["pp"] = (crossings * boundary * grad_accum, f"sends of every micro-batch's hidden states: {crossings} per "
-                     "micro-batch (activations forward, their gradients backward)")  # fmt: skip
+        out["pp"] = (
+            crossings * boundary * grad_accum,
+            f"sends of every micro-batch's hidden states: {crossings} per "
+            "micro-batch (activations forward, their gradients backward)",
+        )
     return out

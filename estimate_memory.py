@@ -272,9 +272,18 @@ def block_costs(
         if key not in _TRACES:
             with _tp_mesh(tp, tp_mesh) as mesh:
                 _TRACES[key] = trace_costs(
-                    family, args, batch=batch, seq_len=seq_len, dtype=dtype, ac=m, rmsnorm=rmsnorm, tp_mesh=mesh,
-                    loss_parallel=loss_parallel, loss_chunk_tokens=loss_chunk_tokens, z_loss=z_loss,
-                )  # fmt: skip
+                    family,
+                    args,
+                    batch=batch,
+                    seq_len=seq_len,
+                    dtype=dtype,
+                    ac=m,
+                    rmsnorm=rmsnorm,
+                    tp_mesh=mesh,
+                    loss_parallel=loss_parallel,
+                    loss_chunk_tokens=loss_chunk_tokens,
+                    z_loss=z_loss,
+                )
         traced[m] = _TRACES[key]
     return dataclasses.replace(traced[mode], saved=traced["none"].saved)
 
@@ -388,12 +397,18 @@ def trace_costs(
     embedding = 0 if one.tie_word_embeddings else _numel(model.tok_embeddings)
     root = _numel(model.norm) + (_numel(model.output) if model.output is not None else _numel(model.tok_embeddings))
     return BlockCosts(
-        block_params=_numel(block), embedding_params=embedding, root_params=root, saved=saved, kept=saved,
-        widest=max(watch.linear_outputs, default=0), matmul_inputs=sum(watch.linear_inputs.values()),
-        final_norm=final_norm, tp_block=(watch.comm["block forward"], watch.comm["block backward"]),
+        block_params=_numel(block),
+        embedding_params=embedding,
+        root_params=root,
+        saved=saved,
+        kept=saved,
+        widest=max(watch.linear_outputs, default=0),
+        matmul_inputs=sum(watch.linear_inputs.values()),
+        final_norm=final_norm,
+        tp_block=(watch.comm["block forward"], watch.comm["block backward"]),
         tp_embedding=(watch.comm["embedding forward"], watch.comm["embedding backward"]),
         tp_head=(watch.comm["head forward"], watch.comm["head backward"]),
-    )  # fmt: skip
+    )
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -561,9 +576,12 @@ class Job:
         """The recipe's own rules (ParallelDims, the TP plan, the pipeline split and micro-batches) raise one
         ConfigError with all their problems; the estimator's own inputs ValueError."""
         problems = layout_problems(
-            **self.parallelism.layout_settings(), world_size=self.ngpu, args=self.args, seq_len=self.seq_len,
+            **self.parallelism.layout_settings(),
+            world_size=self.ngpu,
+            args=self.args,
+            seq_len=self.seq_len,
             local_batch_size=self.local_batch_size,
-        )  # fmt: skip
+        )
         if problems:
             raise ConfigError(*problems)
         for name in ("param_dtype", "reduce_dtype"):
@@ -589,14 +607,16 @@ class Job:
     def parallelism(self) -> Parallelism:
         """The [parallelism] section of this job, for the run's own rules."""
         return Parallelism(
-            data_parallel_replicate_degree=self.replicate, tensor_parallel_degree=self.tp,
-            pipeline_parallel_degree=self.pp, pipeline_parallel_schedule=self.pp_schedule,
+            data_parallel_replicate_degree=self.replicate,
+            tensor_parallel_degree=self.tp,
+            pipeline_parallel_degree=self.pp,
+            pipeline_parallel_schedule=self.pp_schedule,
             pipeline_parallel_microbatch_size=self.pp_microbatch_size,
             pipeline_parallel_layers_per_stage=self.pp_layers_per_stage,
             pipeline_parallel_first_stage_less_layers=self.pp_first_stage_less_layers,
             pipeline_parallel_last_stage_less_layers=self.pp_last_stage_less_layers,
             context_parallel_degree=self.cp,
-        )  # fmt: skip
+        )
 
     @property
     def shard(self) -> int:
@@ -632,23 +652,35 @@ def job_of(cfg: JobConfig, dims: ParallelDims, *, cuda: bool) -> Job:
     for a shape the layout cannot split, which the run itself refuses with its own message."""
     training, ac, par = cfg.training, cfg.activation_checkpoint, cfg.parallelism
     return Job(
-        family=cfg.model.name, flavor=cfg.model.flavor, model=model_args(cfg.model), ngpu=dims.world_size, tp=dims.tp,
-        replicate=dims.dp_replicate, seq_len=training.seq_len, local_batch_size=training.local_batch_size,
+        family=cfg.model.name,
+        flavor=cfg.model.flavor,
+        model=model_args(cfg.model),
+        ngpu=dims.world_size,
+        tp=dims.tp,
+        replicate=dims.dp_replicate,
+        seq_len=training.seq_len,
+        local_batch_size=training.local_batch_size,
         grad_accum=global_batch_size(training, dp=dims.dp) // (training.local_batch_size * dims.dp),
-        param_dtype=training.mixed_precision_param, reduce_dtype=training.mixed_precision_reduce,
+        param_dtype=training.mixed_precision_param,
+        reduce_dtype=training.mixed_precision_reduce,
         ac=f"selective-{ac.selective_ac_option}" if ac.mode == "selective" else ac.mode,
-        cpu_offload=training.enable_cpu_offload and cuda, loss_chunk_tokens=training.loss_chunk_tokens,
-        loss_parallel=not par.disable_loss_parallel, z_loss_weight=training.z_loss_weight,
-        pp=dims.pp, pp_schedule=par.pipeline_parallel_schedule,
+        cpu_offload=training.enable_cpu_offload and cuda,
+        loss_chunk_tokens=training.loss_chunk_tokens,
+        loss_parallel=not par.disable_loss_parallel,
+        z_loss_weight=training.z_loss_weight,
+        pp=dims.pp,
+        pp_schedule=par.pipeline_parallel_schedule,
         pp_microbatch_size=par.pipeline_parallel_microbatch_size,
         pp_layers_per_stage=par.pipeline_parallel_layers_per_stage,
         pp_first_stage_less_layers=par.pipeline_parallel_first_stage_less_layers,
-        pp_last_stage_less_layers=par.pipeline_parallel_last_stage_less_layers, cp=dims.cp,
+        pp_last_stage_less_layers=par.pipeline_parallel_last_stage_less_layers,
+        cp=dims.cp,
         # Eager CPU RMSNorm is the composite one; a CPU process has no CUDA context, NCCL buffers or caching
         # allocator.
-        rmsnorm="fused" if cuda else "composite", overhead_gib=2.0 if cuda else 0.5,
+        rmsnorm="fused" if cuda else "composite",
+        overhead_gib=2.0 if cuda else 0.5,
         allocator="cuda" if cuda else "cpu",
-    )  # fmt: skip
+    )
 
 
 def rank_ops(schedule: str, *, pp_rank: int, pp: int, n_local: int, n_mb: int) -> list[tuple[str, int, int]]:
@@ -681,10 +713,19 @@ def job_costs(job: Job, *, tp_mesh: DeviceMesh | None = None) -> BlockCosts:
     """block_costs of one micro-batch of `job` through one block, in its param_dtype. Under context parallel the
     block is traced on this rank's tokens, and attention's keys and values span the whole window (`cp_kv_bytes`)."""
     costs = block_costs(
-        job.fam, job.args, batch=job.microbatch_tokens // job.local_seq_len, seq_len=job.local_seq_len,
-        dtype=getattr(torch, job.param_dtype), ac=job.ac, tp=job.tp, rmsnorm=job.rmsnorm, tp_mesh=tp_mesh,
-        loss_parallel=job.loss_parallel, loss_chunk_tokens=job.loss_chunk_tokens, z_loss=job.z_loss_weight > 0,
-    )  # fmt: skip
+        job.fam,
+        job.args,
+        batch=job.microbatch_tokens // job.local_seq_len,
+        seq_len=job.local_seq_len,
+        dtype=getattr(torch, job.param_dtype),
+        ac=job.ac,
+        tp=job.tp,
+        rmsnorm=job.rmsnorm,
+        tp_mesh=tp_mesh,
+        loss_parallel=job.loss_parallel,
+        loss_chunk_tokens=job.loss_chunk_tokens,
+        z_loss=job.z_loss_weight > 0,
+    )
     extra = cp_kv_bytes(job)
     return dataclasses.replace(costs, saved=costs.saved + extra["saved"], kept=costs.kept + extra["kept"])
 
@@ -796,10 +837,14 @@ def _sharded_state(job: Job, params: _RankParams) -> _ShardedState:
     master, grads, adam = (n * params.total / job.shard for n in (4, 4, 8))
     on_gpu = not job.cpu_offload
     return _ShardedState(
-        params=master, grads=grads, adam=adam, on_gpu=on_gpu, static=master + adam if on_gpu else 0.0,
+        params=master,
+        grads=grads,
+        adam=adam,
+        on_gpu=on_gpu,
+        static=master + adam if on_gpu else 0.0,
         block_grads=4 * params.block / job.shard if on_gpu else 0.0,
         earlier_grads=grads if on_gpu and job.grad_accum > 1 else 0.0,
-    )  # fmt: skip
+    )
 
 
 def _gathered_params(job: Job, params: _RankParams) -> dict[str, float]:
@@ -851,11 +896,15 @@ def _activations(job: Job, costs: BlockCosts, stages: list[list[int]]) -> _Activ
     param_bytes, tokens, dim = DTYPE_BYTES[job.param_dtype], job.microbatch_tokens, job.args.dim
     chunked = 0 < job.loss_chunk_tokens < tokens
     return _Activations(
-        stages=stages, no_ac=costs.saved, checkpointed=costs.kept, every=checkpoint_every(job.ac),
-        token_ids=16 * tokens + cp_kv_bytes(job)["mask"], final_norm=costs.final_norm + param_bytes * tokens * dim,
+        stages=stages,
+        no_ac=costs.saved,
+        checkpointed=costs.kept,
+        every=checkpoint_every(job.ac),
+        token_ids=16 * tokens + cp_kv_bytes(job)["mask"],
+        final_norm=costs.final_norm + param_bytes * tokens * dim,
         log_softmax=0 if chunked else 4 * tokens * job.args.vocab_size // job.tp,
         stage_output=param_bytes * tokens * dim / job.tp,
-    )  # fmt: skip
+    )
 
 
 @dataclass(frozen=True)
@@ -893,7 +942,8 @@ def _transients(job: Job, costs: BlockCosts) -> _Transients:
         per_logit = param_bytes + 4 + 4 + (8 if tp == 1 else 12)
         loss = per_logit * job.loss_chunk_tokens * vocab / tp + 4 * tokens * dim + param_bytes * costs.root_params
     return _Transients(
-        logits_held=logits, loss=loss,
+        logits_held=logits,
+        loss=loss,
         # Backward of one block: besides the recomputation (AC) of what it did not keep, its activation gradients
         # (about two T x D tensors and two of the widest projection's output alive at once, SwiGLU's hidden
         # units for Llama; under TP one T x D is the full-size partial gradient of a gathered input) and its
@@ -904,7 +954,7 @@ def _transients(job: Job, costs: BlockCosts) -> _Transients:
         root_grad=param_bytes * costs.root_params,
         pp_buffers=2 * param_bytes * tokens * dim / tp if job.pp > 1 else 0.0,
         weight_grad_inputs=costs.matmul_inputs,
-    )  # fmt: skip
+    )
 
 
 class _Replay:
@@ -913,9 +963,15 @@ class _Replay:
     live in the reduce-scatter stream's pool, see "Reserved"), and where."""
 
     def __init__(
-        self, job: Job, *, params: _RankParams, state: _ShardedState, gathered: dict[str, float],
-        acts: _Activations, transients: _Transients,
-    ) -> None:  # fmt: skip
+        self,
+        job: Job,
+        *,
+        params: _RankParams,
+        state: _ShardedState,
+        gathered: dict[str, float],
+        acts: _Activations,
+        transients: _Transients,
+    ) -> None:
         self.params, self.state, self.gathered, self.acts, self.transients = params, state, gathered, acts, transients
         self.pipelined = job.pp > 1
         self.param_bytes, self.reduce_bytes = DTYPE_BYTES[job.param_dtype], DTYPE_BYTES[job.reduce_dtype]
@@ -1135,8 +1191,10 @@ def fake_step_memory(
     from parallelisms.tp import loss_parallel_context
 
     if not isinstance(model, FSDPModule):
-        raise ValueError("fake_step_memory: the model is not FSDP-wrapped (parallelize_model applies FSDP when dp > 1 "
-                         "or param_dtype is not float32); FSDPMemTracker needs FSDP's hooks")  # fmt: skip
+        raise ValueError(
+            "fake_step_memory: the model is not FSDP-wrapped (parallelize_model applies FSDP when dp > 1 "
+            "or param_dtype is not float32); FSDPMemTracker needs FSDP's hooks"
+        )
     last = model.norm is not None
     meshes = [p.device_mesh for p in model.parameters() if isinstance(p, DTensor)]
     tp = next((m.size(m.mesh_dim_names.index("tp")) for m in meshes if "tp" in (m.mesh_dim_names or ())), 1)
@@ -1225,8 +1283,10 @@ def fake_job_memory(job: Job, *, pp_rank: int = 0, device: str = "cpu") -> dict[
     from parallelisms.pp import stage_module
 
     if job.pp > 1 and len(job.stages) != job.pp:
-        raise ValueError(f"fake_job_memory: {job.pp_schedule} runs {len(job.stages) // job.pp} stages per rank; "
-                         "only single-stage schedules (1F1B, GPipe) are stepped on fake tensors")  # fmt: skip
+        raise ValueError(
+            f"fake_job_memory: {job.pp_schedule} runs {len(job.stages) // job.pp} stages per rank; "
+            "only single-stage schedules (1F1B, GPipe) are stepped on fake tensors"
+        )
     started = not dist.is_initialized()
     if started:
         # Registers torch's "fake" backend (torch.testing, torch 2.13): collectives that return at once.
@@ -1239,10 +1299,13 @@ def fake_job_memory(job: Job, *, pp_rank: int = 0, device: str = "cpu") -> dict[
         )
     try:
         training = Training(
-            seq_len=job.seq_len, local_batch_size=job.local_batch_size, mixed_precision_param=job.param_dtype,
-            mixed_precision_reduce=job.reduce_dtype, enable_cpu_offload=job.cpu_offload,
+            seq_len=job.seq_len,
+            local_batch_size=job.local_batch_size,
+            mixed_precision_param=job.param_dtype,
+            mixed_precision_reduce=job.reduce_dtype,
+            enable_cpu_offload=job.cpu_offload,
             loss_chunk_tokens=job.loss_chunk_tokens,
-        )  # fmt: skip
+        )
         every = checkpoint_every(job.ac)
         ac = ActivationCheckpoint(
             mode="none" if not every else "selective" if job.ac.startswith("selective") else "full",
@@ -1256,17 +1319,27 @@ def fake_job_memory(job: Job, *, pp_rank: int = 0, device: str = "cpu") -> dict[
             stages, g = job.stages, pp_rank
             model = stage_module(model, stages[g], first=g == 0, last=g == len(stages) - 1)
         model = parallelize_model(
-            model, family=job.fam, dims=dims, mesh=mesh, training=training, parallelism=job.parallelism, ac=ac,
+            model,
+            family=job.fam,
+            dims=dims,
+            mesh=mesh,
+            training=training,
+            parallelism=job.parallelism,
+            ac=ac,
             compile=Compile(enable=False),
-        )  # fmt: skip
+        )
         return fake_step_memory(
             model,
             optimizer_factory=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True),
-            batch=job.microbatch_tokens // job.seq_len, seq_len=job.seq_len, loss_fn=Loss(job.loss_chunk_tokens),
-            device=torch.device(device), param_dtype=getattr(torch, job.param_dtype), loss_parallel=job.tp > 1,
+            batch=job.microbatch_tokens // job.seq_len,
+            seq_len=job.seq_len,
+            loss_fn=Loss(job.loss_chunk_tokens),
+            device=torch.device(device),
+            param_dtype=getattr(torch, job.param_dtype),
+            loss_parallel=job.tp > 1,
             microbatches=int(estimate_rank(job, pp_rank, tp_mesh=mesh["tp"])["microbatches_held"]),
             accumulated=job.grad_accum > 1,
-        )  # fmt: skip
+        )
     finally:
         if started:
             dist.destroy_process_group()
@@ -1503,9 +1576,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--local-batch-size", type=int, default=1, help="sequences per data-parallel rank")
     p.add_argument(
-        "--grad-accum", type=int, default=1,
+        "--grad-accum",
+        type=int,
+        default=1,
         help="micro-batches per optimizer step (global batch / (local batch x dp))",
-    )  # fmt: skip
+    )
     p.add_argument("--param-dtype", default="bfloat16", choices=sorted(DTYPE_BYTES))
     p.add_argument("--reduce-dtype", default="float32", choices=sorted(DTYPE_BYTES))
     p.add_argument("--ac", default="selective-op", help=f"one of {', '.join(AC_MODES)} (or selective-<k>)")
@@ -1515,29 +1590,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--keep-logits", action="store_true", help="a loop that holds the logits through backward")
     p.add_argument(
-        "--loss-chunk-tokens", type=int, default=Training().loss_chunk_tokens,
+        "--loss-chunk-tokens",
+        type=int,
+        default=Training().loss_chunk_tokens,
         help="training.loss_chunk_tokens (0: the whole micro-batch's logits at once)",
-    )  # fmt: skip
+    )
     pp = Parallelism()
     p.add_argument("--pp", type=int, default=1, help="pipeline_parallel_degree")
     p.add_argument("--pp-schedule", default=pp.pipeline_parallel_schedule, choices=list(SCHEDULES))
     p.add_argument(
-        "--pp-microbatch-size", type=int, default=pp.pipeline_parallel_microbatch_size,
+        "--pp-microbatch-size",
+        type=int,
+        default=pp.pipeline_parallel_microbatch_size,
         help="sequences per pipeline micro-batch (local batch / this = micro-batches)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--pp-layers-per-stage", type=int, default=pp.pipeline_parallel_layers_per_stage,
+        "--pp-layers-per-stage",
+        type=int,
+        default=pp.pipeline_parallel_layers_per_stage,
         help="blocks per stage (default: 1 stage per rank, 2 for the interleaved schedules)",
-    )  # fmt: skip
+    )
     p.add_argument("--pp-first-stage-less-layers", type=int, default=pp.pipeline_parallel_first_stage_less_layers)
     p.add_argument("--pp-last-stage-less-layers", type=int, default=pp.pipeline_parallel_last_stage_less_layers)
     p.add_argument("--pp-rank", type=int, default=None, help="break down this pp rank (default: the worst)")
     p.add_argument("--allocator", default="cuda", choices=["cuda", "cpu"], help="cpu: no caching allocator")
     p.add_argument("--overhead-gib", type=float, default=2.0, help="CUDA context + NCCL, outside the allocator")
     p.add_argument(
-        "--fake-step", action="store_true",
+        "--fake-step",
+        action="store_true",
         help="also step the job on fake tensors (fake_job_memory) and print torch's count next to the formula's",
-    )  # fmt: skip
+    )
     p.add_argument("--references", action="store_true", help="compare with torchtitan's published peaks and exit")
     return p.parse_args(argv)
 
@@ -1572,27 +1654,47 @@ def main(argv: list[str] | None = None) -> int:
     if args.flavor not in fam.flavors and args.flavor not in fam.flavor_aliases:
         names = ", ".join([*fam.flavors, *fam.flavor_aliases])
         other = [n for n in NAMES if n != args.model and args.flavor in family(n).flavors]
-        print(f"error: --flavor: {args.flavor!r} is no {args.model} flavor (choose from {names})"
-              + (f"; or pass --model {other[0]}" if other else ""), file=sys.stderr)  # fmt: skip
+        print(
+            f"error: --flavor: {args.flavor!r} is no {args.model} flavor (choose from {names})"
+            + (f"; or pass --model {other[0]}" if other else ""),
+            file=sys.stderr,
+        )
         return 2
     group = args.pp * args.tp * args.replicate * args.cp
     if args.ngpu < 1 or args.ngpu % group:
-        print(f"error: --ngpu: {args.ngpu} GPUs do not split into groups of --pp {args.pp} x --replicate "
-              f"{args.replicate} x --cp {args.cp} x --tp {args.tp} = {group}; use a multiple of that",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"error: --ngpu: {args.ngpu} GPUs do not split into groups of --pp {args.pp} x --replicate "
+            f"{args.replicate} x --cp {args.cp} x --tp {args.tp} = {group}; use a multiple of that",
+            file=sys.stderr,
+        )
         return 2
     try:
         job = Job(
-            family=args.model, flavor=args.flavor, ngpu=args.ngpu, tp=args.tp, replicate=args.replicate,
+            family=args.model,
+            flavor=args.flavor,
+            ngpu=args.ngpu,
+            tp=args.tp,
+            replicate=args.replicate,
             seq_len=args.seq_len,
-            local_batch_size=args.local_batch_size, grad_accum=args.grad_accum, param_dtype=args.param_dtype,
-            reduce_dtype=args.reduce_dtype, ac=args.ac, cpu_offload=args.cpu_offload, rmsnorm=args.rmsnorm,
-            logits_kept_in_backward=args.keep_logits, loss_chunk_tokens=args.loss_chunk_tokens,
-            pp=args.pp, pp_schedule=args.pp_schedule, pp_microbatch_size=args.pp_microbatch_size,
-            pp_layers_per_stage=args.pp_layers_per_stage, pp_first_stage_less_layers=args.pp_first_stage_less_layers,
-            pp_last_stage_less_layers=args.pp_last_stage_less_layers, allocator=args.allocator,
-            overhead_gib=args.overhead_gib, cp=args.cp,
-        )  # fmt: skip
+            local_batch_size=args.local_batch_size,
+            grad_accum=args.grad_accum,
+            param_dtype=args.param_dtype,
+            reduce_dtype=args.reduce_dtype,
+            ac=args.ac,
+            cpu_offload=args.cpu_offload,
+            rmsnorm=args.rmsnorm,
+            logits_kept_in_backward=args.keep_logits,
+            loss_chunk_tokens=args.loss_chunk_tokens,
+            pp=args.pp,
+            pp_schedule=args.pp_schedule,
+            pp_microbatch_size=args.pp_microbatch_size,
+            pp_layers_per_stage=args.pp_layers_per_stage,
+            pp_first_stage_less_layers=args.pp_first_stage_less_layers,
+            pp_last_stage_less_layers=args.pp_last_stage_less_layers,
+            allocator=args.allocator,
+            overhead_gib=args.overhead_gib,
+            cp=args.cp,
+        )
         if args.pp_rank is not None and not 0 <= args.pp_rank < job.pp:
             raise ValueError(f"pp-rank: expected 0 to {job.pp - 1}, got {args.pp_rank}")
     except ConfigError as e:

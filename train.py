@@ -146,10 +146,19 @@ def train(run: Run) -> int:
             set_lr(run.optimizer, lr)
             run.checkpoint.wait_for_staging()  # an async save's copy of the weights is complete
             result = train_step(
-                run.model, run.optimizer, run.loader.next_step(), step=step, grad_accum=run.loader.grad_accum,
-                max_norm=t.max_norm, loss_fn=run.loss_fn, loss_parallel=run.loss_parallel, device=run.device,
-                pipeline=run.pipeline, stop_request=run.stop.request, cp=run.cp,
-            )  # fmt: skip
+                run.model,
+                run.optimizer,
+                run.loader.next_step(),
+                step=step,
+                grad_accum=run.loader.grad_accum,
+                max_norm=t.max_norm,
+                loss_fn=run.loss_fn,
+                loss_parallel=run.loss_parallel,
+                device=run.device,
+                pipeline=run.pipeline,
+                stop_request=run.stop.request,
+                cp=run.cp,
+            )
             if result is None:  # a stop request between micro-batches: step `step` is abandoned, not applied
                 run.loader.abandon_step()
                 run.state.step = step - 1
@@ -159,10 +168,11 @@ def train(run: Run) -> int:
                 break
         run.checkpoint.close()
     if is_rank0():
-        trained = run.state.step - run.start_step
+        first, last = run.start_step + 1, run.state.step
+        trained = "no step" if last < first else f"step {first}" if last == first else f"steps {first}..{last}"
         print(
-            f"end: {trained} steps trained ({run.start_step + 1}..{run.state.step}) in {time.perf_counter() - begin:.1f} s"
-            f" | last checkpoint: {run.checkpoint.latest()} | metrics: {Path(run.cfg.job.dump_folder) / 'metrics.jsonl'}",
+            f"end: trained {trained} in {time.perf_counter() - begin:.1f} s | last checkpoint: "
+            f"{run.checkpoint.latest()} | metrics: {Path(run.cfg.job.dump_folder) / 'metrics.jsonl'}",
             flush=True,
         )
     return 0
@@ -181,20 +191,24 @@ def build(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
     collective_on_rank0(lambda: prepare_run_folder(cfg), rank=rank)
     if rank == 0 and cfg.job.print_config:
         print(to_toml(cfg), flush=True)
-    tokenizer, loader = build_data(cfg, dp_rank=dims.dp_rank(mesh), dp_degree=dims.dp)
-    if tokenizer.vocab_size > args.vocab_size:
-        raise ConfigError(
-            f"model.tokenizer_path: the tokenizer has {tokenizer.vocab_size} tokens but {model_label(cfg)} "
-            f"embeds only {args.vocab_size}; use a matching tokenizer or flavor"
-        )
+    tokenizer, loader = build_data(cfg, dp_rank=dims.dp_rank(mesh), dp_degree=dims.dp, vocab_size=args.vocab_size)
 
     # Model: meta device -> (pipeline stages) -> parallelize -> allocate -> initialize.
     loss_fn = build_loss_fn(cfg.compile, chunk_tokens=t.loss_chunk_tokens, z_loss_weight=t.z_loss_weight)
     float8 = float8_settings(cfg)
     model, pipeline = build_model(
-        fam, args, dims=dims, mesh=mesh, training=t, parallelism=cfg.parallelism, ac=cfg.activation_checkpoint,
-        compile=cfg.compile, float8=float8, loss_fn=loss_fn, device=device,
-    )  # fmt: skip
+        fam,
+        args,
+        dims=dims,
+        mesh=mesh,
+        training=t,
+        parallelism=cfg.parallelism,
+        ac=cfg.activation_checkpoint,
+        compile=cfg.compile,
+        float8=float8,
+        loss_fn=loss_fn,
+        device=device,
+    )
     if cfg.model.print_after_conversion and rank == 0:
         print(model, flush=True)
     init_model(model, pipeline, device=device)
@@ -211,12 +225,7 @@ def build(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
     if float8 is not None and float8.precompute_float8_dynamic_scale_for_fsdp:
         precompute_scales_after_each_step(optimizer, model)
     state = TrainState(settings=schedule_settings(cfg))
-    checkpoint = CheckpointManager(
-        cfg.checkpoint, dump_folder=cfg.job.dump_folder, model=model, optimizer=optimizer,
-        stateful={"dataloader": loader, "train_state": state, "spike_window": optimizer.window},
-        optional=("spike_window",), process_group=checkpoint_group, family=fam, model_args=model_args(cfg.model),
-        hf_assets_path=cfg.model.hf_assets_path, tokenizer_path=cfg.model.tokenizer_path,
-    )  # fmt: skip
+    checkpoint = build_checkpoint(cfg, model, optimizer, loader, state, process_group=checkpoint_group)
     if (start_step := resume_step(cfg, checkpoint)) is None:
         return None
     if rank == 0:
@@ -231,9 +240,22 @@ def build(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
     loss_parallel = dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
     cp = context_parallel(mesh, cfg.parallelism)
     run = Run(
-        cfg, model, pipeline, optimizer, loader, loss_fn, device, loss_parallel, cp, checkpoint,
-        stop.StopAfterStep(request, checkpoint), state, start_step, after_step=[], resources=contextlib.ExitStack(),
-    )  # fmt: skip
+        cfg,
+        model,
+        pipeline,
+        optimizer,
+        loader,
+        loss_fn,
+        device,
+        loss_parallel,
+        cp,
+        checkpoint,
+        stop=stop.StopAfterStep(request, checkpoint),
+        state=state,
+        start_step=start_step,
+        after_step=[],
+        resources=contextlib.ExitStack(),
+    )
     run.after_step = after_step_work(run, tokenizer, dims=dims, rank=rank, groups=[None, ctrl_group])
     return run
 
@@ -245,31 +267,62 @@ def after_step_work(
     cfg, t = run.cfg, run.cfg.training
     # Rank 0 logs; a logger that cannot start (wandb without credentials) stops every rank.
     new_logger = lambda enabled: MetricsLogger(  # noqa: E731
-        cfg.metrics, dump_folder=cfg.job.dump_folder, total_steps=t.steps, start_step=run.start_step,
-        run_config=cfg.to_dict(), enabled=enabled,
-    )  # fmt: skip
+        cfg.metrics,
+        dump_folder=cfg.job.dump_folder,
+        total_steps=t.steps,
+        start_step=run.start_step,
+        run_config=cfg.to_dict(),
+        enabled=enabled,
+    )
     logger = collective_on_rank0(lambda: new_logger(True), rank=rank) or new_logger(False)
     run.resources.callback(logger.close)
     loader, seq_len = run.loader, t.seq_len
     log = LogStep(
-        logger, freq=cfg.metrics.log_freq, total_steps=t.steps, start_step=run.start_step,
+        logger,
+        freq=cfg.metrics.log_freq,
+        total_steps=t.steps,
+        start_step=run.start_step,
         tokens_per_step=loader.global_batch_size * seq_len,
-        flops_per_token=family(cfg.model.name).num_flops_per_token(run_model_args(cfg), seq_len), device=run.device,
-        pp_degree=dims.pp, z_loss_weight=t.z_loss_weight, lr=lambda: run.optimizer.param_groups[0]["lr"],
+        flops_per_token=family(cfg.model.name).num_flops_per_token(run_model_args(cfg), seq_len),
+        device=run.device,
+        pp_degree=dims.pp,
+        z_loss_weight=t.z_loss_weight,
+        lr=lambda: run.optimizer.param_groups[0]["lr"],
         tokens_per_source=(
-            (lambda: {name: n * seq_len for name, n in zip(loader.corpus.names, loader.samples_per_source(), strict=True)})
-            if cfg.data.mixture else None
+            (
+                lambda: {
+                    name: n * seq_len for name, n in zip(loader.corpus.names, loader.samples_per_source(), strict=True)
+                }
+            )
+            if cfg.data.mixture
+            else None
         ),
-    )  # fmt: skip
+    )
     work: list[AfterStep] = [StopOnNonfinite(run.optimizer, run.checkpoint), CollectiveTimeout(cfg.comm, groups), log]
     if cfg.validation.enable:
         validator = Validator(
-            cfg.validation, data=cfg.data, tokenizer=tokenizer, tokenizer_path=cfg.model.tokenizer_path,
-            dp_rank=loader.dp_rank, dp_degree=dims.dp, device=run.device, loss_fn=run.loss_fn.cross_entropy_only(),
-            loss_parallel=run.loss_parallel, cp=run.cp,
-        )  # fmt: skip
-        work.append(ValidateStep(validator, model=run.model, pipeline=run.pipeline, freq=cfg.validation.freq,
-                                 total_steps=t.steps, logger=logger, throughput=log))  # fmt: skip
+            cfg.validation,
+            data=cfg.data,
+            tokenizer=tokenizer,
+            tokenizer_path=cfg.model.tokenizer_path,
+            dp_rank=loader.dp_rank,
+            dp_degree=dims.dp,
+            device=run.device,
+            loss_fn=run.loss_fn.cross_entropy_only(),
+            loss_parallel=run.loss_parallel,
+            cp=run.cp,
+        )
+        work.append(
+            ValidateStep(
+                validator,
+                model=run.model,
+                pipeline=run.pipeline,
+                freq=cfg.validation.freq,
+                total_steps=t.steps,
+                logger=logger,
+                throughput=log,
+            )
+        )
     profiler = run.resources.enter_context(
         profile_loop(cfg.profiling, dump_folder=cfg.job.dump_folder, rank=rank, start_step=run.start_step)
     )
@@ -288,23 +341,60 @@ def prepare_run_folder(cfg: JobConfig) -> None:
         writable_folder(saved.parent, key="job.save_config_file").joinpath(saved.name).write_text(to_toml(cfg))
 
 
-def build_data(cfg: JobConfig, *, dp_rank: int, dp_degree: int) -> tuple[Any, GlobalBatchLoader]:
+def build_data(cfg: JobConfig, *, dp_rank: int, dp_degree: int, vocab_size: int) -> tuple[Any, GlobalBatchLoader]:
     """The tokenizer, and the loader of this rank's share of every global batch. A prepared folder is
     memory-mapped; raw files are tokenized into a cache first, the ranks sharing the work; a mixture
     reads several prepared folders, each in the share of its weight."""
     t = cfg.training
     tokenizer = build_tokenizer(cfg.model.tokenizer_path)
+    if tokenizer.vocab_size > vocab_size:
+        raise ConfigError(
+            f"model.tokenizer_path: the tokenizer has {tokenizer.vocab_size} tokens but {model_label(cfg)} "
+            f"embeds only {vocab_size}; use a matching tokenizer or flavor"
+        )
     corpus = (
         open_mixture(cfg.data.mixture, cfg.data.mixture_weights, tokenizer)
         if cfg.data.mixture
         else open_corpus(cfg.data, tokenizer, cfg.model.tokenizer_path)
     )
     loader = GlobalBatchLoader(
-        corpus, window=t.seq_len + 1, local_batch_size=t.local_batch_size,
-        global_batch_size=global_batch_size(t, dp=dp_degree), dp_rank=dp_rank, dp_degree=dp_degree,
-        shuffle=cfg.data.shuffle, seed=cfg.debug.seed, strict_resume=not cfg.data.ignore_resume_mismatch,
-    )  # fmt: skip
+        corpus,
+        window=t.seq_len + 1,
+        local_batch_size=t.local_batch_size,
+        global_batch_size=global_batch_size(t, dp=dp_degree),
+        dp_rank=dp_rank,
+        dp_degree=dp_degree,
+        shuffle=cfg.data.shuffle,
+        seed=cfg.debug.seed,
+        strict_resume=not cfg.data.ignore_resume_mismatch,
+    )
     return tokenizer, loader
+
+
+def build_checkpoint(
+    cfg: JobConfig,
+    model: torch.nn.Module,
+    optimizer: SkipStepAdamW,
+    loader: GlobalBatchLoader,
+    state: TrainState,
+    *,
+    process_group: dist.ProcessGroup,
+) -> CheckpointManager:
+    """What a checkpoint holds: weights and optimizer, the data position, the step, RNG and settings, and
+    the spike window (which checkpoints of earlier versions lack)."""
+    return CheckpointManager(
+        cfg.checkpoint,
+        dump_folder=cfg.job.dump_folder,
+        model=model,
+        optimizer=optimizer,
+        stateful={"dataloader": loader, "train_state": state, "spike_window": optimizer.window},
+        optional=("spike_window",),
+        process_group=process_group,
+        family=family(cfg.model.name),
+        model_args=model_args(cfg.model),
+        hf_assets_path=cfg.model.hf_assets_path,
+        tokenizer_path=cfg.model.tokenizer_path,
+    )
 
 
 def resume_step(cfg: JobConfig, checkpoint: CheckpointManager) -> int | None:
@@ -572,9 +662,12 @@ def config_summary(cfg: JobConfig) -> str:
     # Without WORLD_SIZE: the smallest world the degrees fit (data-parallel degree 1), said as such.
     assumed = world == 0
     world = world or (
-        par.pipeline_parallel_degree * par.data_parallel_replicate_degree * max(par.data_parallel_shard_degree, 1)
-        * par.context_parallel_degree * par.tensor_parallel_degree
-    )  # fmt: skip
+        par.pipeline_parallel_degree
+        * par.data_parallel_replicate_degree
+        * max(par.data_parallel_shard_degree, 1)
+        * par.context_parallel_degree
+        * par.tensor_parallel_degree
+    )
     dims = ParallelDims.from_config(par, world_size=world)
     global_batch = global_batch_size(t, dp=dims.dp)
     which = (

@@ -56,9 +56,13 @@ class Validator:
         corpus = open_corpus(held_out, tokenizer, tokenizer_path, key="validation.dataset_path")
         global_batch = cfg.local_batch_size * dp_degree
         self.loader = GlobalBatchLoader(
-            corpus, window=cfg.seq_len + 1, local_batch_size=cfg.local_batch_size, global_batch_size=global_batch,
-            dp_rank=dp_rank, dp_degree=dp_degree,
-        )  # fmt: skip
+            corpus,
+            window=cfg.seq_len + 1,
+            local_batch_size=cfg.local_batch_size,
+            global_batch_size=global_batch,
+            dp_rank=dp_rank,
+            dp_degree=dp_degree,
+        )
         windows = self.loader.num_windows
         self.sequences = windows if cfg.steps == -1 else min(cfg.steps * global_batch, windows)
         self.steps = -(-self.sequences // global_batch)
@@ -117,9 +121,16 @@ class ValidateStep:
     left out of the training throughput."""
 
     def __init__(
-        self, validator: Validator, *, model: torch.nn.Module, pipeline: Pipeline | None, freq: int, total_steps: int,
-        logger: Any, throughput: Any,
-    ):  # fmt: skip
+        self,
+        validator: Validator,
+        *,
+        model: torch.nn.Module,
+        pipeline: Pipeline | None,
+        freq: int,
+        total_steps: int,
+        logger: Any,
+        throughput: Any,
+    ):
         self.validator, self.model, self.pipeline = validator, model, pipeline
         self.freq, self.total_steps, self.logger, self.throughput = freq, total_steps, logger, throughput
 

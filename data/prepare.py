@@ -232,9 +232,15 @@ def write_manifest(output: Path, *, chunks: int) -> dict[str, Any]:
 
 
 def prepare(
-    source: Source, tokenizer_path: str, output: Path, *, workers: int, chunk_bytes: int = CHUNK_BYTES,
-    task: tuple[int, int] = (0, 1), progress: Callable[[str], None] | None = None,
-) -> dict[str, Any] | None:  # fmt: skip
+    source: Source,
+    tokenizer_path: str,
+    output: Path,
+    *,
+    workers: int,
+    chunk_bytes: int = CHUNK_BYTES,
+    task: tuple[int, int] = (0, 1),
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any] | None:
     """Tokenize `source` into `output` (resuming an interrupted run) and write its manifest.
 
     task: (K, N), task K of N tokenizes its share of the chunks (K, K + N, ...) and records that it is

@@ -66,9 +66,14 @@ def _suffix(path: Path) -> str:
 
 
 def find_source(
-    path: str, *, fmt: str = "auto", text_column: str = "text", name: str | None = None, split: str = "train",
+    path: str,
+    *,
+    fmt: str = "auto",
+    text_column: str = "text",
+    name: str | None = None,
+    split: str = "train",
     key: str = "data.path",
-) -> Source:  # fmt: skip
+) -> Source:
     """The files of `path` and how to read them; a hub dataset when fmt is "hub" (or a local path does not exist)."""
     if fmt == "hub":
         return Source(path, "hub", text_column=text_column, name=name, split=split, key=key)

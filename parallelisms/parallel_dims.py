@@ -49,9 +49,13 @@ class ParallelDims:
     def from_config(cls, cfg: Parallelism, *, world_size: int) -> ParallelDims:
         """The layout of a [parallelism] section on world_size ranks (resolve)."""
         return cls.resolve(
-            world_size=world_size, pp=cfg.pipeline_parallel_degree, dp_replicate=cfg.data_parallel_replicate_degree,
-            dp_shard=cfg.data_parallel_shard_degree, cp=cfg.context_parallel_degree, tp=cfg.tensor_parallel_degree,
-        )  # fmt: skip
+            world_size=world_size,
+            pp=cfg.pipeline_parallel_degree,
+            dp_replicate=cfg.data_parallel_replicate_degree,
+            dp_shard=cfg.data_parallel_shard_degree,
+            cp=cfg.context_parallel_degree,
+            tp=cfg.tensor_parallel_degree,
+        )
 
     @classmethod
     def resolve(cls, *, world_size: int, pp: int, dp_replicate: int, dp_shard: int, cp: int, tp: int) -> ParallelDims:
@@ -164,10 +168,14 @@ def layout_problems(
     if pp > 1:
         rules.append(
             lambda: split_layers(
-                args, pp=pp, schedule=pp_schedule, layers_per_stage=pp_layers_per_stage,
-                first_less=pp_first_stage_less_layers, last_less=pp_last_stage_less_layers,
+                args,
+                pp=pp,
+                schedule=pp_schedule,
+                layers_per_stage=pp_layers_per_stage,
+                first_less=pp_first_stage_less_layers,
+                last_less=pp_last_stage_less_layers,
             )
-        )  # fmt: skip
+        )
         rules.append(
             lambda: check_microbatches(
                 pp=pp, schedule=pp_schedule, microbatch_size=pp_microbatch_size, local_batch_size=local_batch_size

@@ -78,10 +78,13 @@ def parallelize_model(
         apply_float8(model, float8, device=device or torch.device("cpu"), fsdp_sharded=dims.dp_shard > 1)
     if dims.tp_enabled:
         apply_tp(
-            model, mesh["tp"], block_plan=family.tp_plan, loss_parallel=not parallelism.disable_loss_parallel,
+            model,
+            mesh["tp"],
+            block_plan=family.tp_plan,
+            loss_parallel=not parallelism.disable_loss_parallel,
             seq_len=training.seq_len,
             adapt_block_plan=adapt_tp_plan if float8 is not None and float8_tp_plan(float8, mesh["tp"]) else None,
-        )  # fmt: skip
+        )
     if parallelism.enable_async_tensor_parallel:
         apply_async_tp(mesh["tp"], compile_enabled=compile.enable and "model" in compile.components, planning=planning)
     if (cp := context_parallel(mesh, parallelism)) is not None:
@@ -137,15 +140,30 @@ def build_model(
     with torch.device("meta"):
         model = family.model_cls(args)
     parallelize = functools.partial(
-        parallelize_model, family=family, dims=dims, mesh=mesh, training=training, parallelism=parallelism, ac=ac,
-        compile=compile, float8=float8, device=device, planning=planning,
-    )  # fmt: skip
+        parallelize_model,
+        family=family,
+        dims=dims,
+        mesh=mesh,
+        training=training,
+        parallelism=parallelism,
+        ac=ac,
+        compile=compile,
+        float8=float8,
+        device=device,
+        planning=planning,
+    )
     if not dims.pp_enabled:
         return parallelize(model), None
     pipeline = pipeline_model(
-        model, mesh=mesh, cfg=parallelism, local_batch_size=training.local_batch_size, loss_fn=loss_fn,
-        score_fn=loss_fn.cross_entropy_only(), parallelize=parallelize, device=device,
-    )  # fmt: skip
+        model,
+        mesh=mesh,
+        cfg=parallelism,
+        local_batch_size=training.local_batch_size,
+        loss_fn=loss_fn,
+        score_fn=loss_fn.cross_entropy_only(),
+        parallelize=parallelize,
+        device=device,
+    )
     return pipeline.module, pipeline
 
 

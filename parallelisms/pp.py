@@ -58,11 +58,13 @@ IN_ROUNDS = (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)
 def stage_layers(args: Any, cfg: Parallelism) -> list[list[int]]:
     """The blocks of each stage of a [parallelism] section's pipeline (split_layers)."""
     return split_layers(
-        args, pp=cfg.pipeline_parallel_degree, schedule=cfg.pipeline_parallel_schedule,
+        args,
+        pp=cfg.pipeline_parallel_degree,
+        schedule=cfg.pipeline_parallel_schedule,
         layers_per_stage=cfg.pipeline_parallel_layers_per_stage,
         first_less=cfg.pipeline_parallel_first_stage_less_layers,
         last_less=cfg.pipeline_parallel_last_stage_less_layers,
-    )  # fmt: skip
+    )
 
 
 def split_layers(
@@ -212,8 +214,13 @@ class Pipeline:
         valid = torch.arange(len(labels), device=labels.device) < rows  # split into micro-batches with the labels
         kwargs = {"labels": labels, "valid": valid} | ({"segments": segments} if segments is not None else {})
         losses: list[torch.Tensor] = []
-        self.schedule.eval(*((inputs,) if self.has_first else ()), target=labels if self.has_last else None,
-                           losses=losses, return_outputs=False, **kwargs)  # fmt: skip
+        self.schedule.eval(
+            *((inputs,) if self.has_first else ()),
+            target=labels if self.has_last else None,
+            losses=losses,
+            return_outputs=False,
+            **kwargs,
+        )
         if not self.has_last:
             return torch.zeros((), device=labels.device), torch.zeros((), device=labels.device)
         # Each micro-batch's loss is the mean over its valid rows (0 when it has none): weigh it by their number.
@@ -241,9 +248,11 @@ def pipeline_model(
     pp = mesh["pp"].size()
     layers = stage_layers(model.args, cfg)
     n_microbatches = check_microbatches(
-        pp=pp, schedule=cfg.pipeline_parallel_schedule, microbatch_size=cfg.pipeline_parallel_microbatch_size,
+        pp=pp,
+        schedule=cfg.pipeline_parallel_schedule,
+        microbatch_size=cfg.pipeline_parallel_microbatch_size,
         local_batch_size=local_batch_size,
-    )  # fmt: skip
+    )
     pp_group = mesh["pp"].get_group()
     stages, parts = [], []
     for index in rank_stages(mesh["pp"].get_local_rank(), pp=pp, stages=len(layers)):

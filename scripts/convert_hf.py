@@ -62,9 +62,11 @@ def main(argv: list[str]) -> int:
     to_dcp.add_argument("hf_folder", type=Path, help="Hugging Face folder (config.json + *.safetensors)")
     to_dcp.add_argument("out", type=Path, help="checkpoint folder to create")
     to_dcp.add_argument(
-        "--dtype", choices=DTYPES, default="keep",
+        "--dtype",
+        choices=DTYPES,
+        default="keep",
         help="dtype to store (default keep: bf16 stays bf16; train.py upcasts into its fp32 parameters exactly)",
-    )  # fmt: skip
+    )
     to_hf = sub.add_parser("to-hf", help="DCP checkpoint -> HF folder")
     to_hf.add_argument("checkpoint", type=Path, help="a step-<N> checkpoint folder (contains .metadata)")
     to_hf.add_argument("out", type=Path, help="HF folder to write (new or empty)")
@@ -101,9 +103,14 @@ def main(argv: list[str]) -> int:
     if tokenizer_path is not None and not tokenizer_path.is_dir():
         raise ConfigError(f"--tokenizer-path: {tokenizer_path} is not a folder; point it at a tokenizer folder")
     copied = export_hf_folder(
-        opts.checkpoint, opts.out, family=fam, args=args, dtype=DTYPES[opts.dtype],
-        max_shard_bytes=int(opts.max_shard_gb * 2**30), side_files_from=opts.hf_assets_path,
-    )  # fmt: skip
+        opts.checkpoint,
+        opts.out,
+        family=fam,
+        args=args,
+        dtype=DTYPES[opts.dtype],
+        max_shard_bytes=int(opts.max_shard_gb * 2**30),
+        side_files_from=opts.hf_assets_path,
+    )
     if opts.tokenizer_path is not None:  # another folder's tokenizer files
         copied = [name for name in HF_SIDE_FILES if (opts.tokenizer_path / name).is_file()]
         for name in copied:

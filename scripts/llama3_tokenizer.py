@@ -81,8 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         for problem in e.problems:
             print(f"error: {problem}", file=sys.stderr)
         return 2
-    print(f"wrote {folder}: tokenizer.json ({len(json.loads((folder / 'tokenizer.json').read_text())['model']['vocab']):,} "
-          "BPE tokens + 256 special), tokenizer_config.json, special_tokens_map.json")  # fmt: skip
+    print(
+        f"wrote {folder}: tokenizer.json ({len(json.loads((folder / 'tokenizer.json').read_text())['model']['vocab']):,} "
+        "BPE tokens + 256 special), tokenizer_config.json, special_tokens_map.json"
+    )
     return 0
 
 

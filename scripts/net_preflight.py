@@ -197,11 +197,17 @@ def main(argv: list[str] | None = None) -> int:
     for phase in groups:
         for name, ranks, _ in phase:
             seconds = {s: max(everyone[r][name, s] for r in ranks) for s in sizes}  # the slowest member
-            rows.append({
-                "group": name, "ranks": format_ranks(ranks), "n": len(ranks),
-                "busbw": {label: busbw_gbps(s, len(ranks), seconds[s]) for label, s in zip(labels, sizes, strict=True)},
-                "seconds": {label: seconds[s] for label, s in zip(labels, sizes, strict=True)},
-            })  # fmt: skip
+            rows.append(
+                {
+                    "group": name,
+                    "ranks": format_ranks(ranks),
+                    "n": len(ranks),
+                    "busbw": {
+                        label: busbw_gbps(s, len(ranks), seconds[s]) for label, s in zip(labels, sizes, strict=True)
+                    },
+                    "seconds": {label: seconds[s] for label, s in zip(labels, sizes, strict=True)},
+                }
+            )
     nodes = world_size // ranks_per_node
     backend = "nccl" if cuda else "gloo"
     header = (

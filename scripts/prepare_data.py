@@ -70,15 +70,24 @@ def main(argv: list[str] | None = None) -> int:
             if getattr(args, key) is None:
                 raise ConfigError(f"--{key}: required (only --finish goes without it)")
         source = find_source(
-            args.source, fmt=args.format, text_column=args.text_column, name=args.name, split=args.split,
+            args.source,
+            fmt=args.format,
+            text_column=args.text_column,
+            name=args.name,
+            split=args.split,
             key="--source",
-        )  # fmt: skip
+        )
         build_tokenizer(args.tokenizer, key="--tokenizer")  # its problems in this script's words
         begin = time.perf_counter()
         manifest = prepare(
-            source, args.tokenizer, args.output, workers=args.workers, chunk_bytes=int(args.chunk_mb * 2**20),
-            task=(args.task, args.tasks), progress=lambda line: print(line, flush=True),
-        )  # fmt: skip
+            source,
+            args.tokenizer,
+            args.output,
+            workers=args.workers,
+            chunk_bytes=int(args.chunk_mb * 2**20),
+            task=(args.task, args.tasks),
+            progress=lambda line: print(line, flush=True),
+        )
     except ConfigError as e:
         for problem in e.problems:
             print(f"error: {problem}", file=sys.stderr)
