@@ -138,9 +138,7 @@ def measure(
 
     def step() -> None:
         microbatches = [(tokens[:, :-1], tokens[:, 1:])]
-        train_step(
-            model, optimizer, microbatches, grad_accum=1, max_norm=1.0, loss_parallel=False, device=device
-        )  # fmt: skip
+        train_step(model, optimizer, microbatches, grad_accum=1, max_norm=1.0, loss_parallel=False, device=device)
 
     step()  # warm-up: lazy init, optimizer state
     log = CollectiveLog(group_dims)
@@ -153,7 +151,11 @@ def measure(
     everyone: list[list[Collective]] = [[] for _ in range(world_size)]
     dist.all_gather_object(everyone, log.records)
     return summarize(
-        layout, everyone, dims=dims, ranks_per_node=ranks_per_node, seconds=seconds,
+        layout,
+        everyone,
+        dims=dims,
+        ranks_per_node=ranks_per_node,
+        seconds=seconds,
         meta={
             "param_dtype": str(param_dtype).removeprefix("torch."),
             "reduce_dtype": str(reduce_dtype).removeprefix("torch."),
@@ -161,7 +163,7 @@ def measure(
             "unit_params": unit_params(model_args),
             "model_args": dataclasses.asdict(model_args),
         },
-    )  # fmt: skip
+    )
 
 
 def summarize(
@@ -194,9 +196,17 @@ def summarize(
             links = c.crossing_links(ranks_per_node)
             row = groups.setdefault(
                 (c.op, c.dim, c.ranks),
-                {"op": c.op, "dim": c.dim, "ranks": list(c.ranks), "spans_nodes": links > 0,
-                 "calls": 0, "payload_bytes": 0, "sent_bytes_per_rank": 0, "cross_node_bytes": 0},
-            )  # fmt: skip
+                {
+                    "op": c.op,
+                    "dim": c.dim,
+                    "ranks": list(c.ranks),
+                    "spans_nodes": links > 0,
+                    "calls": 0,
+                    "payload_bytes": 0,
+                    "sent_bytes_per_rank": 0,
+                    "cross_node_bytes": 0,
+                },
+            )
             row["calls"] += 1
             row["payload_bytes"] += c.payload_bytes
             row["sent_bytes_per_rank"] += c.sent_per_rank
@@ -295,9 +305,7 @@ def measure_args(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return harness.main(
-        "comm_volume", argv, doc=__doc__, add_args=add_args, measure=measure_args, table=table, world=4
-    )  # fmt: skip
+    return harness.main("comm_volume", argv, doc=__doc__, add_args=add_args, measure=measure_args, table=table, world=4)
 
 
 if __name__ == "__main__":

@@ -267,9 +267,13 @@ def rows(results: dict[str, Any]) -> list[Row]:
     """Graphs the async-TP recipe is served from plain TP's compile: shared folder vs keyed folders."""
     hits, seconds = results["cross_recipe_hits"], results["compile_s"]
     graphs = functools.partial(
-        Row, problem=PROBLEM, metric="graphs served from the other recipe's compile", unit="graphs",
-        broken="shared dir, pre-2.8 key", broken_value=hits["shared_dir_pre28_key"],
-    )  # fmt: skip
+        Row,
+        problem=PROBLEM,
+        metric="graphs served from the other recipe's compile",
+        unit="graphs",
+        broken="shared dir, pre-2.8 key",
+        broken_value=hits["shared_dir_pre28_key"],
+    )
     return [
         graphs(fixed="dir keyed on recipe", fixed_value=hits["keyed_dirs"]),
         graphs(fixed="shared dir, 2.8+ key", fixed_value=hits["shared_dir_2.13_key"]),
@@ -322,9 +326,13 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result), flush=True)
         return 0
     return harness.main(
-        "compile_cache", argv, doc=__doc__, add_args=add_args,
-        measure=lambda args: measure(cache_root=args.cache_root), table=table,
-    )  # fmt: skip
+        "compile_cache",
+        argv,
+        doc=__doc__,
+        add_args=add_args,
+        measure=lambda args: measure(cache_root=args.cache_root),
+        table=table,
+    )
 
 
 if __name__ == "__main__":

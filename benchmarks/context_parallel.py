@@ -58,9 +58,17 @@ def model_args(n_layers: int, seq_len: int) -> Any:
 def predicted(cp: int, *, seq_len: int, n_layers: int) -> dict[str, int]:
     """estimate_memory's activation bytes and K/V all-gather bytes for the job one launch runs."""
     job = Job(
-        flavor="debugmodel", model=model_args(n_layers, seq_len), ngpu=cp, cp=cp, seq_len=seq_len, local_batch_size=1,
-        param_dtype="float32", ac="none", rmsnorm="composite", allocator="cpu",
-    )  # fmt: skip
+        flavor="debugmodel",
+        model=model_args(n_layers, seq_len),
+        ngpu=cp,
+        cp=cp,
+        seq_len=seq_len,
+        local_batch_size=1,
+        param_dtype="float32",
+        ac="none",
+        rmsnorm="composite",
+        allocator="cpu",
+    )
     return {
         "activation_bytes": activation_bytes(job)["total"],
         "kv_gathered_bytes": n_layers * cp_kv_bytes(job)["gathered"] if cp > 1 else 0,
@@ -78,9 +86,18 @@ def measure_rank(args: argparse.Namespace) -> dict[str, Any]:
         training = Training(seq_len=args.seq_len, local_batch_size=1, mixed_precision_param="float32")
         loss_fn = build_loss_fn(Compile())
         model, _ = build_model(
-            family("llama3"), shape, dims=dims, mesh=mesh, training=training, parallelism=parallelism,
-            ac=ActivationCheckpoint(mode="none"), compile=Compile(), float8=None, loss_fn=loss_fn, device=device,
-        )  # fmt: skip
+            family("llama3"),
+            shape,
+            dims=dims,
+            mesh=mesh,
+            training=training,
+            parallelism=parallelism,
+            ac=ActivationCheckpoint(mode="none"),
+            compile=Compile(),
+            float8=None,
+            loss_fn=loss_fn,
+            device=device,
+        )
         init_model(model, None, device=device)
         tokens = torch.randint(0, shape.vocab_size, (1, args.seq_len + 1), generator=torch.Generator().manual_seed(0))
         inputs, labels = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
@@ -116,9 +133,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         for cp in args.cps:
             out = Path(tmp) / f"cp{cp}.json"
             proc = harness.run_python(
-                "-m", "benchmarks.context_parallel", "--out", str(out), "--seq-len", str(args.seq_len),
-                "--n-layers", str(args.n_layers), nproc=cp,
-            )  # fmt: skip
+                "-m",
+                "benchmarks.context_parallel",
+                "--out",
+                str(out),
+                "--seq-len",
+                str(args.seq_len),
+                "--n-layers",
+                str(args.n_layers),
+                nproc=cp,
+            )
             if proc.returncode != 0:
                 raise SystemExit(f"benchmarks.context_parallel (cp {cp}) exited with status {proc.returncode}")
             runs[str(cp)] = json.loads(out.read_text())["results"]

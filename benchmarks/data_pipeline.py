@@ -70,9 +70,15 @@ def preparation(folder: Path, *, mb: int) -> dict[str, Any]:
 def loader_step(folder: Path, *, seq_len: int, global_batch: int, steps: int = 20) -> dict[str, Any]:
     corpus = TokenCorpus(folder)
     loader = GlobalBatchLoader(
-        corpus, window=seq_len + 1, local_batch_size=global_batch // 8, global_batch_size=global_batch,
-        dp_rank=0, dp_degree=8, shuffle=True, seed=0,
-    )  # fmt: skip
+        corpus,
+        window=seq_len + 1,
+        local_batch_size=global_batch // 8,
+        global_batch_size=global_batch,
+        dp_rank=0,
+        dp_degree=8,
+        shuffle=True,
+        seed=0,
+    )
     times = []
     for _ in range(steps):
         begin = time.perf_counter()
@@ -84,8 +90,9 @@ def loader_step(folder: Path, *, seq_len: int, global_batch: int, steps: int = 2
 def attention(folder: Path, *, seq_len: int, steps: int = 5) -> dict[str, Any]:
     """Forward + backward of the debug model on real windows, causal vs block_causal, interleaved."""
     corpus = TokenCorpus(folder)
-    loader = GlobalBatchLoader(corpus, window=seq_len + 1, local_batch_size=2, global_batch_size=2, dp_rank=0,
-                               dp_degree=1)  # fmt: skip
+    loader = GlobalBatchLoader(
+        corpus, window=seq_len + 1, local_batch_size=2, global_batch_size=2, dp_rank=0, dp_degree=1
+    )
     batch = next(loader.next_step())
     models = {}
     for kind in ("causal", "block_causal"):
@@ -139,16 +146,18 @@ def rows(results: dict[str, Any]) -> list[Row]:
 def table(results: dict[str, Any]) -> str:
     prep, loader, attn = results["preparation"], results["loader"], results["attention"]
     r1, r2 = prep["runs"]["1"], prep["runs"]["2"]
-    return "\n".join([
-        f"preparation of {prep['input_mb']:.1f} MB ({prep['tokens']:,} tokens, {prep['shards']} shards): "
-        f"1 worker {r1['seconds']:.1f} s ({r1['mb_per_s']:.2f} MB/s), 2 workers {r2['seconds']:.1f} s "
-        f"({r2['mb_per_s']:.2f} MB/s), speedup {prep['speedup']:.2f}x, same token files: {prep['identical']}",
-        f"on disk: {prep['bytes_per_token']:.3f} bytes per token (raw text: {prep['input_bytes_per_token']:.2f})",
-        f"loader: {loader['ms']:.2f} ms per step (seq {loader['seq_len']}, global batch {loader['global_batch']} "
-        f"on {loader['ranks']} ranks, shuffled, one rank's share)",
-        f"attention, debug model fwd+bwd at seq {attn['seq_len']} ({attn['documents_per_window']:.1f} documents per "
-        f"window): causal {attn['ms']['causal']:.0f} ms, block_causal {attn['ms']['block_causal']:.0f} ms",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            f"preparation of {prep['input_mb']:.1f} MB ({prep['tokens']:,} tokens, {prep['shards']} shards): "
+            f"1 worker {r1['seconds']:.1f} s ({r1['mb_per_s']:.2f} MB/s), 2 workers {r2['seconds']:.1f} s "
+            f"({r2['mb_per_s']:.2f} MB/s), speedup {prep['speedup']:.2f}x, same token files: {prep['identical']}",
+            f"on disk: {prep['bytes_per_token']:.3f} bytes per token (raw text: {prep['input_bytes_per_token']:.2f})",
+            f"loader: {loader['ms']:.2f} ms per step (seq {loader['seq_len']}, global batch {loader['global_batch']} "
+            f"on {loader['ranks']} ranks, shuffled, one rank's share)",
+            f"attention, debug model fwd+bwd at seq {attn['seq_len']} ({attn['documents_per_window']:.1f} documents per "
+            f"window): causal {attn['ms']['causal']:.0f} ms, block_causal {attn['ms']['block_causal']:.0f} ms",
+        ]
+    )
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

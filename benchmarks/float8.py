@@ -79,9 +79,17 @@ def measure(setup: str, *, args: argparse.Namespace, device: torch.device) -> di
         model = Transformer(model_args)
     training = Training(seq_len=args.seq_len, mixed_precision_param="bfloat16")
     parallelize_model(
-        model, family=LLAMA3, dims=dims, mesh=mesh, training=training, parallelism=parallelism, ac=ActivationCheckpoint(),
-        compile=Compile(), float8=float8, device=device,
-    )  # fmt: skip
+        model,
+        family=LLAMA3,
+        dims=dims,
+        mesh=mesh,
+        training=training,
+        parallelism=parallelism,
+        ac=ActivationCheckpoint(),
+        compile=Compile(),
+        float8=float8,
+        device=device,
+    )
     model.to_empty(device=device)
     model.init_weights()
     optimizer = build_optimizer(Optimizer(lr=1e-4), model)
@@ -133,9 +141,16 @@ def rows(results: dict[str, Any]) -> list[Row]:
     ]  # fmt: skip
     if not s["float8"]["emulate"]:
         out.append(
-            Row(problem=PROBLEM, metric="step time", unit="ms", broken="bf16", broken_value=1e3 * s["bf16"]["step_seconds"],
-                fixed="float8 + float8 all-gather", fixed_value=1e3 * s["float8_all_gather"]["step_seconds"])
-        )  # fmt: skip
+            Row(
+                problem=PROBLEM,
+                metric="step time",
+                unit="ms",
+                broken="bf16",
+                broken_value=1e3 * s["bf16"]["step_seconds"],
+                fixed="float8 + float8 all-gather",
+                fixed_value=1e3 * s["float8_all_gather"]["step_seconds"],
+            )
+        )
     return out
 
 

@@ -55,9 +55,18 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
         def build(compile_: bool, ac: ActivationCheckpoint) -> torch.nn.Module:
             model, _ = build_model(
-                family("llama3"), model_args, dims=dims, mesh=mesh, training=training, parallelism=parallelism, ac=ac,
-                compile=Compile(enable=compile_), float8=None, loss_fn=build_loss_fn(Compile()), device=device,
-            )  # fmt: skip
+                family("llama3"),
+                model_args,
+                dims=dims,
+                mesh=mesh,
+                training=training,
+                parallelism=parallelism,
+                ac=ac,
+                compile=Compile(enable=compile_),
+                float8=None,
+                loss_fn=build_loss_fn(Compile()),
+                device=device,
+            )
             init_model(model, None, device=device)
             return model
 

@@ -41,8 +41,16 @@ class HFShape:
 
 
 # What the tests use: the same structure, small enough for many steps in seconds.
-TINY = HFShape(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-               intermediate_size=192, vocab_size=512, seq_len=32, batch_size=2)  # fmt: skip
+TINY = HFShape(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=192,
+    vocab_size=512,
+    seq_len=32,
+    batch_size=2,
+)
 
 
 def add_shape_args(p: argparse.ArgumentParser) -> None:
@@ -61,12 +69,16 @@ def build_hf_llama(
 ) -> LlamaForCausalLM:
     """An fp32 LlamaForCausalLM in training mode with transformers' own init, the same weights for a seed."""
     cfg = LlamaConfig(
-        hidden_size=shape.hidden_size, num_hidden_layers=shape.num_hidden_layers,
-        num_attention_heads=shape.num_attention_heads, num_key_value_heads=shape.num_key_value_heads,
-        intermediate_size=shape.intermediate_size, vocab_size=shape.vocab_size,
-        max_position_embeddings=max(shape.seq_len, 256), use_cache=use_cache,
+        hidden_size=shape.hidden_size,
+        num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        intermediate_size=shape.intermediate_size,
+        vocab_size=shape.vocab_size,
+        max_position_embeddings=max(shape.seq_len, 256),
+        use_cache=use_cache,
         attn_implementation=attn_implementation,
-    )  # fmt: skip
+    )
     torch.manual_seed(seed)
     return LlamaForCausalLM(cfg).float().train()
 

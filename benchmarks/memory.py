@@ -262,9 +262,15 @@ def build(setup: Setup, *, model_args: ModelArgs, mesh: DeviceMesh, device: torc
     with torch.device("meta"):
         model = Transformer(model_args)
     parallelize_model(
-        model, family=LLAMA3, dims=dims, mesh=mesh, training=training, parallelism=Parallelism(),
-        ac=ac_config(setup.ac), compile=Compile(enable=False),
-    )  # fmt: skip
+        model,
+        family=LLAMA3,
+        dims=dims,
+        mesh=mesh,
+        training=training,
+        parallelism=Parallelism(),
+        ac=ac_config(setup.ac),
+        compile=Compile(enable=False),
+    )
     if setup.shard != isinstance(model, FSDPModule):
         raise AssertionError(f"{setup}: expected FSDP to be {'on' if setup.shard else 'off'}")
     model.to_empty(device=device)
@@ -319,10 +325,16 @@ def measure(
     host_state = params + grads + optim if setup.cpu_offload else 0
     predicted = activation_bytes(
         Job(
-            flavor="debugmodel", model=model_args, ngpu=1, local_batch_size=batch, seq_len=seq_len,
-            param_dtype=setup.param_dtype, ac=setup.ac, rmsnorm="fused" if device.type == "cuda" else "composite",
+            flavor="debugmodel",
+            model=model_args,
+            ngpu=1,
+            local_batch_size=batch,
+            seq_len=seq_len,
+            param_dtype=setup.param_dtype,
+            ac=setup.ac,
+            rmsnorm="fused" if device.type == "cuda" else "composite",
         )
-    )  # fmt: skip
+    )
     return {
         "setup": dataclasses.asdict(setup),
         "world_size": mesh.size(),
@@ -454,9 +466,13 @@ def measure_args(args: argparse.Namespace) -> dict[str, Any]:
         mesh = ParallelDims(dp_replicate=1, dp_shard=world, tp=1, world_size=world).build_mesh(device.type)["dp_shard"]
         for name in args.setups:
             mine = measure(
-                SETUPS[name], model_args=model_args, mesh=mesh, batch=args.batch_size, seq_len=args.seq_len,
+                SETUPS[name],
+                model_args=model_args,
+                mesh=mesh,
+                batch=args.batch_size,
+                seq_len=args.seq_len,
                 device=device,
-            )  # fmt: skip
+            )
             everyone: list[dict[str, Any]] = [{} for _ in range(world)]
             dist.all_gather_object(everyone, mine)
             # Rank 0's numbers; the busiest rank's where ranks differ (uneven shards).

@@ -215,10 +215,14 @@ def kv_cache_refusal(shape: HFShape) -> str | None:
 def own_transformer_case(shape: HFShape, tokens: torch.Tensor) -> dict[str, Any]:
     """models.llama3.Transformer, no AC vs apply_ac(full): no cache, so the same gradients."""
     args = ModelArgs(
-        dim=shape.hidden_size, n_layers=shape.num_hidden_layers, n_heads=shape.num_attention_heads,
-        n_kv_heads=shape.num_key_value_heads, vocab_size=shape.vocab_size,
-        ffn_hidden_dim_override=shape.intermediate_size, max_seq_len=shape.seq_len,
-    )  # fmt: skip
+        dim=shape.hidden_size,
+        n_layers=shape.num_hidden_layers,
+        n_heads=shape.num_attention_heads,
+        n_kv_heads=shape.num_key_value_heads,
+        vocab_size=shape.vocab_size,
+        ffn_hidden_dim_override=shape.intermediate_size,
+        max_seq_len=shape.seq_len,
+    )
     torch.manual_seed(0)
     base = Transformer(args)
     base.init_weights()

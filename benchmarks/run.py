@@ -41,7 +41,7 @@ from benchmarks import (
     metadata,
     recompute,
     vs_torchtitan,
-)  # fmt: skip
+)
 from benchmarks.harness import Row
 from config import REPO
 
@@ -58,7 +58,7 @@ BENCHMARKS = {
         float8,
         gpu_costs,
         vs_torchtitan,
-    )  # fmt: skip
+    )
 }
 
 
@@ -93,10 +93,19 @@ def run_train(out: Path, *, cuda: bool) -> dict[str, Any]:
         dump = out / "train" / name
         (dump / "metrics.jsonl").unlink(missing_ok=True)  # metrics.jsonl appends
         proc = harness.run_python(
-            "train.py", "--config", "configs/debug.toml", f"--model.flavor={flavor}", f"--training.seq_len={seq_len}",
-            "--training.steps=20", "--metrics.log_freq=1", "--validation.enable=false", f"--job.dump_folder={dump}",
-            *common, *extra, nproc=nproc,
-        )  # fmt: skip
+            "train.py",
+            "--config",
+            "configs/debug.toml",
+            f"--model.flavor={flavor}",
+            f"--training.seq_len={seq_len}",
+            "--training.steps=20",
+            "--metrics.log_freq=1",
+            "--validation.enable=false",
+            f"--job.dump_folder={dump}",
+            *common,
+            *extra,
+            nproc=nproc,
+        )
         if proc.returncode != 0:
             raise SystemExit(f"train.py ({name}) exited with status {proc.returncode}")
         rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
@@ -119,10 +128,16 @@ def train_rows(results: dict[str, Any]) -> list[Row]:
     ]  # fmt: skip
     if all(run["memory_gib"] for run in runs.values()):
         rows.append(
-            Row(problem="throughput", metric="peak memory", unit="GiB", broken="FSDP",
-                broken_value=runs["fsdp"]["memory_gib"], fixed="+ compile + op SAC",
-                fixed_value=runs["fsdp_compile_sac"]["memory_gib"])
-        )  # fmt: skip
+            Row(
+                problem="throughput",
+                metric="peak memory",
+                unit="GiB",
+                broken="FSDP",
+                broken_value=runs["fsdp"]["memory_gib"],
+                fixed="+ compile + op SAC",
+                fixed_value=runs["fsdp_compile_sac"]["memory_gib"],
+            )
+        )
     return rows
 
 
@@ -200,8 +215,15 @@ def draw_panel(ax: Any, panel: Panel) -> None:
         ax.barh(y, bar.value, height=0.5, color=color)
         if bar.value == 0:  # no bar to see: a tick at the axis shows that it was measured
             ax.plot([0, 0], [y - 0.25, y + 0.25], color=color, linewidth=6, solid_capstyle="butt")
-        ax.annotate(_value_text(bar.value, panel.unit), (bar.value, y), xytext=(6, 0), textcoords="offset points",
-                    va="center", fontsize=13, fontweight="bold")  # fmt: skip
+        ax.annotate(
+            _value_text(bar.value, panel.unit),
+            (bar.value, y),
+            xytext=(6, 0),
+            textcoords="offset points",
+            va="center",
+            fontsize=13,
+            fontweight="bold",
+        )
         ax.text(0, y - 0.3, bar.label, va="bottom", fontsize=12)
     ax.set_ylim(len(panel.bars) - 0.5, -0.95)  # inverted: the first setup on top, with room for its label
     ax.set_xlim(0, top * 1.6)  # room for the value after the longest bar
@@ -249,8 +271,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=REPO / "outputs" / "bench")
     p.add_argument("--only", nargs="+", choices=list(BENCHMARKS), help="run only these benchmarks")
-    p.add_argument("--train-rows", action=argparse.BooleanOptionalAction, default=None,
-                   help="tokens/s rows through train.py (default: on with CUDA)")  # fmt: skip
+    p.add_argument(
+        "--train-rows",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="tokens/s rows through train.py (default: on with CUDA)",
+    )
     p.add_argument("--plot-only", action="store_true", help="measure nothing: table and chart from <out>/bench.json")
     args = p.parse_args(argv)
     bench_json = args.out / "bench.json"

@@ -26,9 +26,19 @@ WORLD, RANKS_PER_NODE = 4, 2
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     out = tmp_path_factory.mktemp("comm") / "comm_volume.json"
     proc = run_python(
-        "-m", "benchmarks.comm_volume", "--out", str(out), "--n-layers", str(N_LAYERS),
-        "--ranks-per-node", str(RANKS_PER_NODE), "--world", str(WORLD), capture=True, timeout=180,
-    )  # fmt: skip
+        "-m",
+        "benchmarks.comm_volume",
+        "--out",
+        str(out),
+        "--n-layers",
+        str(N_LAYERS),
+        "--ranks-per-node",
+        str(RANKS_PER_NODE),
+        "--world",
+        str(WORLD),
+        capture=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "cross-node" in proc.stdout  # the table
     return read_results(out)

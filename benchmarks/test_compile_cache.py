@@ -19,9 +19,15 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("compile_cache")
     out = tmp / "compile_cache.json"
     proc = run_python(
-        "-m", "benchmarks.compile_cache", "--out", str(out), "--cache-root", str(tmp / "caches"), capture=True,
+        "-m",
+        "benchmarks.compile_cache",
+        "--out",
+        str(out),
+        "--cache-root",
+        str(tmp / "caches"),
+        capture=True,
         timeout=400,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "FX graphs the async-TP recipe got from plain TP's compile" in proc.stdout  # the table
     return read_results(out)

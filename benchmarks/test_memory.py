@@ -26,9 +26,15 @@ ARGS = with_seq_len(FLAVORS["debugmodel"], SEQ)
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("memory") / "memory.json"
     proc = run_python(
-        "-m", "benchmarks.memory", f"--out={out}", "--world=2", f"--seq-len={SEQ}", f"--batch-size={BATCH}",
-        capture=True, timeout=400,
-    )  # fmt: skip
+        "-m",
+        "benchmarks.memory",
+        f"--out={out}",
+        "--world=2",
+        f"--seq-len={SEQ}",
+        f"--batch-size={BATCH}",
+        capture=True,
+        timeout=400,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return read_results(out)
 

@@ -29,10 +29,15 @@ def _cpu_device_module() -> types.SimpleNamespace:
 
     total = types.SimpleNamespace(total_memory=_total_memory())
     return types.SimpleNamespace(
-        set_device=lambda *_: None, current_device=lambda: 0, synchronize=lambda *_: None,
-        get_device_name=lambda *_: "cpu", get_device_properties=lambda *_: total,
-        reset_peak_memory_stats=lambda *_: None, empty_cache=lambda: None, memory_stats=peak_rss,
-    )  # fmt: skip
+        set_device=lambda *_: None,
+        current_device=lambda: 0,
+        synchronize=lambda *_: None,
+        get_device_name=lambda *_: "cpu",
+        get_device_properties=lambda *_: total,
+        reset_peak_memory_stats=lambda *_: None,
+        empty_cache=lambda: None,
+        memory_stats=peak_rss,
+    )
 
 
 def _total_memory() -> int:

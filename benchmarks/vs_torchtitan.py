@@ -101,8 +101,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 order = ["recipe", "torchtitan"] if round_ % 2 == 0 else ["torchtitan", "recipe"]
                 for trainer in order:
                     runs[layout][trainer].append(run(trainer, layout, folder=folder, steps=args.steps, cuda=cuda))
-                    print(f"round {round_ + 1} {layout} {trainer}: {runs[layout][trainer][-1]['tps']:,.0f} tokens/s",
-                          flush=True)  # fmt: skip
+                    print(
+                        f"round {round_ + 1} {layout} {trainer}: {runs[layout][trainer][-1]['tps']:,.0f} tokens/s",
+                        flush=True,
+                    )
     results: dict[str, Any] = {"device": "cuda" if cuda else "cpu", "rounds": args.rounds, "steps": args.steps}
     for layout, sides in runs.items():
         ratios = [
@@ -126,12 +128,28 @@ def rows(results: dict[str, Any]) -> list[Row]:
         # The ratio column divides the two medians; the per-round ratios (each run against the one beside it)
         # are the comparison, and the metric carries their median and spread.
         paired = f"per round {r['ratio']:.3f}x ({r['ratio_min']:.3f}-{r['ratio_max']:.3f})"
-        out.append(Row(problem=PROBLEM, metric=f"tokens/s per device, {label}; {paired}", unit="tok/s",
-                       broken="torchtitan 0.2.2", broken_value=r["torchtitan_tps"], fixed="this recipe",
-                       fixed_value=r["recipe_tps"]))  # fmt: skip
-        out.append(Row(problem=PROBLEM, metric=f"peak memory per device, {label}", unit="GiB",
-                       broken="torchtitan 0.2.2", broken_value=r["torchtitan_memory_gib"], fixed="this recipe",
-                       fixed_value=r["recipe_memory_gib"]))  # fmt: skip
+        out.append(
+            Row(
+                problem=PROBLEM,
+                metric=f"tokens/s per device, {label}; {paired}",
+                unit="tok/s",
+                broken="torchtitan 0.2.2",
+                broken_value=r["torchtitan_tps"],
+                fixed="this recipe",
+                fixed_value=r["recipe_tps"],
+            )
+        )
+        out.append(
+            Row(
+                problem=PROBLEM,
+                metric=f"peak memory per device, {label}",
+                unit="GiB",
+                broken="torchtitan 0.2.2",
+                broken_value=r["torchtitan_memory_gib"],
+                fixed="this recipe",
+                fixed_value=r["recipe_memory_gib"],
+            )
+        )
     return out
 
 

@@ -123,13 +123,21 @@ def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subpro
 
     dump = tmp_path_factory.mktemp("two_rank") / "run"
     proc = torchrun(
-        "train.py", *TINY, "--training.steps=30", "--training.local_batch_size=4", f"--job.dump_folder={dump}",
-        "--metrics.log_freq=5", "--metrics.enable_tensorboard",
-        "--training.skip_spike_sigma=6", "--training.skip_spike_window=10",  # agreed on by both ranks, no spike
+        "train.py",
+        *TINY,
+        "--training.steps=30",
+        "--training.local_batch_size=4",
+        f"--job.dump_folder={dump}",
+        "--metrics.log_freq=5",
+        "--metrics.enable_tensorboard",
+        "--training.skip_spike_sigma=6",
+        "--training.skip_spike_window=10",  # agreed on by both ranks, no spike
         "--training.z_loss_weight=1e-4",
-        "--profiling.enable_profiling", "--profiling.profile_freq=15", "--profiling.enable_memory_snapshot",
+        "--profiling.enable_profiling",
+        "--profiling.profile_freq=15",
+        "--profiling.enable_memory_snapshot",
         nproc=2,
-    )  # fmt: skip
+    )
     return dump, proc
 
 

@@ -52,11 +52,17 @@ TINY: ModelArgs = with_seq_len(
 # The second family on the same layouts: QK-norm, and heads wider than dim / n_heads (4 x 32 = 2 x dim).
 TINY_QWEN3 = with_seq_len(
     dataclasses.replace(
-        QWEN3.flavors["debugmodel"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=192,
+        QWEN3.flavors["debugmodel"],
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=32,
+        hidden_dim=192,
         vocab_size=128,
     ),
     32,
-)  # fmt: skip
+)
 STEPS = 5
 GLOBAL_BATCH = 4
 SEQ_LEN = 32
@@ -220,9 +226,17 @@ def train(
             observe_ops(log) if last and group_dims is not None else contextlib.nullcontext(),
         ):
             loss = train_step(
-                model, optimizer, batch, grad_accum=1, max_norm=MAX_NORM, loss_fn=loss_fn, loss_parallel=loss_parallel,
-                device=torch.device("cpu"), pipeline=pipeline, cp=cp,
-            ).loss  # fmt: skip
+                model,
+                optimizer,
+                batch,
+                grad_accum=1,
+                max_norm=MAX_NORM,
+                loss_fn=loss_fn,
+                loss_parallel=loss_parallel,
+                device=torch.device("cpu"),
+                pipeline=pipeline,
+                cp=cp,
+            ).loss
         if last and counts is not None:
             counts["host_reads"] = dict(reads)
             # Bytes this rank sent in the step, by mesh dimension, and its collectives (what the dry run predicts).
@@ -333,13 +347,18 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
     # As train.py builds it (pipeline stages included); init_model fills the RoPE buffer, the weights come from
     # the reference next.
     model, pipeline = build_model(
-        models.family(layout.family), model_args(block_causal=layout.block_causal, family=layout.family), dims=dims,
+        models.family(layout.family),
+        model_args(block_causal=layout.block_causal, family=layout.family),
+        dims=dims,
         mesh=mesh,
-        training=dataclasses.replace(TRAINING, local_batch_size=GLOBAL_BATCH // dims.dp), parallelism=parallelism,
-        ac=layout.ac, compile=Compile(enable=layout.compile), float8=None,
+        training=dataclasses.replace(TRAINING, local_batch_size=GLOBAL_BATCH // dims.dp),
+        parallelism=parallelism,
+        ac=layout.ac,
+        compile=Compile(enable=layout.compile),
+        float8=None,
         loss_fn=build_loss_fn(Compile(), chunk_tokens=layout.loss_chunk_tokens, z_loss_weight=z_loss_weight),
         device=torch.device("cpu"),
-    )  # fmt: skip
+    )
     init_model(model, pipeline, device=torch.device("cpu"))
     options = StateDictOptions(full_state_dict=True)
     # A copy (set_model_state_dict replaces the dict's tensors with this layout's DTensors) of the
@@ -357,17 +376,27 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
     collectives: Counter[str] = Counter()
     counts: dict[str, Any] = {}
     losses, times = train(
-        model, ref["tokens"][rows], segments=segments, loss_parallel=dims.tp_enabled and layout.loss_parallel,
-        loss_chunk_tokens=layout.loss_chunk_tokens, z_loss_weight=z_loss_weight, collectives=collectives,
-        pipeline=pipeline, counts=counts, group_dims=None if layout.compile else mesh_group_dims(mesh),
+        model,
+        ref["tokens"][rows],
+        segments=segments,
+        loss_parallel=dims.tp_enabled and layout.loss_parallel,
+        loss_chunk_tokens=layout.loss_chunk_tokens,
+        z_loss_weight=z_loss_weight,
+        collectives=collectives,
+        pipeline=pipeline,
+        counts=counts,
+        group_dims=None if layout.compile else mesh_group_dims(mesh),
         cp=context_parallel(mesh, parallelism),
-    )  # fmt: skip
+    )
     expected = (
-        ref["block_causal"] if layout.block_causal
-        else ref["qwen3"] if layout.family == "qwen3"
-        else ref["z_loss"] if layout.z_loss
+        ref["block_causal"]
+        if layout.block_causal
+        else ref["qwen3"]
+        if layout.family == "qwen3"
+        else ref["z_loss"]
+        if layout.z_loss
         else ref
-    )  # fmt: skip
+    )
 
     final = get_model_state_dict(model, options=options)
     # Every rank compares the weights it holds (a pipeline stage: its own); the worst over all ranks.

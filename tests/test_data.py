@@ -234,19 +234,37 @@ def test_raw_data_is_cached_and_too_much_of_it_is_refused_with_the_command(tmp_p
 def test_prepare_data_script(tmp_path: Path) -> None:
     source = write_jsonl(tmp_path / "d.jsonl", TEXTS)
     prepared, no_source, no_tokenizer = two_at_a_time(
-        lambda: python("scripts/prepare_data.py", "--source", str(source), "--tokenizer", "byte", "--output",
-                       str(tmp_path / "out"), "--workers", "1"),
-        lambda: python("scripts/prepare_data.py", "--source", str(tmp_path / "nope"), "--tokenizer", "byte",
-                       "--output", str(tmp_path / "x")),
-        lambda: python("scripts/prepare_data.py", "--source", str(source), "--tokenizer", "nope", "--output",
-                       str(tmp_path / "y")),
-    )  # fmt: skip
+        lambda: python(
+            "scripts/prepare_data.py",
+            "--source",
+            str(source),
+            "--tokenizer",
+            "byte",
+            "--output",
+            str(tmp_path / "out"),
+            "--workers",
+            "1",
+        ),
+        lambda: python(
+            "scripts/prepare_data.py",
+            "--source",
+            str(tmp_path / "nope"),
+            "--tokenizer",
+            "byte",
+            "--output",
+            str(tmp_path / "x"),
+        ),
+        lambda: python(
+            "scripts/prepare_data.py", "--source", str(source), "--tokenizer", "nope", "--output", str(tmp_path / "y")
+        ),
+    )
     assert prepared.returncode == 0, prepared.stderr
     assert "300 documents, 13,618 tokens (uint16, 2.01 bytes per token on disk), 1 shards" in prepared.stdout
     assert (
-        no_source.returncode == 2 and no_source.stderr.startswith("error: --source: ")
+        no_source.returncode == 2
+        and no_source.stderr.startswith("error: --source: ")
         and "Traceback" not in no_source.stderr
-    )  # fmt: skip
+    )
     assert no_tokenizer.returncode == 2 and no_tokenizer.stderr.startswith("error: --tokenizer: nope not found"), (
         no_tokenizer.stderr
     )
@@ -371,8 +389,14 @@ def test_reading_a_window_costs_the_same_inside_a_huge_document(tmp_path: Path) 
     short_docs = write_jsonl(tmp_path / "short.jsonl", ["y" * 100] * 20_000)
     timings = {}
     for name, source in (("long", long_doc), ("short", short_docs)):
-        ld = GlobalBatchLoader(prepared(tmp_path / name, source, chunk_bytes=2**20), window=8193,
-                               local_batch_size=4, global_batch_size=4, dp_rank=0, dp_degree=1)  # fmt: skip
+        ld = GlobalBatchLoader(
+            prepared(tmp_path / name, source, chunk_bytes=2**20),
+            window=8193,
+            local_batch_size=4,
+            global_batch_size=4,
+            dp_rank=0,
+            dp_degree=1,
+        )
         begin = time.perf_counter()
         for _ in range(20):
             list(ld.next_step())

@@ -64,8 +64,11 @@ def test_the_recorded_transcripts_are_what_their_commands_print() -> None:
     `python scripts/record_transcripts.py` rewrites them."""
     proc = subprocess.run(
         [sys.executable, "scripts/record_transcripts.py", "--check", "--cheap"],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, f"{proc.stdout[-6000:]}{proc.stderr[-2000:]}"
 
 
@@ -93,8 +96,11 @@ def test_the_readme_data_commands_run_as_written(tmp_path: Path) -> None:
     for command in commands:
         proc = subprocess.run(
             ["bash", "-c", f"{command} --job.dump_folder={tmp_path / 'run'}" if "train.py" in command else command],
-            cwd=REPO, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode == 0 and "Traceback" not in proc.stderr, f"{command}\n{proc.stderr[-2000:]}"
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     last = [row for row in rows if "loss" in row][-1]

@@ -113,8 +113,12 @@ def test_cp_groups_stay_inside_a_node_and_count_in_the_shard_group() -> None:
     assert keys(findings) == [("warning", "parallelism.context_parallel_degree")]
     assert "all-gather of keys and values crosses the inter-node link" in findings[0].message
     # CP 8 fills each node: the shard group (dp_shard 1 x cp 8) is a node, the replicas span nodes.
-    long = recipe(parallelism__context_parallel_degree=8, parallelism__data_parallel_replicate_degree=2,
-                  parallelism__data_parallel_shard_degree=1, training__seq_len=8192)  # fmt: skip
+    long = recipe(
+        parallelism__context_parallel_degree=8,
+        parallelism__data_parallel_replicate_degree=2,
+        parallelism__data_parallel_shard_degree=1,
+        training__seq_len=8192,
+    )
     assert check(long, world_size=16, machine=GPUS) == []
 
 
@@ -188,10 +192,18 @@ def test_train_py_stops_8b_on_this_machine_before_allocating(
 ) -> None:
     """The command users type, from another folder: one line, exit 2, nothing written, in seconds."""
     proc = subprocess.run(
-        [sys.executable, str(REPO / "train.py"), *llama3_8b(llama3_stand_ins)[:1], "llama3_8b.toml",
-         *llama3_8b(llama3_stand_ins)[2:]],  # fmt: skip
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(REPO / "train.py"),
+            *llama3_8b(llama3_stand_ins)[:1],
+            "llama3_8b.toml",
+            *llama3_8b(llama3_stand_ins)[2:],
+        ],  # fmt: skip
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
@@ -267,9 +279,12 @@ def test_shipped_configs_have_no_findings_on_their_machines(shipped_config: tupl
     cfg = load_config(["--config", path, *overrides])
     gpu = launch.gpus_per_node is not None
     machine = Machine(
-        cuda=gpu, gpus_per_node=launch.gpus_per_node, cpu_has_bf16=True,
-        device_memory_gib=80.0 if gpu else 24.0, environ={},
-    )  # fmt: skip
+        cuda=gpu,
+        gpus_per_node=launch.gpus_per_node,
+        cpu_has_bf16=True,
+        device_memory_gib=80.0 if gpu else 24.0,
+        environ={},
+    )
     if cfg.compile.enable and not gpu and shutil.which("g++") is None:
         pytest.skip("inductor's CPU backend needs g++")
     findings = check_recipe(cfg, world_size=launch.world_size, machine=machine)

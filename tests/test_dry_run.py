@@ -99,17 +99,23 @@ def predicted_comm(layout: Layout) -> dict[str, float]:
     """dry_run.comm_per_step for a parity layout (tests/parity_worker.py): the tiny model, its batch, one step."""
     cfg = JobConfig()
     cfg.parallelism = Parallelism(
-        data_parallel_replicate_degree=layout.dp_replicate, data_parallel_shard_degree=layout.dp_shard,
-        tensor_parallel_degree=layout.tp, disable_loss_parallel=not layout.loss_parallel,
+        data_parallel_replicate_degree=layout.dp_replicate,
+        data_parallel_shard_degree=layout.dp_shard,
+        tensor_parallel_degree=layout.tp,
+        disable_loss_parallel=not layout.loss_parallel,
         fsdp_reshard_after_forward=layout.reshard_after_forward,  # type: ignore[arg-type]
-        pipeline_parallel_degree=layout.pp, pipeline_parallel_schedule=layout.schedule,
+        pipeline_parallel_degree=layout.pp,
+        pipeline_parallel_schedule=layout.schedule,
         context_parallel_degree=layout.cp,
-    )  # fmt: skip
+    )
     dims = ParallelDims.from_config(cfg.parallelism, world_size=layout.world_size)
     cfg.training = dataclasses.replace(
-        TRAINING, local_batch_size=GLOBAL_BATCH // dims.dp, global_batch_size=GLOBAL_BATCH,
-        loss_chunk_tokens=layout.loss_chunk_tokens, z_loss_weight=Z_LOSS_WEIGHT if layout.z_loss else 0.0,
-    )  # fmt: skip
+        TRAINING,
+        local_batch_size=GLOBAL_BATCH // dims.dp,
+        global_batch_size=GLOBAL_BATCH,
+        loss_chunk_tokens=layout.loss_chunk_tokens,
+        z_loss_weight=Z_LOSS_WEIGHT if layout.z_loss else 0.0,
+    )
     cfg.activation_checkpoint = layout.ac
     cfg.model.name = layout.family
     shape = TINY_QWEN3 if layout.family == "qwen3" else TINY

@@ -228,9 +228,12 @@ def test_a_checkpoint_with_nonfinite_weights_is_refused_by_name(tmp_path: Path) 
         model.norm.weight[3] = float("inf")
     dcp.save({"model_and_optimizer": {"model": model.state_dict()}}, checkpoint_id=str(tmp_path / "bad"))
     manager = CheckpointManager(
-        Checkpoint(initial_load_path=str(tmp_path / "bad")), dump_folder=str(tmp_path), model=build_tiny(),
-        optimizer=None, stateful={},
-    )  # fmt: skip
+        Checkpoint(initial_load_path=str(tmp_path / "bad")),
+        dump_folder=str(tmp_path),
+        model=build_tiny(),
+        optimizer=None,
+        stateful={},
+    )
     with pytest.raises(ConfigError, match=r"bad holds non-finite weights \(1 tensors, e.g. norm.weight\)"):
         manager.load()
 
@@ -240,8 +243,9 @@ def test_a_checkpoint_with_nonfinite_weights_is_refused_by_name(tmp_path: Path) 
 
 def test_crash_leftovers_are_published_or_removed_and_settings_given_on_resume_apply(tmp_path: Path) -> None:
     dump = tmp_path / "run"
-    first = train_py(dump, "--training.steps=10", "--checkpoint.enable", "--checkpoint.interval=5",
-                     "--checkpoint.async_mode=async")  # fmt: skip
+    first = train_py(
+        dump, "--training.steps=10", "--checkpoint.enable", "--checkpoint.interval=5", "--checkpoint.async_mode=async"
+    )
     assert first.returncode == 0, first.stderr[-3000:]
     # The async save of step 5 is published while training goes on (polled every step), not at the next save.
     out = first.stdout
@@ -293,8 +297,9 @@ def test_metrics_keep_each_step_once_when_a_resume_redoes_steps(tmp_path: Path) 
 def test_seed_checkpoints_are_never_pruned(tmp_path: Path) -> None:
     dump = tmp_path / "run"
     assert train_py(dump, "--checkpoint.create_seed_checkpoint").returncode == 0
-    proc = train_py(dump, "--training.steps=4", "--checkpoint.enable", "--checkpoint.interval=1",
-                    "--checkpoint.keep_latest_k=1")  # fmt: skip
+    proc = train_py(
+        dump, "--training.steps=4", "--checkpoint.enable", "--checkpoint.interval=1", "--checkpoint.keep_latest_k=1"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resumed from {dump / 'checkpoint' / 'step-0'}" in proc.stdout
     assert folders(dump) == ["step-0", "step-4"]
@@ -371,12 +376,21 @@ def test_sigterm_to_plain_torchrun_abandons_a_long_step_and_saves_within_a_3_s_g
     scheduler's grace period does the same). A step of 40 micro-batches takes longer than that here: the
     ranks abandon it between two, save step 1, and a rerun resumes from it."""
     dump = tmp_path / "run"
-    cmd = torchrun("--shutdown-timeout=3", "train.py", *TINY, "--training.seq_len=32", "--training.local_batch_size=1",
-                   "--training.global_batch_size=80", f"--job.dump_folder={dump}", "--checkpoint.enable",
-                   "--checkpoint.interval=100000")  # fmt: skip
+    cmd = torchrun(
+        "--shutdown-timeout=3",
+        "train.py",
+        *TINY,
+        "--training.seq_len=32",
+        "--training.local_batch_size=1",
+        "--training.global_batch_size=80",
+        f"--job.dump_folder={dump}",
+        "--checkpoint.enable",
+        "--checkpoint.interval=100000",
+    )
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    run = subprocess.Popen([*cmd, "--training.steps=100"], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)  # fmt: skip
+    run = subprocess.Popen(
+        [*cmd, "--training.steps=100"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         wait_for(dump / "metrics.jsonl")  # step 1 is done, step 2 (40 micro-batches) is running
         time.sleep(1)
@@ -442,8 +456,15 @@ def test_the_launch_script_turns_sigint_into_a_saved_stop_and_exit_zero(tmp_path
            "RDZV_PORT": str(free_port()), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}  # fmt: skip
     cmd = ["bash", "scripts/run_multinode.sh", "train.py", *TINY, "--training.steps=100000",
            f"--job.dump_folder={dump}", "--checkpoint.enable", "--checkpoint.interval=100000"]  # fmt: skip
-    launch = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              preexec_fn=a_terminals_signals)  # fmt: skip
+    launch = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=a_terminals_signals,
+    )
     try:
         wait_for(dump / "metrics.jsonl")
         launch.send_signal(signal.SIGINT)
@@ -511,9 +532,17 @@ def test_a_crafted_metadata_runs_nothing(tmp_path: Path) -> None:
     (fake / ".metadata").write_bytes(pickle.dumps(_RunsAShellCommand(marker)))
     run, proc = two_at_a_time(
         lambda: train_py(tmp_path / "run", f"--checkpoint.initial_load_path={fake}"),
-        lambda: python("scripts/convert_hf.py", "to-hf", str(fake), str(tmp_path / "hf"), "--flavor", "debugmodel",
-                       "--tokenizer-path", "assets/tokenizer"),
-    )  # fmt: skip
+        lambda: python(
+            "scripts/convert_hf.py",
+            "to-hf",
+            str(fake),
+            str(tmp_path / "hf"),
+            "--flavor",
+            "debugmodel",
+            "--tokenizer-path",
+            "assets/tokenizer",
+        ),
+    )
     line = one_error(run)
     assert "refused unread (it names posix.system" in line and "nothing in the folder was run" in line
     assert proc.returncode == 2 and "refused unread" in proc.stderr, proc.stderr[-2000:]
@@ -661,9 +690,12 @@ def test_async_with_pinned_memory_needs_cuda(tmp_path: Path) -> None:
         pytest.skip("this machine has CUDA: async_with_pinned_mem runs")
     with pytest.raises(ConfigError, match=r'checkpoint.async_mode: async_with_pinned_mem .* needs CUDA; use "async"'):
         CheckpointManager(
-            Checkpoint(async_mode="async_with_pinned_mem"), dump_folder=str(tmp_path), model=build_tiny(),
-            optimizer=None, stateful={},
-        )  # fmt: skip
+            Checkpoint(async_mode="async_with_pinned_mem"),
+            dump_folder=str(tmp_path),
+            model=build_tiny(),
+            optimizer=None,
+            stateful={},
+        )
 
 
 def test_losses_are_unchanged_by_the_guards(tmp_path: Path, seed: Path) -> None:

@@ -39,8 +39,9 @@ def test_converted_modules_and_names() -> None:
     assert type(model.output) is nn.Linear and type(model.layers["0"].attention.wk) is nn.Linear
     assert model.state_dict().keys() == plain.state_dict().keys()
     assert {p.dtype for p in model.parameters()} == {torch.float32}  # the weights stay high precision
-    everything = apply_float8(Transformer(TINY_ARGS), dataclasses.replace(EMULATE, filter_fqns=[]), device=CPU,
-                              fsdp_sharded=False)  # fmt: skip
+    everything = apply_float8(
+        Transformer(TINY_ARGS), dataclasses.replace(EMULATE, filter_fqns=[]), device=CPU, fsdp_sharded=False
+    )
     assert "output" in everything
 
 
@@ -73,16 +74,30 @@ def test_fsdp_float8_all_gather_trains_and_checkpoints_cross_with_bf16(tmp_path:
     """2 ranks, FSDP, bf16 params: tensorwise float8 with the float8 all-gather and precomputed scales
     trains like the bf16 run; its checkpoint resumes in a bf16 run and a bf16
     checkpoint in a float8 run (the same high-precision weights under the same names)."""
-    common = (*TINY, "--training.mixed_precision_param=bfloat16", "--checkpoint.enable", "--checkpoint.interval=3",
-              f"--checkpoint.initial_load_path={seed}", "--training.steps=6")  # fmt: skip
+    common = (
+        *TINY,
+        "--training.mixed_precision_param=bfloat16",
+        "--checkpoint.enable",
+        "--checkpoint.interval=3",
+        f"--checkpoint.initial_load_path={seed}",
+        "--training.steps=6",
+    )
     all_gather = ["--quantize.linear.float8.enable_fsdp_float8_all_gather",
                   "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"]  # fmt: skip
     bf16, f8 = tmp_path / "bf16", tmp_path / "float8"
     _, proc = two_at_a_time(
         lambda: torchrun("train.py", *common, f"--job.dump_folder={bf16}", nproc=2),
-        lambda: torchrun("train.py", *common, *FLOAT8, *all_gather, f"--job.dump_folder={f8}", "--training.steps=3",
-                         "--model.print_after_conversion", nproc=2),
-    )  # fmt: skip
+        lambda: torchrun(
+            "train.py",
+            *common,
+            *FLOAT8,
+            *all_gather,
+            f"--job.dump_folder={f8}",
+            "--training.steps=3",
+            "--model.print_after_conversion",
+            nproc=2,
+        ),
+    )
     assert proc.stdout.count("Float8Linear(") == 7 * FLAVORS["debugmodel"].n_layers  # every block linear, printed once
     # The float8 checkpoint of step 3 resumes without float8 ...
     torchrun("train.py", *common, f"--job.dump_folder={f8}", nproc=2)

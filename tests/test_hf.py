@@ -109,17 +109,28 @@ def test_torchtitan_parity(hf_case: tuple[str, Path]) -> None:
     ours, args = from_hf(folder)
     s = args.rope_scaling
     tt_args = TransformerModelArgs(
-        dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, n_kv_heads=args.kv_heads,
-        vocab_size=args.vocab_size, norm_eps=args.norm_eps, rope_theta=args.rope_theta, max_seq_len=SEQ,
+        dim=args.dim,
+        n_layers=args.n_layers,
+        n_heads=args.n_heads,
+        n_kv_heads=args.kv_heads,
+        vocab_size=args.vocab_size,
+        norm_eps=args.norm_eps,
+        rope_theta=args.rope_theta,
+        max_seq_len=SEQ,
         # torchtitan sizes the MLP only by Llama's rule: multiple_of = the width and a multiplier that
         # lands the rule at or just below it make the rule round up to exactly that width.
-        multiple_of=args.ffn_hidden_dim, ffn_dim_multiplier=args.ffn_hidden_dim / int(8 * args.dim / 3),
+        multiple_of=args.ffn_hidden_dim,
+        ffn_dim_multiplier=args.ffn_hidden_dim / int(8 * args.dim / 3),
         # torchtitan 0.2.2 always applies llama3 scaling; factor 1 makes it the identity.
-        rope_scaling_args=RoPEScalingArgs(scaling_factor=1.0) if s is None else RoPEScalingArgs(
-            scaling_factor=s.factor, low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
+        rope_scaling_args=RoPEScalingArgs(scaling_factor=1.0)
+        if s is None
+        else RoPEScalingArgs(
+            scaling_factor=s.factor,
+            low_freq_factor=s.low_freq_factor,
+            high_freq_factor=s.high_freq_factor,
             original_max_position_embeddings=s.original_max_position_embeddings,
         ),
-    )  # fmt: skip
+    )
     adapter = Llama3StateDictAdapter(tt_args, None)
     hf_state = LlamaForCausalLM.from_pretrained(folder).state_dict()
     if args.tie_word_embeddings:  # torchtitan 0.2.2 has no tied embeddings: an equal copy computes the same
@@ -218,9 +229,11 @@ def test_published_configs_map_onto_flavors(flavor: str, tmp_path: Path) -> None
 
 def test_unrepresentable_configs_are_refused_naming_each_field(tmp_path: Path) -> None:
     bad = published(
-        hidden_act="gelu", attention_bias=True, head_dim=256,
+        hidden_act="gelu",
+        attention_bias=True,
+        head_dim=256,
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192},
-    )  # fmt: skip
+    )
     with pytest.raises(ConfigError) as info:
         model_args_from_hf(LLAMA3, write_config(tmp_path / "bad", bad))
     problems = info.value.problems
@@ -295,12 +308,22 @@ def test_two_rank_fsdp_fine_tune_from_hf_weights_matches_hf_loss_then_exports(tm
     hf_folder = tiny_hf_folder(tmp_path / "hf", seed=7, tie_word_embeddings=False, rope_scaling=LLAMA3_ROPE)
     dump, seq, local_bs = tmp_path / "run", 32, 2
     run = torchrun(
-        "train.py", "--config", "configs/finetune_hf.toml", f"--model.hf_assets_path={hf_folder}",
-        "--model.shape_from_hf_config", f"--job.dump_folder={dump}", "--training.steps=1", f"--training.seq_len={seq}",
-        f"--training.local_batch_size={local_bs}", "--training.mixed_precision_param=float32",
-        "--activation_checkpoint.mode=none", "--metrics.log_freq=1", "--optimizer.lr=1e-3",
-        "--checkpoint.export_dtype=float32", nproc=2,
-    )  # fmt: skip
+        "train.py",
+        "--config",
+        "configs/finetune_hf.toml",
+        f"--model.hf_assets_path={hf_folder}",
+        "--model.shape_from_hf_config",
+        f"--job.dump_folder={dump}",
+        "--training.steps=1",
+        f"--training.seq_len={seq}",
+        f"--training.local_batch_size={local_bs}",
+        "--training.mixed_precision_param=float32",
+        "--activation_checkpoint.mode=none",
+        "--metrics.log_freq=1",
+        "--optimizer.lr=1e-3",
+        "--checkpoint.export_dtype=float32",
+        nproc=2,
+    )
     assert "world 2 = replicate 1 x shard 2 x tp 1" in run.stdout
     assert f"initialized model weights from the Hugging Face folder {hf_folder}" in run.stdout
     step1 = json.loads((dump / "metrics.jsonl").read_text().splitlines()[0])
@@ -328,9 +351,14 @@ def test_two_rank_fsdp_fine_tune_from_hf_weights_matches_hf_loss_then_exports(tm
     ] == "float32"
     exported = tmp_path / "exported"
     proc = python(
-        "scripts/convert_hf.py", "to-hf", str(dump / "checkpoint" / "step-1"), str(exported),
-        f"--hf-assets-path={hf_folder}", "--dtype=float32", "--max-shard-gb=0.0002",
-    )  # fmt: skip
+        "scripts/convert_hf.py",
+        "to-hf",
+        str(dump / "checkpoint" / "step-1"),
+        str(exported),
+        f"--hf-assets-path={hf_folder}",
+        "--dtype=float32",
+        "--max-shard-gb=0.0002",
+    )
     assert proc.returncode == 0, proc.stderr
     assert (exported / "model.safetensors.index.json").is_file() and (exported / "tokenizer.json").is_file()
     trained, info = AutoModelForCausalLM.from_pretrained(exported, output_loading_info=True)

@@ -38,9 +38,13 @@ LAYOUTS = {
 def reference(seed: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
     dump = tmp_path_factory.mktemp("single")
     proc = python(
-        "train.py", "--config", "configs/debug.toml", *COMMON, f"--job.dump_folder={dump}",
+        "train.py",
+        "--config",
+        "configs/debug.toml",
+        *COMMON,
+        f"--job.dump_folder={dump}",
         f"--checkpoint.initial_load_path={seed}",
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return losses(dump)
 
@@ -81,8 +85,14 @@ def test_compiled_config_matches_one_process_and_compiles_once(
     """FSDP 2 + op SAC + compile, validating after every step, then resumed in a new launch: each launch
     compiles its training graphs once and, at its first validation, the no-grad graphs once; nothing
     recompiles after that and nothing breaks a graph (dynamo's own logs, TORCH_LOGS)."""
-    validate = ("--validation.enable", "--validation.freq=1", "--validation.steps=1", "--validation.seq_len=64",
-                "--validation.dataset_path=assets/corpus/stories_validation.jsonl", "--checkpoint.enable")  # fmt: skip
+    validate = (
+        "--validation.enable",
+        "--validation.freq=1",
+        "--validation.steps=1",
+        "--validation.seq_len=64",
+        "--validation.dataset_path=assets/corpus/stories_validation.jsonl",
+        "--checkpoint.enable",
+    )
     logs = {"TORCH_LOGS": "recompiles,graph_breaks"}
     dump = tmp_path / "run"
     launches = [

@@ -77,11 +77,18 @@ def test_hf_parity_logits_and_gradients(name: str, tmp_path: Path) -> None:
 def test_weights_out_to_transformers_and_back_in(tied: bool, tmp_path: Path) -> None:
     args = with_seq_len(
         dataclasses.replace(
-            FLAVORS["debugmodel"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=128,
-            vocab_size=256, tie_word_embeddings=tied,
+            FLAVORS["debugmodel"],
+            dim=64,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=2,
+            head_dim=32,
+            hidden_dim=128,
+            vocab_size=256,
+            tie_word_embeddings=tied,
         ),
         128,
-    )  # fmt: skip
+    )
     model = Transformer(args)
     model.init_weights()
     unit_scale_init_(model, seed=3)  # QK-norm gains other than ones: their names must map too
@@ -217,9 +224,13 @@ def test_published_configs_map_onto_flavors(flavor: str, tmp_path: Path) -> None
 
 def test_unrepresentable_configs_are_refused_naming_each_field(tmp_path: Path) -> None:
     bad = published(
-        attention_bias=True, use_sliding_window=True, sliding_window=4096, hidden_act="gelu", attention_dropout=0.1,
+        attention_bias=True,
+        use_sliding_window=True,
+        sliding_window=4096,
+        hidden_act="gelu",
+        attention_dropout=0.1,
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
-    )  # fmt: skip
+    )
     folder = write_config(tmp_path / "bad", bad)
     with pytest.raises(ConfigError) as info:
         model_args_from_hf(FAMILY, folder)
@@ -334,9 +345,16 @@ def test_the_shipped_debug_config_trains_on_two_ranks(tmp_path: Path) -> None:
     from tests.launch import torchrun
 
     torchrun(
-        "train.py", "--config", "configs/qwen3_debug.toml", "--training.steps=6", "--training.seq_len=64",
-        "--training.local_batch_size=4", "--metrics.log_freq=1", "--lr_scheduler.warmup_steps=2",
-        f"--job.dump_folder={tmp_path}", nproc=2,
-    )  # fmt: skip
+        "train.py",
+        "--config",
+        "configs/qwen3_debug.toml",
+        "--training.steps=6",
+        "--training.seq_len=64",
+        "--training.local_batch_size=4",
+        "--metrics.log_freq=1",
+        "--lr_scheduler.warmup_steps=2",
+        f"--job.dump_folder={tmp_path}",
+        nproc=2,
+    )
     logged = losses(tmp_path)
     assert sorted(logged) == [1, 2, 3, 4, 5, 6] and logged[6] < logged[1] - 0.5, logged

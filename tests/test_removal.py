@@ -153,9 +153,12 @@ class _Remove(ast.NodeTransformer):
                 kept.append(st)
                 continue
             header = {
-                ast.If: lambda s: [s.test], ast.While: lambda s: [s.test], ast.For: lambda s: [s.target, s.iter],
-                ast.With: lambda s: s.items, ast.Try: lambda s: [],
-            }.get(type(st))  # fmt: skip
+                ast.If: lambda s: [s.test],
+                ast.While: lambda s: [s.test],
+                ast.For: lambda s: [s.target, s.iter],
+                ast.With: lambda s: s.items,
+                ast.Try: lambda s: [],
+            }.get(type(st))
             if header is not None:
                 if any(self._named(self.visit(h)) for h in header(st)):
                     continue
@@ -188,8 +191,11 @@ def remove_names(path: Path, names: set[str]) -> None:
 def _copy(dst: Path) -> Path:
     listed = subprocess.run(
         ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
-        cwd=REPO, capture_output=True, text=True, check=True,
-    ).stdout.split("\0")  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split("\0")
     for name in filter(None, listed):
         if (REPO / name).is_file():
             (dst / name).parent.mkdir(parents=True, exist_ok=True)

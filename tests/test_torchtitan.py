@@ -134,8 +134,17 @@ def make_user_folder(tmp_path: Path, llama3_stand_ins: tuple[Path, Path]) -> Pat
 
 
 def _shape(a: Any, kv_heads: int) -> tuple:
-    return (a.dim, a.n_layers, a.n_heads, kv_heads, a.vocab_size, a.multiple_of, a.ffn_dim_multiplier,
-            float(a.rope_theta), a.norm_eps)  # fmt: skip
+    return (
+        a.dim,
+        a.n_layers,
+        a.n_heads,
+        kv_heads,
+        a.vocab_size,
+        a.multiple_of,
+        a.ffn_dim_multiplier,
+        float(a.rope_theta),
+        a.norm_eps,
+    )
 
 
 def test_every_flavor_has_torchtitans_shape() -> None:
@@ -183,12 +192,19 @@ def test_torchtitan_debug_model_trains_on_two_cpu_ranks(user_folder: Path) -> No
     """debug_model.toml under torchrun from the user's folder, on a local file; torchtitan's schedule."""
     data = REPO / "assets" / "corpus" / "stories.jsonl"
     torchrun(
-        str(REPO / "train.py"), "--config", "debug_model.toml", f"--training.dataset_path={data}",
+        str(REPO / "train.py"),
+        "--config",
+        "debug_model.toml",
+        f"--training.dataset_path={data}",
         # Its 8 x 2048 tokens per rank in bf16 take minutes on two CPU cores (bf16 matmuls are emulated on CPUs
         # without bf16 instructions): a quarter of the sequence in float32 keeps the suite short.
-        "--training.steps=2", "--training.seq_len=512", "--training.mixed_precision_param=float32", nproc=2,
-        cwd=user_folder, env={"PYTHONPATH": ""},
-    )  # fmt: skip
+        "--training.steps=2",
+        "--training.seq_len=512",
+        "--training.mixed_precision_param=float32",
+        nproc=2,
+        cwd=user_folder,
+        env={"PYTHONPATH": ""},
+    )
     rows = [json.loads(line) for line in (user_folder / "outputs" / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2]
     assert all(math.isfinite(row["loss"]) for row in rows) and rows[0]["loss"] > 7  # ln(2048) = 7.6 at the start
@@ -338,9 +354,15 @@ def test_compile_components_choose_what_is_compiled() -> None:
             model = Transformer(FLAVORS["debugmodel"])
         dims = ParallelDims.from_config(Parallelism(), world_size=1)
         parallelize_model(
-            model, family=LLAMA3, dims=dims, mesh=None, training=Training(mixed_precision_param="float32"),
-            parallelism=Parallelism(), ac=ActivationCheckpoint(), compile=Compile(enable=True, components=components),
-        )  # fmt: skip
+            model,
+            family=LLAMA3,
+            dims=dims,
+            mesh=None,
+            training=Training(mixed_precision_param="float32"),
+            parallelism=Parallelism(),
+            ac=ActivationCheckpoint(),
+            compile=Compile(enable=True, components=components),
+        )
         return all(block._compiled_call_impl is not None for block in model.layers.values())
 
     assert blocks_compiled(["model", "loss"]) and not blocks_compiled(["loss"])

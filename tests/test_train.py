@@ -52,11 +52,18 @@ def run(dump: Path, *, nproc: int, steps: int, seed: Path, extra: tuple[str, ...
     10-step run is the first half of a 20-step run, as if the 20-step job was stopped. One rank: `python train.py`,
     as a user starts it (torchrun's start-up would add seconds)."""
     args = (
-        "train.py", *TINY, f"--training.steps={steps}", "--training.global_batch_size=8", "--debug.deterministic",
+        "train.py",
+        *TINY,
+        f"--training.steps={steps}",
+        "--training.global_batch_size=8",
+        "--debug.deterministic",
         "--lr_scheduler.min_lr_factor=1.0",
-        f"--job.dump_folder={dump}", "--checkpoint.enable", "--checkpoint.interval=5",
-        f"--checkpoint.initial_load_path={seed}", *extra,
-    )  # fmt: skip
+        f"--job.dump_folder={dump}",
+        "--checkpoint.enable",
+        "--checkpoint.interval=5",
+        f"--checkpoint.initial_load_path={seed}",
+        *extra,
+    )
     if nproc > 1:
         torchrun(*args, nproc=nproc)
         return
@@ -98,8 +105,12 @@ def test_a_shuffled_block_causal_mixture_trained_as_a_pipeline_resumes_on_one_ra
     mixture = [tmp_path / "stories", tmp_path / "held_out"]
     for folder, source in zip(mixture, ("stories.jsonl", "stories_validation.jsonl"), strict=True):
         prepare(find_source(str(REPO / "assets/corpus" / source)), str(REPO / "assets/tokenizer"), folder, workers=0)
-    extra = (f"--data.mixture={mixture[0]},{mixture[1]}", "--data.mixture_weights=0.7,0.3", "--data.shuffle",
-             "--model.attn_mask_type=block_causal")  # fmt: skip
+    extra = (
+        f"--data.mixture={mixture[0]},{mixture[1]}",
+        "--data.mixture_weights=0.7,0.3",
+        "--data.shuffle",
+        "--model.attn_mask_type=block_causal",
+    )
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run(straight, nproc=1, steps=10, seed=seed, extra=extra)
     # A pipeline of 2 stages (each stage masks attention with the documents' segments), then one rank.
@@ -116,8 +127,15 @@ def test_a_shuffled_block_causal_mixture_trained_as_a_pipeline_resumes_on_one_ra
         assert (last["step"], last["tokens_stories"], last["tokens_held_out"]) == (10, 56 * 64, 24 * 64)
     # Other data under the same checkpoint: refused, unless asked for.
     other = (f"--data.path={mixture[0]}", "--data.shuffle", "--model.attn_mask_type=block_causal")
-    proc = python("train.py", *TINY, "--training.steps=12", "--training.global_batch_size=8",
-                  f"--job.dump_folder={resumed}", "--checkpoint.enable", *other)  # fmt: skip
+    proc = python(
+        "train.py",
+        *TINY,
+        "--training.steps=12",
+        "--training.global_batch_size=8",
+        f"--job.dump_folder={resumed}",
+        "--checkpoint.enable",
+        *other,
+    )
     assert (
         proc.returncode == 2
         and "error: data.ignore_resume_mismatch: the checkpoint was trained on other data" in proc.stderr
@@ -129,8 +147,15 @@ def test_context_parallel_validates_and_resumes_without_it_and_back(tmp_path: Pa
     every 2 steps; against 1 rank straight through: the same training and validation losses (DCP reshards the
     parameters FSDP sharded over the CP ranks; the loader's state does not depend on CP)."""
     # (A warmup shorter than the shortest launch: a launch of fewer steps than warmup_steps warms up faster.)
-    extra = ("--model.attn_mask_type=block_causal", "--lr_scheduler.warmup_steps=1", "--validation.enable", "--validation.freq=2",
-             "--validation.steps=2", "--validation.seq_len=64", "--validation.local_batch_size=2")  # fmt: skip
+    extra = (
+        "--model.attn_mask_type=block_causal",
+        "--lr_scheduler.warmup_steps=1",
+        "--validation.enable",
+        "--validation.freq=2",
+        "--validation.steps=2",
+        "--validation.seq_len=64",
+        "--validation.local_batch_size=2",
+    )
     cp = ("--parallelism.context_parallel_degree=2",)
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run(straight, nproc=1, steps=8, seed=seed, extra=extra)
@@ -157,18 +182,32 @@ def test_torchtitans_checkpoint_keys(tmp_path: Path, seed: Path) -> None:
     and a finished run started again."""
     dump = tmp_path / "run"
     # A flat lr after a warmup shorter than every run: the first steps of a longer run are those of a shorter one.
-    base = (*TINY, "--training.global_batch_size=8", "--debug.deterministic", "--lr_scheduler.min_lr_factor=1.0",
-            "--lr_scheduler.warmup_steps=2",
-            f"--job.dump_folder={dump}", "--checkpoint.enable", "--checkpoint.interval=2", "--checkpoint.keep_latest_k=0",
-            f"--checkpoint.initial_load_path={seed}")  # fmt: skip
+    base = (
+        *TINY,
+        "--training.global_batch_size=8",
+        "--debug.deterministic",
+        "--lr_scheduler.min_lr_factor=1.0",
+        "--lr_scheduler.warmup_steps=2",
+        f"--job.dump_folder={dump}",
+        "--checkpoint.enable",
+        "--checkpoint.interval=2",
+        "--checkpoint.keep_latest_k=0",
+        f"--checkpoint.initial_load_path={seed}",
+    )
     straight = tmp_path / "straight"
     # Side by side (two_at_a_time): the run of this folder, and runs that read none of it.
     proc, straight_proc = two_at_a_time(
-        lambda: python("train.py", *base, "--training.steps=4", "--checkpoint.enable_first_step_checkpoint",
-                       "--checkpoint.last_save_model_only", "--checkpoint.export_dtype=bfloat16",
-                       "--job.save_config_file=configs/used.toml"),
+        lambda: python(
+            "train.py",
+            *base,
+            "--training.steps=4",
+            "--checkpoint.enable_first_step_checkpoint",
+            "--checkpoint.last_save_model_only",
+            "--checkpoint.export_dtype=bfloat16",
+            "--job.save_config_file=configs/used.toml",
+        ),
         lambda: python("train.py", *base, "--training.steps=6", f"--job.dump_folder={straight}"),
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr
     assert straight_proc.returncode == 0, straight_proc.stderr
     assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-1", "step-2", "step-4"]
@@ -184,9 +223,10 @@ def test_torchtitans_checkpoint_keys(tmp_path: Path, seed: Path) -> None:
     # with no checkpoint, or with checkpointing off, load_step has nothing to load: refused, not ignored.
     proc, new = two_at_a_time(
         lambda: python("train.py", *base, "--training.steps=4"),
-        lambda: python("train.py", *base, "--training.steps=8", "--checkpoint.load_step=3",
-                       f"--job.dump_folder={tmp_path}/new"),
-    )  # fmt: skip
+        lambda: python(
+            "train.py", *base, "--training.steps=8", "--checkpoint.load_step=3", f"--job.dump_folder={tmp_path}/new"
+        ),
+    )
     assert proc.returncode == 0 and "nothing to train" in proc.stdout, proc.stderr
     assert new.returncode == 2 and "has no step-3 (it has no checkpoint)" in new.stderr, new.stderr
     proc, off = two_at_a_time(
@@ -215,8 +255,13 @@ def test_exclude_from_loading_restores_the_rest(tmp_path: Path, seed: Path) -> N
     """exclude_from_loading = dataloader, train_state: the weights and optimizer of step 4, from step 1
     of the data again."""
     dump = tmp_path / "run"
-    base = (*TINY, "--training.global_batch_size=8", f"--job.dump_folder={dump}", "--checkpoint.enable",
-            f"--checkpoint.initial_load_path={seed}")  # fmt: skip
+    base = (
+        *TINY,
+        "--training.global_batch_size=8",
+        f"--job.dump_folder={dump}",
+        "--checkpoint.enable",
+        f"--checkpoint.initial_load_path={seed}",
+    )
     assert python("train.py", *base, "--training.steps=4").returncode == 0
     first = losses(dump)
     proc = python("train.py", *base, "--training.steps=2", "--checkpoint.exclude_from_loading=dataloader,train_state")
@@ -356,8 +401,11 @@ def test_the_command_users_type_works_from_any_folder(tmp_path: Path) -> None:
     assets = ["--model.tokenizer_path=assets/tokenizer", "--data.path=assets/corpus/stories.jsonl"]  # relative
     proc = subprocess.run(
         [sys.executable, str(REPO / "train.py"), "--config", "llama3_8b.toml", *assets, "--print-config"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert 'flavor = "llama3_8b"' in proc.stdout and "# parameters: 8,030,261,248" in proc.stdout
     assert f'path = "{REPO / "assets/corpus/stories.jsonl"}"' in proc.stdout

@@ -33,15 +33,24 @@ def test_validation_is_dp_and_pp_invariant_leaves_training_alone_and_reaches_eve
     assert proc.returncode == 0, proc.stderr
     wandb_env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_PROJECT": "test"}
     torchrun(
-        "train.py", *common, f"--job.dump_folder={two}", "--metrics.enable_tensorboard", "--metrics.enable_wandb",
-        nproc=2, env=wandb_env,
-    )  # fmt: skip
+        "train.py",
+        *common,
+        f"--job.dump_folder={two}",
+        "--metrics.enable_tensorboard",
+        "--metrics.enable_wandb",
+        nproc=2,
+        env=wandb_env,
+    )
     torchrun("train.py", *common, f"--job.dump_folder={off}", "--validation.enable=false", nproc=2)
     # Pipeline parallel: the stages forward only (the schedule's eval); validation batches have training's shape.
     torchrun(
-        "train.py", *common, f"--job.dump_folder={pp}", "--parallelism.pipeline_parallel_degree=2",
-        "--validation.local_batch_size=2", nproc=2,
-    )  # fmt: skip
+        "train.py",
+        *common,
+        f"--job.dump_folder={pp}",
+        "--parallelism.pipeline_parallel_degree=2",
+        "--validation.local_batch_size=2",
+        nproc=2,
+    )
 
     def validations(dump: Path) -> dict[int, float]:
         rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]

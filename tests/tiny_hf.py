@@ -23,13 +23,28 @@ LLAMA3_ROPE = {
     "original_max_position_embeddings": 64,
 }  # fmt: skip
 BASE = dict(
-    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=192,
-    vocab_size=2048, max_position_embeddings=256, rope_theta=500000.0, rms_norm_eps=1e-5,
-)  # fmt: skip
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=192,
+    vocab_size=2048,
+    max_position_embeddings=256,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+)
 QWEN3_BASE = dict(
-    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-    intermediate_size=192, vocab_size=512, max_position_embeddings=256, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-)  # fmt: skip
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=192,
+    vocab_size=512,
+    max_position_embeddings=256,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+)
 
 
 @torch.no_grad()
