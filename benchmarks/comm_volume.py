@@ -59,8 +59,10 @@ import torch.distributed as dist
 
 from benchmarks import harness
 from benchmarks.harness import MiB, Row
+from config import Optimizer
 from models import with_seq_len
 from models.llama3 import FLAVORS, ModelArgs, Transformer
+from optimizer import build_optimizer
 from parallelisms.fsdp import DTYPES, apply_fsdp
 from parallelisms.parallel_dims import ParallelDims
 from tests.instruments import Collective, CollectiveLog, mesh_group_dims, observe_ops
@@ -132,7 +134,7 @@ def measure(
     )
     model.to_empty(device=device)
     model.init_weights()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    optimizer = build_optimizer(Optimizer(lr=1e-4), model)
     generator = torch.Generator().manual_seed(rank)
     tokens = torch.randint(0, model_args.vocab_size, (batch_size, seq_len + 1), generator=generator).to(device)
 
