@@ -37,7 +37,6 @@ import doctor
 from config import (
     JobConfig,
     dry_run_world,
-    float8_settings,
     global_batch_size,
     input_problems,
     model_label,
@@ -48,7 +47,7 @@ from loss import Loss
 from models import family
 from parallelisms.fsdp import DTYPES, reshards_after_forward
 from parallelisms.parallel_dims import ParallelDims
-from parallelisms.parallelize import build_model
+from parallelisms.parallelize import build_run_model
 from parallelisms.pp import check_microbatches, rank_stages, stage_layers
 
 
@@ -57,7 +56,7 @@ def run(cfg: JobConfig) -> int:
     start = time.perf_counter()
     world_size, gpus_per_node, problems = dry_run_world()  # load_config refused bad variables
     assert not problems, problems
-    t, par = cfg.training, cfg.parallelism
+    par = cfg.parallelism
     dims = ParallelDims.from_config(par, world_size=world_size)
     lines: list[str] = []
     errors = False
@@ -68,21 +67,9 @@ def run(cfg: JobConfig) -> int:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         mesh = dims.build_mesh("cpu")
-        fam = family(cfg.model.name)
-        args = run_model_args(cfg)  # what train.py builds
-        model, pipeline = build_model(
-            fam,
-            args,
-            dims=dims,
-            mesh=mesh,
-            training=t,
-            parallelism=par,
-            ac=cfg.activation_checkpoint,
-            compile=cfg.compile,
-            float8=float8_settings(cfg),
-            loss_fn=Loss(),
-            device=torch.device("cpu"),
-            planning=True,
+        args = run_model_args(cfg)
+        model, pipeline = build_run_model(  # as train.py builds it
+            cfg, dims=dims, mesh=mesh, loss_fn=Loss(), device=torch.device("cpu"), planning=True
         )
         parts = pipeline.parts if pipeline else [model]
         local = sum(_local_numel(p) for part in parts for p in part.parameters())

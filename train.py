@@ -66,7 +66,7 @@ from optimizer import (
 from parallelisms.cp import ContextParallel, context_parallel
 from parallelisms.float8 import precompute_scales_after_each_step
 from parallelisms.parallel_dims import ParallelDims, layout_checks
-from parallelisms.parallelize import build_model, init_model
+from parallelisms.parallelize import build_run_model, init_model
 from parallelisms.pp import Pipeline
 from parallelisms.tp import loss_parallel_context
 from profiling import ProfileStep, profile_loop
@@ -187,28 +187,15 @@ def build(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
     dims = ParallelDims.from_config(cfg.parallelism, world_size=world_size)
     mesh = dims.build_mesh(device.type)
     doctor.check_startup(cfg, world_size=world_size, device=device, mesh=mesh)
-    fam, args = family(cfg.model.name), run_model_args(cfg)
-    collective_on_rank0(lambda: prepare_run_folder(cfg), rank=rank)
+    args = run_model_args(cfg)
+    collective_on_rank0(lambda: prepare_run_folder(cfg, args), rank=rank)
     if rank == 0 and cfg.job.print_config:
         print(to_toml(cfg), flush=True)
     tokenizer, loader = build_data(cfg, dp_rank=dims.dp_rank(mesh), dp_degree=dims.dp, vocab_size=args.vocab_size)
 
     # Model: meta device -> (pipeline stages) -> parallelize -> allocate -> initialize.
     loss_fn = build_loss_fn(cfg.compile, chunk_tokens=t.loss_chunk_tokens, z_loss_weight=t.z_loss_weight)
-    float8 = float8_settings(cfg)
-    model, pipeline = build_model(
-        fam,
-        args,
-        dims=dims,
-        mesh=mesh,
-        training=t,
-        parallelism=cfg.parallelism,
-        ac=cfg.activation_checkpoint,
-        compile=cfg.compile,
-        float8=float8,
-        loss_fn=loss_fn,
-        device=device,
-    )
+    model, pipeline = build_run_model(cfg, dims=dims, mesh=mesh, loss_fn=loss_fn, device=device)
     if cfg.model.print_after_conversion and rank == 0:
         print(model, flush=True)
     init_model(model, pipeline, device=device)
@@ -222,14 +209,14 @@ def build(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
         return None
 
     optimizer = build_optimizer(cfg.optimizer, model, training=t, pp_degree=dims.pp)
-    if float8 is not None and float8.precompute_float8_dynamic_scale_for_fsdp:
+    if (float8 := float8_settings(cfg)) is not None and float8.precompute_float8_dynamic_scale_for_fsdp:
         precompute_scales_after_each_step(optimizer, model)
     state = TrainState(settings=schedule_settings(cfg))
     checkpoint = build_checkpoint(cfg, model, optimizer, loader, state, process_group=checkpoint_group)
     if (start_step := resume_step(cfg, checkpoint)) is None:
         return None
     if rank == 0:
-        print_banner(cfg, dims=dims, loader=loader, start_step=start_step, device=device)
+        print_banner(cfg, args, dims=dims, loader=loader, start_step=start_step, device=device)
     resume(cfg, checkpoint, state, optimizer, start_step=start_step)
     # Signals have been recorded since the first line (stop.py); the ranks first agree here, after start-up.
     request = stop.StopRequest(ctrl_group, stop_file=Path(cfg.job.dump_folder) / "STOP", is_rank0=rank == 0)
@@ -256,12 +243,12 @@ def build(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
         after_step=[],
         resources=contextlib.ExitStack(),
     )
-    run.after_step = after_step_work(run, tokenizer, dims=dims, rank=rank, groups=[None, ctrl_group])
+    run.after_step = after_step_work(run, tokenizer, args, dims=dims, rank=rank, groups=[None, ctrl_group])
     return run
 
 
 def after_step_work(
-    run: Run, tokenizer: Any, *, dims: ParallelDims, rank: int, groups: list[dist.ProcessGroup | None]
+    run: Run, tokenizer: Any, args: Any, *, dims: ParallelDims, rank: int, groups: list[dist.ProcessGroup | None]
 ) -> list[AfterStep]:
     """The work after each step, in order: stop on too many bad steps, log, validate, stop, save, profile."""
     cfg, t = run.cfg, run.cfg.training
@@ -283,7 +270,7 @@ def after_step_work(
         total_steps=t.steps,
         start_step=run.start_step,
         tokens_per_step=loader.global_batch_size * seq_len,
-        flops_per_token=family(cfg.model.name).num_flops_per_token(run_model_args(cfg), seq_len),
+        flops_per_token=family(cfg.model.name).num_flops_per_token(args, seq_len),
         device=run.device,
         pp_degree=dims.pp,
         z_loss_weight=t.z_loss_weight,
@@ -331,9 +318,9 @@ def after_step_work(
     return [*work, run.stop, SaveStep(run.checkpoint, total_steps=t.steps), ProfileStep(profiler), collect]
 
 
-def prepare_run_folder(cfg: JobConfig) -> None:
+def prepare_run_folder(cfg: JobConfig, args: Any) -> None:
     """The run's folder (rank 0): ours alone, writable, with room for a checkpoint; the config saved in it."""
-    fam, args = family(cfg.model.name), run_model_args(cfg)
+    fam = family(cfg.model.name)
     bytes_per_param = 4 if cfg.checkpoint.create_seed_checkpoint else 12  # fp32 weights (+ AdamW's two moments)
     prepare_dump_folder(cfg.job.dump_folder, cfg.checkpoint, checkpoint_bytes=bytes_per_param * fam.num_params(args))
     if cfg.job.save_config_file:
@@ -426,9 +413,9 @@ def resume(
 
 
 def print_banner(
-    cfg: JobConfig, *, dims: ParallelDims, loader: GlobalBatchLoader, start_step: int, device: torch.device
+    cfg: JobConfig, args: Any, *, dims: ParallelDims, loader: GlobalBatchLoader, start_step: int, device: torch.device
 ) -> None:
-    t, args = cfg.training, run_model_args(cfg)
+    t = cfg.training
     if cfg.job.description:
         print(cfg.job.description, flush=True)
     print(

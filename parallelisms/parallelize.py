@@ -11,7 +11,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from models import ModelFamily
+from config import float8_settings, run_model_args
+from models import ModelFamily, family
 from parallelisms.ac import apply_ac
 from parallelisms.async_tp import apply_async_tp
 from parallelisms.compile import apply_compile, inductor_cache_dir
@@ -23,7 +24,7 @@ from parallelisms.pp import Pipeline, pipeline_model
 from parallelisms.tp import apply_tp
 
 if TYPE_CHECKING:
-    from config import ActivationCheckpoint, Compile, Float8Linear, Parallelism, Training
+    from config import ActivationCheckpoint, Compile, Float8Linear, JobConfig, Parallelism, Training
     from loss import Loss
 
 
@@ -165,6 +166,27 @@ def build_model(
         device=device,
     )
     return pipeline.module, pipeline
+
+
+def build_run_model(
+    cfg: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh, loss_fn: Loss, device: torch.device, planning: bool = False
+) -> tuple[torch.nn.Module, Pipeline | None]:
+    """`build_model` as a run's config asks: its family, its args (config.run_model_args), its sections and
+    float8 linears. train.py and the dry run both build this way, so what the dry run plans is what trains."""
+    return build_model(
+        family(cfg.model.name),
+        run_model_args(cfg),
+        dims=dims,
+        mesh=mesh,
+        training=cfg.training,
+        parallelism=cfg.parallelism,
+        ac=cfg.activation_checkpoint,
+        compile=cfg.compile,
+        float8=float8_settings(cfg),
+        loss_fn=loss_fn,
+        device=device,
+        planning=planning,
+    )
 
 
 def init_model(model: torch.nn.Module, pipeline: Pipeline | None, *, device: torch.device) -> None:
