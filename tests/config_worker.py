@@ -5,7 +5,8 @@
 RUNS_JSON holds a JSON list of train.py command lines (no `--print-config`, no dry run). Each is loaded and checked
 as `train.py` loads it, then built and trained with train.py's own `build` and `train`; each writes its dump folder as
 `torchrun ... train.py ARGS` would. A launch per command line would start torchrun and import torch on every rank again:
-seconds each (tests/test_parallel_configs.py).
+seconds each (tests/test_parallel_configs.py). `main` below repeats train.py main()'s calls (load_config with
+layout_checks, init_distributed, build, train) for several configs in one process group: keep the two alike.
 """
 
 from __future__ import annotations
