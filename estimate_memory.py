@@ -703,7 +703,7 @@ def rank_ops(schedule: str, *, pp_rank: int, pp: int, n_local: int, n_mb: int) -
     plan = types.SimpleNamespace(
         n_local_stages=n_local, pp_group_size=pp, microbatches_per_round=n_mb // rounds, _n_microbatches=n_mb
     )
-    actions = SCHEDULES[schedule]._calculate_single_rank_operations(plan, pp_rank)
+    actions = SCHEDULES[schedule].torch_class()._calculate_single_rank_operations(plan, pp_rank)
     return [
         (_ACTIONS[a.computation_type.name], a.stage_index // pp, a.microbatch_index) for a in actions if a is not None
     ]

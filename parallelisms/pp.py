@@ -23,7 +23,9 @@ without PP (scale_grads=False: the schedule adds nothing of its own).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
+import importlib
 import math
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -31,28 +33,35 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (
-    PipelineScheduleSingle,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-)
 
 from errors import ConfigError
 
 if TYPE_CHECKING:
+    from torch.distributed.pipelining import PipelineStage
+
     from config import Parallelism
 
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """A schedule of torch.distributed.pipelining, by what the split and the micro-batch check need to know of it.
+    torch.distributed.pipelining imports dynamo (about 0.7 s of every process's start): it is imported when a
+    pipeline is built, not when a config is checked (tests/test_pp.py checks these facts against torch's classes)."""
+
+    class_name: str
+    single: bool  # one stage per rank (a PipelineScheduleSingle)
+    in_rounds: bool  # micro-batches run in max(1, micro-batches // pp) rounds of equal size
+
+    def torch_class(self) -> type:
+        return getattr(importlib.import_module("torch.distributed.pipelining.schedules"), self.class_name)
+
+
 SCHEDULES = {
-    "1F1B": Schedule1F1B,
-    "GPipe": ScheduleGPipe,
-    "Interleaved1F1B": ScheduleInterleaved1F1B,
-    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+    "1F1B": Schedule("Schedule1F1B", single=True, in_rounds=False),
+    "GPipe": Schedule("ScheduleGPipe", single=True, in_rounds=False),
+    "Interleaved1F1B": Schedule("ScheduleInterleaved1F1B", single=False, in_rounds=True),
+    "InterleavedZeroBubble": Schedule("ScheduleInterleavedZeroBubble", single=False, in_rounds=True),
 }
-# torch runs these schedules' micro-batches in max(1, micro-batches // pp) rounds of equal size.
-IN_ROUNDS = (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)
 
 
 def stage_layers(args: Any, cfg: Parallelism) -> list[list[int]]:
@@ -77,7 +86,7 @@ def split_layers(
     key = "parallelism.pipeline_parallel"
     if name not in SCHEDULES:
         raise ConfigError(f"{key}_schedule: {name!r} is not one of {', '.join(SCHEDULES)}")
-    single = issubclass(SCHEDULES[name], PipelineScheduleSingle)
+    single = SCHEDULES[name].single
     problems = []
     if args.tie_word_embeddings:
         problems.append(
@@ -148,7 +157,7 @@ def check_microbatches(*, pp: int, schedule: str, microbatch_size: int, local_ba
             f"local_batch_size {local_batch_size}, fewer than the {pp} stages 1F1B needs (more shrink the bubble); "
             f"lower it or raise training.local_batch_size"
         )
-    if SCHEDULES.get(schedule) in IN_ROUNDS and n % (rounds := max(1, n // pp)):
+    if schedule in SCHEDULES and SCHEDULES[schedule].in_rounds and n % (rounds := max(1, n // pp)):
         raise ConfigError(
             f"parallelism.pipeline_parallel_microbatch_size: {mb} makes {n} micro-batches of local_batch_size "
             f"{local_batch_size}; {schedule} runs them in rounds, {n} // {pp} stages = "
@@ -245,6 +254,8 @@ def pipeline_model(
 ) -> Pipeline:
     """Cut the (meta) model into this rank's stages, parallelize each with `parallelize`, build the schedule.
     `loss_fn` is what training minimises, `score_fn` what validation reports (default: the same)."""
+    from torch.distributed.pipelining import PipelineStage
+
     pp = mesh["pp"].size()
     layers = stage_layers(model.args, cfg)
     n_microbatches = check_microbatches(
@@ -262,10 +273,10 @@ def pipeline_model(
         part.register_forward_pre_hook(head, with_kwargs=True)
         stages.append(PipelineStage(part, index, len(layers), device, group=pp_group))
         parts.append(part)
-    schedule_class = SCHEDULES[cfg.pipeline_parallel_schedule]
+    schedule = SCHEDULES[cfg.pipeline_parallel_schedule]
     pipeline = Pipeline(parts, stages, pp_group=pp_group, n_microbatches=n_microbatches)
-    pipeline.schedule = schedule_class(
-        stages if len(stages) > 1 or not issubclass(schedule_class, PipelineScheduleSingle) else stages[0],
+    pipeline.schedule = schedule.torch_class()(
+        stages if len(stages) > 1 or not schedule.single else stages[0],
         n_microbatches=n_microbatches,
         loss_fn=pipeline.scaled,
         scale_grads=False,

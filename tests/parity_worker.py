@@ -106,7 +106,6 @@ LAYOUTS: dict[str, Layout] = {
     "tp2": Layout(tp=2),
     "tp2_no_loss_parallel": Layout(tp=2, loss_parallel=False),
     "tp2_op_sac": Layout(tp=2, ac=OP_SAC),
-    "fsdp2_compile_op_sac": Layout(dp_shard=2, ac=OP_SAC, compile=True),
     "tp2_block_causal": Layout(tp=2, block_causal=True),
     "fsdp2_chunked_loss": Layout(dp_shard=2, loss_chunk_tokens=16),
     "tp2_chunked_loss": Layout(tp=2, loss_chunk_tokens=16),
@@ -124,8 +123,10 @@ LAYOUTS: dict[str, Layout] = {
     "fsdp2_tp2": Layout(dp_shard=2, tp=2),
     "fsdp2_tp2_op_sac": Layout(dp_shard=2, tp=2, ac=OP_SAC),
     "hsdp2x1_tp2": Layout(dp_replicate=2, dp_shard=1, tp=2),
-    # Also covers TP + compile's first-block input (see parallelisms.tp._wait_async_output).
-    "fsdp2_tp2_compile_op_sac": Layout(dp_shard=2, tp=2, ac=OP_SAC, compile=True),
+    # Compile on FSDP x TP, with the documents' segments; also covers TP + compile's first-block input (see
+    # parallelisms.tp._wait_async_output). The plain causal mask under FSDP x TP + compile is Qwen3's layout below;
+    # FSDP + compile alone is configs/debug_compile.toml (tests/test_parallel_configs.py), in one process
+    # tests/test_parallelisms.py. A compiled layout costs more than all the eager ones of its launch together.
     "fsdp2_tp2_compile_op_sac_block_causal": Layout(dp_shard=2, tp=2, ac=OP_SAC, compile=True, block_causal=True),
     "fsdp2_tp2_chunked_loss": Layout(dp_shard=2, tp=2, loss_chunk_tokens=16),
     "pp2_fsdp2": Layout(pp=2, dp_shard=2),
