@@ -455,6 +455,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--flavor", default="debugmodel", choices=sorted(FLAVORS))
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=4, help="local batch size (sequences per rank)")
+    p.add_argument(
+        "--loss-dim", type=int, default=LOSS_PHASE["dim"], help="the loss phase's hidden size (its matmuls' cost)"
+    )
 
 
 def measure_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -481,7 +484,7 @@ def measure_args(args: argparse.Namespace) -> dict[str, Any]:
                 row[key] = max(r[key] for r in everyone)
             row["per_rank_device_total_bytes"] = [r["device_total_bytes"] for r in everyone]
             setups[name] = row
-        loss = loss_phase(**LOSS_PHASE) if dist.get_rank() == 0 else {}
+        loss = loss_phase(**(LOSS_PHASE | {"dim": args.loss_dim})) if dist.get_rank() == 0 else {}
     meta = {"flavor": args.flavor, "seq_len": args.seq_len, "local_batch_size": args.batch_size, "world": world}
     return {**meta, "setups": setups, "loss_phase": loss}
 

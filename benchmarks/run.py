@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from benchmarks import (
+    async_tp_fusion,
     comm_volume,
     compile_cache,
     context_parallel,
@@ -52,6 +53,7 @@ BENCHMARKS = {
         metadata,
         comm_volume,
         compile_cache,
+        async_tp_fusion,
         memory,
         context_parallel,
         data_pipeline,

@@ -61,17 +61,28 @@ _SAVE_OPS: frozenset[torch._ops.OpOverload] = frozenset(
         aten.max.default,
     }
 )
+_ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 # The matmul of a linear layer (plain, with bias, float8); kept when the linear is one the family names.
 _MATMUL_OPS: frozenset[torch._ops.OpOverload] = frozenset(
     {aten.mm.default, aten.addmm.default, aten._scaled_mm.default}
 )
 
 
-def apply_ac(model: nn.Module, cfg: ActivationCheckpoint, *, saved_linears: tuple[str, ...] = ()) -> None:
+def apply_ac(
+    model: nn.Module,
+    cfg: ActivationCheckpoint,
+    *,
+    saved_linears: tuple[str, ...] = (),
+    recompute_gathers_of: str | None = None,
+) -> None:
     """Checkpoint the transformer blocks of `model` in place, as `cfg` (validated by config.py) says.
 
     saved_linears: for selective op AC, the linears (names inside a block) whose matmul outputs are
     kept (the family's plans.py SAC_SAVED_LINEARS); every other matmul is recomputed.
+    recompute_gathers_of: a process group's name (the TP group under async TP) whose all-gathers op SAC recomputes
+    instead of keeping. A kept all-gather output has a second user, so inductor's micro-pipeline pass cannot fuse
+    it with its matmul; recomputed, it is gathered again in backward, fused there too (tests/test_async_tp.py counts
+    both). Plain TP keeps it: a gather saved is one not sent twice.
     Parameter names, state-dict keys and `isinstance(block, <its class>)` stay as they were:
     the block's class is swapped for a subclass whose forward checkpoints the original one (see
     `checkpoint_module`). Raises ConfigError if a block is already checkpointed.
@@ -101,7 +112,7 @@ def apply_ac(model: nn.Module, cfg: ActivationCheckpoint, *, saved_linears: tupl
     # Block i is checkpointed when (i + 1) % k == 0: k = 2 -> blocks 1, 3, 5, ... (torchtitan's choice).
     for i, block in enumerate(model.layers.values()):
         if (i + 1) % every == 0:
-            context_fn = _op_sac_context(block, saved_linears) if op_sac else None
+            context_fn = _op_sac_context(block, saved_linears, recompute_gathers_of) if op_sac else None
             checkpoint_module(
                 block, use_reentrant=cfg.use_reentrant, context_fn=context_fn, early_stop=cfg.early_stop, **options
             )
@@ -116,9 +127,19 @@ class CheckpointedModule:
 
     _ac_options: dict[str, Any]  # torch.utils.checkpoint's keyword arguments
     _ac_early_stop: bool
+    _ac_compiled_forward: Callable[..., Any] | None = None  # set by compile_inside_checkpoint
+
+    def compile_inside_checkpoint(self, **compile_options: Any) -> None:
+        """Compile the wrapped module's forward and keep the checkpoint outside it, eager: the forward and its
+        recomputation both run the compiled graph. For full checkpointing, which PyTorch 2.13 cannot compile around a
+        tensor-parallel block (AOT autograd saves the block's DeviceMesh for the recomputation, then fails at the first
+        step: "expected all tensors_saved_with_vc_check to be Tensors"; torchtitan 0.2.2 fails the same way). A
+        selective policy must be traced with the ops it tags: those blocks are compiled whole (`Module.compile`)."""
+        assert "context_fn" not in self._ac_options, "a selective policy is compiled with the block"
+        self._ac_compiled_forward = torch.compile(super().forward, **compile_options)  # type: ignore[misc]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        inner = super().forward  # type: ignore[misc]  # the wrapped module class's forward
+        inner = self._ac_compiled_forward or super().forward  # type: ignore[misc]  # the wrapped class's forward
         if self._ac_early_stop:  # torch's default
             return checkpoint(inner, *args, **self._ac_options, **kwargs)
         # Read when the forward runs, not when backward recomputes.
@@ -204,12 +225,17 @@ class _LinearScope:
         return bool(self.ids.intersection(meta.get("nn_module_stack") or ()))
 
 
-def _op_sac_context(block: nn.Module, saved_linears: tuple[str, ...]) -> Callable[[], tuple[Any, Any]]:
+def _op_sac_context(
+    block: nn.Module, saved_linears: tuple[str, ...], recompute_gathers_of: str | None = None
+) -> Callable[[], tuple[Any, Any]]:
     """A context_fn for one block: fresh (forward, recompute) contexts per checkpointed call, keeping the
-    outputs of _SAVE_OPS and of the matmuls of `saved_linears`, recomputing the rest."""
+    outputs of _SAVE_OPS (but the all-gathers of group `recompute_gathers_of`) and of the matmuls of
+    `saved_linears`, recomputing the rest."""
     scope = _LinearScope(block, saved_linears)
 
     def policy(ctx: Any, op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op is _ALL_GATHER and args[2] == recompute_gathers_of:  # (input, group size, group name)
+            return CheckpointPolicy.PREFER_RECOMPUTE
         if op in _SAVE_OPS or (op in _MATMUL_OPS and scope.inside()):
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE

@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from parallelisms.ac import CheckpointedModule
+
 _RECIPE_DIR = re.compile(r"recipe-[0-9a-f]{16}")
 
 
@@ -78,4 +80,7 @@ def apply_compile(model: nn.Module, *, backend: str = "inductor", cache_dir: str
     if cache_dir is not None:
         use_inductor_cache_dir(cache_dir)
     for block in model.layers.values():
-        block.compile(fullgraph=True, backend=backend)
+        if isinstance(block, CheckpointedModule) and "context_fn" not in block._ac_options:
+            block.compile_inside_checkpoint(fullgraph=True, backend=backend)  # full AC (why: ac.py)
+        else:
+            block.compile(fullgraph=True, backend=backend)

@@ -91,7 +91,13 @@ def parallelize_model(
     if (cp := context_parallel(mesh, parallelism)) is not None:
         apply_cp(model, cp)
 
-    apply_ac(model, ac, saved_linears=family.sac_saved_linears)
+    # Under async TP, op SAC gathers TP's activations again in backward rather than keeping them (parallelisms/ac.py).
+    apply_ac(
+        model,
+        ac,
+        saved_linears=family.sac_saved_linears,
+        recompute_gathers_of=mesh["tp"].get_group().group_name if parallelism.enable_async_tensor_parallel else None,
+    )
 
     if compile.enable and "model" in compile.components:
         # Every setting that changes the generated code; docs/failures.md #4.

@@ -112,13 +112,21 @@ def test_compiled_layouts_use_their_recipe_cache_folder(world_size: int, request
     """
     request.getfixturevalue(f"results_{world_size}")
     root = request.getfixturevalue("parity_dir") / f"inductor-{world_size}"
-    compiled = {layout.tp for layout in LAYOUTS.values() if layout.compile and layout.world_size == world_size}
-    assert all(layout.ac == OP_SAC for layout in LAYOUTS.values() if layout.compile)
-    (tp,) = compiled  # the compiled layouts of one world size share one recipe (the mask is not in it)
-    recipe = {"tp_degree": tp, "async_tp": False, "ac_mode": "selective", "ac_option": "op", "float8": ""}
-    expected = inductor_cache_dir(recipe, root=root)
-    assert sorted(root.glob("recipe-*")) == [expected]
-    assert any((expected / "fxgraph").rglob("*")), f"no FX graph cached in {expected}"
+    # One folder per recipe (the mask and the family are not in it).
+    recipes = {
+        (layout.tp, layout.ac.mode, layout.ac.selective_ac_option if layout.ac.mode == "selective" else "")
+        for layout in LAYOUTS.values()
+        if layout.compile and layout.world_size == world_size
+    }
+    expected = [
+        inductor_cache_dir(
+            {"tp_degree": tp, "async_tp": False, "ac_mode": mode, "ac_option": option, "float8": ""}, root=root
+        )
+        for tp, mode, option in recipes
+    ]
+    assert sorted(root.glob("recipe-*")) == sorted(expected)
+    for folder in expected:
+        assert any((folder / "fxgraph").rglob("*")), f"no FX graph cached in {folder}"
 
 
 def test_tp_refuses_shapes_it_cannot_split() -> None:

@@ -1,0 +1,55 @@
+"""Async TP (docs/failures.md #4): what inductor's micro-pipeline TP pass fuses in this recipe's compiled TP blocks,
+counted by benchmarks/async_tp_fusion.py (one process, ~25 s: seven compiles without kernel generation)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from benchmarks import async_tp_fusion
+from benchmarks.harness import read_results, run_python
+
+# Per block, the TP plan's collectives (sequence parallel): forward, an all-gather before attention's and the MLP's
+# column-wise linears, a reduce-scatter after their row-wise ones; backward, the same mirrored.
+PLAN = {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
+FUSED = {"fused_all_gather_matmul": 2, "fused_matmul_reduce_scatter": 2}
+# Backward: the gradient's all-gathers feed the row-wise linears' matmuls and fuse; each reduce-scatter is of the
+# input's gradient of several column-wise linears (wq + wk + wv; w1 + w3), a sum of matmuls, which the pass does not
+# match by design (it fuses a reduce-scatter with the one matmul that produces its input).
+BACKWARD = {"fused_all_gather_matmul": 2, "reduce_scatter_tensor": 2}
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], dict[str, Any]]:
+    out = tmp_path_factory.mktemp("async_tp_fusion") / "async_tp_fusion.json"
+    proc = run_python("-m", "benchmarks.async_tp_fusion", "--out", str(out), capture=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "before -> after inductor's micro-pipeline TP pass" in proc.stdout  # the table
+    return {(r["family"], r["ac"]): r for r in read_results(out)["layouts"]}
+
+
+@pytest.mark.parametrize(("family", "ac"), [(f, a) for f, a in async_tp_fusion.LAYOUTS if a != "op, gathers kept"])
+def test_every_forward_collective_of_the_tp_plan_is_fused(
+    family: str, ac: str, layouts: dict[tuple[str, str], dict[str, Any]]
+) -> None:
+    """No AC, op SAC (async TP's policy) and full AC, both families: the pass sees the plan's collectives and fuses
+    each one in forward; in backward all but the two reduce-scatters of a sum of matmuls."""
+    result = layouts[(family, ac)]
+    assert "error" not in result, result  # full AC with TP compiles (parallelisms/ac.py, compile_inside_checkpoint)
+    assert result["before"]["forward"] == PLAN
+    assert result["after"]["forward"] == FUSED
+    # Op SAC recomputes the forward's all-gathers in backward (async TP's policy): fused there too.
+    regathers = 2 if ac == "op" else 0
+    assert result["before"]["backward"] == {**PLAN, "all_gather_into_tensor": 2 + regathers}
+    assert result["after"]["backward"] == {**BACKWARD, "fused_all_gather_matmul": 2 + regathers}
+
+
+def test_an_all_gather_op_sac_keeps_is_not_fused(layouts: dict[tuple[str, str], dict[str, Any]]) -> None:
+    """Op SAC as plain TP runs it keeps the all-gathers' outputs for backward: a second user of the gathered tensor,
+    and the pass leaves both forward all-gathers plain. Hence parallelize_model's policy under async TP."""
+    kept = layouts[("llama3", "op, gathers kept")]
+    assert kept["after"]["forward"] == {"all_gather_into_tensor": 2, "fused_matmul_reduce_scatter": 2}
+    assert kept["after"]["backward"] == BACKWARD
+    (row,) = async_tp_fusion.rows({"tp": 2, "layouts": list(layouts.values())})
+    assert (row.broken_value, row.fixed_value) == (2, 0)
