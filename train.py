@@ -99,7 +99,11 @@ def main(argv: list[str]) -> int:
     device, rank, world_size = init_distributed(cfg.comm, dump_folder=cfg.job.dump_folder)
     try:
         run = build(cfg, device=device, rank=rank, world_size=world_size)
-        return train(run) if run is not None else 0
+        code = train(run) if run is not None else 0
+        # Leave together: a rank tearing gloo down while its peer was still in a collective aborted the peer
+        # ("terminate called without an active exception", seen once in a full test run under load).
+        dist.barrier()
+        return code
     finally:
         dist.destroy_process_group()
 
