@@ -47,12 +47,10 @@ def test_two_rank_run_loss_falls_and_metrics_are_logged(
     assert "a spike" not in proc.stderr, proc.stderr  # (tests/test_faults.py skips one)
 
 
-def run(dump: Path, *, nproc: int, steps: int, seed: Path, extra: tuple[str, ...] = ()) -> None:
-    """A run of `steps` steps. The LR stays flat after warmup (min_lr_factor = 1), so that a
-    10-step run is the first half of a 20-step run, as if the 20-step job was stopped. One rank: `python train.py`,
-    as a user starts it (torchrun's start-up would add seconds)."""
-    args = (
-        "train.py",
+def run_args(dump: Path, *, steps: int, seed: Path, extra: tuple[str, ...] = ()) -> list[str]:
+    """train.py's arguments for a run of `steps` steps. The LR stays flat after warmup (min_lr_factor = 1), so that a
+    10-step run is the first half of a 20-step run, as if the 20-step job was stopped."""
+    return [
         *TINY,
         f"--training.steps={steps}",
         "--training.global_batch_size=8",
@@ -63,7 +61,12 @@ def run(dump: Path, *, nproc: int, steps: int, seed: Path, extra: tuple[str, ...
         "--checkpoint.interval=5",
         f"--checkpoint.initial_load_path={seed}",
         *extra,
-    )
+    ]
+
+
+def run(dump: Path, *, nproc: int, steps: int, seed: Path, extra: tuple[str, ...] = ()) -> None:
+    """A run (`run_args`). One rank: `python train.py`, as a user starts it (torchrun's start-up would add seconds)."""
+    args = ("train.py", *run_args(dump, steps=steps, seed=seed, extra=extra))
     if nproc > 1:
         torchrun(*args, nproc=nproc)
         return
@@ -71,21 +74,34 @@ def run(dump: Path, *, nproc: int, steps: int, seed: Path, extra: tuple[str, ...
     assert proc.returncode == 0, proc.stderr[-6000:]
 
 
+def runs_in_one_launch(runs_json: Path, nproc: int, *runs: list[str]) -> None:
+    """Several runs (`run_args`), one after another in one torchrun launch (tests/config_worker.py)."""
+    runs_json.write_text(json.dumps(runs))
+    torchrun(REPO / "tests" / "config_worker.py", str(runs_json), nproc=nproc)
+
+
 def test_resume_gives_the_losses_of_a_straight_run_and_skips_partial_checkpoints(tmp_path: Path, seed: Path) -> None:
     straight, resumed, resharded = tmp_path / "straight", tmp_path / "resumed", tmp_path / "resharded"
-    run(straight, nproc=2, steps=20, seed=seed)
-    # Same world size; async saves and pruning on the way.
-    run(resumed, nproc=2, steps=10, seed=seed, extra=("--checkpoint.async_mode=async", "--checkpoint.keep_latest_k=1"))
+    # The straight run, then the first half of the same world size with async saves and pruning on the way, in one
+    # launch (the async save last: the process waits for it at exit).
+    async_first_half = ("--checkpoint.async_mode=async", "--checkpoint.keep_latest_k=1")
+    runs_in_one_launch(
+        tmp_path / "first.json",
+        2,
+        run_args(straight, steps=20, seed=seed),
+        run_args(resumed, steps=10, seed=seed, extra=async_first_half),
+    )
     assert sorted(p.name for p in (resumed / "checkpoint").iterdir()) == ["step-10"]
     # A save killed half way: a .partial folder, and a step folder without .metadata; never resumed (the losses
     # below are those of a resume from step 10).
     (resumed / "checkpoint" / "step-15.partial").mkdir()
     (resumed / "checkpoint" / "step-20").mkdir()
-    run(resumed, nproc=2, steps=20, seed=seed)
     # Saved on 4 ranks as 2 pipeline stages x FSDP 2, resumed on 2 without pipeline: DCP reshards
     # model and optimizer state (parameter names do not depend on the stages).
     run(resharded, nproc=4, steps=10, seed=seed, extra=("--parallelism.pipeline_parallel_degree=2",))
-    run(resharded, nproc=2, steps=20, seed=seed)
+    runs_in_one_launch(
+        tmp_path / "second.json", 2, run_args(resumed, steps=20, seed=seed), run_args(resharded, steps=20, seed=seed)
+    )
 
     ref, same, other = losses(straight), losses(resumed), losses(resharded)
     assert sorted(same) == sorted(other) == list(range(1, 21))

@@ -31,26 +31,22 @@ def test_validation_is_dp_and_pp_invariant_leaves_training_alone_and_reaches_eve
     one, two, off, pp = tmp_path / "one", tmp_path / "two", tmp_path / "off", tmp_path / "pp"
     proc = python("train.py", *common, f"--job.dump_folder={one}")
     assert proc.returncode == 0, proc.stderr
+    # The three 2-rank runs in one launch (tests/config_worker.py): without validation; as a pipeline (the stages
+    # forward only, the schedule's eval; validation batches have training's shape); with TensorBoard and (offline)
+    # Weights & Biases.
+    runs = [
+        [*common, f"--job.dump_folder={off}", "--validation.enable=false"],
+        [
+            *common,
+            f"--job.dump_folder={pp}",
+            "--parallelism.pipeline_parallel_degree=2",
+            "--validation.local_batch_size=2",
+        ],
+        [*common, f"--job.dump_folder={two}", "--metrics.enable_tensorboard", "--metrics.enable_wandb"],
+    ]
+    (tmp_path / "runs.json").write_text(json.dumps(runs))
     wandb_env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_PROJECT": "test"}
-    torchrun(
-        "train.py",
-        *common,
-        f"--job.dump_folder={two}",
-        "--metrics.enable_tensorboard",
-        "--metrics.enable_wandb",
-        nproc=2,
-        env=wandb_env,
-    )
-    torchrun("train.py", *common, f"--job.dump_folder={off}", "--validation.enable=false", nproc=2)
-    # Pipeline parallel: the stages forward only (the schedule's eval); validation batches have training's shape.
-    torchrun(
-        "train.py",
-        *common,
-        f"--job.dump_folder={pp}",
-        "--parallelism.pipeline_parallel_degree=2",
-        "--validation.local_batch_size=2",
-        nproc=2,
-    )
+    torchrun(REPO / "tests" / "config_worker.py", str(tmp_path / "runs.json"), nproc=2, env=wandb_env)
 
     def validations(dump: Path) -> dict[int, float]:
         rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
