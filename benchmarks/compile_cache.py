@@ -106,8 +106,10 @@ def cache_dirs(root: Path) -> dict[str, str]:
 # -------------------------------------------------------- 2. real compiles
 
 
-def compile_once(cache_dir: Path, *, micro_pipeline_tp: bool) -> dict[str, Any]:
-    """In this (fresh) process: compile MODEL_ARGS's block into `cache_dir`, two training steps, counters."""
+def compile_once(cache_dir: Path, *, micro_pipeline_tp: bool, kernels: bool = True) -> dict[str, Any]:
+    """In this (fresh) process: compile MODEL_ARGS's block into `cache_dir`, two training steps, counters.
+    kernels=False: inductor generates no kernels (`fallback_by_default`, in every run alike): the cache's keys and
+    hits are the same, the compile times are not a real compile's (the tests' setting)."""
     # Private inductor configs and counters (PyTorch 2.13), used only here. compile_threads is left
     # out of every cache key; one thread compiles in-process instead of starting a worker pool.
     import torch._inductor.config as inductor_config
@@ -117,6 +119,7 @@ def compile_once(cache_dir: Path, *, micro_pipeline_tp: bool) -> dict[str, Any]:
     # What parallelisms.async_tp.apply_async_tp sets (without the CUDA-only symmetric memory):
     # the flag the FX graph cache key ignored before PyTorch 2.8.
     inductor_config._micro_pipeline_tp = micro_pipeline_tp
+    inductor_config.fallback_by_default = not kernels
 
     torch.manual_seed(0)
     model = Transformer(MODEL_ARGS)
@@ -167,7 +170,7 @@ PHASES: list[list[CompileRun]] = [
 CACHES_ON = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
 
 
-def run_compiles(root: Path) -> dict[str, dict[str, Any]]:
+def run_compiles(root: Path, *, kernels: bool = True) -> dict[str, dict[str, Any]]:
     """Every run of PHASES in a fresh `python -m benchmarks.compile_cache --worker DIR` process."""
     keyed = cache_dirs(root / "keyed")
     runs: dict[str, dict[str, Any]] = {}
@@ -178,6 +181,7 @@ def run_compiles(root: Path) -> dict[str, dict[str, Any]]:
         for run in phase:
             folder = root / "shared" if run.folder == "shared" else Path(keyed[run.recipe])
             flags = ["--micro-pipeline-tp"] if run.micro_pipeline_tp else []
+            flags += [] if kernels else ["--no-kernels"]
             cmd = ("-m", "benchmarks.compile_cache", "--worker", str(folder), *flags)
             procs[run] = (time.perf_counter(), harness.start_python(*cmd, env=CACHES_ON))
         for run, (start, proc) in procs.items():
@@ -239,13 +243,13 @@ def async_tp_refusals(train: subprocess.Popen[str]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def measure(*, cache_root: Path | None = None) -> dict[str, Any]:
+def measure(*, cache_root: Path | None = None, kernels: bool = True) -> dict[str, Any]:
     """The three parts of the module docstring; the cache folders go under `cache_root` (default: a temp dir)."""
     with tempfile.TemporaryDirectory(prefix="compile_cache_") as tmp:
         root = cache_root or Path(tmp)
         dirs = cache_dirs(root / "keyed")
         train = harness.start_python(*TRAIN_WITH_ASYNC_TP)  # refused before any allocation; runs beside phase 1
-        runs = run_compiles(root)
+        runs = run_compiles(root, kernels=kernels)
         refusals = async_tp_refusals(train)
     return {
         "model_args": dataclasses.asdict(MODEL_ARGS),
@@ -317,12 +321,20 @@ def table(results: dict[str, Any]) -> str:
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-root", type=Path, default=None, help="where the cache folders go (default: a temp dir)")
+    p.add_argument(
+        "--no-kernels",
+        action="store_true",
+        help="compile without generating kernels: the same cache hits, not the times",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--worker"]:  # internal, from run_compiles: `--worker DIR [--micro-pipeline-tp]`
-        result = compile_once(Path(argv[1]), micro_pipeline_tp="--micro-pipeline-tp" in argv[2:])
+    if argv[:1] == ["--worker"]:  # internal, from run_compiles: `--worker DIR [--micro-pipeline-tp] [--no-kernels]`
+        flags = argv[2:]
+        result = compile_once(
+            Path(argv[1]), micro_pipeline_tp="--micro-pipeline-tp" in flags, kernels="--no-kernels" not in flags
+        )
         print(json.dumps(result), flush=True)
         return 0
     return harness.main(
@@ -330,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         argv,
         doc=__doc__,
         add_args=add_args,
-        measure=lambda args: measure(cache_root=args.cache_root),
+        measure=lambda args: measure(cache_root=args.cache_root, kernels=not args.no_kernels),
         table=table,
     )
 
