@@ -128,8 +128,8 @@ LAYOUTS: dict[str, Layout] = {
     "hsdp2x1_tp2": Layout(dp_replicate=2, dp_shard=1, tp=2),
     # Compile on FSDP x TP, with the documents' segments; also covers TP + compile's first-block input (see
     # parallelisms.tp._wait_async_output). The plain causal mask under FSDP x TP + compile is Qwen3's layout below;
-    # FSDP + compile alone is configs/debug_compile.toml (tests/test_parallel_configs.py), in one process
-    # tests/test_parallelisms.py. A compiled layout costs more than all the eager ones of its launch together.
+    # FSDP + compile alone is configs/debug_compile.toml (tests/test_parallel_configs.py), compile + op SAC without
+    # FSDP or TP cp2_compile_op_sac. A compiled layout costs more than all the eager ones of its launch together.
     "fsdp2_tp2_compile_op_sac_block_causal": Layout(dp_shard=2, tp=2, ac=OP_SAC, compile=True, block_causal=True),
     "fsdp2_tp2_chunked_loss": Layout(dp_shard=2, tp=2, loss_chunk_tokens=16),
     "pp2_fsdp2": Layout(pp=2, dp_shard=2),
