@@ -69,7 +69,7 @@ def run(cfg: JobConfig) -> int:
         mesh = dims.build_mesh("cpu")
         args = run_model_args(cfg)
         model, pipeline = build_run_model(  # as train.py builds it
-            cfg, dims=dims, mesh=mesh, loss_fn=Loss(), device=torch.device("cpu"), planning=True
+            cfg, args, dims=dims, mesh=mesh, loss_fn=Loss(), device=torch.device("cpu"), planning=True
         )
         parts = pipeline.parts if pipeline else [model]
         local = sum(_local_numel(p) for part in parts for p in part.parameters())

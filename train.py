@@ -199,7 +199,7 @@ def build(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
 
     # Model: meta device -> (pipeline stages) -> parallelize -> allocate -> initialize.
     loss_fn = build_loss_fn(cfg.compile, chunk_tokens=t.loss_chunk_tokens, z_loss_weight=t.z_loss_weight)
-    model, pipeline = build_run_model(cfg, dims=dims, mesh=mesh, loss_fn=loss_fn, device=device)
+    model, pipeline = build_run_model(cfg, args, dims=dims, mesh=mesh, loss_fn=loss_fn, device=device)
     if cfg.model.print_after_conversion and rank == 0:
         print(model, flush=True)
     init_model(model, pipeline, device=device)

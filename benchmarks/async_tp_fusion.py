@@ -61,6 +61,7 @@ def count_layout(family: str, ac_mode: str) -> dict[str, Any]:
     import models
     from config import ActivationCheckpoint, Compile, Parallelism
     from loss import build_loss_fn
+    from parallelisms.async_tp import switch_on_micro_pipeline_tp
     from parallelisms.parallel_dims import ParallelDims
     from parallelisms.parallelize import build_model, init_model
     from tests.parity_worker import GLOBAL_BATCH, TRAINING, model_args, random_batch
@@ -99,7 +100,7 @@ def count_layout(family: str, ac_mode: str) -> dict[str, Any]:
                 device=torch.device("cpu"),
             )
             init_model(model, pipeline, device=torch.device("cpu"))
-            inductor_config._micro_pipeline_tp = True  # the pass on, whichever policy op SAC was given
+            switch_on_micro_pipeline_tp()  # the pass on, whichever policy op SAC was given
             tokens = random_batch()
             model(tokens[:, :-1]).float().mean().backward()
         except Exception as e:  # a torch failure is the result for this layout
@@ -118,9 +119,9 @@ def count_layout(family: str, ac_mode: str) -> dict[str, Any]:
 def _switch_on_async_tp(tp_mesh: Any, **_: Any) -> None:
     """parallelisms.async_tp.apply_async_tp without its CUDA checks and its CUDA-only symmetric memory (the test mode
     stands in): the inductor switch."""
-    import torch._inductor.config as inductor_config
+    from parallelisms.async_tp import switch_on_micro_pipeline_tp
 
-    inductor_config._micro_pipeline_tp = True
+    switch_on_micro_pipeline_tp()
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:

@@ -81,8 +81,8 @@ def apply_ac(
     kept (the family's plans.py SAC_SAVED_LINEARS); every other matmul is recomputed.
     recompute_gathers_of: a process group's name (the TP group under async TP) whose all-gathers op SAC recomputes
     instead of keeping. A kept all-gather output has a second user, so inductor's micro-pipeline pass cannot fuse
-    it with its matmul; recomputed, it is gathered again in backward, fused there too (tests/test_async_tp.py counts
-    both). Plain TP keeps it: a gather saved is one not sent twice.
+    it with its matmul; recomputed, it is gathered again in backward, fused there too (benchmarks/async_tp_fusion.py
+    counts both). Plain TP keeps it: a gather saved is one not sent twice.
     Parameter names, state-dict keys and `isinstance(block, <its class>)` stay as they were:
     the block's class is swapped for a subclass whose forward checkpoints the original one (see
     `checkpoint_module`). Raises ConfigError if a block is already checkpointed.
@@ -127,16 +127,19 @@ class CheckpointedModule:
 
     _ac_options: dict[str, Any]  # torch.utils.checkpoint's keyword arguments
     _ac_early_stop: bool
-    _ac_compiled_forward: Callable[..., Any] | None = None  # set by compile_inside_checkpoint
+    _ac_compiled_forward: Callable[..., Any] | None = None  # set by `compile` under full checkpointing
 
-    def compile_inside_checkpoint(self, **compile_options: Any) -> None:
-        """Compile the wrapped module's forward and keep the checkpoint outside it, eager: the forward and its
-        recomputation both run the compiled graph. For full checkpointing, which PyTorch 2.13 cannot compile around a
-        tensor-parallel block (AOT autograd saves the block's DeviceMesh for the recomputation, then fails at the first
-        step: "expected all tensors_saved_with_vc_check to be Tensors"; torchtitan 0.2.2 fails the same way). A
-        selective policy must be traced with the ops it tags: those blocks are compiled whole (`Module.compile`)."""
-        assert "context_fn" not in self._ac_options, "a selective policy is compiled with the block"
-        self._ac_compiled_forward = torch.compile(super().forward, **compile_options)  # type: ignore[misc]
+    def compile(self, **compile_options: Any) -> None:
+        """`Module.compile` for a checkpointed block. A selective policy must be traced with the ops it tags: the
+        block is compiled whole, checkpoint included. Under full checkpointing the wrapped forward is compiled and the
+        checkpoint stays outside it, eager (the forward and its recomputation both run the compiled graph): PyTorch
+        2.13 cannot compile full checkpointing around a tensor-parallel block (AOT autograd saves the block's
+        DeviceMesh for the recomputation and fails at the first step: "expected all tensors_saved_with_vc_check to be
+        Tensors"; torchtitan 0.2.2 fails the same way; tests/parity_worker.py's tp2_compile_full_ac)."""
+        if "context_fn" in self._ac_options:
+            super().compile(**compile_options)  # type: ignore[misc]
+        else:
+            self._ac_compiled_forward = torch.compile(super().forward, **compile_options)  # type: ignore[misc]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         inner = self._ac_compiled_forward or super().forward  # type: ignore[misc]  # the wrapped class's forward

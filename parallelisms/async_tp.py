@@ -56,5 +56,10 @@ def apply_async_tp(tp_mesh: DeviceMesh, *, compile_enabled: bool, planning: bool
     # Both switches are private PyTorch APIs (2.13 has no public one); torchtitan uses the same two.
     from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
-    torch._inductor.config._micro_pipeline_tp = True  # read by inductor when it compiles
+    switch_on_micro_pipeline_tp()
     enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+
+
+def switch_on_micro_pipeline_tp() -> None:
+    """Inductor's micro-pipeline TP pass, read when it compiles (benchmarks/async_tp_fusion.py counts what it fuses)."""
+    torch._inductor.config._micro_pipeline_tp = True

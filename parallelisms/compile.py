@@ -23,8 +23,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from parallelisms.ac import CheckpointedModule
-
 _RECIPE_DIR = re.compile(r"recipe-[0-9a-f]{16}")
 
 
@@ -73,14 +71,12 @@ def apply_compile(model: nn.Module, *, backend: str = "inductor", cache_dir: str
     Per block rather than the whole model: all blocks share one compiled graph (same code, weights
     as inputs), compile time does not grow with depth, and the FSDP hooks between blocks are
     not traced. `Module.compile` keeps parameter names (no `_orig_mod.` prefix). fullgraph=True
-    turns a graph break inside a block into an error instead of a silent slowdown.
+    turns a graph break inside a block into an error instead of a silent slowdown. A fully checkpointed block
+    compiles its forward inside the checkpoint (`parallelisms.ac.CheckpointedModule.compile`).
     backend: torch.compile's (aot_eager or eager to tell a compiler problem from a model problem).
     cache_dir: the `inductor_cache_dir(...)` of this recipe; None keeps the current cache.
     """
     if cache_dir is not None:
         use_inductor_cache_dir(cache_dir)
     for block in model.layers.values():
-        if isinstance(block, CheckpointedModule) and "context_fn" not in block._ac_options:
-            block.compile_inside_checkpoint(fullgraph=True, backend=backend)  # full AC (why: ac.py)
-        else:
-            block.compile(fullgraph=True, backend=backend)
+        block.compile(fullgraph=True, backend=backend)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from config import float8_settings, run_model_args
+from config import float8_settings
 from models import ModelFamily, family
 from parallelisms.ac import apply_ac
 from parallelisms.async_tp import apply_async_tp
@@ -175,13 +175,21 @@ def build_model(
 
 
 def build_run_model(
-    cfg: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh, loss_fn: Loss, device: torch.device, planning: bool = False
+    cfg: JobConfig,
+    args: Any,
+    *,
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    loss_fn: Loss,
+    device: torch.device,
+    planning: bool = False,
 ) -> tuple[torch.nn.Module, Pipeline | None]:
-    """`build_model` as a run's config asks: its family, its args (config.run_model_args), its sections and
-    float8 linears. train.py and the dry run both build this way, so what the dry run plans is what trains."""
+    """`build_model` as a run's config asks: its family, its sections and float8 linears, with `args` the run's model
+    args (config.run_model_args, which the caller also needs). train.py and the dry run both build this way, so what
+    the dry run plans is what trains."""
     return build_model(
         family(cfg.model.name),
-        run_model_args(cfg),
+        args,
         dims=dims,
         mesh=mesh,
         training=cfg.training,
