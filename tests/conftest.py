@@ -3,8 +3,10 @@ with the launch it is meant for."""
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +19,47 @@ TINY = [
     "--config", "configs/debug.toml", "--training.seq_len=64", "--training.local_batch_size=2",
     "--metrics.log_freq=1", "--lr_scheduler.warmup_steps=5", "--validation.enable=false",
 ]  # fmt: skip
+
+
+# ------------------------------------------------------------ two test processes (pytest-xdist)
+
+# `make test` runs the suite in two pytest processes (pyproject.toml: -n 2 --dist loadgroup): one
+# process leaves a core idle through every in-process test and every launcher's start-up. A fixture
+# shared by several tests at module or session scope (a 2-rank run, the parity launches, a
+# benchmark's set-up) is built once per process that needs it, so the tests sharing one go to the
+# same process; these few are cheap enough to build twice rather than tie their many users together.
+BUILT_IN_EACH_PROCESS = {"seed", "llama3_stand_ins"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests that share a costly module- or session-scoped fixture, directly or through another test, share
+    an xdist group (one process); the others are handed out one by one."""
+    parent: dict[str, str] = {}
+
+    def root(key: str) -> str:
+        while parent.setdefault(key, key) != key:
+            key = parent[key]
+        return key
+
+    shared_of: dict[str, list[str]] = {}
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.items() if info is not None else ()
+        keys = [
+            f"{fixturedef.baseid}::{name}"
+            for name, fixturedefs in defs
+            for fixturedef in fixturedefs[-1:]  # the one this test gets
+            if fixturedef.scope in ("module", "package", "session")
+            and fixturedef.baseid  # defined in this repo, not by pytest or a plugin
+            and name not in BUILT_IN_EACH_PROCESS
+        ]
+        for key in keys[1:]:
+            parent[root(key)] = root(keys[0])
+        shared_of[item.nodeid] = keys
+    for item in items:
+        keys = shared_of[item.nodeid]
+        if keys and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(root(keys[0])))
 
 
 @dataclass(frozen=True)
@@ -155,25 +198,20 @@ def parity_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _parity_launch(parity_dir: Path, world_size: int) -> dict[str, dict]:
+@pytest.fixture(scope="session")
+def parity(parity_dir: Path) -> Callable[[int], dict[str, dict]]:
+    """world size -> every layout of that size of tests/parity_worker.py (its losses, parameters and counts),
+    from one torchrun launch per world size, run when a test first asks for it."""
     from tests.launch import torchrun
     from tests.parity_worker import LAYOUTS
 
-    names = [name for name, layout in LAYOUTS.items() if layout.world_size == world_size]
-    # A fresh inductor cache under the run folder: compiled layouts compile for real, and the
-    # per-recipe folders they create can be inspected.
-    env = {"TORCHINDUCTOR_CACHE_DIR": str(parity_dir / f"inductor-{world_size}")}
-    torchrun(REPO / "tests" / "parity_worker.py", str(parity_dir), *names, nproc=world_size, env=env, timeout=600)
-    return {name: json.loads((parity_dir / f"{name}.json").read_text()) for name in names}
+    @functools.cache
+    def launch(world_size: int) -> dict[str, dict]:
+        names = [name for name, layout in LAYOUTS.items() if layout.world_size == world_size]
+        # A fresh inductor cache under the run folder: compiled layouts compile for real, and the
+        # per-recipe folders they create can be inspected.
+        env = {"TORCHINDUCTOR_CACHE_DIR": str(parity_dir / f"inductor-{world_size}")}
+        torchrun(REPO / "tests" / "parity_worker.py", str(parity_dir), *names, nproc=world_size, env=env, timeout=600)
+        return {name: json.loads((parity_dir / f"{name}.json").read_text()) for name in names}
 
-
-@pytest.fixture(scope="session")
-def results_2(parity_dir: Path) -> dict[str, dict]:
-    """Every 2-rank layout of tests/parity_worker.py, in one launch: its losses, parameters and counts."""
-    return _parity_launch(parity_dir, 2)
-
-
-@pytest.fixture(scope="session")
-def results_4(parity_dir: Path) -> dict[str, dict]:
-    """The same for the 4-rank layouts."""
-    return _parity_launch(parity_dir, 4)
+    return launch

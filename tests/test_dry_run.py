@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 
 import pytest
 
@@ -127,13 +128,15 @@ EAGER = [name for name, layout in LAYOUTS.items() if not layout.compile]
 
 
 @pytest.mark.parametrize("name", EAGER)
-def test_the_dry_runs_communication_lines_are_what_each_layout_sends(name: str, request: pytest.FixtureRequest) -> None:
+def test_the_dry_runs_communication_lines_are_what_each_layout_sends(
+    name: str, parity: Callable[[int], dict[str, dict]]
+) -> None:
     """Bytes rank 0 sent in one training step, by mesh dimension (the collectives and sends the dispatcher ran,
     tests.instruments.CollectiveLog), against the dry run's lines for the same layout and model: within 1%. What the dry
     run leaves out: the all-reduce of the gradient norm and, under TP, of the gradients of parameters TP does
     not split (the norms' weights), 2.6 KB of 332 KB on this tiny model and nothing that shows on a real one."""
     layout = LAYOUTS[name]
-    measured = request.getfixturevalue(f"results_{layout.world_size}")[name]["sent_by_dim"]
+    measured = parity(layout.world_size)[name]["sent_by_dim"]
     predicted = predicted_comm(layout)
     assert measured.keys() == predicted.keys(), (measured, predicted)
     for dim, nbytes in predicted.items():

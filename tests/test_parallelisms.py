@@ -1,7 +1,7 @@
 """Parallelisms: loss parity against one process, recomputation counted, refusals, cache keys.
 
 Multi-process layouts run in two torchrun launches (2 and 4 ranks, tests/parity_worker.py, the
-fixtures results_2 and results_4 of tests/conftest.py); every check of one world size shares its launch. All runs train the same tiny model from the
+fixture `parity` of tests/conftest.py); every check of one world size shares its launch. All runs train the same tiny model from the
 same weights on the same global batch in fp32, so losses and parameters must agree to ~1e-6.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,11 +50,11 @@ def reference(parity_dir: Path) -> dict:
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_loss_and_parameter_parity(name: str, request: pytest.FixtureRequest) -> None:
+def test_loss_and_parameter_parity(name: str, parity: Callable[[int], dict[str, dict]]) -> None:
     """FSDP, HSDP, TP + SP + loss parallel, FSDP x TP (+ AC, + compile), PP (each schedule, x FSDP, x TP)
     == one process, 5 AdamW steps."""
     layout = LAYOUTS[name]
-    result = request.getfixturevalue(f"results_{layout.world_size}")[name]
+    result = parity(layout.world_size)[name]
     assert result["max_loss_diff"] <= TOL, result
     assert result["max_param_diff"] <= TOL, result
     # Every parameter really is sharded or replicated by a mesh; pipeline stages alone hold plain ones.
@@ -63,13 +63,13 @@ def test_loss_and_parameter_parity(name: str, request: pytest.FixtureRequest) ->
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_a_step_reads_nothing_back_and_compiled_steps_neither_recompile_nor_break(
-    name: str, request: pytest.FixtureRequest
+    name: str, parity: Callable[[int], dict[str, dict]]
 ) -> None:
     """What decides GPU speed, counted on CPU: the host reads of a training step (`.item()`, `bool()`, ...,
     tests.instruments.count_host_reads), each a host sync on a GPU: none on any layout; dynamo's graphs: compiled by the
     first step, none recompiled by the next four, no graph break."""
     layout = LAYOUTS[name]
-    result = request.getfixturevalue(f"results_{layout.world_size}")[name]
+    result = parity(layout.world_size)[name]
     assert result["host_reads"] == {}, result["host_reads"]
     assert (result["graphs_recompiled"], result["graph_breaks"]) == (0, 0), result
     assert (result["graphs_compiled"] > 0) == layout.compile, result
@@ -94,24 +94,26 @@ def test_the_host_read_counter_sees_the_reads_a_gpu_would_wait_for() -> None:
     assert found["fused"] == {} and found["foreach"][f"item at optimizer.py:{line}"] == 1, found
 
 
-def test_chunked_loss_adds_no_fsdp_collective(results_2: dict[str, dict]) -> None:
+def test_chunked_loss_adds_no_fsdp_collective(parity: Callable[[int], dict[str, dict]]) -> None:
     """The projection runs 4 times in forward and 4 in backward (recomputed), its parameters are still
     gathered once and their gradient reduce-scattered once (loss.py, parallelisms/fsdp.py)."""
-    plain, chunked = results_2["fsdp2"]["collectives"], results_2["fsdp2_chunked_loss"]["collectives"]
+    plain, chunked = parity(2)["fsdp2"]["collectives"], parity(2)["fsdp2_chunked_loss"]["collectives"]
     assert (
         plain == chunked == {"all_gather_single": 6, "reduce_scatter_single": 4}
     )  # 4 units: embedding, 2 blocks, root; backward re-gathers the 2 blocks
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_compiled_layouts_use_their_recipe_cache_folder(world_size: int, request: pytest.FixtureRequest) -> None:
+def test_compiled_layouts_use_their_recipe_cache_folder(
+    world_size: int, parity: Callable[[int], dict[str, dict]], parity_dir: Path
+) -> None:
     """parallelize_model compiled into root/recipe-<hash of this recipe>, and inductor really wrote there.
 
     The launch set TORCHINDUCTOR_CACHE_DIR to the root; finding FX graphs in the recipe folder
     shows inductor read the variable at compile time (after `import torch`), as apply_compile assumes.
     """
-    request.getfixturevalue(f"results_{world_size}")
-    root = request.getfixturevalue("parity_dir") / f"inductor-{world_size}"
+    parity(world_size)
+    root = parity_dir / f"inductor-{world_size}"
     # One folder per recipe (the mask and the family are not in it).
     recipes = {
         (layout.tp, layout.ac.mode, layout.ac.selective_ac_option if layout.ac.mode == "selective" else "")
