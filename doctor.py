@@ -12,6 +12,8 @@ and on what would merely run badly, and lives here:
                    (docs/failures.md #3)
     precision      bf16 on a CPU without bf16 instructions; bf16 gradient reduction
     toolchain      no C++ compiler for inductor's CPU backend; autotuned kernels under determinism
+    async TP       rowwise float8 under async TP, whose all-gathers the fusion pass cannot match
+                   (docs/failures.md #4)
     offload        CPU offload on a machine without CUDA (docs/failures.md #5)
     memory         parameters, gradients, optimizer state and activations per rank (estimate_memory.py)
                    against the device memory of a rank
@@ -37,7 +39,7 @@ from typing import Literal
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from config import JobConfig, global_batch_size, input_problems, load_config, model_args
+from config import JobConfig, float8_settings, global_batch_size, input_problems, load_config, model_args
 from data.corpus import corpus_size
 from data.tokenizers import build_tokenizer
 from errors import ConfigError, is_rank0, warn
@@ -111,7 +113,8 @@ def check_recipe(
         dims = ParallelDims.from_config(cfg.parallelism, world_size=world_size)
     except ConfigError as e:  # the run's own rule, reported by the pre-flight
         return [Finding("error", *problem.split(": ", 1)) for problem in e.problems]
-    findings = _nodes(dims, machine) + _precision(cfg, machine) + _toolchain(cfg, machine) + _offload(cfg, machine)
+    findings = _nodes(dims, machine) + _precision(cfg, machine) + _toolchain(cfg, machine) + _async_tp(cfg)
+    findings += _offload(cfg, machine)
     findings += _memory(cfg, dims, machine, tp_mesh=tp_mesh) + _data(cfg, dims)
     return sorted(findings, key=lambda f: f.severity != "error")  # stable: errors first, in check order
 
@@ -279,6 +282,25 @@ def _toolchain(cfg: JobConfig, machine: Machine) -> list[Finding]:
             )
         )
     return findings
+
+
+# ---------------------------------------------------------------------- async TP
+
+
+def _async_tp(cfg: JobConfig) -> list[Finding]:
+    """docs/failures.md #4: the TP collectives async TP runs but cannot fuse. What it needs to run at all (compile,
+    CUDA with NCCL, a TP group) is parallelisms/async_tp.py's rule, checked when the job starts and by the dry run;
+    which collectives PyTorch's pass fuses on this recipe's blocks is counted by benchmarks/async_tp_fusion.py."""
+    float8 = float8_settings(cfg)
+    rowwise = float8 is not None and float8.recipe_name not in (None, "tensorwise")
+    if cfg.parallelism.enable_async_tensor_parallel and rowwise:
+        message = (
+            "under async TP the all-gathers before rowwise float8 matmuls are not fused with them (rowwise TP "
+            "gathers high-precision activations and casts them after; pytorch/pytorch#149990, open for PyTorch "
+            "2.13), so only the matmul + reduce-scatters overlap; use recipe_name = 'tensorwise', whose gathers fuse"
+        )
+        return [Finding("warning", "quantize.linear.float8.recipe_name", message)]
+    return []
 
 
 # ------------------------------------------------------------------ offload, memory

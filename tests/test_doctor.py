@@ -157,6 +157,24 @@ def test_deterministic_compile_on_cuda_is_a_warning() -> None:
     assert check(recipe(debug__deterministic=True), machine=GPUS) == []
 
 
+def test_rowwise_float8_under_async_tp_is_a_warning() -> None:
+    def findings(recipe_name: str | None, *, async_tp: bool = True) -> list[Finding]:
+        cfg = recipe(
+            model__converters=["quantize.linear.float8"],
+            parallelism__tensor_parallel_degree=2,
+            parallelism__enable_async_tensor_parallel=async_tp,
+            compile__enable=True,
+        )
+        cfg.quantize.linear.float8.recipe_name = recipe_name
+        return check(cfg, world_size=2, machine=GPUS)
+
+    for name in ("rowwise", "rowwise_with_gw_hp"):
+        (found,) = [f for f in findings(name) if f.key == "quantize.linear.float8.recipe_name"]
+        assert found.severity == "warning" and "pytorch/pytorch#149990" in found.message, found
+    for quiet in (findings("tensorwise"), findings(None), findings("rowwise", async_tp=False)):
+        assert "quantize.linear.float8.recipe_name" not in [f.key for f in quiet], quiet
+
+
 def test_cpu_offload_without_cuda_is_a_warning() -> None:
     offload = recipe(training__enable_cpu_offload=True)
     assert keys(check(offload)) == [("warning", "training.enable_cpu_offload")]
