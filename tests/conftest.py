@@ -21,47 +21,6 @@ TINY = [
 ]  # fmt: skip
 
 
-# ------------------------------------------------------------ two test processes (pytest-xdist)
-
-# `make test` runs the suite in two pytest processes (pyproject.toml: -n 2 --dist loadgroup): one
-# process leaves a core idle through every in-process test and every launcher's start-up. A fixture
-# shared by several tests at module or session scope (a 2-rank run, the parity launches, a
-# benchmark's set-up) is built once per process that needs it, so the tests sharing one go to the
-# same process; these few are cheap enough to build twice rather than tie their many users together.
-BUILT_IN_EACH_PROCESS = {"seed", "llama3_stand_ins"}
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests that share a costly module- or session-scoped fixture, directly or through another test, share
-    an xdist group (one process); the others are handed out one by one."""
-    parent: dict[str, str] = {}
-
-    def root(key: str) -> str:
-        while parent.setdefault(key, key) != key:
-            key = parent[key]
-        return key
-
-    shared_of: dict[str, list[str]] = {}
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        defs = info.name2fixturedefs.items() if info is not None else ()
-        keys = [
-            f"{fixturedef.baseid}::{name}"
-            for name, fixturedefs in defs
-            for fixturedef in fixturedefs[-1:]  # the one this test gets
-            if fixturedef.scope in ("module", "package", "session")
-            and fixturedef.baseid  # defined in this repo, not by pytest or a plugin
-            and name not in BUILT_IN_EACH_PROCESS
-        ]
-        for key in keys[1:]:
-            parent[root(key)] = root(keys[0])
-        shared_of[item.nodeid] = keys
-    for item in items:
-        keys = shared_of[item.nodeid]
-        if keys and not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(root(keys[0])))
-
-
 @dataclass(frozen=True)
 class Launch:
     """How a shipped config is meant to be launched (what its header comment tells the user)."""
