@@ -1,5 +1,5 @@
 """benchmarks/vs_torchtitan.py, one short round of FSDP 2: torchtitan's own Trainer runs on CPU ranks through
-benchmarks/torchtitan_trainer.py, and both trainers' logs give their tokens/s, memory and losses."""
+benchmarks/torchtitan_trainer.py, and both trainers' logs give their tokens/s, memory and losses, and one step its kernels."""
 
 from __future__ import annotations
 
@@ -22,7 +22,15 @@ def test_torchtitans_trainer_and_this_recipe_side_by_side(tmp_path: Path) -> Non
     rows = vs_torchtitan.rows(json.loads(out.read_text())["results"])
     assert [(r.problem, r.broken, r.fixed, r.unit) for r in rows] == [
         ("vs torchtitan", "torchtitan 0.2.2", "this recipe", "tok/s"),
+        ("vs torchtitan", "torchtitan 0.2.2", "this recipe", "ops"),
         ("vs torchtitan", "torchtitan 0.2.2", "this recipe", "GiB"),
     ]
+    # Kernels per eager step (rank 0, one untimed step), op by op: RoPE is the difference (docs/benchmarks.md):
+    # a roll, two muls and an add per rotation here (rotate-half, Hugging Face's q/k layout), one complex mul
+    # in torchtitan (the interleaved layout); no cat or neg is left of the halves.
+    more, fewer = fsdp2["kernels_more_here"], fsdp2["kernels_fewer_here"]
+    assert sum(more.values()) - sum(fewer.values()) == fsdp2["recipe_kernels"] - fsdp2["torchtitan_kernels"] != 0
+    assert more["aten::roll"] == 30 and "aten::neg" not in more and "aten::cat" not in more, more
+    assert rows[1].metric == "kernels per eager step (ops dispatched but views, step 2), FSDP 2"
     ratio = fsdp2["recipe_tps"] / fsdp2["torchtitan_tps"]  # one round: the per-round ratio is the ratio
     assert rows[0].metric == f"tokens/s per device, FSDP 2; per round {ratio:.3f}x ({ratio:.3f}-{ratio:.3f})"

@@ -64,10 +64,11 @@ def _sum_gradients_with_gloo() -> None:
     parallelize.disable_fsdp_gradient_division = disable_then_sum
 
 
-def main() -> None:
-    if not torch.cuda.is_available():
-        import torchtitan.tools.utils as utils
+def prepare() -> None:
+    """Before torchtitan.train is imported, on a machine without a GPU: the CPU device, and SUM reductions."""
+    import torchtitan.tools.utils as utils
 
+    if not torch.cuda.is_available() and utils.device_type != "cpu":
         module = _cpu_device_module()
         utils.device_type, utils.device_module = "cpu", module
         # Modules that importing torchtitan.tools.utils already loaded hold their own copies.
@@ -77,6 +78,10 @@ def main() -> None:
             if getattr(loaded, "device_module", None) is torch.cuda:
                 loaded.device_module = module
         _sum_gradients_with_gloo()
+
+
+def main() -> None:
+    prepare()
     from torchtitan.train import Trainer
     from torchtitan.train import main as torchtitan_main
 

@@ -17,7 +17,9 @@ On CPU: 2 ranks, float32, seq_len 256, local batch 8. With CUDA the TOML's own b
 first alternating from round to round (a busy machine slows both alike); a run's tokens/s per device
 is the median of its steps after the first two (lazy initialization, compilation), its memory the
 peak. A row: the median over rounds of each side, and the median and spread (min - max) of the
-per-round ratio ours / torchtitan's. The two trainers do not read their documents in the same
+per-round ratio ours / torchtitan's. In the eager layouts both trainers start through
+benchmarks/count_kernels.py, which counts the ops of one untimed step: kernels per step, GPU launches
+(the same in every round). The two trainers do not read their documents in the same
 order (torchtitan packs a streamed dataset, this recipe reads windows of one token stream), so their
 losses are close, not equal; both are printed.
 """
@@ -30,12 +32,14 @@ import re
 import shutil
 import statistics
 import tempfile
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from benchmarks import harness
+from benchmarks.count_kernels import COUNTED_STEP
 from benchmarks.harness import Row
 from config import REPO
 
@@ -59,19 +63,27 @@ def user_folder(root: Path) -> Path:
     return root
 
 
-def run(trainer: str, layout: str, *, folder: Path, steps: int, cuda: bool) -> dict[str, Any]:
-    """One run of `trainer` ("recipe" or "torchtitan"): tokens/s per device, peak memory, losses by step."""
+def trainer_args(trainer: str, layout: str, *, folder: Path, steps: int, cuda: bool) -> list[str]:
+    """The command-line arguments both trainers get in `folder` (user_folder): the TOML and the same overrides."""
     dump = folder / "outputs" / f"{trainer}-{layout}"
     shutil.rmtree(dump, ignore_errors=True)
     shape = [] if cuda else ["--training.seq_len=256", "--training.mixed_precision_param=float32"]
-    common = ["--job.config_file", "debug_model.toml", f"--training.steps={steps}", "--metrics.log_freq=1",
-              f"--job.dump_folder={dump}", *shape, *LAYOUTS[layout]]  # fmt: skip
-    nproc = 2
+    args = ["--job.config_file", "debug_model.toml", f"--training.steps={steps}", "--metrics.log_freq=1",
+            f"--job.dump_folder={dump}", *shape, *LAYOUTS[layout]]  # fmt: skip
     if trainer == "recipe":
-        cache = f"--data.cache_folder={folder / 'token-cache'}"  # this recipe's key: raw data prepared once
-        proc = harness.run_python(str(REPO / "train.py"), *common, cache, nproc=nproc, capture=True, cwd=folder)
-    else:
-        proc = harness.run_python("-m", "benchmarks.torchtitan_trainer", *common, nproc=nproc, capture=True, cwd=folder)
+        args.append(f"--data.cache_folder={folder / 'token-cache'}")  # this recipe's key: raw data prepared once
+    return args
+
+
+def run(trainer: str, layout: str, *, folder: Path, steps: int, cuda: bool) -> dict[str, Any]:
+    """One run of `trainer` ("recipe" or "torchtitan"): tokens/s per device, peak memory, losses by step."""
+    args = trainer_args(trainer, layout, folder=folder, steps=steps, cuda=cuda)
+    dump = folder / "outputs" / f"{trainer}-{layout}"
+    entry = [str(REPO / "train.py")] if trainer == "recipe" else ["-m", "benchmarks.torchtitan_trainer"]
+    kernels = folder / f"kernels-{trainer}-{layout}.json"
+    if "--compile.enable" not in LAYOUTS[layout]:  # an eager step's ops, counted outside the timed steps
+        entry = ["-m", "benchmarks.count_kernels", trainer, str(kernels)]
+    proc = harness.run_python(*entry, *args, nproc=2, capture=True, cwd=folder)
     if proc.returncode != 0:
         raise SystemExit(f"{trainer} ({layout}) exited with status {proc.returncode}:\n{proc.stderr[-4000:]}")
     if trainer == "recipe":
@@ -88,6 +100,7 @@ def run(trainer: str, layout: str, *, folder: Path, steps: int, cuda: bool) -> d
         "tps": statistics.median(t for _, t, _ in warm),
         "memory_gib": max(m for _, _, m in warm),
         "losses": [steps_[s][0] for s in range(1, steps + 1)],
+        "kernels": json.loads(kernels.read_text()) if kernels.exists() else None,
     }
 
 
@@ -116,6 +129,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
             **{f"{side}_losses": rs[0]["losses"] for side, rs in sides.items()},
         }  # fmt: skip
+        ours, theirs = sides["recipe"][0]["kernels"], sides["torchtitan"][0]["kernels"]
+        if ours and theirs:  # eager layouts: the same in every round
+            mine, peer = Counter(ours["by_op"]), Counter(theirs["by_op"])
+            results[layout] |= {
+                "recipe_kernels": ours["kernels"], "torchtitan_kernels": theirs["kernels"],
+                "kernels_more_here": dict((mine - peer).most_common()), "kernels_fewer_here": dict((peer - mine).most_common()),
+            }  # fmt: skip
     return results
 
 
@@ -139,6 +159,18 @@ def rows(results: dict[str, Any]) -> list[Row]:
                 fixed_value=r["recipe_tps"],
             )
         )
+        if "recipe_kernels" in r:
+            out.append(
+                Row(
+                    problem=PROBLEM,
+                    metric=f"kernels per eager step (ops dispatched but views, step {COUNTED_STEP}), {label}",
+                    unit="ops",
+                    broken="torchtitan 0.2.2",
+                    broken_value=r["torchtitan_kernels"],
+                    fixed="this recipe",
+                    fixed_value=r["recipe_kernels"],
+                )
+            )
         out.append(
             Row(
                 problem=PROBLEM,
@@ -163,6 +195,13 @@ def table(results: dict[str, Any]) -> str:
             f"({r['ratio_min']:.3f}-{r['ratio_max']:.3f})  memory {r['recipe_memory_gib']:.2f} vs "
             f"{r['torchtitan_memory_gib']:.2f} GiB  losses {r['recipe_losses'][-1]:.4f} vs {r['torchtitan_losses'][-1]:.4f}"
         )
+        if "recipe_kernels" in r:
+            more = ", ".join(f"{op} +{n}" for op, n in r["kernels_more_here"].items())
+            fewer = ", ".join(f"{op} -{n}" for op, n in r["kernels_fewer_here"].items())
+            lines.append(
+                f"  {'':<26} kernels per eager step {r['recipe_kernels']} vs {r['torchtitan_kernels']}: "
+                f"{'; '.join(part for part in (more, fewer) if part) or 'the same ops'}"
+            )
     return "\n".join(lines)
 
 

@@ -136,22 +136,23 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
 
 
 def rope_cos_sin(args: ModelArgs, device: torch.device | None = None) -> torch.Tensor:
-    """(2, max_seq_len, head_dim) table of cos and sin in the rotate-half layout."""
+    """(2, max_seq_len, head_dim) table of cos and of sin in the rotate-half layout, sin negated on the first half."""
     inv_freq = rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling).to(device)
     positions = torch.arange(args.max_seq_len, device=device, dtype=torch.float32)
     angles = torch.outer(positions, inv_freq)  # (max_seq_len, head_dim // 2)
-    angles = torch.cat([angles, angles], dim=-1)  # (max_seq_len, head_dim)
-    return torch.stack([angles.cos(), angles.sin()])
+    cos, sin = angles.cos(), angles.sin()
+    # Rotate-half's sign lives in the table: x * cos + rotate_half(x) * sin = x * cos + roll(x) * [-sin, sin].
+    return torch.stack([torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)])
 
 
 def apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (bs, seqlen, heads, head_dim) by the angles of its positions."""
+    """Rotate x (bs, seqlen, heads, head_dim) by the angles of its positions: rotate_half(x) = [-x2, x1] is
+    [x2, x1] (one roll, no cat and no neg) times the signs kept in the table (rope_cos_sin)."""
     seqlen = x.shape[1]
     cos = cos_sin[0, :seqlen, None, :]  # (seqlen, 1, head_dim), broadcast over bs and heads
     sin = cos_sin[1, :seqlen, None, :]
-    x1, x2 = x.float().chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x.float() * cos + rotated * sin).type_as(x)
+    xf = x.float()
+    return (xf * cos + xf.roll(x.shape[-1] // 2, dims=-1) * sin).type_as(x)
 
 
 # ------------------------------------------------------------------------ modules
