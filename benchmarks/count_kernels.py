@@ -20,8 +20,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from config import REPO
-
 COUNTED_STEP = 2
 
 
@@ -58,8 +56,7 @@ def count_step(step_fn: Callable[..., Any], is_counted: Callable[..., bool], out
 def main(argv: list[str]) -> int:
     trainer, out, trainer_argv = argv[0], Path(argv[1]), argv[2:]
     if trainer == "recipe":
-        sys.path.insert(0, str(REPO))
-        import train
+        import train  # the repo is on PYTHONPATH (benchmarks.harness.run_python)
 
         train.train_step = count_step(train.train_step, lambda *a, step, **k: step == COUNTED_STEP, out)
         return train.main(trainer_argv)

@@ -63,9 +63,13 @@ def user_folder(root: Path) -> Path:
     return root
 
 
+def dump_folder(folder: Path, trainer: str, layout: str) -> Path:
+    return folder / "outputs" / f"{trainer}-{layout}"
+
+
 def trainer_args(trainer: str, layout: str, *, folder: Path, steps: int, cuda: bool) -> list[str]:
     """The command-line arguments both trainers get in `folder` (user_folder): the TOML and the same overrides."""
-    dump = folder / "outputs" / f"{trainer}-{layout}"
+    dump = dump_folder(folder, trainer, layout)
     shutil.rmtree(dump, ignore_errors=True)
     shape = [] if cuda else ["--training.seq_len=256", "--training.mixed_precision_param=float32"]
     args = ["--job.config_file", "debug_model.toml", f"--training.steps={steps}", "--metrics.log_freq=1",
@@ -78,11 +82,14 @@ def trainer_args(trainer: str, layout: str, *, folder: Path, steps: int, cuda: b
 def run(trainer: str, layout: str, *, folder: Path, steps: int, cuda: bool) -> dict[str, Any]:
     """One run of `trainer` ("recipe" or "torchtitan"): tokens/s per device, peak memory, losses by step."""
     args = trainer_args(trainer, layout, folder=folder, steps=steps, cuda=cuda)
-    dump = folder / "outputs" / f"{trainer}-{layout}"
-    entry = [str(REPO / "train.py")] if trainer == "recipe" else ["-m", "benchmarks.torchtitan_trainer"]
+    dump = dump_folder(folder, trainer, layout)
     kernels = folder / f"kernels-{trainer}-{layout}.json"
     if "--compile.enable" not in LAYOUTS[layout]:  # an eager step's ops, counted outside the timed steps
         entry = ["-m", "benchmarks.count_kernels", trainer, str(kernels)]
+    elif trainer == "recipe":
+        entry = [str(REPO / "train.py")]
+    else:
+        entry = ["-m", "benchmarks.torchtitan_trainer"]
     proc = harness.run_python(*entry, *args, nproc=2, capture=True, cwd=folder)
     if proc.returncode != 0:
         raise SystemExit(f"{trainer} ({layout}) exited with status {proc.returncode}:\n{proc.stderr[-4000:]}")
@@ -140,6 +147,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def rows(results: dict[str, Any]) -> list[Row]:
+    def row(metric: str, unit: str, key: str) -> Row:
+        return Row(PROBLEM, metric, unit, "torchtitan 0.2.2", r[f"torchtitan_{key}"], "this recipe", r[f"recipe_{key}"])
+
     out = []
     for layout, label in LABELS.items():
         r = results.get(layout)
@@ -148,40 +158,14 @@ def rows(results: dict[str, Any]) -> list[Row]:
         # The ratio column divides the two medians; the per-round ratios (each run against the one beside it)
         # are the comparison, and the metric carries their median and spread.
         paired = f"per round {r['ratio']:.3f}x ({r['ratio_min']:.3f}-{r['ratio_max']:.3f})"
-        out.append(
-            Row(
-                problem=PROBLEM,
-                metric=f"tokens/s per device, {label}; {paired}",
-                unit="tok/s",
-                broken="torchtitan 0.2.2",
-                broken_value=r["torchtitan_tps"],
-                fixed="this recipe",
-                fixed_value=r["recipe_tps"],
-            )
-        )
+        out.append(row(f"tokens/s per device, {label}; {paired}", "tok/s", "tps"))
         if "recipe_kernels" in r:
             out.append(
-                Row(
-                    problem=PROBLEM,
-                    metric=f"kernels per eager step (ops dispatched but views, step {COUNTED_STEP}), {label}",
-                    unit="ops",
-                    broken="torchtitan 0.2.2",
-                    broken_value=r["torchtitan_kernels"],
-                    fixed="this recipe",
-                    fixed_value=r["recipe_kernels"],
+                row(
+                    f"kernels per eager step (ops dispatched but views, step {COUNTED_STEP}), {label}", "ops", "kernels"
                 )
             )
-        out.append(
-            Row(
-                problem=PROBLEM,
-                metric=f"peak memory per device, {label}",
-                unit="GiB",
-                broken="torchtitan 0.2.2",
-                broken_value=r["torchtitan_memory_gib"],
-                fixed="this recipe",
-                fixed_value=r["recipe_memory_gib"],
-            )
-        )
+        out.append(row(f"peak memory per device, {label}", "GiB", "memory_gib"))
     return out
 
 
