@@ -683,6 +683,17 @@ MODEL_PREFIX = "model_and_optimizer.model."  # where CheckpointManager keeps the
 HF_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
+def load_model_weights(path: Path, model: nn.Module, *, key: str = "checkpoint") -> None:
+    """Fill `model` (plain, or sharded by TP under torchrun) with the weights of a DCP checkpoint saved by
+    train.py at any step on any number of ranks; nothing else is read. One process needs no group."""
+    metadata = verify(path, key=key)
+    state = {MODEL_PREFIX + name: t for name, t in model.state_dict().items()}
+    check_holds(path, metadata, state, key=key)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+
+
 def export_hf_folder(
     checkpoint: Path,
     out: Path,

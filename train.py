@@ -323,13 +323,18 @@ def after_step_work(
 
 
 def prepare_run_folder(cfg: JobConfig, args: Any) -> None:
-    """The run's folder (rank 0): ours alone, writable, with room for a checkpoint; the config saved in it."""
+    """The run's folder (rank 0): ours alone, writable, with room for a checkpoint; the config saved in it and beside
+    the checkpoints."""
     fam = family(cfg.model.name)
     bytes_per_param = 4 if cfg.checkpoint.create_seed_checkpoint else 12  # fp32 weights (+ AdamW's two moments)
     prepare_dump_folder(cfg.job.dump_folder, cfg.checkpoint, checkpoint_bytes=bytes_per_param * fam.num_params(args))
     if cfg.job.save_config_file:
         saved = Path(cfg.job.dump_folder) / cfg.job.save_config_file
         writable_folder(saved.parent, key="job.save_config_file").joinpath(saved.name).write_text(to_toml(cfg))
+    if cfg.checkpoint.enable or cfg.checkpoint.create_seed_checkpoint:  # beside the step folders, for generate.py
+        folder = writable_folder(Path(cfg.job.dump_folder) / cfg.checkpoint.folder, key="checkpoint.folder")
+        (folder / "config.toml.partial").write_text(to_toml(cfg))
+        os.replace(folder / "config.toml.partial", folder / "config.toml")
 
 
 def build_data(cfg: JobConfig, *, dp_rank: int, dp_degree: int, vocab_size: int) -> tuple[Any, GlobalBatchLoader]:

@@ -24,9 +24,11 @@ the decoder skeleton every family's model has:
                                 RoPE table, the attention mask) every rank holds in full
     model.norm, model.output    the final norm and the output projection (None: tied to the
                                 embedding, or a pipeline stage without them)
-    model(tokens, segments=None, *, positions=None, head=None)
+    model(tokens, segments=None, *, positions=None, head=None, cache=None)
                                 logits, or head(final norm's output); positions: the window
-                                positions of tokens that are a part of the window (context parallel)
+                                positions of tokens that are a part of the window (context parallel),
+                                or their cache positions; cache: generation's KV cache
+                                (models/kv_cache.py), which training never passes
     block.attention.sdpa        the attention core, models/attention.py (context parallel wraps it)
     model.project(h)            the output projection (loss.py applies it chunk by chunk)
     model.init_weights(buffer_device=None)       fills meta-built parameters and buffers in place

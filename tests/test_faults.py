@@ -59,7 +59,7 @@ def rows(dump: Path) -> list[dict]:
 
 
 def folders(dump: Path) -> list[str]:
-    return sorted(p.name for p in (dump / "checkpoint").iterdir())
+    return sorted(p.name for p in (dump / "checkpoint").iterdir() if p.name != "config.toml")  # (generate.py's)
 
 
 @contextlib.contextmanager

@@ -91,7 +91,7 @@ def test_resume_gives_the_losses_of_a_straight_run_and_skips_partial_checkpoints
         run_args(straight, steps=20, seed=seed),
         run_args(resumed, steps=10, seed=seed, extra=async_first_half),
     )
-    assert sorted(p.name for p in (resumed / "checkpoint").iterdir()) == ["step-10"]
+    assert sorted(p.name for p in (resumed / "checkpoint").iterdir()) == ["config.toml", "step-10"]
     # A save killed half way: a .partial folder, and a step folder without .metadata; never resumed (the losses
     # below are those of a resume from step 10).
     (resumed / "checkpoint" / "step-15.partial").mkdir()
@@ -226,7 +226,7 @@ def test_torchtitans_checkpoint_keys(tmp_path: Path, seed: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert straight_proc.returncode == 0, straight_proc.stderr
-    assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-1", "step-2", "step-4"]
+    assert sorted(p.name for p in (dump / "checkpoint").glob("step-*")) == ["step-1", "step-2", "step-4"]
     saved = load_config(["--config", str(dump / "configs" / "used.toml")])  # its folder made as it was written
     assert (
         saved.checkpoint.last_save_model_only and saved.training.steps == 4 and saved.checkpoint.folder == "checkpoint"
@@ -309,7 +309,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_zero(tmp_path: Path, seed: Path) -
         launcher.kill()
     assert launcher.returncode == 0, err[-3000:]
     assert "SIGTERM: saved step" in out and "Traceback" not in err
-    saved = [p.name for p in (dump / "checkpoint").iterdir()]
+    saved = [p.name for p in (dump / "checkpoint").glob("step-*")]
     assert len(saved) == 1 and saved[0].startswith("step-") and (dump / "checkpoint" / saved[0] / ".metadata").exists()
 
 

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.attention import AttentionMask, ScaledDotProductAttention, attention_mask
+from models.kv_cache import KVCache, LayerCache, check_inference
 
 
 @dataclass(frozen=True)
@@ -134,14 +135,17 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps)
         self.k_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps)
 
-    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, mask: AttentionMask = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos_sin: torch.Tensor, mask: AttentionMask = None, kv: LayerCache | None = None
+    ) -> torch.Tensor:
         bs, seqlen, _ = x.shape
         # -1 instead of n_heads: under tensor parallelism each rank holds a slice of heads.
         q = self.q_norm(self.wq(x).view(bs, seqlen, -1, self.head_dim))  # (bs, seqlen, n_heads, head_dim)
         k = self.k_norm(self.wk(x).view(bs, seqlen, -1, self.head_dim))  # (bs, seqlen, n_kv_heads, head_dim)
         v = self.wv(x).view(bs, seqlen, -1, self.head_dim)  # (bs, seqlen, n_kv_heads, head_dim)
         q, k = apply_rope(q, cos_sin), apply_rope(k, cos_sin)
-
+        if kv is not None:  # generation: attend over every cached position (models/kv_cache.py)
+            k, v = kv.update(k, v)
         return self.wo(self.sdpa(q, k, v, mask))  # (models/attention.py; context parallel wraps it)
 
     def init_weights(self, init_std: float) -> None:
@@ -183,8 +187,10 @@ class TransformerBlock(nn.Module):
         # so the residual stream's variance does not grow with depth.
         self.init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
 
-    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, mask: AttentionMask = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos_sin, mask)
+    def forward(
+        self, x: torch.Tensor, cos_sin: torch.Tensor, mask: AttentionMask = None, kv: LayerCache | None = None
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos_sin, mask, kv)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self) -> None:
@@ -214,6 +220,7 @@ class Transformer(nn.Module):
         *,
         positions: torch.Tensor | None = None,
         head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
         """tokens (bs, seqlen) int64 -> logits (bs, seqlen, vocab). On a pipeline stage: from hidden states
         (bs, seqlen, dim) if it has no embedding, to hidden states if it has no final norm.
@@ -225,14 +232,22 @@ class Transformer(nn.Module):
         head: what to apply to the final norm's output (bs, seqlen, dim) instead of `project`; the
             training loss passes itself to project and score a chunk of tokens at a time (loss.py),
             inside this forward so FSDP gathers the projection once per step.
+        cache: generation's key/value cache (models/kv_cache.py), owned by the generator and passed with
+            each forward, `positions` then being the cache positions of `tokens`; training never passes one.
         """
         rope = self.rope_cos_sin if positions is None else self.rope_cos_sin[:, positions]
         # A pipeline stage (parallelisms/pp.py) may lack the embedding or the final norm and output.
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (bs, seqlen, dim)
         segments = segments.to(tokens.device) if segments is not None else None
-        mask = attention_mask(self.args.attn_mask_type, segments, positions, dtype=h.dtype)
-        for layer in self.layers.values():
-            h = layer(h, rope, mask)
+        if cache is None:
+            mask = attention_mask(self.args.attn_mask_type, segments, positions, dtype=h.dtype)
+            for layer in self.layers.values():
+                h = layer(h, rope, mask)
+        else:  # generation (generate.py): never in training, which passes no cache
+            check_inference(self, positions)
+            mask = cache.mask(positions, h.dtype)
+            for name, layer in self.layers.items():
+                h = layer(h, rope, mask, LayerCache(cache, name, positions))
         if self.norm is None:
             return h
         h = self.norm(h)
