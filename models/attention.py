@@ -21,10 +21,15 @@ saves: docs/benchmarks.md, "Context parallel").
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+if TYPE_CHECKING:
+    from models.kv_cache import KVCache
 
 # (bs, 1, queries, keys) additive (0: attend, -inf: not) for SDPA, or a FlexAttention BlockMask on CUDA;
 # None: plain causal attention over the whole window.
@@ -58,11 +63,15 @@ def attention_mask(
     positions: torch.Tensor | None = None,
     *,
     dtype: torch.dtype = torch.float32,
+    cache: KVCache | None = None,
 ) -> AttentionMask:
     """The mask of one forward. segments (bs, window): each token's document index in its window (used by
     block_causal); positions (queries,): the window positions of the tokens when they are only a part of
     the window (context parallel), which then needs `segments` for the window's length. dtype: the
-    attention's compute dtype (of a dense mask)."""
+    attention's compute dtype (of a dense mask). cache: generation's KV cache, whose mask it is then
+    (positions: the tokens' cache positions)."""
+    if cache is not None:
+        return cache.mask(positions, dtype)
     if positions is None:
         return document_mask(segments, dtype=dtype) if mask_type == "block_causal" and segments is not None else None
     if segments is None:

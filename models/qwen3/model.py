@@ -190,7 +190,7 @@ class TransformerBlock(nn.Module):
     def forward(
         self, x: torch.Tensor, cos_sin: torch.Tensor, mask: AttentionMask = None, kv: LayerCache | None = None
     ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos_sin, mask, kv)
+        h = x + self.attention(self.attention_norm(x), cos_sin, mask, kv=kv)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self) -> None:
@@ -239,15 +239,12 @@ class Transformer(nn.Module):
         # A pipeline stage (parallelisms/pp.py) may lack the embedding or the final norm and output.
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (bs, seqlen, dim)
         segments = segments.to(tokens.device) if segments is not None else None
-        if cache is None:
-            mask = attention_mask(self.args.attn_mask_type, segments, positions, dtype=h.dtype)
-            for layer in self.layers.values():
-                h = layer(h, rope, mask)
-        else:  # generation (generate.py): never in training, which passes no cache
+        if cache is not None:  # generation (generate.py); training passes none
             check_inference(self, positions)
-            mask = cache.mask(positions, h.dtype)
-            for name, layer in self.layers.items():
-                h = layer(h, rope, mask, LayerCache(cache, name, positions))
+        mask = attention_mask(self.args.attn_mask_type, segments, positions, dtype=h.dtype, cache=cache)
+        for name, layer in self.layers.items():
+            # kv a keyword: the TP plans' input hooks see the positional arguments only.
+            h = layer(h, rope, mask, kv=LayerCache(cache, name, positions) if cache is not None else None)
         if self.norm is None:
             return h
         h = self.norm(h)
