@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import warnings
@@ -26,9 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from errors import ConfigError
+from errors import ConfigError, is_rank0
 from models.kv_cache import KVCache
 
 CACHE_LENGTH_MULTIPLE = 128
@@ -37,9 +40,32 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def main(argv: list[str]) -> int:
     opts = parse_args(argv)
-    device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model, tokenizer_path = load_model(opts.checkpoint, config=opts.config, device=device, dtype=DTYPES[opts.dtype])
-    tokenizer_path = opts.tokenizer or tokenizer_path
+    device, tp_mesh = init_tensor_parallel(opts.device)
+    try:
+        model, tokenizer_path = load_model(
+            opts.checkpoint, config=opts.config, device=device, dtype=DTYPES[opts.dtype], tp_mesh=tp_mesh
+        )
+        return generate_and_print(opts, model, opts.tokenizer or tokenizer_path)
+    finally:
+        if tp_mesh is not None:
+            dist.destroy_process_group()
+
+
+def init_tensor_parallel(device_name: str | None) -> tuple[torch.device, DeviceMesh | None]:
+    """This process's device, and under torchrun a tensor-parallel mesh of all its ranks (for a model one GPU
+    cannot hold; the tokens equal those of one process)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = torch.cuda.is_available() and device_name in (None, "cuda")
+    if world == 1:
+        return torch.device(device_name or ("cuda" if cuda else "cpu")), None
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    return device, init_device_mesh(device.type, (world,), mesh_dim_names=("tp",))
+
+
+def generate_and_print(opts: argparse.Namespace, model: nn.Module, tokenizer_path: str | None) -> int:
     if tokenizer_path is None:
         raise ConfigError(f"--tokenizer: {opts.checkpoint} holds no tokenizer.json; name a tokenizer folder")
     texts = read_prompts(opts)
@@ -64,10 +90,11 @@ def main(argv: list[str]) -> int:
         stop_ids=stop_ids(tokenizer_path),
         seed=opts.seed,
     )
-    tokenizer = _hf_tokenizer(tokenizer_path)
-    for text, completion in zip(texts, completions, strict=True):
-        print(f"{text}{tokenizer.decode(completion, skip_special_tokens=True)}\n", flush=True)
-    print(generator.timing.summary(), file=sys.stderr)
+    if is_rank0():  # (under tensor parallel every rank holds the same tokens)
+        tokenizer = _hf_tokenizer(tokenizer_path)
+        for text, completion in zip(texts, completions, strict=True):
+            print(f"{text}{tokenizer.decode(completion, skip_special_tokens=True)}\n", flush=True)
+        print(generator.timing.summary(), file=sys.stderr)
     return 0
 
 
@@ -109,32 +136,48 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 # ------------------------------------------------------------------- loading
 
 
-def load_model(path: Path, *, config: Path | None, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, Any]:
-    """The model of a DCP step folder or a Hugging Face folder, in eval mode, and its tokenizer path (or None)."""
-    if (path / "config.json").is_file():  # a Hugging Face folder
-        from models.hf import from_hf
-
-        model, _ = from_hf(path, dtype=dtype, device=device)
-        return model.eval(), str(path) if (path / "tokenizer.json").is_file() else None
-    from checkpoint import load_model_weights
-    from config import load_config, model_args
+def load_model(
+    path: Path, *, config: Path | None, device: torch.device, dtype: torch.dtype, tp_mesh: DeviceMesh | None = None
+) -> tuple[nn.Module, str | None]:
+    """The model of a DCP step folder or a Hugging Face folder, in eval mode (split over `tp_mesh` when given), and
+    its tokenizer path (None: an HF folder without tokenizer.json). Built on the meta device, the weights read once."""
     from models import family
 
-    config = config or path.parent / "config.toml"
-    if not config.is_file():
-        raise ConfigError(
-            f"--config: no config.toml beside {path} (train.py writes one when it checkpoints); pass the TOML it was "
-            "trained with, --config FILE"
-        )
-    cfg = load_config(["--config", str(config)], inputs=False)
-    args = model_args(cfg.model)
+    if (path / "config.json").is_file():  # a Hugging Face folder
+        from models.hf import family_of_hf_config, model_args_from_hf
+
+        fam = family_of_hf_config(path)
+        args = model_args_from_hf(fam, path)
+        tokenizer_path = str(path) if (path / "tokenizer.json").is_file() else None
+    else:
+        from config import load_config, model_args
+
+        config = config or path.parent / "config.toml"
+        if not config.is_file():
+            raise ConfigError(
+                f"--config: no config.toml beside {path} (train.py writes one when it checkpoints); pass the TOML it "
+                "was trained with, --config FILE"
+            )
+        cfg = load_config(["--config", str(config)], inputs=False)
+        fam, args, tokenizer_path = family(cfg.model.name), model_args(cfg.model), cfg.model.tokenizer_path
     with torch.device("meta"):
-        model = family(cfg.model.name).model_cls(args)
+        model = fam.model_cls(args)
+    if tp_mesh is not None:
+        from parallelisms.tp import apply_tp_inference
+
+        apply_tp_inference(model, tp_mesh, block_plan=fam.tp_plan)
     model.to_empty(device=device)
-    load_model_weights(path, model, key="--checkpoint")
+    if (path / "config.json").is_file():
+        from models.hf import load_hf_weights
+
+        load_hf_weights(model, path, fam, args)
+    else:
+        from checkpoint import load_model_weights
+
+        load_model_weights(path, model, key="--checkpoint")  # DCP reshards onto this layout
     model.to(dtype)
     model.init_buffers(device)  # the RoPE table stays float32 whatever the weights' dtype
-    return model.eval(), cfg.model.tokenizer_path
+    return model.eval(), tokenizer_path
 
 
 def read_prompts(opts: argparse.Namespace) -> list[str]:
@@ -302,6 +345,7 @@ if __name__ == "__main__":
     try:
         sys.exit(main(sys.argv[1:]))
     except ConfigError as e:
-        for problem in e.problems:
-            print(f"error: {problem}", file=sys.stderr)
+        if is_rank0():
+            for problem in e.problems:
+                print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)

@@ -36,6 +36,7 @@ from benchmarks import (
     context_parallel,
     data_pipeline,
     float8,
+    generation,
     gpu_costs,
     harness,
     memory,
@@ -59,6 +60,7 @@ BENCHMARKS = {
         data_pipeline,
         float8,
         gpu_costs,
+        generation,
         vs_torchtitan,
     )
 }

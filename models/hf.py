@@ -155,6 +155,24 @@ def from_hf(
     return model, args
 
 
+@torch.no_grad()
+def load_hf_weights(model: nn.Module, path: str | Path, fam: ModelFamily, args: Any) -> None:
+    """Copy an HF folder's weights into `model`, built from `args` and already allocated: plain, or sharded by FSDP
+    or TP (each rank keeps its shard of each weight; every rank reads the files, so nothing is sent). A pipeline
+    stage takes the weights of its own modules. One tensor in memory at a time besides the model."""
+    from torch.distributed.tensor import distribute_tensor
+
+    state = model.state_dict()
+    for name, full in read_hf_weights(path, fam, args):
+        if (target := state.get(name)) is None:  # another pipeline stage's
+            continue
+        if isinstance(target, DTensor):
+            shard = distribute_tensor(full.to(target.dtype), target.device_mesh, target.placements, src_data_rank=None)
+            target.to_local().copy_(shard.to_local())
+        else:
+            target.copy_(full)
+
+
 # ------------------------------------------------------------------------ writing
 
 

@@ -98,6 +98,34 @@ def apply_tp(
         parallelize_module(block, tp_mesh, adapt_block_plan(block, plan) if adapt_block_plan else plan)
 
 
+def apply_tp_inference(
+    model: nn.Module, tp_mesh: DeviceMesh, *, block_plan: Callable[[], dict[str, ParallelStyle]]
+) -> None:
+    """Shard `model` over `tp_mesh` for generation (generate.py): the family's plan without sequence parallel.
+
+    A decode step has one token per row, which no sequence dimension splits, so the residual stream stays a
+    plain tensor every rank holds in full: the norms run unsplit (their SequenceParallel and the inputs'
+    PrepareModuleInput go), the row-wise projections all-reduce instead of reduce-scattering, and the output
+    projection gathers the logits. The column-wise projections split the heads and hidden units as in training.
+    """
+    check_tp(model.args, tp_degree=tp_mesh.size(), seq_len=tp_mesh.size())
+    outer: dict[str, ParallelStyle] = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "output": ColwiseParallel(output_layouts=Replicate()),
+    }
+    parallelize_module(model, tp_mesh, outer)
+    model.tok_embeddings.register_forward_hook(_wait_async_output)
+    for block in model.layers.values():
+        plan = {}
+        for name, style in block_plan().items():
+            if isinstance(style, RowwiseParallel):
+                plan[name] = RowwiseParallel()  # output Replicate: an all-reduce
+            elif isinstance(style, ColwiseParallel):
+                plan[name] = style
+            # SequenceParallel and PrepareModuleInput: nothing to split or gather without sequence shards
+        parallelize_module(block, tp_mesh, plan)
+
+
 def _wait_async_output(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
     """Hand the first block a plain tensor instead of the embedding's pending reduce-scatter.
 

@@ -8,6 +8,9 @@ choices are not near ties that float32 rounding could flip."""
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,7 +27,7 @@ from models.kv_cache import KVCache
 from models.llama3 import FLAVORS, Transformer
 from models.llama3.plans import SAC_SAVED_LINEARS
 from parallelisms.ac import apply_ac
-from tests.launch import REPO, python
+from tests.launch import REPO, python, torchrun
 from tests.tiny_hf import SHIPPED_TOKENIZER, save_hf_folder, tiny_hf_model
 
 NEW_TOKENS = 48
@@ -197,20 +200,39 @@ def test_a_cache_is_refused_with_grad_enabled_under_ac_and_under_fsdp(tmp_path: 
 def test_the_command_generates_from_an_hf_folder_and_from_a_dcp_step_with_its_config_beside_it(
     pair: tuple, seed: Path, tmp_path: Path
 ) -> None:
-    """A Hugging Face folder, and train.py's seed checkpoint, whose config.toml train.py wrote
+    """A Hugging Face folder on one process and tensor-parallel on two, and train.py's seed checkpoint, whose config.toml train.py wrote
     beside it; bad input in one line, exit 2."""
     reference, _, folder = pair
     if reference.config.model_type != "llama":  # the tiny Qwen3 embeds 512 tokens, the shipped tokenizer has 2048
         with pytest.raises(ConfigError, match="gives token id .* but the model embeds only 512 tokens"):
             generate.main(["--checkpoint", str(folder), "--prompt", "Once upon a time"])
         return
-    proc = python("generate.py", "--checkpoint", str(folder), "--prompt", "Once upon a time", "--prompt", "The dog",
-                  "--max-new-tokens", "8")  # fmt: skip
+    args = [
+        "--checkpoint",
+        str(folder),
+        "--prompt",
+        "Once upon a time",
+        "--prompt",
+        "The dog",
+        "--max-new-tokens",
+        "24",
+    ]
+    proc = python("generate.py", *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("Once upon a time") and "\nThe dog" in proc.stdout
     assert "prefill: " in proc.stderr and "tokens/s); decode: " in proc.stderr
+    # Tensor parallel over 2 ranks with the family's plan (for models one GPU cannot hold): the same tokens.
+    tp = torchrun("generate.py", *args, nproc=2)
+    assert tp.stdout == proc.stdout, (tp.stdout, proc.stdout)
+    # README's command after `make train`, on the seed checkpoint instead of step 100 (the debug model too).
     assert (seed.parent / "config.toml").is_file()
-    proc = python("generate.py", "--checkpoint", str(seed), "--prompt", "Once upon a time", "--max-new-tokens", "4")
+    text = (REPO / "README.md").read_text()
+    command = re.search(r"```bash\n(.*?)```", text[text.index("### Generate") :], flags=re.S)[1].strip()
+    assert command.startswith(".venv/bin/python generate.py --checkpoint outputs/debug/checkpoint/step-100 "), command
+    command = command.replace(".venv/bin/python", sys.executable).replace(
+        "outputs/debug/checkpoint/step-100", str(seed)
+    )
+    proc = subprocess.run(["bash", "-c", command], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.startswith("Once upon a time"), proc.stderr[-3000:]
 
     chat = python("generate.py", "--checkpoint", str(folder), "--prompt", "Hi", "--chat")

@@ -42,8 +42,9 @@ def test_validation_is_dp_and_pp_invariant_leaves_training_alone_and_reaches_eve
             "--parallelism.pipeline_parallel_degree=2",
             "--validation.local_batch_size=2",
         ],
-        [*common, f"--job.dump_folder={two}", "--metrics.enable_tensorboard", "--metrics.enable_wandb"],
-    ]
+        [*common, f"--job.dump_folder={two}", "--metrics.enable_tensorboard", "--metrics.enable_wandb",
+         "--checkpoint.enable"],
+    ]  # fmt: skip
     (tmp_path / "runs.json").write_text(json.dumps(runs))
     wandb_env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_PROJECT": "test"}
     torchrun(REPO / "tests" / "config_worker.py", str(tmp_path / "runs.json"), nproc=2, env=wandb_env)
@@ -59,6 +60,13 @@ def test_validation_is_dp_and_pp_invariant_leaves_training_alone_and_reaches_eve
     assert losses(pp) == pytest.approx(losses(one), rel=1e-5)
     assert validations(two)[4] < validations(two)[1]  # the model learns
     assert losses(two) == losses(off)  # validation changes nothing in training (bit for bit)
+    # eval.py on the step-4 checkpoint (config.toml beside it), on another layout (TP 2 instead of FSDP 2),
+    # without training: the loss train.py logged at step 4.
+    evaluation = torchrun("eval.py", "--checkpoint", str(two / "checkpoint" / "step-4"),
+                          "--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1", nproc=2)  # fmt: skip
+    logged = float(re.search(r"^eval: .* \| loss ([0-9.]+) \| perplexity ([0-9.]+) \|", evaluation.stdout, re.M)[1])
+    assert logged == pytest.approx(validations(two)[4], abs=6e-5), evaluation.stdout  # (printed to 4 decimals)
+    assert sorted(p.name for p in (two / "checkpoint").iterdir()) == ["config.toml", "step-4"]  # nothing written
     tokens = int(re.search(r"validation at step 4: loss +[0-9.]+ \| ([0-9,]+) tokens", proc.stdout)[1].replace(",", ""))
     assert tokens % 64 == 0 and (tokens // 64) % 4 != 0  # whole windows, a partial last batch on 1 rank
     assert (tokens // 64) % 8 != 0  # and on 2

@@ -1,0 +1,183 @@
+"""Decoding speed of generate.py beside transformers' `generate`, on the same weights, batch 1.
+
+    python -m benchmarks.generation --out outputs/bench/generation.json       # one process, CPU
+
+Two Llama shapes: the debug model (6M parameters) and one of about 100M (dim 768, 12 layers, 12 heads, 4 KV heads,
+32768 tokens). A random transformers LlamaForCausalLM in fp32, saved as a Hugging Face folder, and this repo's model
+loaded from that folder. Each setup greedily decodes `--new-tokens` tokens after a 16-token prompt, never stopping
+early:
+
+    hf generate         transformers' generate(do_sample=False), its own KV cache
+    no cache            our model, the whole sequence recomputed for every new token (what a stateless forward
+                        costs without a cache)
+    cache               generate.py's Generator: a prefill, then one token per forward from the KV cache
+    cache + compile     the same with the decode step compiled (compiled before the timed rounds)
+
+Decode tokens/s = (new_tokens - 1) / (time of new_tokens - time of 1 new token): the prompt's forward cancels,
+for every setup alike. The setups take turns within each round (--rounds), so they share the machine's noise; the
+median round counts. All four produce the same tokens (checked).
+
+At batch 1 a decode step reads every weight once, so its limit is memory bandwidth: "weight bytes read / s" is the
+parameter bytes times decode tokens/s, beside this machine's copy bandwidth measured in the same run (a 256 MiB
+fp32 tensor copied: bytes read + written per second, STREAM's convention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from benchmarks import harness
+from benchmarks.harness import Row
+from generate import Generator
+from models.hf import from_hf
+from tests.tiny_hf import unit_scale_init_
+
+PROBLEM = "generation"
+PROMPT = 16
+SHAPES: dict[str, dict[str, Any]] = {
+    "debug": dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=16, num_key_value_heads=16,
+                  intermediate_size=768, vocab_size=2048),
+    "100m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                 intermediate_size=2048, vocab_size=32768),
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=192, vocab_size=512),  # the benchmark's own test
+}  # fmt: skip
+SETUPS = ("hf generate", "no cache", "cache", "cache + compile")
+
+
+def copy_bandwidth(mib: int = 256, repeats: int = 5) -> float:
+    """Bytes read + written per second by a tensor copy of `mib` MiB (the best of `repeats`)."""
+    src = torch.randn(mib * 2**20 // 4)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.numel() * 4 / best
+
+
+def decoders(reference: nn.Module, ours: nn.Module, prompt: torch.Tensor) -> dict[str, Callable[[int], list[int]]]:
+    """Each setup as new_tokens -> the greedy tokens after `prompt` (1, PROMPT)."""
+    compiled = Generator(ours, compile=True)
+
+    def hf(n: int) -> list[int]:
+        out = reference.generate(
+            prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=n, min_new_tokens=n,
+            pad_token_id=0,
+        )  # fmt: skip
+        return out[0, prompt.shape[1] :].tolist()
+
+    @torch.no_grad()
+    def no_cache(n: int) -> list[int]:
+        tokens = prompt
+        for _ in range(n):
+            tokens = torch.cat([tokens, ours(tokens)[:, -1].argmax(-1, keepdim=True)], dim=1)
+        return tokens[0, prompt.shape[1] :].tolist()
+
+    return {
+        "hf generate": hf,
+        "no cache": no_cache,
+        "cache": lambda n: Generator(ours).generate(prompt.tolist(), max_new_tokens=n)[0],
+        "cache + compile": lambda n: compiled.generate(prompt.tolist(), max_new_tokens=n)[0],
+    }
+
+
+def measure_shape(shape: str, *, new_tokens: int, rounds: int) -> dict[str, Any]:
+    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=512, rope_theta=500000.0,
+                         attn_implementation="sdpa")  # fmt: skip
+    reference = LlamaForCausalLM(config).float().eval()
+    unit_scale_init_(reference, seed=0)
+    with tempfile.TemporaryDirectory(prefix="generation_bench_") as tmp:
+        reference.save_pretrained(tmp)
+        ours, _ = from_hf(Path(tmp))
+    ours.eval()
+    prompt = torch.randint(3, config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(0))
+    setups = decoders(reference, ours, prompt)
+    tokens = {name: decode(new_tokens) for name, decode in setups.items()}  # warm-up: compiles the decode step
+    setups["cache + compile"](1)
+    seconds: dict[str, list[float]] = {name: [] for name in setups}
+    for _ in range(rounds):
+        for name, decode in setups.items():
+            t0 = time.perf_counter()
+            decode(1)
+            t1 = time.perf_counter()
+            decode(new_tokens)
+            t2 = time.perf_counter()
+            seconds[name].append((t2 - t1) - (t1 - t0))
+    weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
+    rate = {name: (new_tokens - 1) / statistics.median(s) for name, s in seconds.items()}
+    return {
+        "parameters": sum(p.numel() for p in ours.parameters()),
+        "weight_bytes": weight_bytes,
+        "new_tokens": new_tokens,
+        "rounds": rounds,
+        "decode_tokens_per_s": rate,
+        "weight_bytes_read_per_s": {name: r * weight_bytes for name, r in rate.items()},
+        "same_tokens": all(t == tokens["hf generate"] for t in tokens.values()),
+    }
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    torch.manual_seed(0)
+    results: dict[str, Any] = {"copy_bytes_per_s": copy_bandwidth()}
+    results["shapes"] = {s: measure_shape(s, new_tokens=args.new_tokens, rounds=args.rounds) for s in args.shapes}
+    return results
+
+
+def rows(results: dict[str, Any]) -> list[Row]:
+    """Per shape: transformers vs ours with cache + compile (the headline), no cache vs cache, and the weight bytes
+    read per second beside the machine's copy bandwidth."""
+    out = []
+    for shape, r in results["shapes"].items():
+        rate, label = r["decode_tokens_per_s"], f"{r['parameters'] / 1e6:.0f}M" if shape != "debug" else "debug"
+        out += [
+            Row(problem=PROBLEM, metric=f"decode tokens/s, batch 1, {label} (CPU)", unit="tok/s",
+                broken="hf generate", broken_value=rate["hf generate"], fixed="cache + compile",
+                fixed_value=rate["cache + compile"]),
+            Row(problem=PROBLEM, metric=f"decode tokens/s, batch 1, {label}, eager (CPU)", unit="tok/s",
+                broken="no cache", broken_value=rate["no cache"], fixed="cache", fixed_value=rate["cache"]),
+            Row(problem=PROBLEM, metric=f"weight bytes read / s, {label} (CPU)", unit="GB/s",
+                broken="copy bandwidth", broken_value=results["copy_bytes_per_s"] / 1e9, fixed="cache + compile",
+                fixed_value=r["weight_bytes_read_per_s"]["cache + compile"] / 1e9),
+        ]  # fmt: skip
+    return out
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = [f"copy bandwidth: {results['copy_bytes_per_s'] / 1e9:.1f} GB/s (read + written)"]
+    for shape, r in results["shapes"].items():
+        lines.append(
+            f"{shape} ({r['parameters']:,} parameters, {r['weight_bytes'] / 2**20:.0f} MiB), {r['new_tokens']} new tokens, "
+            f"median of {r['rounds']} rounds, same tokens: {r['same_tokens']}"
+        )
+        for name in SETUPS:
+            lines.append(
+                f"  {name:16s} {r['decode_tokens_per_s'][name]:8.1f} tokens/s  "
+                f"{r['weight_bytes_read_per_s'][name] / 1e9:6.2f} GB/s of weights"
+            )
+    return "\n".join(lines)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shapes", nargs="+", choices=SHAPES, default=["debug", "100m"])
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return harness.main("generation", argv, doc=__doc__, add_args=add_args, measure=measure, table=table)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,160 @@
+"""Evaluate a checkpoint without training it: the held-out loss and perplexity, or downstream tasks.
+
+torchrun --nproc_per_node=2 eval.py --checkpoint outputs/debug/checkpoint/step-100
+torchrun --nproc_per_node=2 eval.py --checkpoint CKPT --validation.dataset_path=DATA --validation.steps=-1 \\
+    --parallelism.tensor_parallel_degree=2
+python eval.py --checkpoint HF_FOLDER --config configs/finetune_hf.toml --validation.dataset_path=DATA
+python eval.py --checkpoint CKPT --tasks hellaswag,arc_easy --limit 100     # lm-evaluation-harness
+
+--checkpoint is a DCP step folder written by train.py (any step, saved on any number of ranks and any layout;
+the run's config.toml beside it is read unless --config is given) or a Hugging Face folder (then --config names
+the data, tokenizer and layout; the shape comes from the folder's config.json). The other arguments are train.py's:
+`--section.key=value` overrides of that config, the layout (`[parallelism]`) included, so a checkpoint trained
+on 64 GPUs with FSDP is evaluated on 2 with TP. The held-out loss is `[validation]`'s, computed by the same
+Validator (validation.py) that train.py logs, over `validation.dataset_path` (raw or prepared) for
+`validation.steps` global batches (-1: all of it once). Nothing is written; rank 0 prints one line.
+
+--tasks runs EleutherAI's lm-evaluation-harness (`pip install -e ".[eval]"`) on the same checkpoint through
+`lm_eval.simple_evaluate` and this repo's model (lm_eval_adapter.py), one process: a DCP checkpoint is
+scored without converting it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from errors import ConfigError, is_rank0
+
+
+def main(argv: list[str]) -> int:
+    opts, overrides = parse_args(argv)
+    if opts.tasks:
+        from lm_eval_adapter import run_tasks
+
+        return run_tasks(opts)
+    loss, tokens, seconds, data = held_out_loss(opts.checkpoint, opts.config, overrides)
+    if is_rank0():
+        print(
+            f"eval: {opts.checkpoint} | loss {loss:.4f} | perplexity {math.exp(loss):.3f} | {tokens:,} tokens of {data}"
+            f" | {seconds:.1f} s",
+            flush=True,
+        )
+    return 0
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """This command's own options; the rest are train.py's config overrides."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--checkpoint", type=Path, required=True, help="a DCP step-<N> folder or a Hugging Face folder")
+    parser.add_argument("--config", type=Path, help="the run's TOML (default: config.toml beside the step folders)")
+    parser.add_argument("--tasks", help="lm-evaluation-harness tasks, comma-separated (instead of the held-out loss)")
+    parser.add_argument("--include-path", help="a folder of lm-eval task YAMLs of your own")
+    parser.add_argument("--limit", type=float, help="lm-eval: at most this many examples per task (or a fraction)")
+    parser.add_argument("--num-fewshot", type=int, help="lm-eval: in-context examples per prompt")
+    parser.add_argument("--batch-size", type=int, default=8, help="lm-eval: sequences per forward")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="lm-eval generate_until: at most this many")
+    parser.add_argument(
+        "--tokenizer", help="tokenizer folder (default: the run's model.tokenizer_path / the HF folder)"
+    )
+    opts, overrides = parser.parse_known_args(argv)
+    if not opts.checkpoint.is_dir():
+        raise ConfigError(f"--checkpoint: {opts.checkpoint} is not a folder; point it at a step-<N> or HF folder")
+    return opts, overrides
+
+
+def config_args(checkpoint: Path, config: Path | None) -> list[str]:
+    """train.py's arguments that load the checkpoint's run config and its model shape."""
+    hf = (checkpoint / "config.json").is_file()
+    if config is None and hf:
+        raise ConfigError(
+            f"--config: {checkpoint} is a Hugging Face folder; name the TOML with the data, tokenizer and layout "
+            "to evaluate it with (e.g. configs/finetune_hf.toml)"
+        )
+    config = config or checkpoint.parent / "config.toml"
+    if not config.is_file():
+        raise ConfigError(
+            f"--config: no config.toml beside {checkpoint} (train.py writes one when it checkpoints); pass the TOML "
+            "it was trained with, --config FILE"
+        )
+    if not hf:
+        return ["--config", str(config)]
+    from models.hf import family_of_hf_config
+
+    name = family_of_hf_config(checkpoint).name
+    return ["--config", str(config), f"--model.name={name}", f"--model.hf_assets_path={checkpoint}",
+            "--model.shape_from_hf_config"]  # fmt: skip
+
+
+def held_out_loss(checkpoint: Path, config: Path | None, overrides: list[str]) -> tuple[float, int, float, str]:
+    """(loss, tokens, seconds, data path) of `[validation]` on the checkpoint's weights, with the config's layout."""
+    from config import load_config, run_model_args, validation_path
+    from data.tokenizers import build_tokenizer
+    from loss import build_loss_fn
+    from parallelisms.cp import context_parallel
+    from parallelisms.parallel_dims import ParallelDims, layout_checks
+    from parallelisms.parallelize import build_run_model, init_model
+    from train import init_distributed
+    from validation import Validator
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    argv = [*config_args(checkpoint, config), *overrides, "--validation.enable=true", "--checkpoint.enable=false"]
+    cfg = load_config(argv, inputs=False, extra_checks=layout_checks(world))
+    if validation_path(cfg.validation) is None:
+        raise ConfigError("validation.dataset_path: name the held-out data to evaluate on (a file or prepared folder)")
+    device, _, world_size = init_distributed(cfg.comm, dump_folder=cfg.job.dump_folder)
+    try:
+        dims = ParallelDims.from_config(cfg.parallelism, world_size=world_size)
+        mesh = dims.build_mesh(device.type)
+        args = run_model_args(cfg)
+        loss_fn = build_loss_fn(cfg.compile, chunk_tokens=cfg.training.loss_chunk_tokens)
+        model, pipeline = build_run_model(cfg, args, dims=dims, mesh=mesh, loss_fn=loss_fn, device=device)
+        init_model(model, pipeline, device=device)
+        load_weights(checkpoint, model, pipeline, args=args, family_name=cfg.model.name)
+        validator = Validator(
+            cfg.validation,
+            data=cfg.data,
+            tokenizer=build_tokenizer(cfg.model.tokenizer_path),
+            tokenizer_path=cfg.model.tokenizer_path,
+            dp_rank=dims.dp_rank(mesh),
+            dp_degree=dims.dp,
+            device=device,
+            loss_fn=loss_fn.cross_entropy_only(),
+            loss_parallel=dims.tp_enabled and not cfg.parallelism.disable_loss_parallel,
+            cp=context_parallel(mesh, cfg.parallelism),
+        )
+        loss, tokens, seconds = validator.validate(model, pipeline)
+        dist.barrier()
+        return loss, tokens, seconds, str(validation_path(cfg.validation))
+    finally:
+        dist.destroy_process_group()
+
+
+def load_weights(checkpoint: Path, model: torch.nn.Module, pipeline: Any, *, args: Any, family_name: str) -> None:
+    """The checkpoint's weights into the built (sharded) model: DCP reshards, an HF folder is split as it is read."""
+    from checkpoint import load_model_weights
+    from models import family
+    from models.hf import load_hf_weights
+
+    for part in pipeline.parts if pipeline else [model]:
+        if (checkpoint / "config.json").is_file():
+            load_hf_weights(part, checkpoint, family(family_name), args)
+        else:
+            load_model_weights(checkpoint, part, key="--checkpoint")
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except ConfigError as e:
+        if is_rank0():
+            for problem in e.problems:
+                print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)

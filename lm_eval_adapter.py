@@ -1,0 +1,157 @@
+"""EleutherAI's lm-evaluation-harness over this repo's model: `eval.py --checkpoint CKPT --tasks ...`.
+
+`RecipeLM` is lm-eval's `TemplateLM` (its `LM` interface with the tokenization of context/continuation pairs it
+shares with its own `hf` backend) over a model that generate.py's loader built from a DCP step folder or a Hugging
+Face folder: a DCP checkpoint is scored without converting it. Tokenization follows the `hf` backend's defaults
+(no BOS added, the empty context replaced by BOS), so scores equal that backend's on the same weights
+(tests/test_eval.py). One process: lm-eval's own data parallelism is not wired here.
+
+    loglikelihood           sum of log-probabilities of the continuation tokens after the context, and whether
+                            greedy decoding would have produced them (multiple choice, cloze)
+    loglikelihood_rolling   the whole text's log-likelihood over windows of the model's context (perplexity)
+    generate_until          greedy (or sampled) continuation by generate.py's Generator, cut at the stop strings
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from errors import ConfigError
+
+
+def import_lm_eval() -> Any:
+    try:
+        import lm_eval
+    except ImportError:
+        raise ConfigError('--tasks: lm-evaluation-harness is not installed; pip install -e ".[eval]"') from None
+    return lm_eval
+
+
+def run_tasks(opts: argparse.Namespace) -> int:
+    """`eval.py --tasks`: lm_eval.simple_evaluate on the checkpoint, its table printed."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError("--tasks: lm-evaluation-harness runs in one process here; start eval.py with python")
+    lm_eval = import_lm_eval()
+    from lm_eval.tasks import TaskManager
+    from lm_eval.utils import make_table
+
+    from generate import load_model
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer_path = load_model(opts.checkpoint, config=opts.config, device=device, dtype=torch.float32)
+    tokenizer_path = opts.tokenizer or tokenizer_path
+    if tokenizer_path is None:
+        raise ConfigError(f"--tokenizer: {opts.checkpoint} holds no tokenizer.json; name a tokenizer folder")
+    lm = recipe_lm()(model, tokenizer_path, batch_size=opts.batch_size, max_gen_toks=opts.max_new_tokens)
+    tasks = [t.strip() for t in opts.tasks.split(",") if t.strip()]
+    manager = TaskManager(include_path=opts.include_path)
+    if unknown := [t for t in tasks if t not in manager.all_tasks]:
+        raise ConfigError(f"--tasks: no lm-eval task named {', '.join(unknown)} (lm-eval --tasks list shows them)")
+    try:
+        results = lm_eval.simple_evaluate(
+            model=lm, tasks=tasks, num_fewshot=opts.num_fewshot, limit=opts.limit, task_manager=manager
+        )
+    except (ConnectionError, OSError) as e:
+        raise ConfigError(
+            f"--tasks: {', '.join(tasks)} needs its dataset, which could not be read ({type(e).__name__}); download it "
+            "where the Hugging Face hub is reachable (HF_DATASETS_OFFLINE=0), or give a local task with --include-path"
+        ) from None
+    print(make_table(results), flush=True)
+    return 0
+
+
+@functools.cache
+def recipe_lm() -> type:
+    """RecipeLM, a subclass of lm-eval's TemplateLM: a class made on first use, since lm-eval is an optional extra."""
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.models.utils import handle_stop_sequences
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+    from generate import Generator, Sampling, _hf_tokenizer
+
+    class RecipeLM(TemplateLM):
+        def __init__(self, model: nn.Module, tokenizer_path: str, *, batch_size: int = 8, max_gen_toks: int = 256):
+            super().__init__()
+            self.model = model.eval()
+            self.tokenizer = _hf_tokenizer(tokenizer_path)
+            self.batch_size, self.max_gen_toks = batch_size, max_gen_toks
+            self.max_length = model.args.max_seq_len
+            self.device_ = next(model.parameters()).device
+
+        @property
+        def eot_token_id(self) -> int:
+            return self.tokenizer.eos_token_id
+
+        @property
+        def prefix_token_id(self) -> int:
+            bos = self.tokenizer.bos_token_id
+            return bos if bos is not None else self.eot_token_id
+
+        def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
+            return self.tokenizer.encode(string, add_special_tokens=bool(add_special_tokens))
+
+        def tok_decode(self, tokens: list[int], skip_special_tokens: bool = True) -> str:
+            return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
+
+        @torch.no_grad()
+        def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False, **kwargs: Any) -> list:
+            """(sum of the continuation's log-probabilities, greedy?) per (key, context tokens, continuation tokens)."""
+            out = []
+            for start in range(0, len(requests), self.batch_size):
+                chunk = requests[start : start + self.batch_size]
+                # The last max_length + 1 tokens of context + continuation; the model reads all but the last.
+                inputs = [(ctx + cont)[-(self.max_length + 1) :][:-1] for _, ctx, cont in chunk]
+                width = max(len(i) for i in inputs)
+                batch = torch.zeros(len(inputs), width, dtype=torch.long)
+                for row, tokens in enumerate(inputs):  # right padding: the causal rows before it are unaffected
+                    batch[row, : len(tokens)] = torch.tensor(tokens)
+                logprobs = F.log_softmax(self.model(batch.to(self.device_)).float(), dim=-1).cpu()
+                for row, ((_, _, cont), tokens) in enumerate(zip(chunk, inputs, strict=True)):
+                    scored = logprobs[row, len(tokens) - len(cont) : len(tokens)]  # (continuation, vocab)
+                    target = torch.tensor(cont)
+                    greedy = bool((scored.argmax(dim=-1) == target).all())
+                    out.append((float(scored.gather(-1, target[:, None]).sum()), greedy))
+            return out
+
+        def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
+            """Each text scored whole, in disjoint windows of the model's context, the first after BOS."""
+            results = []
+            for (text,) in (req.args for req in requests):
+                windows = map(
+                    make_disjoint_window,
+                    get_rolling_token_windows(
+                        token_list=self.tok_encode(text),
+                        prefix_token=self.prefix_token_id,
+                        max_seq_len=self.max_length,
+                        context_len=1,
+                    ),
+                )
+                scored = self._loglikelihood_tokens([(None, ctx, cont) for ctx, cont in windows])
+                results.append(sum(logprob for logprob, _ in scored))
+            return results
+
+        def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
+            eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
+            generator, out = Generator(self.model), []
+            for context, gen_kwargs in (req.args for req in requests):
+                kwargs = dict(gen_kwargs)
+                until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+                max_new = int(kwargs.pop("max_gen_toks", self.max_gen_toks))
+                sampling = Sampling(float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0)
+                prompt = self.tok_encode(context)[-(self.max_length - max_new) :]
+                (tokens,) = generator.generate([prompt], max_new_tokens=max_new, sampling=sampling,
+                                               stop_ids=[self.eot_token_id])  # fmt: skip
+                text = self.tok_decode(tokens)
+                for stop in until:
+                    text = text.split(stop)[0] if stop else text
+                out.append(text)
+            return out
+
+    return RecipeLM

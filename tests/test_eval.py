@@ -1,0 +1,110 @@
+"""eval.py --tasks: lm-evaluation-harness over this repo's model scores what lm-eval's own `hf` backend scores on
+the same weights, from a Hugging Face folder and from a DCP checkpoint alike, offline (local task YAMLs over jsonl
+files: tests/lm_eval_tasks/). The held-out loss is checked against train.py's logged validation loss in
+tests/test_validation.py."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import eval as eval_py  # (eval.py: not "evaluate", which would shadow the evaluate package lm-eval imports)
+from errors import ConfigError
+from tests.launch import REPO
+from tests.tiny_hf import tiny_hf_folder
+
+TASKS = ["recipe_mc", "recipe_rolling", "recipe_gen"]
+
+
+@pytest.fixture(scope="module")
+def task_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The YAMLs of tests/lm_eval_tasks/ pointing at jsonl documents written here."""
+    folder = tmp_path_factory.mktemp("lm_eval_tasks")
+    animals = ["girl", "boy", "king", "frog", "tree", "fox", "baker", "moon"]
+    mc = [{"question": f"Once upon a time there was a {w}.", "choices": [" dog", " cat", " bird"], "answer": i % 3}
+          for i, w in enumerate(animals)]  # fmt: skip
+    stories = [json.loads(line)["text"] for line in (REPO / "assets/corpus/stories_validation.jsonl").open()][:3]
+    rolling = [{"text": " ".join(stories)[:1500]}, {"text": stories[0][:200]}]  # ~375 tokens: two windows of 256
+    gen = [{"question": "Once upon a time", "answer": " there"}, {"question": "The cat sat", "answer": " on"}]
+    for name, docs in {"mc": mc, "rolling": rolling, "gen": gen}.items():
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    for yaml in (REPO / "tests" / "lm_eval_tasks").glob("*.yaml"):
+        (folder / yaml.name).write_text(yaml.read_text().replace("DATA/", f"{folder}/"))
+    return folder
+
+
+def scores(results: dict) -> dict[str, float]:
+    """task/metric -> value, e.g. recipe_mc/acc,none."""
+    return {
+        f"{task}/{metric}": float(value)
+        for task in TASKS
+        for metric, value in results["results"][task].items()
+        if "," in metric and "stderr" not in metric
+    }
+
+
+def test_tasks_score_what_lm_evals_hf_backend_scores_from_an_hf_folder_and_a_dcp_checkpoint(
+    task_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from generate import load_model
+    from lm_eval_adapter import recipe_lm
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    folder = tiny_hf_folder(tmp_path / "hf", seed=1)
+    manager = TaskManager(include_path=str(task_folder))
+
+    def run(model: object, **kw: str) -> dict:
+        return lm_eval.simple_evaluate(model=model, tasks=TASKS, task_manager=manager, log_samples=True, **kw)
+
+    theirs = run("hf", model_args=f"pretrained={folder},dtype=float32,device=cpu")
+    model, tokenizer = load_model(folder, config=None, device=torch.device("cpu"), dtype=torch.float32)
+    ours = run(recipe_lm()(model, tokenizer))
+    assert scores(ours) == pytest.approx(scores(theirs), rel=1e-6)
+    responses = lambda r: [s["resps"] for s in r["samples"]["recipe_gen"]]  # noqa: E731
+    assert responses(ours) == responses(theirs) and all(responses(ours))
+    assert scores(ours)["recipe_mc/acc,none"] not in (0.0, 1.0)  # the choices are not all alike
+
+    # The same weights as a DCP checkpoint with its run config beside it, through the command: the same table.
+    sys.path.insert(0, str(REPO / "scripts"))
+    from convert_hf import hf_to_dcp
+
+    checkpoint = tmp_path / "run" / "checkpoint" / "step-0"
+    hf_to_dcp(folder, checkpoint, dtype=None)
+    (checkpoint.parent / "config.toml").write_text(
+        f'[model]\nname = "llama3"\nhf_assets_path = "{folder}"\nshape_from_hf_config = true\ntokenizer_path = "{folder}"\n'
+        "[training]\nseq_len = 256\n"
+    )
+    capsys.readouterr()
+    assert (
+        eval_py.main(["--checkpoint", str(checkpoint), "--tasks", ",".join(TASKS), "--include-path", str(task_folder)])
+        == 0
+    )
+    table = capsys.readouterr().out
+    for key, value in scores(ours).items():
+        metric = key.split("/")[1].split(",")[0]
+        assert f"|{metric}" in table.replace(" ", "") and f"{value:.4f}" in table, (key, value, table)
+
+
+def test_tasks_refusals_are_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = tiny_hf_folder(tmp_path / "hf", seed=1)
+    base = ["--checkpoint", str(folder), "--tasks", "recipe_nope"]
+    with pytest.raises(ConfigError, match=r"--tasks: no lm-eval task named recipe_nope \(lm-eval --tasks list"):
+        eval_py.main(base)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="--tasks: lm-evaluation-harness runs in one process here"):
+        eval_py.main(base)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if not installed
+    with pytest.raises(ConfigError, match=r'lm-evaluation-harness is not installed; pip install -e "\.\[eval\]"'):
+        eval_py.main(base)
+    with pytest.raises(
+        ConfigError, match="is a Hugging Face folder; name the TOML with the data, tokenizer and layout"
+    ):
+        eval_py.main(["--checkpoint", str(folder)])
