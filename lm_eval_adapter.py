@@ -39,7 +39,6 @@ def run_tasks(opts: argparse.Namespace) -> int:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ConfigError("--tasks: lm-evaluation-harness runs in one process here; start eval.py with python")
     lm_eval = import_lm_eval()
-    from lm_eval.tasks import TaskManager
     from lm_eval.utils import make_table
 
     from generate import load_model
@@ -51,7 +50,7 @@ def run_tasks(opts: argparse.Namespace) -> int:
         raise ConfigError(f"--tokenizer: {opts.checkpoint} holds no tokenizer.json; name a tokenizer folder")
     lm = recipe_lm()(model, tokenizer_path, batch_size=opts.batch_size, max_gen_toks=opts.max_new_tokens)
     tasks = [t.strip() for t in opts.tasks.split(",") if t.strip()]
-    manager = TaskManager(include_path=opts.include_path)
+    manager = task_manager(opts.include_path)
     if unknown := [t for t in tasks if t not in manager.all_tasks]:
         raise ConfigError(f"--tasks: no lm-eval task named {', '.join(unknown)} (lm-eval --tasks list shows them)")
     try:
@@ -65,6 +64,14 @@ def run_tasks(opts: argparse.Namespace) -> int:
         ) from None
     print(make_table(results), flush=True)
     return 0
+
+
+@functools.cache
+def task_manager(include_path: str | None) -> Any:
+    """lm-eval's index of its tasks (thousands of YAML files: seconds to build), and those of include_path."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=include_path)
 
 
 @functools.cache

@@ -6,6 +6,8 @@ tests/test_validation.py."""
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -93,7 +95,15 @@ def test_tasks_score_what_lm_evals_hf_backend_scores_from_an_hf_folder_and_a_dcp
 
 
 def test_tasks_refusals_are_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Among them README's --tasks command, offline: its hub task's dataset cannot be read."""
     folder = tiny_hf_folder(tmp_path / "hf", seed=1)
+    text = (REPO / "README.md").read_text()
+    block = re.search(r"```bash\n(.*?)```", text[text.index("`eval.py` scores a checkpoint") :], flags=re.S)[1]
+    readme = shlex.split(block.splitlines()[1])
+    assert readme[:4] == [".venv/bin/python", "eval.py", "--checkpoint", "outputs/debug/checkpoint/step-100"], readme
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(ConfigError, match=r"--tasks: hellaswag needs its dataset, which could not be read"):
+        eval_py.main(["--checkpoint", str(folder), *readme[4:]])
     base = ["--checkpoint", str(folder), "--tasks", "recipe_nope"]
     with pytest.raises(ConfigError, match=r"--tasks: no lm-eval task named recipe_nope \(lm-eval --tasks list"):
         eval_py.main(base)

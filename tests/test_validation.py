@@ -62,8 +62,15 @@ def test_validation_is_dp_and_pp_invariant_leaves_training_alone_and_reaches_eve
     assert losses(two) == losses(off)  # validation changes nothing in training (bit for bit)
     # eval.py on the step-4 checkpoint (config.toml beside it), on another layout (TP 2 instead of FSDP 2),
     # without training: the loss train.py logged at step 4.
-    evaluation = torchrun("eval.py", "--checkpoint", str(two / "checkpoint" / "step-4"),
-                          "--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1", nproc=2)  # fmt: skip
+    # README's command, as written but for the checkpoint and the layout.
+    text = (REPO / "README.md").read_text()
+    block = re.search(r"```bash\n(.*?)```", text[text.index("`eval.py` scores a checkpoint") :], flags=re.S)[1]
+    readme = block.splitlines()[0].split()
+    assert readme[:3] == ["torchrun", "--nproc_per_node=2", "eval.py"], readme
+    evaluation = torchrun(
+        "eval.py", *[a.replace("outputs/debug/checkpoint/step-100", str(two / "checkpoint" / "step-4")) for a in readme[3:]],
+        "--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1", nproc=2,
+    )  # fmt: skip
     logged = float(re.search(r"^eval: .* \| loss ([0-9.]+) \| perplexity ([0-9.]+) \|", evaluation.stdout, re.M)[1])
     assert logged == pytest.approx(validations(two)[4], abs=6e-5), evaluation.stdout  # (printed to 4 decimals)
     assert sorted(p.name for p in (two / "checkpoint").iterdir()) == ["config.toml", "step-4"]  # nothing written
