@@ -53,14 +53,13 @@ def test_tasks_score_what_lm_evals_hf_backend_scores_from_an_hf_folder_and_a_dcp
     task_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
     from generate import load_model
-    from lm_eval_adapter import recipe_lm
+    from lm_eval_adapter import recipe_lm, task_manager
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     folder = tiny_hf_folder(tmp_path / "hf", seed=1)
-    manager = TaskManager(include_path=str(task_folder))
+    manager = task_manager(str(task_folder))  # (lm-eval's index of its tasks: built once per process)
 
     def run(model: object, **kw: str) -> dict:
         return lm_eval.simple_evaluate(model=model, tasks=TASKS, task_manager=manager, log_samples=True, **kw)
@@ -94,7 +93,7 @@ def test_tasks_score_what_lm_evals_hf_backend_scores_from_an_hf_folder_and_a_dcp
         assert f"|{metric}" in table.replace(" ", "") and f"{value:.4f}" in table, (key, value, table)
 
 
-def test_tasks_refusals_are_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tasks_refusals_are_one_line(task_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Among them README's --tasks command, offline: its hub task's dataset cannot be read."""
     folder = tiny_hf_folder(tmp_path / "hf", seed=1)
     text = (REPO / "README.md").read_text()
@@ -103,8 +102,8 @@ def test_tasks_refusals_are_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert readme[:4] == [".venv/bin/python", "eval.py", "--checkpoint", "outputs/debug/checkpoint/step-100"], readme
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     with pytest.raises(ConfigError, match=r"--tasks: hellaswag needs its dataset, which could not be read"):
-        eval_py.main(["--checkpoint", str(folder), *readme[4:]])
-    base = ["--checkpoint", str(folder), "--tasks", "recipe_nope"]
+        eval_py.main(["--checkpoint", str(folder), *readme[4:], "--include-path", str(task_folder)])
+    base = ["--checkpoint", str(folder), "--tasks", "recipe_nope", "--include-path", str(task_folder)]
     with pytest.raises(ConfigError, match=r"--tasks: no lm-eval task named recipe_nope \(lm-eval --tasks list"):
         eval_py.main(base)
     monkeypatch.setenv("WORLD_SIZE", "2")
