@@ -2,7 +2,7 @@
 
 `ConfigError` is every mistake in the user's input (config, data, tokenizer, checkpoint,
 launch): one line per problem, naming the key or file and the fix, all problems together.
-`train.py` prints it once (rank 0) and exits with status 2. What a run may have written before
+The commands print it once (rank 0, `report`) and exit with status 2. What a run may have written before
 it (its dump folder and lock, a tokenization cache of raw data) is whole: nothing half-written
 that a rerun would trust (checkpoints publish only when complete, caches only with a manifest).
 
@@ -35,6 +35,14 @@ _warned: set[str] = set()
 def is_rank0() -> bool:
     """Global rank 0, or a process that torchrun did not start."""
     return os.environ.get("RANK", "0") == "0"
+
+
+def report(error: ConfigError) -> int:
+    """Print a ConfigError's lines once (`error: ...` on stderr, from global rank 0) and return the exit status, 2."""
+    if is_rank0():
+        for problem in error.problems:
+            print(f"error: {problem}", file=sys.stderr, flush=True)
+    return 2
 
 
 def warn(message: str) -> None:

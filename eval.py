@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from errors import ConfigError, is_rank0
+from errors import ConfigError, is_rank0, report
 
 
 def main(argv: list[str]) -> int:
@@ -154,7 +154,4 @@ if __name__ == "__main__":
     try:
         sys.exit(main(sys.argv[1:]))
     except ConfigError as e:
-        if is_rank0():
-            for problem in e.problems:
-                print(f"error: {problem}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(report(e))

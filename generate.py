@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from errors import ConfigError, is_rank0
+from errors import ConfigError, is_rank0, report
 from models.kv_cache import KVCache
 
 CACHE_LENGTH_MULTIPLE = 128
@@ -345,7 +345,4 @@ if __name__ == "__main__":
     try:
         sys.exit(main(sys.argv[1:]))
     except ConfigError as e:
-        if is_rank0():
-            for problem in e.problems:
-                print(f"error: {problem}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(report(e))

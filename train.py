@@ -50,7 +50,7 @@ from data.corpus import open_corpus
 from data.loader import Batch, GlobalBatchLoader
 from data.mixture import open_mixture
 from data.tokenizers import build_tokenizer
-from errors import ConfigError, is_rank0, writable_folder
+from errors import ConfigError, is_rank0, report, writable_folder
 from loss import Loss, build_loss_fn
 from metrics import LogStep, MetricsLogger, StepResult
 from models import family
@@ -689,10 +689,7 @@ if __name__ == "__main__":
     try:
         sys.exit(main(sys.argv[1:]))
     except ConfigError as e:
-        if is_rank0():
-            for problem in e.problems:
-                print(f"error: {problem}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(report(e))
     except RuntimeError as e:  # NCCL's DistBackendError is one too
         if "timed out" not in str(e).lower():
             raise

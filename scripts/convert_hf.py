@@ -32,7 +32,7 @@ import torch.distributed.checkpoint as dcp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from checkpoint import HF_SIDE_FILES, export_hf_folder  # noqa: E402
-from errors import ConfigError  # noqa: E402
+from errors import ConfigError, report  # noqa: E402
 from models import NAMES, family  # noqa: E402
 from models.hf import DEFAULT_MAX_SHARD_BYTES, family_of_hf_config, model_args_from_hf, read_hf_weights  # noqa: E402
 
@@ -125,6 +125,4 @@ if __name__ == "__main__":
     try:
         sys.exit(main(sys.argv[1:]))
     except ConfigError as e:
-        for problem in e.problems:
-            print(f"error: {problem}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(report(e))

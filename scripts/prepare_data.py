@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from data.prepare import CHUNK_BYTES, finish, prepare  # noqa: E402
 from data.sources import find_source  # noqa: E402
 from data.tokenizers import build_tokenizer  # noqa: E402
-from errors import ConfigError  # noqa: E402
+from errors import ConfigError, report  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -89,9 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             progress=lambda line: print(line, flush=True),
         )
     except ConfigError as e:
-        for problem in e.problems:
-            print(f"error: {problem}", file=sys.stderr)
-        return 2
+        return report(e)
     seconds = time.perf_counter() - begin
     if manifest is None:
         print(
