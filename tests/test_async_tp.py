@@ -18,7 +18,7 @@ def test_what_async_tp_needs() -> None:
 
 def test_async_tp_on_cpu_is_refused_in_one_line() -> None:
     args = ("--config", "configs/debug_tp.toml", "--parallelism.enable_async_tensor_parallel", "--compile.enable")
-    proc = torchrun("train.py", *args, nproc=2, check=False)
+    proc = torchrun("train.py", *args, nproc=2, check=False, launcher=True)  # (its failure summary)
     assert proc.stderr.count("error: parallelism.enable_async_tensor_parallel: async TP needs") == 1, proc.stderr
     assert "the TP group runs on cpu with gloo" in proc.stderr
     assert "exitcode  : 2" in proc.stderr  # every rank exits 2; torchrun itself then exits 1

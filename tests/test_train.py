@@ -388,7 +388,9 @@ def test_checkpoint_of_another_model_is_refused(seed: Path) -> None:
 
 
 def test_error_under_torchrun_is_printed_once(tmp_path: Path) -> None:
-    proc = torchrun("train.py", "--config", "configs/debug.toml", "--data.path=missing.jsonl", nproc=2, check=False)
+    proc = torchrun(
+        "train.py", "--config", "configs/debug.toml", "--data.path=missing.jsonl", nproc=2, check=False, launcher=True
+    )
     assert proc.returncode != 0
     assert proc.stderr.count("error: data.path: missing.jsonl not found") == 1
 
