@@ -101,7 +101,7 @@ def held_out_loss(checkpoint: Path, config: Path | None, overrides: list[str]) -
     from parallelisms.cp import context_parallel
     from parallelisms.parallel_dims import ParallelDims, layout_checks
     from parallelisms.parallelize import build_run_model, init_model
-    from train import init_distributed
+    from train import init_distributed, uses_loss_parallel
     from validation import Validator
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -127,7 +127,7 @@ def held_out_loss(checkpoint: Path, config: Path | None, overrides: list[str]) -
             dp_degree=dims.dp,
             device=device,
             loss_fn=loss_fn.cross_entropy_only(),
-            loss_parallel=dims.tp_enabled and not cfg.parallelism.disable_loss_parallel,
+            loss_parallel=uses_loss_parallel(cfg, dims),
             cp=context_parallel(mesh, cfg.parallelism),
         )
         loss, tokens, seconds = validator.validate(model, pipeline)

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from data.tokenizers import Tokenizer, build_tokenizer
 from errors import ConfigError, is_rank0, report
 from models.kv_cache import KVCache
 
@@ -68,8 +69,9 @@ def init_tensor_parallel(device_name: str | None) -> tuple[torch.device, DeviceM
 def generate_and_print(opts: argparse.Namespace, model: nn.Module, tokenizer_path: str | None) -> int:
     if tokenizer_path is None:
         raise ConfigError(f"--tokenizer: {opts.checkpoint} holds no tokenizer.json; name a tokenizer folder")
+    tokenizer = build_tokenizer(tokenizer_path, key="--tokenizer")
     texts = read_prompts(opts)
-    prompts = encode_prompts(texts, tokenizer_path, chat=opts.chat)
+    prompts = encode_prompts(texts, tokenizer, tokenizer_path, chat=opts.chat)
     if (highest := max(max(p) for p in prompts)) >= model.args.vocab_size:
         raise ConfigError(
             f"--tokenizer: {tokenizer_path} gives token id {highest} but the model embeds only "
@@ -87,13 +89,12 @@ def generate_and_print(opts: argparse.Namespace, model: nn.Module, tokenizer_pat
         prompts,
         max_new_tokens=opts.max_new_tokens,
         sampling=sampling,
-        stop_ids=stop_ids(tokenizer_path),
+        stop_ids=stop_ids(tokenizer, tokenizer_path),
         seed=opts.seed,
     )
     if is_rank0():  # (under tensor parallel every rank holds the same tokens)
-        tokenizer = _hf_tokenizer(tokenizer_path)
         for text, completion in zip(texts, completions, strict=True):
-            print(f"{text}{tokenizer.decode(completion, skip_special_tokens=True)}\n", flush=True)
+            print(f"{text}{tokenizer.decode(completion)}\n", flush=True)
         print(generator.timing.summary(), file=sys.stderr)
     return 0
 
@@ -189,7 +190,8 @@ def read_prompts(opts: argparse.Namespace) -> list[str]:
     return texts
 
 
-def _hf_tokenizer(tokenizer_path: str) -> Any:
+def hf_tokenizer(tokenizer_path: str) -> Any:
+    """transformers' tokenizer of a tokenizer folder (or tokenizer.json): its chat template, lm-eval's encoding."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from transformers import AutoTokenizer, PreTrainedTokenizerFast
@@ -200,26 +202,21 @@ def _hf_tokenizer(tokenizer_path: str) -> Any:
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def encode_prompts(texts: list[str], tokenizer_path: str, *, chat: bool) -> list[list[int]]:
-    """Token ids of each prompt: BOS + text as training packs documents, or the tokenizer's chat template."""
-    from data.tokenizers import build_tokenizer
-
-    ours = build_tokenizer(tokenizer_path, key="--tokenizer")
+def encode_prompts(texts: list[str], tokenizer: Tokenizer, tokenizer_path: str, *, chat: bool) -> list[list[int]]:
+    """Token ids of each prompt: BOS + text as training packs documents, or the tokenizer folder's chat template."""
     if not chat:
-        return [[ours.bos_id, *ids] for ids in ours.encode_batch(texts)]
-    tokenizer = _hf_tokenizer(tokenizer_path)
-    if not getattr(tokenizer, "chat_template", None):
+        return [[tokenizer.bos_id, *ids] for ids in tokenizer.encode_batch(texts)]
+    template = hf_tokenizer(tokenizer_path)
+    if not getattr(template, "chat_template", None):
         raise ConfigError(f"--chat: {tokenizer_path} has no chat_template (tokenizer_config.json); drop --chat")
     messages = [[{"role": "user", "content": text}] for text in texts]
-    rendered = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in messages]
-    return ours.encode_batch(rendered)  # the template writes BOS itself
+    rendered = [template.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in messages]
+    return tokenizer.encode_batch(rendered)  # the template writes BOS itself
 
 
-def stop_ids(tokenizer_path: str) -> list[int]:
+def stop_ids(tokenizer: Tokenizer, tokenizer_path: str) -> list[int]:
     """EOS, and the end-of-turn ids generation_config.json lists (Llama 3 instruct's <|eot_id|>)."""
-    from data.tokenizers import build_tokenizer
-
-    ids = [build_tokenizer(tokenizer_path, key="--tokenizer").eos_id]
+    ids = [tokenizer.eos_id]
     file = Path(tokenizer_path) / "generation_config.json"
     if file.is_file():
         listed = json.loads(file.read_text()).get("eos_token_id")

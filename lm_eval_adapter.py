@@ -81,13 +81,13 @@ def recipe_lm() -> type:
     from lm_eval.models.utils import handle_stop_sequences
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-    from generate import Generator, Sampling, _hf_tokenizer
+    from generate import Generator, Sampling, hf_tokenizer
 
     class RecipeLM(TemplateLM):
         def __init__(self, model: nn.Module, tokenizer_path: str, *, batch_size: int = 8, max_gen_toks: int = 256):
             super().__init__()
             self.model = model.eval()
-            self.tokenizer = _hf_tokenizer(tokenizer_path)
+            self.tokenizer = hf_tokenizer(tokenizer_path)
             self.batch_size, self.max_gen_toks = batch_size, max_gen_toks
             self.max_length = model.args.max_seq_len
             self.device_ = next(model.parameters()).device

@@ -228,7 +228,7 @@ def build(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
         request.done(f"{reason}: stopped during start-up, before step {start_step + 1}; nothing new to save")
         return None
 
-    loss_parallel = dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
+    loss_parallel = uses_loss_parallel(cfg, dims)
     cp = context_parallel(mesh, cfg.parallelism)
     run = Run(
         cfg=cfg,
@@ -498,6 +498,11 @@ def train_step(
 
 
 # ------------------------------------------------------------------- builders
+
+
+def uses_loss_parallel(cfg: JobConfig, dims: ParallelDims) -> bool:
+    """Whether the loss runs on vocabulary-sharded logits: under TP, unless parallelism.disable_loss_parallel."""
+    return dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
 
 
 def init_distributed(cfg: Comm, *, dump_folder: str) -> tuple[torch.device, int, int]:

@@ -1,6 +1,7 @@
 """`make bench`: what each fix buys, every number measured in this run; one table and one chart.
 
-    python -m benchmarks.run                      # every benchmark (CPU: ~14 minutes on 2 cores)
+    python -m benchmarks.run                      # every benchmark (CPU: ~14 minutes on 2 cores before the
+                                                  # generation benchmark, which alone took about 7 more)
     python -m benchmarks.run --only memory comm_volume
     python -m benchmarks.run --train-rows         # also tokens/s of FSDP vs + compile vs + op SAC
     python -m benchmarks.run --plot-only          # the table and chart again from <out>/bench.json
