@@ -299,9 +299,26 @@ class Data:
     """One weight per data.mixture folder, any positive numbers: [7, 2, 1] trains on 70% / 20% / 10% of the sequences. Empty: equal shares."""
     ignore_resume_mismatch: bool = False
     """Resume a checkpoint trained on other data, tokenizer, seq_len, global batch or shuffle order anyway (from its sample count)."""
+    chat: bool = False
+    """Each row is a conversation (data.messages_column) rendered with the tokenizer folder's chat template; only the assistant's tokens count in the loss (data/chat.py)."""
+    messages_column: str = "messages"
+    """Chat data: the column of [{"role": ..., "content": ...}, ...] lists (OpenAI-style roles)."""
+    pad_samples: bool = False
+    """Chat data: one conversation per window, padded, instead of packing whole conversations into each window (which needs model.attn_mask_type = "block_causal")."""
 
-    def problems(self, *, training_dataset: str | None) -> list[str]:
-        """The mixture's weights fit its folders; training.dataset (resolved into data.path) is one this recipe knows."""
+    def problems(self, *, training_dataset: str | None, attn_mask_type: str, validation: bool) -> list[str]:
+        """The mixture's weights fit its folders; training.dataset (resolved into data.path) is one this recipe
+        knows; packed chat samples are kept apart."""
+        if self.chat and not self.pad_samples and attn_mask_type != "block_causal":
+            return [
+                'data.chat: packed conversations would attend to each other under model.attn_mask_type = "causal"; '
+                'set model.attn_mask_type = "block_causal", or data.pad_samples = true'
+            ]
+        if self.chat and validation:
+            return [
+                "validation.enable: the held-out loss of chat data (counted labels only) is not computed yet; set "
+                "validation.enable = false for a chat fine-tune"
+            ]
         if self.mixture:
             p = []
             if self.mixture_weights and len(self.mixture_weights) != len(self.mixture):
@@ -1198,7 +1215,9 @@ def validate(cfg: JobConfig) -> list[str]:
         *cfg.metrics.problems(),
         *_missing_parts(cfg),
         *cfg.profiling.problems(),
-        *cfg.data.problems(training_dataset=t.dataset),
+        *cfg.data.problems(
+            training_dataset=t.dataset, attn_mask_type=m.attn_mask_type, validation=cfg.validation.enable
+        ),
         *cfg.validation.problems(training=t, pp=cfg.parallelism.pipeline_parallel_degree),
     ]
 

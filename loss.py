@@ -14,6 +14,12 @@ of them; the price is the output projection's forward run twice (at 8B about 2% 
 Summing chunk sums in another order than one mean is the only difference: fp32 rounding
 (tests/test_loss.py: 1e-6 relative, loss and gradients, with and without loss parallel).
 
+Labels of IGNORE_INDEX (data/chat.py: the prompts of chat data) count for nothing: every loss here
+is summed over the counted labels and divided by the label positions, so train.py's per-step
+divisor (data/loader.py `Batch.loss_divisor`) makes the step's loss the mean over the counted
+labels of the whole global batch, however they fall on ranks and micro-batches (torchtitan 0.2.2
+normalises by the global count of non-ignored tokens too).
+
 z-loss (training.z_loss_weight > 0; PaLM, OLMo) adds weight x mean(logsumexp(logits)^2), which keeps
 the softmax normaliser near 1 (its log near 0) and the logits from drifting: it is computed on the same
 chunks, from the same fp32 logits, and reported on its own (`ZLoss.take`), so the logged loss stays
@@ -40,8 +46,10 @@ from config import Compile
 
 
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy, in fp32 whatever the compute dtype."""
-    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
+    """Next-token cross-entropy summed over the counted labels and divided by the label positions, in fp32
+    whatever the compute dtype: the mean when every label counts (labels of IGNORE_INDEX count for nothing:
+    chat data, data/chat.py), and a micro-batch with no counted label gives 0, not 0 / 0."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), reduction="sum") / labels.numel()
 
 
 def _summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -74,7 +82,8 @@ class ZLoss:
 @dataclass(frozen=True)
 class Loss:
     """The training loss: `loss(model, h, labels)` projects the final norm's output `h` (bs, seqlen, dim)
-    with `model.project` and returns the mean cross-entropy against `labels` (bs, seqlen)."""
+    with `model.project` and returns the cross-entropy against `labels` (bs, seqlen) summed over the counted labels
+    and divided by the label positions (`cross_entropy_loss`): the mean when every label counts."""
 
     chunk_tokens: int = 0  # training.loss_chunk_tokens; 0 = the whole micro-batch at once
     whole: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_loss

@@ -363,6 +363,7 @@ def build_data(cfg: JobConfig, *, dp_rank: int, dp_degree: int, vocab_size: int)
         shuffle=cfg.data.shuffle,
         seed=cfg.debug.seed,
         strict_resume=not cfg.data.ignore_resume_mismatch,
+        pad_samples=cfg.data.pad_samples,
     )
     return tokenizer, loader
 
@@ -472,7 +473,9 @@ def train_step(
         if index and stop_request is not None and stop_request.requested():
             optimizer.zero_grad(set_to_none=True)
             return None
-        inputs, labels, segments = Batch(*batch)
+        inputs, labels, segments, divisor = Batch(*batch)
+        # The accumulated gradient is the mean over the global batch's counted labels (every label: / grad_accum).
+        divisor = divisor or grad_accum
         if cp is not None:
             inputs, labels = cp.shard(inputs), cp.shard(labels)
         # Under loss parallel the logits stay sharded over the vocabulary (TP ranks) and
@@ -480,13 +483,12 @@ def train_step(
         with loss_parallel_context(loss_parallel):
             segments = segments.to(device) if segments is not None else None
             labels = labels.to(device)
-            # / grad_accum: the accumulated gradient is the mean over the whole global batch.
             if pipeline is not None:
-                loss = pipeline.step(inputs.to(device), labels, segments, scale=1 / grad_accum)
+                loss = pipeline.step(inputs.to(device), labels, segments, scale=1 / divisor)
             else:
                 # The loss applies the output projection itself, inside the model's forward (loss.py).
                 head = functools.partial(loss_fn, model, labels=labels)
-                loss = model(inputs.to(device), segments=segments, head=head) / grad_accum
+                loss = model(inputs.to(device), segments=segments, head=head) / divisor
                 loss.backward()
         total_loss += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
     grad_norm = clip_grad_norm_(model.parameters(), max_norm, pp_group=pipeline.pp_group if pipeline else None)

@@ -85,7 +85,7 @@ class Validator:
             # Rows of this rank's micro-batch that lie inside the held-out data (all but in a last, partial batch).
             rows = min(max(self.sequences - step * self.global_batch - self.first_row, 0), self.local_batch_size)
             (batch,) = self.loader.next_step()
-            inputs, labels, segments = Batch(*batch)
+            inputs, labels, segments, _ = Batch(*batch)
             if self.cp is not None:
                 inputs, labels = self.cp.shard(inputs), self.cp.shard(labels)
             with loss_parallel_context(self.loss_parallel):

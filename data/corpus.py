@@ -14,6 +14,7 @@ exact `scripts/prepare_data.py` command.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -24,8 +25,9 @@ from typing import Any
 import numpy as np
 
 from config import REPO, Data
+from data.chat import ChatRenderer
 from data.prepare import FORMAT, begin, is_prepared, tokenize, write_manifest
-from data.sources import find_source
+from data.sources import Source, find_source
 from data.tokenizers import Tokenizer
 from errors import ConfigError, is_rank0, warn, writable_folder
 
@@ -50,14 +52,19 @@ class TokenCorpus:
                 "prepare it again with scripts/prepare_data.py"
             )
         self.tokens, self.doc_ends = [], []
+        # Chat data (data/chat.py): per token, 1 where the loss counts it (an assistant's token), else 0.
+        self.loss_masks: list[np.ndarray] | None = [] if self.manifest.get("chat") else None
         for shard in self.manifest["shards"]:
             tokens, ends = (self._open(folder / shard[f"{kind}_file"], key) for kind in ("tokens", "doc_ends"))
-            if len(tokens) != shard["tokens"] or len(ends) != shard["documents"]:
+            mask = self._open(folder / shard["loss_mask_file"], key) if self.loss_masks is not None else tokens
+            if len(tokens) != shard["tokens"] or len(ends) != shard["documents"] or len(mask) != len(tokens):
                 raise ConfigError(
-                    f"{key}: {folder / shard['tokens']} does not match the manifest; prepare the data again"
+                    f"{key}: {folder / shard['tokens_file']} does not match the manifest; prepare the data again"
                 )
             self.tokens.append(tokens)
             self.doc_ends.append(ends)
+            if self.loss_masks is not None:
+                self.loss_masks.append(mask)
         self.shard_starts = np.cumsum([0] + [len(t) for t in self.tokens])  # stream offset of each shard
         self.num_tokens = int(self.shard_starts[-1])
         self.tokenizer_fingerprint: str = self.manifest["tokenizer"]["fingerprint"]
@@ -72,13 +79,21 @@ class TokenCorpus:
 
     def read(self, start: int, length: int) -> np.ndarray:
         """Tokens [start, start + length) of the stream as int64."""
-        out = np.empty(length, dtype=np.int64)
+        return self._read(self.tokens, start, length, np.int64)
+
+    def read_mask(self, start: int, length: int) -> np.ndarray:
+        """The loss mask of tokens [start, start + length) (chat data only), uint8."""
+        assert self.loss_masks is not None, "only chat data has a loss mask"
+        return self._read(self.loss_masks, start, length, np.uint8)
+
+    def _read(self, shards: list[np.ndarray], start: int, length: int, dtype: type) -> np.ndarray:
+        out = np.empty(length, dtype=dtype)
         done = 0
         while done < length:
             shard = int(np.searchsorted(self.shard_starts, start + done, side="right")) - 1
             offset = start + done - int(self.shard_starts[shard])
-            take = min(length - done, len(self.tokens[shard]) - offset)
-            out[done : done + take] = self.tokens[shard][offset : offset + take]
+            take = min(length - done, len(shards[shard]) - offset)
+            out[done : done + take] = shards[shard][offset : offset + take]
             done += take
         return out
 
@@ -110,20 +125,28 @@ def open_corpus(cfg: Data, tokenizer: Tokenizer, tokenizer_path: str, *, key: st
     path = Path(cfg.path)
     if is_prepared(path):
         corpus = TokenCorpus(path, key=key)
+        if (corpus.loss_masks is not None) != cfg.chat:
+            what = "chat data (a loss mask beside the tokens)" if cfg.chat else "plain text"
+            raise ConfigError(
+                f"data.chat: {path} was not prepared as {what}; set data.chat = {str(not cfg.chat).lower()}, or "
+                f"prepare it again{' with prepare_data.py --chat' if cfg.chat else ''}"
+            )
         if corpus.tokenizer_fingerprint != tokenizer.fingerprint:
             raise ConfigError(
                 f"{key}: {path} was tokenized by {corpus.manifest['tokenizer']['path']}, not by "
                 f"model.tokenizer_path; point model.tokenizer_path at that tokenizer, or prepare the data again"
             )
         return corpus
-    source = find_source(cfg.path, fmt=cfg.format, text_column=cfg.text_column, split=cfg.split, key=key)
+    source = raw_source(cfg, key=key)
     if source.format == "hub" or source.input_bytes > MAX_RAW_BYTES:
         size = "a hub dataset" if source.format == "hub" else f"{source.input_bytes / 2**20:,.0f} MiB of raw text"
         raise ConfigError(
             f"{key}: {cfg.path} is {size}: too much to tokenize at every start; prepare it once with "
             f"`{prepare_command(cfg, tokenizer_path)}`, then set {key} to that --output folder"
         )
-    cache = cache_folder(cfg, tokenizer, source.describe())
+    # Another chat template renders other tokens: another cache folder.
+    chat = ChatRenderer(tokenizer_path).fingerprint if cfg.chat else None
+    cache = cache_folder(cfg, tokenizer, source.describe(), chat=chat)
     if not is_prepared(cache):
         writable_folder(cache, key="data.cache_folder")
         _prepare_shared(source, tokenizer_path, cache)
@@ -140,7 +163,7 @@ def corpus_size(cfg: Data, tokenizer: Tokenizer) -> tuple[int, bool]:
     path = Path(cfg.path)
     if is_prepared(path):
         return int(json.loads((path / "manifest.json").read_text())["tokens"]), True
-    source = find_source(cfg.path, fmt=cfg.format, text_column=cfg.text_column, split=cfg.split)
+    source = raw_source(cfg, key="data.path")
     if source.format == "hub":
         return 0, False
     cache = cache_folder(cfg, tokenizer, source.describe())
@@ -159,8 +182,16 @@ def prepare_command(cfg: Data, tokenizer_path: str) -> str:
     )
 
 
-def cache_folder(cfg: Data, tokenizer: Tokenizer, source: dict[str, Any]) -> Path:
+def raw_source(cfg: Data, *, key: str) -> Source:
+    """The raw files `[data] path` names; chat data reads data.messages_column."""
+    column = cfg.messages_column if cfg.chat else cfg.text_column
+    source = find_source(cfg.path, fmt=cfg.format, text_column=column, split=cfg.split, key=key)
+    return dataclasses.replace(source, chat=cfg.chat)
+
+
+def cache_folder(cfg: Data, tokenizer: Tokenizer, source: dict[str, Any], *, chat: str | None = None) -> Path:
     what = {"format": FORMAT, "source": source, "tokenizer": tokenizer.fingerprint, "chunk_bytes": CACHE_CHUNK_BYTES}
+    what |= {"chat": chat} if chat else {}
     digest = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
     return Path(cfg.cache_folder).expanduser() / digest
 

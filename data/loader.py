@@ -1,5 +1,10 @@
 """The global-batch loader: a step's sequences depend on the step alone, never on the number of ranks.
 
+A chat corpus (data/chat.py) is read as windows of whole samples instead (`ChatWindows`: packed, or
+one per window with `pad_samples`), and its labels are IGNORE_INDEX but on the assistant's tokens;
+the loss is then normalised by the counted labels of the whole global batch, which every rank
+knows from the step's sample indices alone (`Batch.loss_divisor`: no collective).
+
 The corpus is read as windows of `window` = seq_len + 1 tokens (inputs are a window's first
 seq_len tokens, labels its last seq_len). Sample k of the run is window k of the first epoch, and
 so on around the corpus; with `[data] shuffle` it is window perm(k) of a pseudo-random permutation
@@ -24,6 +29,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from data.chat import IGNORE_INDEX, ChatWindows
 from data.corpus import TokenCorpus
 from data.mixture import MixedCorpus
 from errors import ConfigError
@@ -31,8 +37,18 @@ from errors import ConfigError
 
 class Batch(NamedTuple):
     inputs: torch.Tensor  # (bs, seq_len) int64
-    labels: torch.Tensor  # (bs, seq_len) int64: the inputs shifted by one
+    labels: torch.Tensor  # (bs, seq_len) int64: the inputs shifted by one; IGNORE_INDEX where the loss skips
     segments: torch.Tensor | None = None  # (bs, seq_len) int32: index of each input token's document in its window
+    # What this micro-batch's loss (summed over counted labels / label positions) is divided by, so that the
+    # step's gradient is the mean over the counted labels of the whole global batch: the gradient
+    # accumulation steps when every label counts. None: train_step's grad_accum.
+    loss_divisor: float | None = None
+
+
+class Sample(NamedTuple):
+    tokens: np.ndarray  # (window,) int64
+    segments: np.ndarray  # (window,) int32: each token's document in the window
+    loss_mask: np.ndarray | None = None  # (window,) uint8, chat data: 1 where the token counts in the loss
 
 
 _MASK64 = (1 << 64) - 1
@@ -74,6 +90,7 @@ class GlobalBatchLoader:
     shuffle: bool = False
     seed: int = 0
     strict_resume: bool = True  # refuse a checkpoint of other data, tokenizer, window or global batch
+    pad_samples: bool = False  # chat data: one sample per window instead of packing whole samples
     sample_index: int = 0  # samples consumed by all ranks together: the checkpointed position
 
     def __post_init__(self) -> None:
@@ -87,7 +104,15 @@ class GlobalBatchLoader:
         mixed = isinstance(self.corpus, MixedCorpus)
         self.sources = self.corpus.sources if mixed else [self.corpus]
         self.mixture = self.corpus.mixture if mixed else None
-        self.windows = [source.num_tokens // self.window for source in self.sources]  # per source
+        # Chat sources are read as windows of whole samples, the others as the token stream cut every window tokens.
+        self.chat = [
+            ChatWindows(source, self.window, pad=self.pad_samples) if source.loss_masks is not None else None
+            for source in self.sources
+        ]
+        self.windows = [
+            chat.count if chat is not None else source.num_tokens // self.window
+            for source, chat in zip(self.sources, self.chat, strict=True)
+        ]  # per source
         self.num_windows = sum(self.windows)
         for source, windows in zip(self.sources, self.windows, strict=True):
             if windows == 0:
@@ -110,15 +135,28 @@ class GlobalBatchLoader:
         """Which window of its source sample `sample` reads."""
         return self.locate(sample)[1]
 
-    def sample(self, sample: int) -> tuple[np.ndarray, np.ndarray]:
-        """(tokens of the window, its document index per token) for sample `sample`."""
+    def sample(self, sample: int) -> Sample:
+        """The window that sample `sample` reads: its tokens, document index per token (and chat loss mask)."""
         source, window = self.locate(sample)
+        if (chat := self.chat[source]) is not None:
+            return Sample(*chat.get(window))
         corpus, start = self.sources[source], window * self.window
         tokens = corpus.read(start, self.window)
         segments = np.zeros(self.window, dtype=np.int32)
         segments[corpus.doc_starts(start, self.window)] = 1
         segments[0] = 0  # a document that began before the window is this window's document 0
-        return tokens, np.cumsum(segments, dtype=np.int32)
+        return Sample(tokens, np.cumsum(segments, dtype=np.int32))
+
+    def labelled(self, first: int, count: int) -> int:
+        """Labels that count in the loss among samples [first, first + count), all ranks together."""
+        if all(chat is None for chat in self.chat):
+            return count * (self.window - 1)
+        total = 0
+        for k in range(first, first + count):
+            source, window = self.locate(k)
+            chat = self.chat[source]
+            total += int(chat.labelled[window]) if chat is not None else self.window - 1
+        return total
 
     def samples_per_source(self) -> list[int]:
         """Samples each source gave to the steps so far (all ranks together)."""
@@ -131,11 +169,20 @@ class GlobalBatchLoader:
         base = self.sample_index
         self.sample_index += self.global_batch_size
         per_micro = self.local_batch_size * self.dp_degree
+        # Each rank's label positions in a micro-batch, times the ranks: the global batch's counted labels over
+        # that is grad_accum when every label counts.
+        divisor = self.labelled(base, self.global_batch_size) / (per_micro * (self.window - 1))
         for micro in range(self.grad_accum):
             first = base + micro * per_micro + self.dp_rank * self.local_batch_size
-            tokens, segments = zip(*(self.sample(first + j) for j in range(self.local_batch_size)), strict=True)
-            batch = torch.from_numpy(np.stack(tokens))
-            yield Batch(batch[:, :-1], batch[:, 1:], torch.from_numpy(np.stack(segments)[:, :-1]))
+            rows = [self.sample(first + j) for j in range(self.local_batch_size)]
+            batch = torch.from_numpy(np.stack([row.tokens for row in rows]))
+            labels = batch[:, 1:]
+            if any(row.loss_mask is not None for row in rows):
+                counted = np.stack([row.loss_mask if row.loss_mask is not None else np.ones(self.window, np.uint8)
+                                    for row in rows])[:, 1:]  # fmt: skip
+                labels = labels.masked_fill(torch.from_numpy(counted == 0), IGNORE_INDEX)
+            segments = torch.from_numpy(np.stack([row.segments for row in rows])[:, :-1])
+            yield Batch(batch[:, :-1], labels, segments, divisor)
 
     def abandon_step(self) -> None:
         """The step `next_step` last began was abandoned (a stop request): its samples come again next time."""
@@ -146,7 +193,7 @@ class GlobalBatchLoader:
             "dataset": self.corpus.fingerprint, "tokenizer": self.corpus.tokenizer_fingerprint,
             "window": self.window, "global_batch_size": self.global_batch_size,
             "shuffle": self.shuffle, "seed": self.seed if self.shuffle else 0,
-        }  # fmt: skip
+        } | ({"pad_samples": self.pad_samples} if any(c is not None for c in self.chat) else {})  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
         return {"sample_index": self.sample_index, **self._identity()}

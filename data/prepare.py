@@ -6,6 +6,8 @@ data at start-up, into a cache, with the ranks splitting the chunks among them. 
     tokens-00000.npy     the documents of input chunk 0 as BOS text EOS, back to back: uint16 when
                          the vocabulary has fewer than 65,536 tokens, else uint32
     doc_ends-00000.npy   int64, where each of those documents ends in the shard
+    loss_mask-00000.npy  chat data only (data/chat.py): uint8 per token, 1 on the assistant's tokens
+                         (a conversation is its chat template's rendering, no BOS/EOS added)
     shard-00000.json     the shard's record (documents, tokens, sha256 of its input and of its tokens),
                          written after the two files: a rerun skips chunks whose record matches
     prepare.json         what is being prepared (source, tokenizer, chunk size): a rerun into the
@@ -34,7 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from data.sources import Chunk, Source, read_chunks, texts
+from data.chat import ChatRenderer
+from data.sources import Chunk, Source, read_chunks, texts, values
 from data.tokenizers import Tokenizer, build_tokenizer
 from errors import ConfigError
 
@@ -64,7 +67,7 @@ def plan(source: Source, tokenizer: Tokenizer, tokenizer_path: str, *, chunk_byt
                       "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id},
         "dtype": token_dtype(tokenizer.vocab_size).name,
         "chunk_bytes": chunk_bytes,
-    }  # fmt: skip
+    } | ({"chat": {"template": ChatRenderer(tokenizer_path).fingerprint}} if source.chat else {})  # fmt: skip
 
 
 def begin(source: Source, tokenizer_path: str, output: Path, *, chunk_bytes: int = CHUNK_BYTES) -> Tokenizer:
@@ -97,21 +100,56 @@ class _Worker:
     """Tokenizes chunks into shards; one per process (the tokenizer is built once per process)."""
 
     tokenizer: Tokenizer | None = None
+    chat: ChatRenderer | None = None
 
     @classmethod
-    def init(cls, tokenizer_path: str) -> None:
+    def init(cls, tokenizer_path: str, chat: bool = False) -> None:
         # Each worker is one core: the Rust tokenizer would otherwise spread a batch over all of them.
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         cls.tokenizer = build_tokenizer(tokenizer_path)
+        cls.chat = ChatRenderer(tokenizer_path) if chat else None
 
     @classmethod
     def run(cls, chunk: Chunk, output: Path, text_column: str, where: str) -> dict[str, Any]:
         assert cls.tokenizer is not None
-        return write_shard(chunk, cls.tokenizer, output, text_column=text_column, where=where)
+        return write_shard(chunk, cls.tokenizer, output, text_column=text_column, where=where, chat=cls.chat)
 
 
-def write_shard(chunk: Chunk, tokenizer: Tokenizer, output: Path, *, text_column: str, where: str) -> dict[str, Any]:
-    """Tokenize one chunk into its shard files (tmp + rename) and record; returns the record."""
+def write_shard(
+    chunk: Chunk, tokenizer: Tokenizer, output: Path, *, text_column: str, where: str, chat: ChatRenderer | None = None
+) -> dict[str, Any]:
+    """Tokenize one chunk into its shard files (tmp + rename) and record; returns the record.
+
+    With `chat` each document is a conversation, rendered by its template (BOS and the turns' ends included),
+    and a third file, the loss mask, marks the assistant's tokens."""
+    if chat is None:
+        flat, ends, nulls = _text_documents(chunk, tokenizer, text_column=text_column, where=where)
+        arrays = {"tokens": flat, "doc_ends": ends}
+    else:
+        flat, ends, mask, nulls = _chat_documents(chunk, chat, text_column=text_column, vocab_size=tokenizer.vocab_size)
+        arrays = {"tokens": flat, "doc_ends": ends, "loss_mask": mask}
+    record = {
+        "index": chunk.index,
+        "documents": len(ends),
+        "null_documents": nulls,
+        "tokens": int(flat.size),
+        "input_bytes": chunk.input_bytes,
+        "input_sha256": chunk.digest,
+        "tokens_sha256": hashlib.sha256(flat.tobytes()).hexdigest(),
+    } | ({"loss_tokens": int(arrays["loss_mask"].sum())} if chat is not None else {})
+    for kind, array in arrays.items():
+        tmp = output / (shard_name(chunk.index, kind) + ".tmp")
+        with open(tmp, "wb") as f:
+            np.save(f, array)
+        os.replace(tmp, output / shard_name(chunk.index, kind))
+    _write_json(output / shard_name(chunk.index, "shard"), record)
+    return record
+
+
+def _text_documents(
+    chunk: Chunk, tokenizer: Tokenizer, *, text_column: str, where: str
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """(BOS text EOS of each document back to back, where each ends, null documents skipped)."""
     documents = texts(chunk, text_column=text_column, where=where)
     present = [t for t in documents if t is not None]
     ids = tokenizer.encode_batch(present) if present else []
@@ -123,22 +161,19 @@ def write_shard(chunk: Chunk, tokenizer: Tokenizer, output: Path, *, text_column
         flat[begin] = tokenizer.bos_id
         flat[begin + 1 : end - 1] = doc
         flat[end - 1] = tokenizer.eos_id
-    record = {
-        "index": chunk.index,
-        "documents": len(ids),
-        "null_documents": len(documents) - len(present),
-        "tokens": int(flat.size),
-        "input_bytes": chunk.input_bytes,
-        "input_sha256": chunk.digest,
-        "tokens_sha256": hashlib.sha256(flat.tobytes()).hexdigest(),
-    }
-    for kind, array in (("tokens", flat), ("doc_ends", ends)):
-        tmp = output / (shard_name(chunk.index, kind) + ".tmp")
-        with open(tmp, "wb") as f:
-            np.save(f, array)
-        os.replace(tmp, output / shard_name(chunk.index, kind))
-    _write_json(output / shard_name(chunk.index, "shard"), record)
-    return record
+    return flat, ends, len(documents) - len(present)
+
+
+def _chat_documents(
+    chunk: Chunk, chat: ChatRenderer, *, text_column: str, vocab_size: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """(each conversation's tokens back to back, where each ends, their loss mask, null rows skipped)."""
+    rows = values(chunk, column=text_column, key="data.messages_column")
+    rendered = [chat.render(row, where=chunk.origin(i)) for i, row in enumerate(rows) if row is not None]
+    lengths = np.fromiter((len(ids) for ids, _ in rendered), dtype=np.int64, count=len(rendered))
+    flat = np.fromiter((t for ids, _ in rendered for t in ids), dtype=token_dtype(vocab_size), count=int(lengths.sum()))
+    mask = np.concatenate([m for _, m in rendered]) if rendered else np.zeros(0, np.uint8)
+    return flat, np.cumsum(lengths), mask, len(rows) - len(rendered)
 
 
 def _done(output: Path, chunk: Chunk) -> dict[str, Any] | None:
@@ -174,9 +209,11 @@ def tokenize(
     pool = None
     if workers > 0:
         # spawn: no inherited threads or tokenizer state in the workers.
-        pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_Worker.init, initargs=(tokenizer_path,))
+        pool = multiprocessing.get_context("spawn").Pool(
+            workers, initializer=_Worker.init, initargs=(tokenizer_path, source.chat)
+        )
     else:
-        _Worker.tokenizer = tokenizer
+        _Worker.tokenizer, _Worker.chat = tokenizer, ChatRenderer(tokenizer_path) if source.chat else None
     pending: deque[tuple[Chunk, Any]] = deque()
     try:
         for chunk in read_chunks(source, chunk_bytes=chunk_bytes):
@@ -215,12 +252,14 @@ def write_manifest(output: Path, *, chunks: int) -> dict[str, Any]:
         record = json.loads(file.read_text())
         shards.append(
             {"tokens_file": shard_name(index, "tokens"), "doc_ends_file": shard_name(index, "doc_ends"), **record}
+            | ({"loss_mask_file": shard_name(index, "loss_mask")} if "chat" in the_plan else {})
         )
     manifest = {
         **the_plan,
         "documents": sum(s["documents"] for s in shards),
         "null_documents": sum(s["null_documents"] for s in shards),
         "tokens": sum(s["tokens"] for s in shards),
+        **({"loss_tokens": sum(s["loss_tokens"] for s in shards)} if "chat" in the_plan else {}),
         "input_bytes": sum(s["input_bytes"] for s in shards),
         "fingerprint": hashlib.sha256("".join(s["tokens_sha256"] for s in shards).encode()).hexdigest()[:16],
         "shards": shards,

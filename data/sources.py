@@ -45,6 +45,7 @@ class Source:
     name: str | None = None
     split: str = "train"
     key: str = "data.path"  # the config key or command-line flag that named it, for messages
+    chat: bool = False  # text_column holds conversations (data/chat.py), not texts
 
     @property
     def input_bytes(self) -> int:
@@ -57,7 +58,7 @@ class Source:
             {"path": str(f.resolve()), "bytes": f.stat().st_size, "mtime_ns": f.stat().st_mtime_ns} for f in self.files
         ]
         return {"path": self.path, "format": self.format, "name": self.name, "split": self.split,
-                "text_column": self.text_column, "files": files}  # fmt: skip
+                "text_column": self.text_column, "files": files} | ({"chat": True} if self.chat else {})  # fmt: skip
 
 
 def _suffix(path: Path) -> str:
@@ -245,21 +246,26 @@ def _hub_texts(source: Source) -> Iterator[str | None]:
         yield row.get(source.text_column)
 
 
+def values(chunk: Chunk, *, column: str, key: str = "data.text_column") -> list[Any]:
+    """The chunk's values of `column`, one per document (JSON lines parsed here, in the worker)."""
+    if chunk.kind == "texts":
+        return chunk.records
+    out = []
+    for i, line in enumerate(chunk.records):
+        try:
+            row = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"data.path: {chunk.origin(i)} is not valid JSON ({e})") from None
+        if not isinstance(row, dict) or column not in row:
+            have = ", ".join(row) if isinstance(row, dict) else type(row).__name__
+            raise ConfigError(f"{key}: {chunk.origin(i)} has no column '{column}' (it has: {have})")
+        out.append(row[column])
+    return out
+
+
 def texts(chunk: Chunk, *, text_column: str, where: str) -> list[str | None]:
     """The chunk's documents as texts (None for a null one); the worker's half of reading."""
-    if chunk.kind == "texts":
-        out = chunk.records
-    else:
-        out = []
-        for i, line in enumerate(chunk.records):
-            try:
-                row = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ConfigError(f"data.path: {chunk.origin(i)} is not valid JSON ({e})") from None
-            if not isinstance(row, dict) or text_column not in row:
-                have = ", ".join(row) if isinstance(row, dict) else type(row).__name__
-                raise ConfigError(f"data.text_column: {chunk.origin(i)} has no column '{text_column}' (it has: {have})")
-            out.append(row[text_column])
+    out = values(chunk, column=text_column)
     for i, text in enumerate(out):
         if text is not None and not isinstance(text, str):
             raise ConfigError(

@@ -74,6 +74,10 @@ class HFTokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
+    def encode_with_offsets(self, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """Each text's ids and, per token, the [start, end) characters of the text it covers (the chat mask)."""
+        return [(e.ids, e.offsets) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
 

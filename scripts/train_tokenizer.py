@@ -32,6 +32,15 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
 SPECIAL_TOKENS = [BOS_TOKEN, EOS_TOKEN]  # list order = token ids 0 and 1
+# The chat template (transformers' `apply_chat_template`): each turn a role header then its text; an
+# assistant turn ends with EOS, so a fine-tuned model stops there. No new tokens: the headers are
+# plain text. {% generation %} marks what the assistant says (transformers' assistant-token mask).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}<|assistant|>\n{% generation %}{{ message['content'] }}{{ eos_token }}"
+    "{% endgeneration %}{% else %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 # Llama 3's pre-tokenization pattern (the same as tiktoken's cl100k_base).
 LLAMA3_SPLIT_PATTERN = (
@@ -94,6 +103,7 @@ def save(tokenizer: Tokenizer, out: Path) -> None:
         "add_eos_token": False,
         # Keep decode(encode(x)) == x: do not "clean up" spaces before punctuation.
         "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
     }
     special_tokens_map = {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN}
     for name, content in [("tokenizer_config.json", config), ("special_tokens_map.json", special_tokens_map)]:

@@ -41,6 +41,7 @@ SHIPPED: dict[str, Launch] = {
     "configs/debug_hsdp.toml": Launch(4),
     "configs/debug_pp.toml": Launch(2),
     "configs/debug_tp.toml": Launch(2),
+    "configs/finetune_chat.toml": Launch(8, gpus_per_node=8),
     "configs/finetune_hf.toml": Launch(8, gpus_per_node=8),
     "configs/fixes/1_single_activation_checkpoint.toml": Launch(2),
     "configs/fixes/2_stateless_forward.toml": Launch(2),

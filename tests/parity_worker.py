@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 import models
 from config import ActivationCheckpoint, Compile, Optimizer, Parallelism, Training
+from data.chat import IGNORE_INDEX
 from data.loader import Batch
 from loss import build_loss_fn, mean_over_loss_ranks
 from models import with_seq_len
@@ -90,6 +91,7 @@ class Layout:
     z_loss: bool = False  # training.z_loss_weight = Z_LOSS_WEIGHT
     cp: int = 1  # parallelism.context_parallel_degree (load-balanced: each rank holds 2 chunks of SEQ_LEN / 2cp)
     cp_load_balance: bool = True  # parallelism.context_parallel_load_balancer "headtail", else "none"
+    chat: bool = False  # chat_labels(): only some labels count, unevenly over rows (block_causal documents too)
 
     @property
     def world_size(self) -> int:
@@ -155,7 +157,16 @@ CP_LAYOUTS: dict[str, Layout] = {
     "pp2_cp2": Layout(pp=2, cp=2),
     "hsdp2x1_cp2": Layout(dp_replicate=2, cp=2),  # FSDP over the CP ranks inside, replicas outside
     "qwen3_cp2": Layout(cp=2, family="qwen3"),  # the shared attention core, QK-norm before it
+    "cp2_chat": Layout(cp=2, chat=True, block_causal=True),
 }
+# Chat data (data/chat.py): the loss is the mean over the global batch's counted labels, however unevenly the ranks,
+# the pipeline's micro-batches or the loss chunks hold them.
+CHAT_LAYOUTS: dict[str, Layout] = {
+    "fsdp2_chat": Layout(dp_shard=2, chat=True, block_causal=True),
+    "tp2_chat_chunked_loss": Layout(tp=2, chat=True, block_causal=True, loss_chunk_tokens=16),
+    "pp2_chat": Layout(pp=2, chat=True, block_causal=True),
+}
+LAYOUTS |= CHAT_LAYOUTS
 LAYOUTS |= CP_LAYOUTS
 
 
@@ -187,10 +198,25 @@ def random_segments(*, seed: int = 2) -> torch.Tensor:
     return torch.cumsum(starts.int(), dim=1).int()
 
 
+def chat_labels(tokens: torch.Tensor) -> torch.Tensor:
+    """Labels of `tokens` as chat data has them: IGNORE_INDEX but where an "assistant" token counts, a share
+    per row of 80%, 50%, 20% and 5%, so that data-parallel ranks and micro-batches hold unequal counts."""
+    counted = torch.rand(GLOBAL_BATCH, SEQ_LEN, generator=torch.Generator().manual_seed(3))
+    counted = counted < torch.tensor([0.8, 0.5, 0.2, 0.05])[:, None]
+    return tokens[:, 1:].masked_fill(~counted, IGNORE_INDEX)
+
+
+def loss_divisor(labels: torch.Tensor, rows: int, dp: int) -> float:
+    """Batch.loss_divisor (data/loader.py) of a rank's `rows` of the global batch `labels`."""
+    return int((labels != IGNORE_INDEX).sum()) / (rows * SEQ_LEN * dp)
+
+
 def train(
     model: nn.Module,
     tokens: torch.Tensor,
     *,
+    labels: torch.Tensor | None = None,
+    divisor: float | None = None,
     segments: torch.Tensor | None = None,
     steps: int = STEPS,
     loss_parallel: bool = False,
@@ -213,7 +239,7 @@ def train(
     gradients, and thus the single-process mean over the global batch.
     """
     optimizer = build_optimizer(Optimizer(lr=LR), model)
-    batch = [Batch(tokens[:, :-1], tokens[:, 1:], segments)]
+    batch = [Batch(tokens[:, :-1], tokens[:, 1:] if labels is None else labels, segments, divisor)]
     loss_fn = build_loss_fn(Compile(), chunk_tokens=loss_chunk_tokens, z_loss_weight=z_loss_weight)
     losses, times = [], []
     breaks_before, graphs_before = graph_breaks(), compiled_graphs()
@@ -309,6 +335,17 @@ def write_reference(path: Path) -> dict:
     z_loss = build_tiny()
     ref["z_loss"] = dict(zip(("losses", "times"), train(z_loss, tokens, z_loss_weight=Z_LOSS_WEIGHT), strict=True))
     ref["z_loss"]["final"] = z_loss.state_dict()
+    # The same start on chat data: documents kept apart, a few labels counted.
+    chat, labels = build_tiny(block_causal=True), chat_labels(tokens)
+    divisor = loss_divisor(labels, GLOBAL_BATCH, 1)
+    ref["chat"] = dict(
+        zip(
+            ("losses", "times"),
+            train(chat, tokens, labels=labels, divisor=divisor, segments=ref["segments"]),
+            strict=True,
+        )
+    )
+    ref["chat"]["final"] = chat.state_dict()
     torch.save(ref, path)
     return ref
 
@@ -377,11 +414,14 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
     dp_rank = dims.dp_rank(mesh)
     rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
     segments = ref["segments"][rows] if layout.block_causal else None
+    labels = chat_labels(ref["tokens"]) if layout.chat else None
     collectives: Counter[str] = Counter()
     counts: dict[str, Any] = {}
     losses, times = train(
         model,
         ref["tokens"][rows],
+        labels=labels[rows] if labels is not None else None,
+        divisor=loss_divisor(labels, per_rank, dims.dp) if labels is not None else None,
         segments=segments,
         loss_parallel=dims.tp_enabled and layout.loss_parallel,
         loss_chunk_tokens=layout.loss_chunk_tokens,
@@ -393,7 +433,9 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
         cp=context_parallel(mesh, parallelism),
     )
     expected = (
-        ref["block_causal"]
+        ref["chat"]
+        if layout.chat
+        else ref["block_causal"]
         if layout.block_causal
         else ref["qwen3"]
         if layout.family == "qwen3"

@@ -335,7 +335,7 @@ def test_an_abandoned_step_reads_its_samples_again(corpus: TokenCorpus) -> None:
 
 def test_inputs_labels_and_segments(corpus: TokenCorpus) -> None:
     ld = loader(corpus, local=2, global_=2)
-    ((inputs, labels, segments),) = list(ld.next_step())
+    ((inputs, labels, segments, _),) = list(ld.next_step())
     assert inputs.shape == labels.shape == segments.shape == (2, 16)
     assert torch.equal(inputs[:, 1:], labels[:, :-1])
     window = corpus.read(0, 17)
@@ -449,7 +449,7 @@ def test_a_mixture_reads_each_source_as_alone_and_a_small_source_repeats_without
     # The small one goes through 333 epochs of 3 windows meanwhile, each epoch a permutation of its own.
     epochs = [small[i : i + 3] for i in range(0, 999, 3)]
     assert all(sorted(e) == [0, 1, 2] for e in epochs) and len({tuple(e) for e in epochs}) > 1
-    tokens, _ = ld.sample(next(k for k, (source, _) in enumerate(located) if source == 1))
+    tokens = ld.sample(next(k for k, (source, _) in enumerate(located) if source == 1)).tokens
     assert np.array_equal(tokens, mixed.sources[1].read(small[0] * 17, 17))
     ld.sample_index = 3000
     assert ld.samples_per_source() == [2000, 1000]

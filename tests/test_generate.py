@@ -236,9 +236,6 @@ def test_the_command_generates_from_an_hf_folder_and_from_a_dcp_step_with_its_co
     proc = subprocess.run(["bash", "-c", command], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.startswith("Once upon a time"), proc.stderr[-3000:]
 
-    chat = python("generate.py", "--checkpoint", str(folder), "--prompt", "Hi", "--chat")
-    line = f"error: --chat: {folder} has no chat_template (tokenizer_config.json); drop --chat\n"
-    assert chat.returncode == 2 and chat.stderr == line, chat.stderr
     lonely = tmp_path / "step-3"
     lonely.mkdir()
     for argv, problem in [
@@ -271,3 +268,8 @@ def test_chat_prompts_are_the_tokenizer_templates_tokens(tmp_path: Path) -> None
     shipped = str(REPO / "assets" / "tokenizer")
     plain = encode_prompts(["Hello there"], build_tokenizer(shipped), shipped, chat=False)[0]
     assert plain[0] == theirs.bos_token_id and len(plain) < len(ours[0])
+    del config["chat_template"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError) as refused:
+        encode_prompts(["Hi"], build_tokenizer(str(folder)), str(folder), chat=True)
+    assert str(refused.value) == f"--chat: {folder} has no chat_template (tokenizer_config.json); drop --chat"

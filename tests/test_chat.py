@@ -1,0 +1,223 @@
+"""Chat fine-tuning (data/chat.py): a conversation's tokens and loss mask against transformers' own, the mask
+through preparation and the loader's windows, the refusals, and `configs/finetune_chat.toml` on 2 ranks
+against a cross-entropy over the answers computed from transformers' model."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from config import Data, load_config
+from data.chat import IGNORE_INDEX, ChatRenderer, ChatWindows
+from data.corpus import TokenCorpus, open_corpus
+from data.loader import GlobalBatchLoader
+from data.prepare import prepare
+from data.sources import find_source
+from data.tokenizers import build_tokenizer
+from errors import ConfigError
+from tests.launch import REPO, torchrun
+from tests.tiny_hf import SHIPPED_TOKENIZER, tiny_hf_folder
+
+CHAT = REPO / "assets" / "corpus" / "chat.jsonl"
+CONVERSATIONS = [json.loads(line)["messages"] for line in CHAT.read_text().splitlines()]
+
+
+def tokenizer_folder(tmp_path: Path, template: str | None) -> Path:
+    """A copy of the shipped tokenizer with another chat template (None: none)."""
+    folder = tmp_path / "tokenizer"
+    folder.mkdir(exist_ok=True)
+    for file in SHIPPED_TOKENIZER.iterdir():
+        (folder / file.name).write_bytes(file.read_bytes())
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template")
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(config | ({"chat_template": template} if template else {}))
+    )
+    return folder
+
+
+def transformers_render(folder: Path, messages: list[dict]) -> tuple[list[int], list[int]]:
+    out = AutoTokenizer.from_pretrained(str(folder)).apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    return list(out["input_ids"]), list(out["assistant_masks"])
+
+
+# ------------------------------------------------------------------ rendering
+
+
+def test_tokens_and_mask_are_transformers_assistant_tokens(tmp_path: Path) -> None:
+    """The shipped template marks the replies with {% generation %}: transformers' mask of them is ours, which we
+    find from the template's renderings alone (so also for templates without marks, like Llama 3's)."""
+    ours = ChatRenderer(str(SHIPPED_TOKENIZER))
+    theirs = AutoTokenizer.from_pretrained(str(SHIPPED_TOKENIZER))
+    for i, messages in enumerate(CONVERSATIONS[:200]):
+        ids, mask = ours.render(messages, where=f"row {i}")
+        out = theirs.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        assert (ids, mask.tolist()) == (list(out["input_ids"]), list(out["assistant_masks"])), i
+    # A reply is the assistant's text and the EOS that closes its turn; nothing of the prompt counts.
+    ids, mask = ours.render(CONVERSATIONS[1], where="row 1")
+    assert theirs.decode([t for t, m in zip(ids, mask, strict=True) if m]) == 'A lion says "roar".<|end_of_text|>'
+
+    # The same template without its marks: the same mask.
+    unmarked = theirs.chat_template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    plain = ChatRenderer(str(tokenizer_folder(tmp_path, unmarked)))
+    assert all(np.array_equal(plain.render(m, where="")[1], ours.render(m, where="")[1]) for m in CONVERSATIONS[:50])
+    assert plain.fingerprint != ours.fingerprint  # another template, another preparation
+
+
+def test_what_cannot_be_rendered_is_one_line(tmp_path: Path) -> None:
+    # A template that drops earlier replies once more turns follow (as Qwen3's drops earlier reasoning).
+    forgetful = (
+        "{% for m in messages %}{% if m['role'] != 'assistant' or loop.last %}<{{ m['role'] }}>{{ m['content'] }}"
+        "{% endif %}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    renderer = ChatRenderer(str(tokenizer_folder(tmp_path, forgetful)))
+    two_turns = CONVERSATIONS[0]
+    assert sum(m["role"] == "assistant" for m in two_turns) == 2
+    with pytest.raises(ConfigError, match="^data.chat: the chat template renders the turns before assistant turn"):
+        renderer.render(two_turns, where="row 0")
+    ours = ChatRenderer(str(SHIPPED_TOKENIZER))
+    for row, problem in [
+        ("hello", "data.messages_column: row 7 holds str, not a list of messages; point data.messages_column at"),
+        ([{"content": "hi"}], "data.messages_column: row 7 has a message without a role"),
+        ([{"role": "user", "content": ["hi"]}], "data.messages_column: row 7 has a user message whose content is not"),
+    ]:
+        with pytest.raises(ConfigError) as refused:
+            ours.render(row, where="row 7")  # type: ignore[arg-type]
+        assert str(refused.value).startswith(problem), refused.value
+    for path in (str(tokenizer_folder(tmp_path, None)), "byte"):
+        with pytest.raises(ConfigError, match=f"^data.chat: model.tokenizer_path {path} has no chat template"):
+            ChatRenderer(path)
+
+
+# ------------------------------------------------------------------ prepared data and windows
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shipped chat corpus prepared in 3 shards (the windows straddle none: each holds whole conversations)."""
+    source = dataclasses.replace(find_source(str(CHAT), text_column="messages"), chat=True)
+    folder = tmp_path_factory.mktemp("chat") / "prepared"
+    prepare(source, str(SHIPPED_TOKENIZER), folder, workers=0, chunk_bytes=100_000)
+    return folder
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_windows_hold_whole_conversations_and_label_only_the_replies(prepared: Path, pad: bool) -> None:
+    corpus = TokenCorpus(prepared)
+    assert len(corpus.manifest["shards"]) == 3 and corpus.manifest["documents"] == len(CONVERSATIONS)
+    window, renderer = 193, ChatRenderer(str(SHIPPED_TOKENIZER))  # the longest conversation has 188 tokens
+    ld = GlobalBatchLoader(
+        corpus, window=window, local_batch_size=2, global_batch_size=4, dp_rank=0, dp_degree=1, pad_samples=pad
+    )
+    chat, eos = ld.chat[0], renderer.tokenizer.eos_id
+    assert chat is not None and chat.count == ld.num_windows
+    for j in range(chat.count):  # every window: its conversations whole and in corpus order, then padding
+        tokens, segments, mask = chat.get(j)
+        first, n = int(chat.first[j]), int(chat.first[j + 1] - chat.first[j])
+        assert n == 1 if pad else n >= 1
+        for d in range(n):
+            ids, expected = renderer.render(CONVERSATIONS[first + d], where="")
+            at = np.flatnonzero(segments == d)
+            assert tokens[at].tolist() == ids and np.array_equal(mask[at], expected)
+        padding = segments == n
+        assert (tokens[padding] == eos).all() and (mask[padding] == 0).all() and segments.max() <= n
+    assert int(chat.first[-1]) == len(CONVERSATIONS)
+    for _ in range(10):  # the labels: token t + 1 where it is the assistant's, else IGNORE_INDEX
+        first = ld.sample_index
+        step = list(ld.next_step())
+        for row, labels in enumerate(torch.cat([b.labels for b in step])):
+            tokens, _, mask = ld.sample(first + row)
+            assert labels.tolist() == np.where(mask[1:] == 1, tokens[1:], IGNORE_INDEX).tolist()
+        counted = sum(int((b.labels != IGNORE_INDEX).sum()) for b in step)
+        # The divisor makes the step's loss the mean over its counted labels (2 rows per micro-batch).
+        assert step[0].loss_divisor == pytest.approx(counted / (2 * (window - 1)))
+    # Shorter windows cut the longer conversations to them (and say so).
+    lengths = [len(renderer.render(m, where="")[0]) for m in CONVERSATIONS]
+    short = ChatWindows(corpus, 129, pad=pad)
+    assert short.cut == sum(n > 129 for n in lengths) > 0 and int(short.lengths.max()) == 129
+
+
+def test_chat_settings_that_cannot_work_are_one_line(prepared: Path, tmp_path: Path) -> None:
+    tokenizer, path = build_tokenizer(str(SHIPPED_TOKENIZER)), str(SHIPPED_TOKENIZER)
+    cache = str(tmp_path / "cache")
+    with pytest.raises(
+        ConfigError, match=r"^data.chat: .*prepared was not prepared as plain text; set data.chat = true"
+    ):
+        open_corpus(Data(path=str(prepared), cache_folder=cache), tokenizer, path)
+    plain = REPO / "assets" / "corpus" / "stories_validation.jsonl"
+    with pytest.raises(ConfigError, match="^data.messages_column: document 0 of .* has no column 'messages'"):
+        open_corpus(Data(path=str(plain), chat=True, cache_folder=cache), tokenizer, path)
+    base = ["--config", "configs/finetune_chat.toml", f"--model.hf_assets_path={REPO / 'assets/tokenizer'}"]
+    for extra, problem in [
+        (["--model.attn_mask_type=causal"], 'data.chat: packed conversations would attend to each other under '
+         'model.attn_mask_type = "causal"; set model.attn_mask_type = "block_causal", or data.pad_samples = true'),
+        (["--validation.enable", "--validation.dataset_path=assets/corpus/chat_validation.jsonl"],
+         "validation.enable: the held-out loss of chat data (counted labels only) is not computed yet; set "
+         "validation.enable = false for a chat fine-tune"),
+    ]:  # fmt: skip
+        with pytest.raises(ConfigError) as refused:
+            load_config([*base, *extra])
+        assert problem in refused.value.problems, refused.value.problems
+
+
+# ------------------------------------------------------------------ the command, against transformers
+
+
+def test_chat_fine_tune_on_two_ranks_is_transformers_cross_entropy_over_the_replies(tmp_path: Path) -> None:
+    """configs/finetune_chat.toml through the CLI, FSDP over 2 ranks: the first step's loss is the cross-entropy of
+    transformers' model over the assistant tokens of the first global batch's conversations (as transformers
+    renders and masks them), each conversation scored alone: the packing and the document masks change nothing."""
+    hf_folder = tiny_hf_folder(tmp_path / "hf", seed=3)
+    dump, seq, local_bs = tmp_path / "run", 191, 2  # windows of 192 tokens: no conversation is cut
+    run = torchrun(
+        "train.py",
+        "--config",
+        "configs/finetune_chat.toml",
+        f"--model.hf_assets_path={hf_folder}",
+        "--model.shape_from_hf_config",
+        f"--job.dump_folder={dump}",
+        f"--data.cache_folder={tmp_path / 'cache'}",
+        "--training.steps=1",
+        f"--training.seq_len={seq}",
+        f"--training.local_batch_size={local_bs}",
+        "--training.mixed_precision_param=float32",
+        "--activation_checkpoint.mode=none",
+        "--metrics.log_freq=1",
+        "--checkpoint.last_save_in_hf=false",
+        "--checkpoint.interval=1000",
+        nproc=2,
+    )
+    assert "world 2 = replicate 1 x shard 2 x tp 1" in run.stdout, run.stdout
+    step1 = json.loads((dump / "metrics.jsonl").read_text().splitlines()[0])
+
+    # The first global batch: 2 ranks x 2 windows of seq + 1 tokens, conversations packed whole in corpus order.
+    rendered = [transformers_render(hf_folder, m) for m in CONVERSATIONS[:64]]
+    windows, used = [[]], 0
+    for ids, mask in rendered:
+        if used + len(ids) > seq + 1:
+            windows.append([])
+            used = 0
+        windows[-1].append((ids, mask))
+        used += len(ids)
+    hf = AutoModelForCausalLM.from_pretrained(hf_folder)
+    total, counted = 0.0, 0
+    with torch.no_grad():
+        for ids, mask in [conversation for window in windows[: 2 * local_bs] for conversation in window]:
+            logits = hf(torch.tensor([ids])).logits[0, :-1]
+            labels = torch.where(torch.tensor(mask[1:]).bool(), torch.tensor(ids[1:]), IGNORE_INDEX)
+            total += F.cross_entropy(logits, labels, reduction="sum").item()
+            counted += int((labels != IGNORE_INDEX).sum())
+    measured = (
+        f"2-rank chat step-1 loss {step1['loss']!r} vs transformers' {total / counted!r} over {counted} answer tokens"
+    )
+    print(measured)
+    assert abs(step1["loss"] - total / counted) <= 1e-4 * total / counted, measured
