@@ -24,10 +24,11 @@ from typing import Any
 
 import numpy as np
 
-from config import REPO, Data
+from config import Data
 from data.chat import ChatRenderer
 from data.prepare import FORMAT, begin, is_prepared, tokenize, write_manifest
-from data.sources import Source, find_source
+from data.sources import Source, find_source, not_cached
+from data.sources import prepare_command as source_command
 from data.tokenizers import Tokenizer
 from errors import ConfigError, is_rank0, warn, writable_folder
 
@@ -137,12 +138,13 @@ def open_corpus(cfg: Data, tokenizer: Tokenizer, tokenizer_path: str, *, key: st
                 f"model.tokenizer_path; point model.tokenizer_path at that tokenizer, or prepare the data again"
             )
         return corpus
-    source = raw_source(cfg, key=key)
-    if source.format == "hub" or source.input_bytes > MAX_RAW_BYTES:
-        size = "a hub dataset" if source.format == "hub" else f"{source.input_bytes / 2**20:,.0f} MiB of raw text"
+    source = raw_source(cfg, key=key, tokenizer_path=tokenizer_path)
+    if source.format == "hub":  # not in the local cache: a stream is prepared once, never at every start
+        raise ConfigError(not_cached(source, tokenizer=tokenizer_path))
+    if source.input_bytes > MAX_RAW_BYTES:
         raise ConfigError(
-            f"{key}: {cfg.path} is {size}: too much to tokenize at every start; prepare it once with "
-            f"`{prepare_command(cfg, tokenizer_path)}`, then set {key} to that --output folder"
+            f"{key}: {cfg.path} is {source.input_bytes / 2**20:,.0f} MiB of raw text: too much to tokenize at every "
+            f"start; prepare it once with `{prepare_command(cfg, tokenizer_path)}`, then set {key} to that --output folder"
         )
     # Another chat template renders other tokens: another cache folder.
     chat = ChatRenderer(tokenizer_path).fingerprint if cfg.chat else None
@@ -173,19 +175,20 @@ def corpus_size(cfg: Data, tokenizer: Tokenizer) -> tuple[int, bool]:
 
 
 def prepare_command(cfg: Data, tokenizer_path: str) -> str:
-    output = Path(cfg.path.rstrip("/")).with_suffix("").name + "-tokens"
-    name = f" --name {cfg.name}" if cfg.name else ""
-    fmt = " --format hub" if cfg.format == "hub" else ""
-    return (
-        f"python {REPO / 'scripts' / 'prepare_data.py'} --source {cfg.path}{fmt}{name} --split {cfg.split} "
-        f"--text-column {cfg.text_column} --tokenizer {tokenizer_path} --output data/{output} --workers {os.cpu_count()}"
-    )
+    """The scripts/prepare_data.py command that prepares what `[data] path` names (with --format hub, a hub stream)."""
+    return source_command(
+        cfg.path, hub=cfg.format == "hub", name=cfg.name, split=cfg.split, text_column=cfg.text_column,
+        tokenizer=tokenizer_path,
+    )  # fmt: skip
 
 
-def raw_source(cfg: Data, *, key: str) -> Source:
-    """The raw files `[data] path` names; chat data reads data.messages_column."""
+def raw_source(cfg: Data, *, key: str, tokenizer_path: str = "TOKENIZER") -> Source:
+    """The raw files `[data] path` names (a dataset name: its copy in the local Hugging Face cache); chat data
+    reads data.messages_column. tokenizer_path: for the command a refusal gives."""
     column = cfg.messages_column if cfg.chat else cfg.text_column
-    source = find_source(cfg.path, fmt=cfg.format, text_column=column, split=cfg.split, key=key)
+    source = find_source(
+        cfg.path, fmt=cfg.format, text_column=column, name=cfg.name, split=cfg.split, key=key, tokenizer=tokenizer_path
+    )
     return dataclasses.replace(source, chat=cfg.chat)
 
 

@@ -15,11 +15,13 @@ data at start-up, into a cache, with the ranks splitting the chunks among them. 
     manifest.json        written last, so its presence means complete: format, dtype, tokenizer,
                          source, counts, and every shard
     task-K-of-N.json     with `task=(K, N)` (a scheduler's array of N tasks, one per node): task K
-                         tokenized chunks K, K + N, ...; the task that finds all N written writes
-                         the manifest (`finish` does it too, from these records alone)
+                         read and tokenized chunks K, K + N, ... (and recorded the bytes it read); the
+                         task that finds all N written writes the manifest (`finish` does it too, from
+                         these records alone)
 
-A chunk's shard depends on that chunk's input and the tokenizer only, so the token files are the
-same byte for byte whatever the number of workers, and an interrupted run resumes where it stopped.
+A chunk's shard depends on that chunk's input and the tokenizer only, and the chunks are planned from
+the files' sizes and metadata (data/sources.py), so the token files are the same byte for byte
+whatever the number of workers or tasks, and an interrupted run resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from data.chat import ChatRenderer
-from data.sources import Chunk, Source, read_chunks, texts, values
+from data.sources import Chunk, Reading, Source, read_chunks, texts, values
 from data.tokenizers import Tokenizer, build_tokenizer
 from errors import ConfigError
 
@@ -201,11 +203,29 @@ def tokenize(
     """Write the shards of every chunk that is this process's share; returns the number of chunks.
 
     workers: 0 tokenizes in this process, N > 0 in a pool of N processes. share: (k, n) takes chunks
-    k, k + n, k + 2n, ... (the ranks of a run dividing the work); every process reads the whole input.
+    k, k + n, k + 2n, ... (the ranks of a run, or the tasks of a preparation, dividing the work); a
+    process reads its own chunks of local files only (every process reads all of a hub stream).
     """
+    return _tokenize(
+        source, tokenizer_path, output, workers=workers, chunk_bytes=chunk_bytes, share=share, progress=progress
+    ).chunks
+
+
+def _tokenize(
+    source: Source,
+    tokenizer_path: str,
+    output: Path,
+    *,
+    workers: int,
+    chunk_bytes: int,
+    share: tuple[int, int],
+    progress: Callable[[str], None] | None,
+) -> Reading:
+    """`tokenize`, returning what was read: the number of chunks and the bytes this share read."""
     tokenizer = begin(source, tokenizer_path, output, chunk_bytes=chunk_bytes)
-    meter = _Progress(source, progress)
-    where, chunks = source.path, 0
+    reading = read_chunks(source, chunk_bytes=chunk_bytes, share=share)
+    meter = _Progress(reading, progress)
+    where = source.path
     pool = None
     if workers > 0:
         # spawn: no inherited threads or tokenizer state in the workers.
@@ -216,10 +236,7 @@ def tokenize(
         _Worker.tokenizer, _Worker.chat = tokenizer, ChatRenderer(tokenizer_path) if source.chat else None
     pending: deque[tuple[Chunk, Any]] = deque()
     try:
-        for chunk in read_chunks(source, chunk_bytes=chunk_bytes):
-            chunks = chunk.index + 1
-            if chunk.index % share[1] != share[0]:
-                continue
+        for chunk in reading:
             if (record := _done(output, chunk)) is not None:
                 meter.update(chunk, record)
             elif pool is None:
@@ -236,7 +253,7 @@ def tokenize(
     finally:
         if pool is not None:
             pool.terminate()
-    return chunks
+    return reading
 
 
 def write_manifest(output: Path, *, chunks: int) -> dict[str, Any]:
@@ -284,13 +301,19 @@ def prepare(
 
     task: (K, N), task K of N tokenizes its share of the chunks (K, K + N, ...) and records that it is
     done; the manifest is written by the task that finds all N done (None for the others)."""
-    chunks = tokenize(
+    reading = _tokenize(
         source, tokenizer_path, output, workers=workers, chunk_bytes=chunk_bytes, share=task, progress=progress
     )
     if task[1] == 1:
-        return write_manifest(output, chunks=chunks)
-    _write_json(output / _task_name(*task), {"chunks": chunks})
+        return write_manifest(output, chunks=reading.chunks)
+    record = {"chunks": reading.chunks, "read_bytes": reading.read_bytes, "share_bytes": reading.share_bytes}
+    _write_json(output / _task_name(*task), record)
     return finish(output, tasks=task[1], missing_ok=True)
+
+
+def task_record(output: Path, task: tuple[int, int]) -> dict[str, Any]:
+    """What task (K, N) recorded when it finished: the source's chunks, the bytes it read, its share's bytes."""
+    return json.loads((output / _task_name(*task)).read_text())
 
 
 def finish(output: Path, *, tasks: int, missing_ok: bool = False) -> dict[str, Any] | None:
@@ -321,10 +344,12 @@ def _task_name(task: int, tasks: int) -> str:
 
 
 class _Progress:
-    """A line every few seconds: input read, rate, tokens, ETA (when the input size is known)."""
+    """A line every few seconds: input done, rate, tokens, and the share of this process's part of the input
+    done with an ETA (when its size is known: not for a hub stream)."""
 
-    def __init__(self, source: Source, report: Callable[[str], None] | None, every_s: float = 5.0):
-        self.report, self.every_s, self.total = report, every_s, source.input_bytes
+    def __init__(self, reading: Reading, report: Callable[[str], None] | None, every_s: float = 5.0):
+        self.report, self.every_s, self.total = report, every_s, reading.share_bytes
+        self.whole = reading.share == (0, 1)
         self.begin = self.last = time.perf_counter()
         self.bytes = self.tokens = 0
 
@@ -337,9 +362,10 @@ class _Progress:
         self.last = now
         rate = self.bytes / max(now - self.begin, 1e-9)
         line = f"{self.bytes / 1e6:,.1f} MB read, {rate / 1e6:,.2f} MB/s, {self.tokens:,} tokens"
-        if self.total and chunk.position:
-            left = (self.total - chunk.position) / max(chunk.position / (now - self.begin), 1e-9)
-            line += f", {100 * chunk.position / self.total:.0f}% of the input, ETA {_duration(left)}"
+        if self.total:
+            left = (self.total - self.bytes) / max(rate, 1e-9)
+            part = "the input" if self.whole else "this share of the input"
+            line += f", {100 * self.bytes / self.total:.0f}% of {part}, ETA {_duration(left)}"
         self.report(line)
 
 

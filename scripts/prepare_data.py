@@ -2,19 +2,23 @@
 
     python scripts/prepare_data.py --source assets/corpus/stories.jsonl --tokenizer assets/tokenizer \\
         --output data/stories --workers 2
-    python scripts/prepare_data.py --source HuggingFaceFW/fineweb-edu --format hub --name sample-10BT \\
+    python scripts/prepare_data.py --source data/hf/fineweb-edu --name sample-10BT \\
         --tokenizer assets/hf/Llama-3.1-8B --output data/fineweb-edu-10BT-llama3 --workers 64
-    # Across nodes: task K of N (a Slurm array: scripts/slurm/prepare_data.sbatch) writes chunks K, K + N, ...
+    python scripts/prepare_data.py --source HuggingFaceFW/fineweb-edu --format hub --name sample-10BT ...
+    # Across nodes: task K of N (a Slurm array: scripts/slurm/prepare_data.sbatch) reads and writes chunks K, K + N, ...
     python scripts/prepare_data.py ... --task $SLURM_ARRAY_TASK_ID --tasks $SLURM_ARRAY_TASK_COUNT
 
-SOURCE: a local .jsonl/.json(.gz)/.parquet/.txt file or a folder of them, or with --format hub a
-Hugging Face dataset name, streamed (needs a network). Each worker process tokenizes chunks of
-16 MB of input with one core; the token files do not depend on the number of workers, and a
-rerun after an interruption skips the chunks already done. With --task/--tasks each task reads the
-whole input (chunk boundaries need it) and tokenizes its share; the last task to finish writes the
-manifest, and the result is byte for byte what one machine writes (`--finish` writes the manifest
-from the tasks' records alone, should a shared filesystem have hidden one from the last task). The
-output folder's layout is described in data/prepare.py.
+SOURCE: a local .jsonl/.json(.gz)/.parquet/.arrow/.txt file or a folder of them, a `save_to_disk`
+folder (Dataset or DatasetDict), a folder `hf download --repo-type dataset --local-dir` wrote, or a
+dataset name found in the local Hugging Face cache; with --format hub a dataset name not cached is
+streamed from the hub (needs a network). --name and --split pick the configuration and split as
+`datasets` does. Each worker process tokenizes chunks of 16 MB of input with one core; the token
+files do not depend on the number of workers, and a rerun after an interruption skips the chunks
+already done. With --task/--tasks the chunks are planned from the files' sizes and metadata, and
+each task reads and tokenizes only its share (a hub stream is read by every task); the last task to
+finish writes the manifest, and the result is byte for byte what one machine writes (`--finish`
+writes the manifest from the tasks' records alone, should a shared filesystem have hidden one from
+the last task). The output folder's layout is described in data/prepare.py.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from pathlib import Path
 # Runnable without installing the repo: its root holds data/ and errors.py.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data.prepare import CHUNK_BYTES, finish, prepare  # noqa: E402
+from data.prepare import CHUNK_BYTES, finish, prepare, task_record  # noqa: E402
 from data.sources import find_source  # noqa: E402
 from data.tokenizers import build_tokenizer  # noqa: E402
 from errors import ConfigError, report  # noqa: E402
@@ -36,10 +40,14 @@ from errors import ConfigError, report  # noqa: E402
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--source", help="file, folder, or hub dataset name (with --format hub); required but with --finish")
+    p.add_argument(
+        "--source", help="file, folder, or dataset name (cached, or with --format hub); required but with --finish"
+    )
     p.add_argument("--format", default="auto", choices=["auto", "json", "parquet", "text", "hub"])
-    p.add_argument("--name", default=None, help="hub dataset configuration, e.g. sample-10BT")
-    p.add_argument("--split", default="train", help="hub dataset split")
+    p.add_argument("--name", default=None, help="dataset configuration, e.g. sample-10BT")
+    p.add_argument(
+        "--split", default="train", help="dataset split (a DatasetDict's, a hub-layout folder's or a hub dataset's)"
+    )
     p.add_argument("--text-column", default="text")
     p.add_argument(
         "--tokenizer", help='tokenizer.json, a Hugging Face tokenizer folder, or "byte"; required but with --finish'
@@ -76,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             name=args.name,
             split=args.split,
             key="--source",
+            tokenizer=args.tokenizer,
         )
         build_tokenizer(args.tokenizer, key="--tokenizer")  # its problems in this script's words
         begin = time.perf_counter()
@@ -91,10 +100,17 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         return report(e)
     seconds = time.perf_counter() - begin
+    if args.tasks > 1:
+        done = task_record(args.output, (args.task, args.tasks))
+        print(
+            f"task {args.task} of {args.tasks}: its shards are written ({seconds:.1f} s), {done['read_bytes']:,} bytes "
+            f"read for its {done['share_bytes']:,} of the input's {source.input_bytes:,}",
+            flush=True,
+        )
     if manifest is None:
         print(
-            f"task {args.task} of {args.tasks}: its shards are written ({seconds:.1f} s); the last task to finish writes "
-            f"the manifest (or: python {Path(__file__).resolve()} --output {args.output} --tasks {args.tasks} --finish)",
+            f"the last task to finish writes the manifest (or: python {Path(__file__).resolve()} --output "
+            f"{args.output} --tasks {args.tasks} --finish)",
             flush=True,
         )
         return 0
