@@ -306,18 +306,13 @@ class Data:
     pad_samples: bool = False
     """Chat data: one conversation per window, padded, instead of packing whole conversations into each window (which needs model.attn_mask_type = "block_causal")."""
 
-    def problems(self, *, training_dataset: str | None, attn_mask_type: str, validation: bool) -> list[str]:
+    def problems(self, *, training_dataset: str | None, attn_mask_type: str) -> list[str]:
         """The mixture's weights fit its folders; training.dataset (resolved into data.path) is one this recipe
         knows; packed chat samples are kept apart."""
         if self.chat and not self.pad_samples and attn_mask_type != "block_causal":
             return [
                 'data.chat: packed conversations would attend to each other under model.attn_mask_type = "causal"; '
                 'set model.attn_mask_type = "block_causal", or data.pad_samples = true'
-            ]
-        if self.chat and validation:
-            return [
-                "validation.enable: the held-out loss of chat data (counted labels only) is not computed yet; set "
-                "validation.enable = false for a chat fine-tune"
             ]
         if self.mixture:
             p = []
@@ -1215,9 +1210,7 @@ def validate(cfg: JobConfig) -> list[str]:
         *cfg.metrics.problems(),
         *_missing_parts(cfg),
         *cfg.profiling.problems(),
-        *cfg.data.problems(
-            training_dataset=t.dataset, attn_mask_type=m.attn_mask_type, validation=cfg.validation.enable
-        ),
+        *cfg.data.problems(training_dataset=t.dataset, attn_mask_type=m.attn_mask_type),
         *cfg.validation.problems(training=t, pp=cfg.parallelism.pipeline_parallel_degree),
     ]
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from config import Data, Validation, validation_path
+from data.chat import IGNORE_INDEX
 from data.corpus import open_corpus
 from data.loader import Batch, GlobalBatchLoader
 from data.tokenizers import Tokenizer
@@ -62,6 +63,7 @@ class Validator:
             global_batch_size=global_batch,
             dp_rank=dp_rank,
             dp_degree=dp_degree,
+            pad_samples=data.pad_samples,
         )
         windows = self.loader.num_windows
         self.sequences = windows if cfg.steps == -1 else min(cfg.steps * global_batch, windows)
@@ -80,7 +82,7 @@ class Validator:
         begin = time.perf_counter()
         self.loader.sample_index = 0  # the same sequences every time
         model.eval()
-        total = torch.zeros(2, device=self.device)  # [sum of per-sequence mean losses, sequences]
+        total = torch.zeros(2, device=self.device)  # [cross-entropy summed over the counted labels, counted labels]
         for step in range(self.steps):
             # Rows of this rank's micro-batch that lie inside the held-out data (all but in a last, partial batch).
             rows = min(max(self.sequences - step * self.global_batch - self.first_row, 0), self.local_batch_size)
@@ -88,13 +90,16 @@ class Validator:
             inputs, labels, segments, _ = Batch(*batch)
             if self.cp is not None:
                 inputs, labels = self.cp.shard(inputs), self.cp.shard(labels)
+            # The losses are sums over the counted labels divided by the label positions (loss.py): times the
+            # positions, the sums. Counted on the host, from the labels before they move (chat data counts a few).
+            positions, counted = labels.shape[1], int((labels[:rows] != IGNORE_INDEX).sum())
             with loss_parallel_context(self.loss_parallel):
                 segments = segments.to(self.device) if segments is not None else None
                 if pipeline is not None:
-                    loss_sum, scored = pipeline.eval(
-                        inputs.to(self.device), labels.to(self.device), segments, rows=rows
-                    )
-                    total += torch.stack([loss_sum, scored])
+                    # The sum over the micro-batches of each one's loss times its scored rows (0 but on the last stage).
+                    loss_rows, _ = pipeline.eval(inputs.to(self.device), labels.to(self.device), segments, rows=rows)
+                    counted *= pipeline.has_last
+                    total += torch.stack([loss_rows * positions, torch.tensor(float(counted), device=self.device)])
                     continue
                 labels = labels[:rows].to(self.device)
                 # Every rank runs the model (its collectives); only rows inside the held-out data are scored.
@@ -103,14 +108,14 @@ class Validator:
                 )
                 if rows:
                     loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
-                    total += torch.stack([loss * rows, torch.tensor(float(rows), device=self.device)])
+                    total += torch.stack([loss * (rows * positions), torch.tensor(float(counted), device=self.device)])
         model.train()
-        # The ranks of a TP group hold the same sums, those of a CP group the means of equal parts of each window,
+        # The ranks of a TP group hold the same sums, those of a CP group the sums of their parts of each window,
         # and under PP only the last stage's ranks hold any: they count alike in numerator and denominator.
         dist.all_reduce(total)
         self.seconds = time.perf_counter() - begin
-        loss_sum, sequences = total.tolist()
-        return loss_sum / sequences, self.tokens, self.seconds
+        loss_sum, counted = total.tolist()
+        return loss_sum / counted, self.tokens, self.seconds
 
     def _loss(self, model: torch.nn.Module, rows: int, labels: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(model, h[:rows], labels) if rows else torch.zeros((), device=self.device)

@@ -160,9 +160,6 @@ def test_chat_settings_that_cannot_work_are_one_line(prepared: Path, tmp_path: P
     for extra, problem in [
         (["--model.attn_mask_type=causal"], 'data.chat: packed conversations would attend to each other under '
          'model.attn_mask_type = "causal"; set model.attn_mask_type = "block_causal", or data.pad_samples = true'),
-        (["--validation.enable", "--validation.dataset_path=assets/corpus/chat_validation.jsonl"],
-         "validation.enable: the held-out loss of chat data (counted labels only) is not computed yet; set "
-         "validation.enable = false for a chat fine-tune"),
     ]:  # fmt: skip
         with pytest.raises(ConfigError) as refused:
             load_config([*base, *extra])
@@ -175,7 +172,8 @@ def test_chat_settings_that_cannot_work_are_one_line(prepared: Path, tmp_path: P
 def test_chat_fine_tune_on_two_ranks_is_transformers_cross_entropy_over_the_replies(tmp_path: Path) -> None:
     """configs/finetune_chat.toml through the CLI, FSDP over 2 ranks: the first step's loss is the cross-entropy of
     transformers' model over the assistant tokens of the first global batch's conversations (as transformers
-    renders and masks them), each conversation scored alone: the packing and the document masks change nothing."""
+    renders and masks them), each conversation scored alone: the packing and the document masks change nothing.
+    The held-out loss after it is the same of transformers' model of the run's own export, on the held-out chat."""
     hf_folder = tiny_hf_folder(tmp_path / "hf", seed=3)
     dump, seq, local_bs = tmp_path / "run", 191, 2  # windows of 192 tokens: no conversation is cut
     run = torchrun(
@@ -192,12 +190,15 @@ def test_chat_fine_tune_on_two_ranks_is_transformers_cross_entropy_over_the_repl
         "--training.mixed_precision_param=float32",
         "--activation_checkpoint.mode=none",
         "--metrics.log_freq=1",
-        "--checkpoint.last_save_in_hf=false",
-        "--checkpoint.interval=1000",
+        "--checkpoint.export_dtype=float32",
+        "--validation.enable",
+        "--validation.dataset_path=assets/corpus/chat_validation.jsonl",
+        f"--validation.seq_len={seq}",
+        "--validation.steps=-1",
         nproc=2,
     )
     assert "world 2 = replicate 1 x shard 2 x tp 1" in run.stdout, run.stdout
-    step1 = json.loads((dump / "metrics.jsonl").read_text().splitlines()[0])
+    step1, held_out = (json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()[:2])
 
     # The first global batch: 2 ranks x 2 windows of seq + 1 tokens, conversations packed whole in corpus order.
     rendered = [transformers_render(hf_folder, m) for m in CONVERSATIONS[:64]]
@@ -208,16 +209,29 @@ def test_chat_fine_tune_on_two_ranks_is_transformers_cross_entropy_over_the_repl
             used = 0
         windows[-1].append((ids, mask))
         used += len(ids)
-    hf = AutoModelForCausalLM.from_pretrained(hf_folder)
+    first_batch = [conversation for window in windows[: 2 * local_bs] for conversation in window]
+    expected = answer_cross_entropy(hf_folder, first_batch)
+    measured = f"2-rank chat step-1 loss {step1['loss']!r} vs transformers' {expected!r}"
+    print(measured)
+    assert abs(step1["loss"] - expected) <= 1e-4 * expected, measured
+
+    # The held-out loss after the step: transformers' model of the step's own export, every held-out conversation.
+    held_out_rows = (REPO / "assets" / "corpus" / "chat_validation.jsonl").read_text().splitlines()
+    rendered = [transformers_render(hf_folder, json.loads(line)["messages"]) for line in held_out_rows]
+    expected = answer_cross_entropy(dump / "checkpoint" / "step-1-hf", rendered)
+    measured = f"held-out chat loss {held_out['validation_loss']!r} vs transformers' {expected!r}"
+    print(measured)
+    assert abs(held_out["validation_loss"] - expected) <= 1e-4 * expected, measured
+
+
+def answer_cross_entropy(model_folder: Path, conversations: list[tuple[list[int], list[int]]]) -> float:
+    """transformers' model's cross-entropy over the assistant tokens of (ids, mask) conversations, each alone."""
+    hf = AutoModelForCausalLM.from_pretrained(model_folder, torch_dtype=torch.float32)
     total, counted = 0.0, 0
     with torch.no_grad():
-        for ids, mask in [conversation for window in windows[: 2 * local_bs] for conversation in window]:
+        for ids, mask in conversations:
             logits = hf(torch.tensor([ids])).logits[0, :-1]
             labels = torch.where(torch.tensor(mask[1:]).bool(), torch.tensor(ids[1:]), IGNORE_INDEX)
             total += F.cross_entropy(logits, labels, reduction="sum").item()
             counted += int((labels != IGNORE_INDEX).sum())
-    measured = (
-        f"2-rank chat step-1 loss {step1['loss']!r} vs transformers' {total / counted!r} over {counted} answer tokens"
-    )
-    print(measured)
-    assert abs(step1["loss"] - total / counted) <= 1e-4 * total / counted, measured
+    return total / counted
