@@ -112,11 +112,13 @@ def find_source(
     source = Source(path, "hub", text_column=text_column, name=name, split=split, key=key)
     if fmt != "hub" and Path(path).exists():
         return _local(source, Path(path), fmt)
-    if fmt == "hub" or is_hub_name(path):
+    if fmt == "hub":  # the cached copy when there is one (its configuration and split), else the stream
+        with contextlib.suppress(ConfigError):
+            return _cached(source) or source
+        return source
+    if is_hub_name(path):
         if (cached := _cached(source)) is not None:
             return cached
-        if fmt == "hub":
-            return source
         raise ConfigError(not_cached(source, tokenizer=tokenizer))
     raise ConfigError(
         f"{key}: {path} not found; point it at a local file or folder (json/jsonl/parquet/arrow/txt, a "
@@ -243,9 +245,10 @@ def _cached(source: Source) -> Source | None:
     except ConnectionError:  # not prepared into HF_DATASETS_CACHE (offline, datasets looks nowhere else)
         pass
     except ValueError as e:  # cached, but not this configuration or split
+        what = f"configuration {source.name!r} with a split" if source.name else "split"
         raise ConfigError(
-            f"{source.key}: the cached dataset {source.path} has no configuration {source.name!r} with a split "
-            f"{source.split!r} ({_first_line(e)}); set {source.setting('name')} and {source.setting('split')}"
+            f"{source.key}: the cached dataset {source.path} has no {what} {source.split!r} ({_first_line(e)}); set "
+            f"{source.setting('name')} and {source.setting('split')} to one it has"
         ) from None
     try:
         with _hub_offline():

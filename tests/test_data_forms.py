@@ -112,6 +112,11 @@ try:
     find_source("someuser/nope", key="data.path", tokenizer="assets/tokenizer")
 except ConfigError as e:
     found["someuser/nope"] = e.problems
+try:
+    find_source("someuser/tiny", split="validation")
+except ConfigError as e:
+    found["validation"] = e.problems
+found["streamed"] = find_source("someuser/tiny", fmt="hub", split="validation").format
 print(json.dumps(found))
 """
 
@@ -143,6 +148,9 @@ def test_a_dataset_name_is_read_from_the_local_cache_without_a_network(tmp_path:
     )
     assert "prepare_data.py --source someuser/nope --format hub --split train --text-column text --tokenizer " in line
     assert "--output data/nope-tokens" in line and proc.stderr == ""
+    (line,) = found["validation"]
+    assert line.startswith("data.path: the cached dataset someuser/tiny has no split 'validation' (Unknown split")
+    assert found["streamed"] == "hub"  # not cached: --format hub streams it
 
 
 # ------------------------------------------------------------------ chunks planned from metadata
