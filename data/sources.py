@@ -139,9 +139,10 @@ def not_cached(source: Source, *, tokenizer: str) -> str:
         source.path, hub=True, name=source.name, split=source.split, text_column=source.text_column, tokenizer=tokenizer
     )
     return (
-        f"{source.key}: {source.path} is not in the local Hugging Face cache; download it with `hf download "
-        f"{source.path} --repo-type dataset --local-dir {folder}` and set {source.key} = {folder}, or prepare it "
-        f"from the hub with `{command}` and set {source.key} to that --output folder"
+        f"{source.key}: {source.path} is neither a local path nor a dataset in the local Hugging Face cache; for the "
+        f"hub's dataset, download it with `hf download {source.path} --repo-type dataset --local-dir {folder}` and "
+        f"set {source.key} = {folder}, or prepare it from the hub with `{command}` and set {source.key} to that "
+        "--output folder"
     )
 
 

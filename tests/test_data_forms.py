@@ -142,9 +142,9 @@ def test_a_dataset_name_is_read_from_the_local_cache_without_a_network(tmp_path:
     assert found["someuser/snap"] == ["parquet", ["train-00000-of-00002.parquet", "train-00001-of-00002.parquet"]]
     (line,) = found["someuser/nope"]
     assert line.startswith(
-        "data.path: someuser/nope is not in the local Hugging Face cache; download it with `hf download someuser/nope "
-        "--repo-type dataset --local-dir data/hf/nope` and set data.path = data/hf/nope, or prepare it from the hub "
-        "with `python "
+        "data.path: someuser/nope is neither a local path nor a dataset in the local Hugging Face cache; for the "
+        "hub's dataset, download it with `hf download someuser/nope --repo-type dataset --local-dir data/hf/nope` "
+        "and set data.path = data/hf/nope, or prepare it from the hub with `python "
     )
     assert "prepare_data.py --source someuser/nope --format hub --split train --text-column text --tokenizer " in line
     assert "--output data/nope-tokens" in line and proc.stderr == ""
