@@ -412,9 +412,8 @@ def _arrow_batches(mapped: Any) -> tuple[Any, Iterator[Any]]:
 
 def _has_column(source: Source, file: Path, names: list[str]) -> None:
     if source.text_column not in names:
-        raise ConfigError(
-            f"{source.setting('text_column')}: {file} has no column '{source.text_column}' (columns: {', '.join(names)})"
-        )
+        key = source.setting("messages_column" if source.chat else "text_column")
+        raise ConfigError(f"{key}: {file} has no column '{source.text_column}' (columns: {', '.join(names)})")
 
 
 def _is_json_array(file: Path) -> bool:
