@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -235,3 +239,27 @@ def answer_cross_entropy(model_folder: Path, conversations: list[tuple[list[int]
             total += F.cross_entropy(logits, labels, reduction="sum").item()
             counted += int((labels != IGNORE_INDEX).sum())
     return total / counted
+
+
+def test_the_readmes_chat_commands_fine_tune_a_checkpoint_and_answer(seed: Path, tmp_path: Path) -> None:
+    """README's "Fine-tune on chat data" as written, on the seed checkpoint instead of `make train`'s step 100, for 2
+    steps instead of 40, into a temporary folder."""
+    text = (REPO / "README.md").read_text()
+    block = re.search(r"```bash\n(.*?)```", text[text.index("### Fine-tune on chat data") :], flags=re.S)[1]
+    train, ask = block.strip().splitlines()
+    assert (
+        "--checkpoint.initial_load_path=outputs/debug/checkpoint/step-100" in train and "--training.steps=40" in train
+    )
+    dump = tmp_path / "debug_chat"
+    train = (
+        train.replace("outputs/debug/checkpoint/step-100", str(seed))
+        .replace("--training.steps=40", "--training.steps=2")
+        .replace("outputs/debug_chat", str(dump))
+    )
+    nproc, script, *args = shlex.split(train.removeprefix(".venv/bin/torchrun "))
+    run = torchrun(script, *args, nproc=int(nproc.removeprefix("--nproc_per_node=")))
+    assert f"initialized model weights from {seed}" in run.stdout and "validation at step 2" in run.stdout
+    ask = ask.replace(".venv/bin/python", sys.executable).replace("outputs/debug_chat", str(dump))
+    ask = ask.replace("step-40", "step-2")
+    proc = subprocess.run(["bash", "-c", ask], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.startswith("What does a cow say?"), proc.stderr[-3000:]
