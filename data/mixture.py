@@ -86,9 +86,10 @@ class MixedCorpus:
         self.fingerprint = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:16]
 
 
-def open_mixture(paths: list[str], weights: list[float], tokenizer: Tokenizer) -> MixedCorpus:
-    """The corpora of `[data] mixture`: prepared folders, every one tokenized by model.tokenizer_path.
-    weights: `[data] mixture_weights`; empty: equal shares."""
+def open_mixture(paths: list[str], weights: list[float], tokenizer: Tokenizer, *, chat: bool = False) -> MixedCorpus:
+    """The corpora of `[data] mixture`: prepared folders, every one tokenized by model.tokenizer_path, and every
+    one chat data (data/chat.py) when `[data] chat` is set, else none. weights: `[data] mixture_weights`; empty:
+    equal shares."""
     sources = []
     for path in map(Path, paths):
         if not is_prepared(path):
@@ -101,6 +102,12 @@ def open_mixture(paths: list[str], weights: list[float], tokenizer: Tokenizer) -
             raise ConfigError(
                 f"data.mixture: {path} was tokenized by {corpus.manifest['tokenizer']['path']}, not by "
                 "model.tokenizer_path; every source of a mixture must be prepared with the model's tokenizer"
+            )
+        if (corpus.loss_masks is not None) != chat:
+            what = "chat data (prepare_data.py --chat)" if chat else "plain text"
+            raise ConfigError(
+                f"data.chat: {path} was not prepared as {what}; every source of a mixture is one or the other, as "
+                f"data.chat = {str(chat).lower()} says"
             )
         sources.append(corpus)
     names = [Path(p).name for p in paths]

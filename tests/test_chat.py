@@ -22,6 +22,7 @@ from config import Data, load_config
 from data.chat import IGNORE_INDEX, ChatRenderer, ChatWindows
 from data.corpus import TokenCorpus, open_corpus
 from data.loader import GlobalBatchLoader
+from data.mixture import open_mixture
 from data.prepare import prepare
 from data.sources import find_source
 from data.tokenizers import build_tokenizer
@@ -157,6 +158,13 @@ def test_chat_settings_that_cannot_work_are_one_line(prepared: Path, tmp_path: P
         ConfigError, match=r"^data.chat: .*prepared was not prepared as plain text; set data.chat = true"
     ):
         open_corpus(Data(path=str(prepared), cache_folder=cache), tokenizer, path)
+    with pytest.raises(
+        ConfigError, match=r"^data.chat: .*prepared was not prepared as plain text; every source of a mixture"
+    ):
+        open_mixture([str(prepared)], [], tokenizer)
+    mixed = open_mixture([str(prepared)], [], tokenizer, chat=True)  # a mixture of chat folders reads chat windows
+    ld = GlobalBatchLoader(mixed, window=193, local_batch_size=2, global_batch_size=2, dp_rank=0, dp_degree=1)
+    assert ld.chat[0] is not None and (next(ld.next_step()).labels == IGNORE_INDEX).any()
     plain = REPO / "assets" / "corpus" / "stories_validation.jsonl"
     with pytest.raises(ConfigError, match="^data.messages_column: document 0 of .* has no column 'messages'"):
         open_corpus(Data(path=str(plain), chat=True, cache_folder=cache), tokenizer, path)
