@@ -5,6 +5,9 @@
     python scripts/prepare_data.py --source data/hf/fineweb-edu --name sample-10BT \\
         --tokenizer assets/hf/Llama-3.1-8B --output data/fineweb-edu-10BT-llama3 --workers 64
     python scripts/prepare_data.py --source HuggingFaceFW/fineweb-edu --format hub --name sample-10BT ...
+    # Chat data ([data] chat = true): the tokenizer folder's chat template, the assistant's tokens marked
+    python scripts/prepare_data.py --source assets/corpus/chat.jsonl --chat --tokenizer assets/tokenizer \
+        --output data/chat --workers 2
     # Across nodes: task K of N (a Slurm array: scripts/slurm/prepare_data.sbatch) reads and writes chunks K, K + N, ...
     python scripts/prepare_data.py ... --task $SLURM_ARRAY_TASK_ID --tasks $SLURM_ARRAY_TASK_COUNT
 
@@ -24,6 +27,7 @@ the last task). The output folder's layout is described in data/prepare.py.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -49,6 +53,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--split", default="train", help="dataset split (a DatasetDict's, a hub-layout folder's or a hub dataset's)"
     )
     p.add_argument("--text-column", default="text")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="rows are conversations (--messages-column), rendered with the tokenizer folder's chat template; only the "
+        "assistant's tokens count in the loss (train with [data] chat = true)",
+    )
+    p.add_argument("--messages-column", default="messages", help="with --chat: the column of message lists")
     p.add_argument(
         "--tokenizer", help='tokenizer.json, a Hugging Face tokenizer folder, or "byte"; required but with --finish'
     )
@@ -80,12 +91,13 @@ def main(argv: list[str] | None = None) -> int:
         source = find_source(
             args.source,
             fmt=args.format,
-            text_column=args.text_column,
+            text_column=args.messages_column if args.chat else args.text_column,
             name=args.name,
             split=args.split,
             key="--source",
             tokenizer=args.tokenizer,
         )
+        source = dataclasses.replace(source, chat=args.chat)
         build_tokenizer(args.tokenizer, key="--tokenizer")  # its problems in this script's words
         begin = time.perf_counter()
         manifest = prepare(
@@ -122,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         f"with {args.workers} workers)",
         flush=True,
     )
+    if "loss_tokens" in manifest:
+        print(f"{manifest['loss_tokens']:,} of the tokens are the assistant's (counted in the loss)", flush=True)
     if manifest["null_documents"]:
         print(f"skipped {manifest['null_documents']:,} documents without text (null)", flush=True)
     return 0
