@@ -294,7 +294,7 @@ class Data:
     cache_folder: str = "~/.cache/llama3-recipe/tokens"
     """Where raw data.path is prepared at start-up, one folder per (files, tokenizer)."""
     mixture: list[str] = field(default_factory=list, metadata=INPUT_PATH)
-    """Several prepared folders trained on together instead of data.path, each in the share of its weight: ["data/fineweb-edu", "data/code", "data/math"]. data/mixture.py."""
+    """Several corpora trained on together instead of data.path, each in the share of its weight: prepared folders, or raw data in any form data.path takes (prepared into cache_folder first): ["data/fineweb-edu", "data/code", "data/math"]. data/mixture.py."""
     mixture_weights: list[float] = field(default_factory=list)
     """One weight per data.mixture folder, any positive numbers: [7, 2, 1] trains on 70% / 20% / 10% of the sequences. Empty: equal shares."""
     ignore_resume_mismatch: bool = False
@@ -348,6 +348,8 @@ class Validation(TorchtitanValidation):
     """torchtitan's name of the held-out data (c4_validation: the validation split of allenai/c4, prepared first)."""
     dataset_path: str | None = field(default=None, metadata=INPUT_PATH)
     """The held-out data: a prepared folder or raw files, like data.path."""
+    split: str = "validation"
+    """The split of a dataset_path that has several (a DatasetDict or hub-layout folder, a cached dataset name); a single file has none."""
     local_batch_size: int = 8
     """Sequences per rank per validation step."""
     seq_len: int = 2048
@@ -1244,13 +1246,14 @@ def input_problems(cfg: JobConfig) -> list[str]:
             f"model.hf_assets_path: {m.hf_assets_path} not found; point it at a Hugging Face folder (config.json, "
             "tokenizer files, *.safetensors)"
         )
-    if cfg.data.path is not None and cfg.data.format != "hub" and not Path(cfg.data.path).exists():
+    # A dataset name ("owner/name") may be in the local Hugging Face cache: opening it tells (data/sources.py).
+    if cfg.data.path is not None and cfg.data.format != "hub" and not _local_or_named(cfg.data.path):
         p.append(_missing_data(cfg))
     p += [
         f"data.mixture: {path} not found; prepare a corpus into it with `python {script('prepare_data.py')} --source "
         f"SOURCE --tokenizer {m.tokenizer_path or ''} --output {path} --workers N`"
         for path in cfg.data.mixture
-        if not Path(path).exists()
+        if not _local_or_named(path)
     ]
     p += _missing_validation(cfg.validation)
     tokenizer_missing = m.tokenizer_path != "byte" and not Path(m.tokenizer_path or "").exists()
@@ -1292,11 +1295,19 @@ def _missing_validation(v: Validation) -> list[str]:
             f"validation.dataset: {v.dataset!r} is not local; prepare it with `python {script('prepare_data.py')} "
             f"{source} --tokenizer TOKENIZER --output OUT` and set validation.dataset_path = OUT"
         ]
-    if not Path(path).exists():
+    if not _local_or_named(path):
         return [
             f"validation.dataset_path: {path} not found; point it at a prepared folder or raw json/jsonl/parquet/txt files"
         ]
     return []
+
+
+def _local_or_named(path: str) -> bool:
+    """A local path, or one that reads as a dataset name ("owner/name"), which data/sources.py looks up in the local
+    Hugging Face cache when it opens the data."""
+    from data.sources import is_hub_name
+
+    return Path(path).exists() or is_hub_name(path)
 
 
 def script(name: str) -> str:

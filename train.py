@@ -349,7 +349,7 @@ def build_data(cfg: JobConfig, *, dp_rank: int, dp_degree: int, vocab_size: int)
             f"embeds only {vocab_size}; use a matching tokenizer or flavor"
         )
     corpus = (
-        open_mixture(cfg.data.mixture, cfg.data.mixture_weights, tokenizer, chat=cfg.data.chat)
+        open_mixture(cfg.data, tokenizer, cfg.model.tokenizer_path)
         if cfg.data.mixture
         else open_corpus(cfg.data, tokenizer, cfg.model.tokenizer_path)
     )

@@ -53,7 +53,7 @@ class Validator:
         path = validation_path(cfg)
         assert path is not None, "config.validate checks that the held-out data is local"
         # Raw files are prepared into the same cache as training data; a prepared folder is read as it is.
-        held_out = dataclasses.replace(data, path=path, format="auto", shuffle=False)
+        held_out = dataclasses.replace(data, path=path, format="auto", split=cfg.split, shuffle=False)
         corpus = open_corpus(held_out, tokenizer, tokenizer_path, key="validation.dataset_path")
         global_batch = cfg.local_batch_size * dp_degree
         self.loader = GlobalBatchLoader(

@@ -1,4 +1,4 @@
-"""Data mixtures: several prepared corpora read as one stream of samples, each in the share of its weight.
+"""Data mixtures: several corpora read as one stream of samples, each in the share of its weight.
 
 `[data] mixture = ["data/fineweb-edu", "data/code", "data/math"]` with `mixture_weights = [7, 2, 1]`
 trains on 70% / 20% / 10% of the sequences. Which source sample k of the run comes from is a pure
@@ -17,16 +17,16 @@ does (data/loader.py), and the tokens each source gave so far follow from the sa
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
 
 import numpy as np
 
-from data.corpus import TokenCorpus
-from data.prepare import is_prepared
+from config import Data
+from data.corpus import TokenCorpus, open_corpus
 from data.tokenizers import Tokenizer
-from errors import ConfigError
 
 BLOCK = 10_000  # samples per period of the interleaving: weights are kept to 1 part in 10,000
 
@@ -86,31 +86,20 @@ class MixedCorpus:
         self.fingerprint = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:16]
 
 
-def open_mixture(paths: list[str], weights: list[float], tokenizer: Tokenizer, *, chat: bool = False) -> MixedCorpus:
-    """The corpora of `[data] mixture`: prepared folders, every one tokenized by model.tokenizer_path, and every
-    one chat data (data/chat.py) when `[data] chat` is set, else none. weights: `[data] mixture_weights`; empty:
-    equal shares."""
-    sources = []
-    for path in map(Path, paths):
-        if not is_prepared(path):
-            raise ConfigError(
-                f"data.mixture: {path} is not a prepared folder (no manifest.json); prepare it with "
-                "scripts/prepare_data.py --output and name that folder"
-            )
-        corpus = TokenCorpus(path, key="data.mixture")
-        if corpus.tokenizer_fingerprint != tokenizer.fingerprint:
-            raise ConfigError(
-                f"data.mixture: {path} was tokenized by {corpus.manifest['tokenizer']['path']}, not by "
-                "model.tokenizer_path; every source of a mixture must be prepared with the model's tokenizer"
-            )
-        if (corpus.loss_masks is not None) != chat:
-            what = "chat data (prepare_data.py --chat)" if chat else "plain text"
-            raise ConfigError(
-                f"data.chat: {path} was not prepared as {what}; every source of a mixture is one or the other, as "
-                f"data.chat = {str(chat).lower()} says"
-            )
-        sources.append(corpus)
-    names = [Path(p).name for p in paths]
+def open_mixture(cfg: Data, tokenizer: Tokenizer, tokenizer_path: str) -> MixedCorpus:
+    """The corpora of `[data] mixture`, each a prepared folder or raw data in any form `[data] path` takes (prepared
+    into the cache first), opened as `[data] path` is: tokenized by model.tokenizer_path, chat data or not as
+    `[data] chat` says. Their weights: `[data] mixture_weights`; empty: equal shares."""
+    paths = cfg.mixture
+    sources = [
+        open_corpus(
+            dataclasses.replace(cfg, path=path, mixture=[], mixture_weights=[]), tokenizer, tokenizer_path,
+            key="data.mixture",
+        )
+        for path in paths
+    ]  # fmt: skip
+    # Metric names (tokens_<name>): a folder's name, a file's without its suffixes, a dataset name's last part.
+    names = [Path(p).name if Path(p).is_dir() else Path(p).name.split(".")[0] for p in paths]
     if len(set(names)) < len(names):
         names = [f"{i}_{name}" for i, name in enumerate(names)]
-    return MixedCorpus(sources, weights or [1.0] * len(sources), names)
+    return MixedCorpus(sources, cfg.mixture_weights or [1.0] * len(sources), names)

@@ -159,10 +159,10 @@ def test_chat_settings_that_cannot_work_are_one_line(prepared: Path, tmp_path: P
     ):
         open_corpus(Data(path=str(prepared), cache_folder=cache), tokenizer, path)
     with pytest.raises(
-        ConfigError, match=r"^data.chat: .*prepared was not prepared as plain text; every source of a mixture"
+        ConfigError, match=r"^data.chat: .*prepared was not prepared as plain text; set data.chat = true"
     ):
-        open_mixture([str(prepared)], [], tokenizer)
-    mixed = open_mixture([str(prepared)], [], tokenizer, chat=True)  # a mixture of chat folders reads chat windows
+        open_mixture(Data(mixture=[str(prepared)], cache_folder=cache), tokenizer, path)
+    mixed = open_mixture(Data(mixture=[str(prepared)], chat=True), tokenizer, path)  # chat folders: chat windows
     ld = GlobalBatchLoader(mixed, window=193, local_batch_size=2, global_batch_size=2, dp_rank=0, dp_degree=1)
     assert ld.chat[0] is not None and (next(ld.next_step()).labels == IGNORE_INDEX).any()
     plain = REPO / "assets" / "corpus" / "stories_validation.jsonl"

@@ -3,9 +3,13 @@ independent, shuffling, resumable loader."""
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import os
+import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -13,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from config import Data
+from config import Data, load_config
 from data.corpus import MAX_RAW_BYTES, TokenCorpus, open_corpus
 from data.loader import GlobalBatchLoader, permute
 from data.mixture import BLOCK, MixedCorpus, Mixture, open_mixture
@@ -472,21 +476,108 @@ def test_a_mixture_step_is_the_same_on_any_number_of_ranks_and_resumes_on_anothe
         other.load_state_dict(one.state_dict())  # other weights: another stream
 
 
-def test_a_mixture_refuses_unprepared_folders_and_another_tokenizer_in_one_line(
+def test_a_mixture_prepares_raw_sources_and_refuses_another_tokenizer_in_one_line(
     tmp_path: Path, corpus: TokenCorpus
 ) -> None:
-    raw = write_jsonl(tmp_path / "raw.jsonl", ["text"])
+    raw = write_jsonl(tmp_path / "raw.jsonl", ["text"] * 40)
+    cache = str(tmp_path / "cache")
+    both = open_mixture(
+        Data(mixture=[str(corpus.folder), str(raw)], mixture_weights=[1, 1], cache_folder=cache), BYTE, "byte"
+    )
+    assert both.names == ["out", "raw"] and both.sources[1].folder.parent == Path(cache)  # prepared into the cache
     with pytest.raises(ConfigError) as info:
-        open_mixture([str(corpus.folder), str(raw)], [1, 1], BYTE)
+        tokenizer = str(REPO / "assets/tokenizer")
+        open_mixture(Data(mixture=[str(corpus.folder)], cache_folder=cache), build_tokenizer(tokenizer), tokenizer)
     assert info.value.problems == [
-        f"data.mixture: {raw} is not a prepared folder (no manifest.json); prepare it with "
-        "scripts/prepare_data.py --output and name that folder"
+        f"data.mixture: {corpus.folder} was tokenized by byte, not by model.tokenizer_path; point "
+        "model.tokenizer_path at that tokenizer, or prepare the data again"
     ]
-    with pytest.raises(ConfigError) as info:
-        open_mixture([str(corpus.folder)], [], build_tokenizer(str(REPO / "assets/tokenizer")))
-    assert info.value.problems == [
-        f"data.mixture: {corpus.folder} was tokenized by byte, not by model.tokenizer_path; every source of a "
-        "mixture must be prepared with the model's tokenizer"
-    ]
-    twice = open_mixture([str(corpus.folder)] * 2, [], BYTE)  # equal shares; the same name twice, kept apart
+    twice = open_mixture(Data(mixture=[str(corpus.folder)] * 2), BYTE, "byte")  # equal shares; the same name twice
     assert twice.names == ["0_out", "1_out"] and twice.mixture.counts.tolist() == [5000, 5000]
+
+
+# ------------------------------------------------------------------ docs/data.md's commands
+
+
+def data_md_commands(heading: str) -> list[str]:
+    """The commands of the ```bash blocks in docs/data.md's section `heading` (up to the next section)."""
+    text = (REPO / "docs" / "data.md").read_text()
+    section = text[text.index(heading) :]
+    section = section[: section.find("\n## ", 1)]
+    blocks = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+    return [line.strip() for block in blocks for line in block.splitlines() if line.strip()]
+
+
+def run(command: str, **env: str) -> subprocess.CompletedProcess[str]:
+    command = command.replace(".venv/bin/python", sys.executable)
+    proc = subprocess.run(
+        ["bash", "-c", command], cwd=REPO, capture_output=True, text=True, timeout=600, env=os.environ | env
+    )
+    assert proc.returncode == 0, (command, proc.stderr[-3000:])
+    return proc
+
+
+def test_the_data_forms_commands_of_docs_data_md_run_as_written(tmp_path: Path) -> None:
+    """Each form's command as docs/data.md writes it, output folders moved to a temporary folder; the download and
+    the hub name on local stand-ins of the same layout (no network here)."""
+    out = str(tmp_path / "outputs")
+    save, prepare_split, download, prepare_hub, prepare_cached = data_md_commands("## Data as `datasets` users hold")
+    run(save.replace("outputs/data", out))
+    proc = run(prepare_split.replace("outputs/data", out))
+    held_out = len((REPO / "assets/corpus/stories_validation.jsonl").read_text().splitlines())
+    assert f"wrote {out}/stories-dict-validation: {held_out} documents" in proc.stdout  # the split's, not train's
+    # Unprepared: data.path reads its train split, validation.dataset_path its validation split.
+    from loss import Loss
+    from validation import Validator
+
+    folder, cache = f"{out}/stories-dict", str(tmp_path / "cache")
+    cfg = load_config(
+        ["--config", "configs/debug.toml", f"--data.path={folder}", f"--validation.dataset_path={folder}"]
+    )
+    data, tokenizer = dataclasses.replace(cfg.data, cache_folder=cache), build_tokenizer("assets/tokenizer")
+    assert open_corpus(data, tokenizer, "assets/tokenizer").manifest["documents"] == 6028
+    validator = Validator(cfg.validation, data=data, tokenizer=tokenizer, tokenizer_path="assets/tokenizer", dp_rank=0,
+                          dp_degree=1, device=torch.device("cpu"), loss_fn=Loss(), loss_parallel=False)  # fmt: skip
+    assert validator.loader.corpus.manifest["documents"] == held_out
+    # `hf download`'s layout of fineweb-edu's sample-10BT, with its README's configuration.
+    assert (
+        download.startswith("hf download HuggingFaceFW/fineweb-edu --repo-type dataset")
+        and "data/hf/fineweb-edu" in download
+    )
+    hub = tmp_path / "fineweb-edu"
+    (hub / "sample" / "10BT").mkdir(parents=True)
+    (hub / "README.md").write_text(
+        "---\nconfigs:\n- config_name: sample-10BT\n  data_files:\n  - split: train\n    path: sample/10BT/*\n---\n"
+    )
+    (hub / ".gitattributes").write_text("*.parquet filter=lfs\n")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(
+        pa.table({"text": [f"A fineweb page number {i}." for i in range(50)]}), hub / "sample/10BT/000_00000.parquet"
+    )
+    proc = run(prepare_hub.replace("data/hf/fineweb-edu", str(hub)).replace("data/fineweb-edu-10BT", f"{out}/fw"))
+    assert "50 documents" in proc.stdout
+    # A dataset name in the local Hugging Face cache, as an earlier load_dataset("roneneldan/TinyStories") leaves it.
+    cache = tmp_path / "hf" / "datasets"
+    (tmp_path / "TinyStories").mkdir()
+    (tmp_path / "TinyStories" / "validation.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    import datasets
+
+    datasets.load_dataset(str(tmp_path / "TinyStories"), split="validation", cache_dir=str(cache))
+    (cache / "tiny_stories").rename(cache / "roneneldan___tiny_stories")  # as load_dataset(name) leaves it
+    env = {
+        "HF_HOME": str(tmp_path / "hf"),
+        "HF_DATASETS_CACHE": str(cache),
+        "HF_HUB_CACHE": str(tmp_path / "hf" / "hub"),
+    }
+    proc = run(prepare_cached.replace("data/tinystories-validation", f"{out}/ts"), **env)
+    assert f"{len(TEXTS)} documents" in proc.stdout
+
+    # Four tasks, each reading its own quarter of the shipped corpus.
+    (loop,) = data_md_commands("- **Across nodes:**")
+    proc = run(loop.replace("outputs/data", out))
+    read = [int(m.replace(",", "")) for m in re.findall(r"task \d of 4: .*?, ([\d,]+) bytes read", proc.stdout)]
+    size = (REPO / "assets/corpus/stories.jsonl").stat().st_size
+    assert len(read) == 4 and all(r < size / 4 + 2**18 for r in read), read
+    assert json.loads((Path(out) / "stories-4" / "manifest.json").read_text())["documents"] == 6028
