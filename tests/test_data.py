@@ -581,3 +581,16 @@ def test_the_data_forms_commands_of_docs_data_md_run_as_written(tmp_path: Path) 
     size = (REPO / "assets/corpus/stories.jsonl").stat().st_size
     assert len(read) == 4 and all(r < size / 4 + 2**18 for r in read), read
     assert json.loads((Path(out) / "stories-4" / "manifest.json").read_text())["documents"] == 6028
+
+
+def test_a_dataset_name_that_is_not_cached_is_one_line_at_start_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The config does not take "owner/name" for a missing local path: opening it looks in the cache, then says how
+    to download or stream it (data.path and validation.dataset_path alike)."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf" / "datasets"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    cfg = load_config(["--config", "configs/debug.toml", "--data.path=someuser/tiny", "--validation.dataset_path=a/b"])
+    with pytest.raises(ConfigError, match=r"^data.path: someuser/tiny is neither a local path nor a dataset in the"):
+        open_corpus(cfg.data, build_tokenizer("assets/tokenizer"), "assets/tokenizer")
