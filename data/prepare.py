@@ -5,15 +5,18 @@ data at start-up, into a cache, with the ranks splitting the chunks among them. 
 
     tokens-00000.npy     the documents of input chunk 0 as BOS text EOS, back to back: uint16 when
                          the vocabulary has fewer than 65,536 tokens, else uint32
+    tokens-00000-001.npy part 1 of chunk 0 (and so on for each kind of file), where the chunk streams a
+                         gzip file or a JSON array cut into parts of about the chunk size as it is read
     doc_ends-00000.npy   int64, where each of those documents ends in the shard
     loss_mask-00000.npy  chat data only (data/chat.py): uint8 per token, 1 on the assistant's tokens
                          (a conversation is its chat template's rendering, no BOS/EOS added)
-    shard-00000.json     the shard's record (documents, tokens, sha256 of its input and of its tokens),
-                         written after the two files: a rerun skips chunks whose record matches
+    shard-00000.json     the shard's record (documents, tokens, sha256 of its input and of its tokens, its
+                         part and whether it is the chunk's last), written after the two files: a rerun
+                         skips the parts whose record matches
     prepare.json         what is being prepared (source, tokenizer, chunk size): a rerun into the
                          same folder must be the same preparation
     manifest.json        written last, so its presence means complete: format, dtype, tokenizer,
-                         source, counts, and every shard
+                         source, counts, and every shard (chunks in order, each chunk's parts in order)
     task-K-of-N.json     with `task=(K, N)` (a scheduler's array of N tasks, one per node): task K
                          read and tokenized chunks K, K + N, ... (and recorded the bytes it read); the
                          task that finds all N written writes the manifest (`finish` does it too, from
@@ -56,8 +59,9 @@ def is_prepared(folder: Path) -> bool:
     return (folder / "manifest.json").is_file()
 
 
-def shard_name(index: int, kind: str) -> str:
-    return f"{kind}-{index:05d}.{'json' if kind == 'shard' else 'npy'}"
+def shard_name(index: int, kind: str, part: int = 0) -> str:
+    """A file of chunk `index`'s shard, or of its part `part` (a streamed chunk's parts after the first)."""
+    return f"{kind}-{index:05d}{f'-{part:03d}' if part else ''}.{'json' if kind == 'shard' else 'npy'}"
 
 
 def plan(source: Source, tokenizer: Tokenizer, tokenizer_path: str, *, chunk_bytes: int) -> dict[str, Any]:
@@ -132,6 +136,8 @@ def write_shard(
         arrays = {"tokens": flat, "doc_ends": ends, "loss_mask": mask}
     record = {
         "index": chunk.index,
+        "part": chunk.part,
+        "last_part": chunk.last_part,
         "documents": len(ends),
         "null_documents": nulls,
         "tokens": int(flat.size),
@@ -140,11 +146,11 @@ def write_shard(
         "tokens_sha256": hashlib.sha256(flat.tobytes()).hexdigest(),
     } | ({"loss_tokens": int(arrays["loss_mask"].sum())} if chat is not None else {})
     for kind, array in arrays.items():
-        tmp = output / (shard_name(chunk.index, kind) + ".tmp")
+        tmp = output / (shard_name(chunk.index, kind, chunk.part) + ".tmp")
         with open(tmp, "wb") as f:
             np.save(f, array)
-        os.replace(tmp, output / shard_name(chunk.index, kind))
-    _write_json(output / shard_name(chunk.index, "shard"), record)
+        os.replace(tmp, output / shard_name(chunk.index, kind, chunk.part))
+    _write_json(output / shard_name(chunk.index, "shard", chunk.part), record)
     return record
 
 
@@ -179,12 +185,13 @@ def _chat_documents(
 
 
 def _done(output: Path, chunk: Chunk) -> dict[str, Any] | None:
-    """The record of this chunk's shard when an earlier run already wrote it from the same input."""
-    file = output / shard_name(chunk.index, "shard")
+    """The record of this chunk's (part's) shard when an earlier run already wrote it from the same input."""
+    file = output / shard_name(chunk.index, "shard", chunk.part)
     if not file.is_file():
         return None
     record = json.loads(file.read_text())
-    return record if record.get("input_sha256") == chunk.digest else None
+    same = record.get("input_sha256") == chunk.digest and record.get("last_part") == chunk.last_part
+    return record if same else None
 
 
 # ------------------------------------------------------------------------ the corpus
@@ -257,20 +264,21 @@ def _tokenize(
 
 
 def write_manifest(output: Path, *, chunks: int) -> dict[str, Any]:
-    """manifest.json from prepare.json and the shard records: the corpus is complete."""
+    """manifest.json from prepare.json and the shard records: the corpus is complete. The shards in source
+    order: chunks 0..chunks-1, each chunk's parts up to the one its record calls the last."""
     the_plan = json.loads((output / "prepare.json").read_text())
     shards = []
     for index in range(chunks):
-        file = output / shard_name(index, "shard")
-        if not file.is_file():
-            raise ConfigError(
-                f"--output: {output} lacks shard {index} ({file.name}); rerun the preparation to finish it"
-            )
-        record = json.loads(file.read_text())
-        shards.append(
-            {"tokens_file": shard_name(index, "tokens"), "doc_ends_file": shard_name(index, "doc_ends"), **record}
-            | ({"loss_mask_file": shard_name(index, "loss_mask")} if "chat" in the_plan else {})
-        )
+        part, last = 0, False
+        while not last:
+            file = output / shard_name(index, "shard", part)
+            if not file.is_file():
+                what = f"shard {index}" + (f" part {part}" if part else "")
+                raise ConfigError(f"--output: {output} lacks {what} ({file.name}); rerun the preparation to finish it")
+            record = json.loads(file.read_text())
+            kinds = ("tokens", "doc_ends", "loss_mask") if "chat" in the_plan else ("tokens", "doc_ends")
+            shards.append({f"{kind}_file": shard_name(index, kind, part) for kind in kinds} | record)
+            part, last = part + 1, record["last_part"]
     manifest = {
         **the_plan,
         "documents": sum(s["documents"] for s in shards),

@@ -18,7 +18,9 @@ lines and text files into byte ranges, a chunk owning the records whose first by
 (Hadoop's input-split rule: seek to the range start, skip to the next record boundary, read until the
 first record at or after the range end); parquet files by row groups and Arrow files by record batches,
 from their footers and message headers; a gzip file or a JSON array cannot be entered in the middle and
-is one piece. So task K of N reads its own chunks and nothing else, and the shards prepared from them are
+is one piece, owned by one task, which streams it and cuts it as it reads into parts of about `chunk_bytes`
+of uncompressed input (a chunk's parts, numbered from 0, each a shard), so memory stays flat whatever the
+file's size. So task K of N reads its own chunks and nothing else, and the shards prepared from them are
 the same whatever the number of tasks or workers. Only a hub stream is cut as it is read (a chunk closes
 after `chunk_bytes` of text), so every task reads all of it.
 
@@ -60,7 +62,10 @@ _METADATA = {
 }
 _HUB_NAME = re.compile(r"[\w.-]+/[\w.-]+")
 # How a source is cut into chunks, recorded with it: a preparation or cache cut another way is not resumed.
-CHUNKING = "splits-v1: byte ranges of JSON lines and text, parquet row groups, Arrow record batches"
+CHUNKING = (
+    "splits-v2: byte ranges of JSON lines and text, parquet row groups, Arrow record batches; gzip files and JSON "
+    "arrays streamed in parts"
+)
 
 
 @dataclass(frozen=True)
@@ -90,8 +95,11 @@ class Source:
                 "text_column": self.text_column, "files": files, "chunking": CHUNKING} | ({"chat": True} if self.chat else {})  # fmt: skip
 
     def setting(self, name: str) -> str:
-        """How the user names another setting of this source: data.split beside data.path, --split beside --source."""
-        return f"--{name.replace('_', '-')}" if self.key.startswith("--") else f"data.{name}"
+        """How the user names another setting of this source, in its key's section: data.split beside data.path,
+        validation.split beside validation.dataset_path, --split beside --source."""
+        if self.key.startswith("--"):
+            return f"--{name.replace('_', '-')}"
+        return f"{self.key.split('.')[0]}.{name}"
 
 
 # ------------------------------------------------------------------------ finding the files
@@ -302,7 +310,7 @@ def _first_line(e: BaseException) -> str:
 @dataclass(frozen=True)
 class Piece:
     """The part of one file a chunk reads: bytes [start, stop) (JSON lines, text), row groups or record
-    batches [start, stop) (parquet, Arrow), or all of it (gzip, a JSON array: bytes [0, size))."""
+    batches [start, stop) (parquet, Arrow), or all of it (gzip, a JSON array: bytes [0, size), streamed)."""
 
     file: Path
     start: int
@@ -443,7 +451,7 @@ def _named_if_damaged(source: Source, file: Path) -> Iterator[None]:
 class Chunk:
     """Consecutive documents of a source: raw JSON lines ("json") or column values ("texts"; None: a null one)."""
 
-    index: int
+    index: int  # of the planned chunk (the unit of work a task owns)
     kind: Literal["json", "texts"]
     records: list[Any] = field(default_factory=list)
     input_bytes: int = 0  # its share of the source's bytes on disk (of text, for a hub stream)
@@ -452,6 +460,10 @@ class Chunk:
     # Where each piece's records begin: (index in records, file, that record's document number in the file or
     # None where unknown, the byte of the file it was counted from).
     files: list[tuple[int, str, int | None, int]] = field(default_factory=list)
+    # A streamed gzip file or JSON array cuts its chunk into parts as it is read: this is part `part`, and
+    # whether another follows (known once the next part's first record is read).
+    part: int = 0
+    last_part: bool = True
 
     def origin(self, index: int) -> str:
         """Which file record `index` came from, and its document number there, for messages."""
@@ -487,9 +499,9 @@ class Reading:
             yield from self._stream()
             return
         for index in range(self.share[0], len(self.plan), self.share[1]):
-            chunk = read_chunk(self.source, index, self.plan[index])
-            self.read_bytes += chunk.read_bytes
-            yield chunk
+            for chunk in read_parts(self.source, index, self.plan[index], chunk_bytes=self.chunk_bytes):
+                self.read_bytes += chunk.read_bytes
+                yield chunk
 
     def _stream(self) -> Iterator[Chunk]:
         """A hub stream's chunks, each closed after `chunk_bytes` of text; all read, this share's yielded."""
@@ -517,15 +529,44 @@ def read_chunks(source: Source, *, chunk_bytes: int, share: tuple[int, int] = (0
     return Reading(source, chunk_bytes=chunk_bytes, share=share)
 
 
-def read_chunk(source: Source, index: int, pieces: tuple[Piece, ...]) -> Chunk:
-    """Chunk `index` of a local source, from its pieces alone."""
-    chunk = Chunk(index, "json" if source.format == "json" else "texts")
+def read_parts(source: Source, index: int, pieces: tuple[Piece, ...], *, chunk_bytes: int) -> Iterator[Chunk]:
+    """Chunk `index` of a local source, from its pieces alone: one part, or where it streams a gzip file or a
+    JSON array, parts closed once they hold `chunk_bytes` of input (the record that fills one ends it), so no
+    part holds much more than `chunk_bytes` whatever the file's size. A part's input_bytes and read_bytes are
+    its share of the bytes on disk read as it filled: a chunk's parts add up to its pieces'."""
+    part = Chunk(index, "json" if source.format == "json" else "texts")
+    held = 0  # the part's input: its records' bytes (a byte range, row group or batch: its bytes on disk)
+    streaming = False  # the last records came from a streamed piece (only those cut a chunk)
     for piece in pieces:
-        chunk.files.append((len(chunk.records), str(piece.file), piece.first_document, piece.start))
-        chunk.input_bytes += piece.bytes
         with _named_if_damaged(source, piece.file):
-            chunk.read_bytes += _read_piece(source, piece, chunk.records)
-    return chunk.seal()
+            if not _streamed(source, piece):
+                if streaming and held >= chunk_bytes:
+                    yield replace(part, last_part=False).seal()
+                    part, held = Chunk(index, part.kind, part=part.part + 1), 0
+                part.files.append((len(part.records), str(piece.file), piece.first_document, piece.start))
+                part.input_bytes += piece.bytes
+                part.read_bytes += _read_piece(source, piece, part.records)
+                held += piece.bytes
+                streaming = False
+                continue
+            streaming = True
+            with _Counted(piece.file) as raw:
+                given = 0  # of the file's bytes read, those given to parts so far
+                part.files.append((len(part.records), str(piece.file), 0, 0))
+                for number, record in enumerate(_streamed_records(source, piece, io.BufferedReader(raw))):
+                    if held >= chunk_bytes:  # full, and a record follows: the part is done
+                        yield replace(part, last_part=False).seal()
+                        part, held = Chunk(index, part.kind, part=part.part + 1), 0
+                        part.files.append((0, str(piece.file), number, 0))
+                    part.records.append(record)
+                    held += len(record)
+                    if held >= chunk_bytes:
+                        part.input_bytes += min(raw.read_bytes, piece.bytes) - min(given, piece.bytes)
+                        part.read_bytes += raw.read_bytes - given
+                        given = raw.read_bytes
+                part.input_bytes += piece.bytes - min(given, piece.bytes)
+                part.read_bytes += raw.read_bytes - given
+    yield part.seal()
 
 
 class _Counted(io.FileIO):
@@ -564,20 +605,76 @@ def _read_piece(source: Source, piece: Piece, records: list[Any]) -> int:
         return raw.read_bytes
 
 
-def _json_records(source: Source, piece: Piece, stream: Any) -> Iterator[bytes]:
-    """JSON lines as raw bytes (of the piece's byte range); a JSON array's objects re-encoded as lines."""
+def _streamed(source: Source, piece: Piece) -> bool:
+    """Whether the piece is a whole gzip file or JSON array, which is read as a stream (and cut into parts)."""
+    return source.format == "json" and (piece.file.name.endswith(".gz") or _is_json_array(piece.file))
+
+
+def _streamed_records(source: Source, piece: Piece, stream: Any) -> Iterator[bytes]:
+    """A gzip file's JSON lines as raw bytes, or a JSON array's objects re-encoded as lines, one at a time."""
     if piece.file.name.endswith(".gz"):
         stream = gzip.GzipFile(fileobj=stream)
     if _is_json_array(piece.file):
-        try:
-            rows = json.load(stream)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{source.key}: {piece.file} is not valid JSON ({e})") from None
-        yield from (json.dumps(row).encode() for row in rows)
+        yield from (json.dumps(row).encode() for row in _array_rows(source, piece.file, stream))
         return
-    if piece.file.name.endswith(".gz"):
-        yield from (line for line in stream if line.strip())
-        return
+    yield from (line for line in stream if line.strip())
+
+
+def _array_rows(source: Source, file: Path, stream: Any, block: int = 2**20) -> Iterator[Any]:
+    """The elements of a JSON array, decoded one at a time from a stream read in blocks (`json.load` holds the
+    whole file); a value is taken only when text follows it or the file has ended (a number may go on)."""
+    text = io.TextIOWrapper(stream, encoding="utf-8")
+    decoder = json.JSONDecoder()
+    buffer, at, done, eof = "", 0, 0, False  # done: characters dropped from the buffer's front
+
+    def next_character() -> str:  # the next non-blank character ("" at the end), `at` left on it
+        nonlocal buffer, at, done, eof
+        while True:
+            while at < len(buffer) and buffer[at] in " \t\r\n":
+                at += 1
+            if at < len(buffer) or eof:
+                return buffer[at : at + 1]
+            more = text.read(block)
+            eof = not more
+            done, buffer, at = done + at, buffer[at:] + more, 0
+
+    def refuse(what: str) -> ConfigError:
+        return ConfigError(f"{source.key}: {file} is not valid JSON ({what} at character {done + at})")
+
+    if next_character() != "[":
+        raise refuse("expected '['")
+    at += 1
+    if next_character() == "]":
+        at += 1
+    else:
+        while True:
+            next_character()
+            while True:
+                try:
+                    value, end = decoder.raw_decode(buffer, at)
+                    if end < len(buffer) or eof:
+                        break
+                except json.JSONDecodeError:
+                    if eof:
+                        raise refuse("a value that does not parse") from None
+                more = text.read(max(block, len(buffer)))  # doubling: a long value is not parsed again and again
+                eof = not more
+                done, buffer, at = done + at, buffer[at:] + more, 0
+            yield value
+            at = end
+            separator = next_character()
+            at += 1
+            if separator == "]":
+                break
+            if separator != ",":
+                at -= 1
+                raise refuse("expected ',' or ']'")
+    if next_character() != "":
+        raise refuse("text after the array")
+
+
+def _json_records(source: Source, piece: Piece, stream: Any) -> Iterator[bytes]:
+    """JSON lines as raw bytes, those of the piece's byte range."""
     position, _ = _first_record(stream, piece.start)
     while position < piece.stop and (line := stream.readline()):
         position += len(line)

@@ -3,10 +3,12 @@ each read as `datasets` reads it; chunks planned from sizes and metadata, so tha
 
 from __future__ import annotations
 
+import gzip
 import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -14,8 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from config import Data
-from data.corpus import open_corpus
-from data.prepare import prepare
+from data.corpus import TokenCorpus, open_corpus
+from data.prepare import prepare, shard_name, write_manifest
 from data.sources import chunk_plan, find_source, read_chunks
 from data.tokenizers import ByteTokenizer
 from errors import ConfigError
@@ -252,3 +254,80 @@ def test_an_old_preparation_cut_another_way_is_not_resumed(tmp_path: Path) -> No
     (out / "prepare.json").write_text(json.dumps(old))
     with pytest.raises(ConfigError, match=r"holds another preparation \(its source differ\)"):
         prepare(source, "byte", out, workers=0, chunk_bytes=4096, task=(1, 2))
+
+
+# ------------------------------------------------------------------ gzip files and JSON arrays, streamed in parts
+
+
+def streamed_folder(folder: Path) -> Path:
+    """A gzip file of JSON lines and a JSON array (each many chunks of 1 KiB: the gzip file by its uncompressed
+    size), a small file of JSON lines between them."""
+    folder.mkdir()
+    lines = "".join(json.dumps({"text": t}) + "\n" for t in TEXTS)
+    (folder / "a.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
+    (folder / "b.jsonl").write_text("".join(lines.splitlines(keepends=True)[:40]))
+    (folder / "c.json").write_text(json.dumps([{"text": t, "n": 1.5e3} for t in TEXTS], indent=1))
+    return folder
+
+
+def test_a_gzip_file_or_json_array_is_read_in_parts_of_about_chunk_bytes(tmp_path: Path) -> None:
+    """Each streamed file is one chunk of the plan (one task's work), read as parts that hold no more than
+    chunk_bytes and one record of input: memory is flat in the file's size."""
+    folder = streamed_folder(tmp_path / "d")
+    source = find_source(str(folder))
+    reading = read_chunks(source, chunk_bytes=1024)
+    parts = list(reading)
+    longest = max(len(r) for part in parts for r in part.records)
+    assert all(sum(len(r) for r in part.records) <= 1024 + longest for part in parts)
+    by_chunk = {i: [(p.part, p.last_part) for p in parts if p.index == i] for i in range(reading.chunks)}
+    # the gzip file; two byte ranges of b.jsonl, one part each; b.jsonl's tail and the JSON array
+    assert [len(ps) >= 20 for ps in by_chunk.values()] == [True, False, False, True], by_chunk
+    assert len(by_chunk[1]) == len(by_chunk[2]) == 1
+    for ps in by_chunk.values():
+        assert ps == [(j, j == len(ps) - 1) for j in range(len(ps))]
+    assert sum(p.input_bytes for p in parts) == source.input_bytes <= reading.read_bytes
+    rows = [json.loads(r) for part in parts for r in part.records]
+    assert [row["text"] for row in rows] == TEXTS + [
+        json.loads(line)["text"] for line in (folder / "b.jsonl").read_text().splitlines()
+    ] + TEXTS
+    assert parts[-1].origin(len(parts[-1].records) - 1) == f"document 399 of {folder / 'c.json'}"
+    (folder / "c.json").write_text(json.dumps([{"text": t} for t in TEXTS])[:-20])
+    with pytest.raises(ConfigError, match=r"^data.path: .*c.json is not valid JSON \(a value that does not parse"):
+        list(read_chunks(find_source(str(folder)), chunk_bytes=1024))
+
+
+def test_streamed_parts_are_the_same_shards_whatever_the_tasks_and_workers(tmp_path: Path) -> None:
+    """One task without workers, two tasks, two workers: the same shards byte for byte, in source order; a
+    rerun tokenizes only the parts it lacks."""
+    source = find_source(str(streamed_folder(tmp_path / "d")))
+    one = prepare(source, "byte", tmp_path / "one", workers=0, chunk_bytes=1024)
+    assert one is not None and len(one["shards"]) >= 40
+    assert [s["tokens_file"] for s in one["shards"][:2]] == ["tokens-00000.npy", "tokens-00000-001.npy"]
+    for out, workers, tasks in (("tasks", 0, (1, 0)), ("workers", 2, (0,))):
+        for k in tasks:
+            prepare(source, "byte", tmp_path / out, workers=workers, chunk_bytes=1024, task=(k, len(tasks)))
+        for name in [*(s["tokens_file"] for s in one["shards"]), "manifest.json"]:
+            assert (tmp_path / out / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), (out, name)
+    rows = [json.loads(line)["text"] for line in (tmp_path / "d" / "b.jsonl").read_text().splitlines()]
+    assert TokenCorpus(tmp_path / "one").read(0, one["tokens"]).tolist() == stream(TEXTS + rows + TEXTS)
+    out = tmp_path / "one"
+    (out / "manifest.json").unlink()
+    (out / shard_name(0, "shard", 3)).unlink()
+    kept = {f.name: f.stat().st_mtime_ns for f in out.glob("tokens-*.npy")}
+    time.sleep(0.01)
+    with pytest.raises(ConfigError, match=r"lacks shard 0 part 3 \(shard-00000-003.json\); rerun the preparation"):
+        write_manifest(out, chunks=4)
+    assert prepare(source, "byte", out, workers=0, chunk_bytes=1024) == one
+    assert {f.name: f.stat().st_mtime_ns for f in out.glob("tokens-*.npy")} == kept | {
+        "tokens-00000-003.npy": (out / "tokens-00000-003.npy").stat().st_mtime_ns
+    }
+    assert kept["tokens-00000-003.npy"] != (out / "tokens-00000-003.npy").stat().st_mtime_ns
+
+
+def test_a_setting_is_named_in_the_section_of_the_key_that_named_the_source(tmp_path: Path) -> None:
+    (tmp_path / "dict").mkdir()
+    (tmp_path / "dict" / "dataset_dict.json").write_text(json.dumps({"splits": ["train"]}))
+    for key, setting in (("validation.dataset_path", "validation.split"), ("data.path", "data.split"),
+                         ("--source", "--split")):  # fmt: skip
+        with pytest.raises(ConfigError, match=rf"^{setting}: .*dict has the splits train, not 'test'; set {setting} "):
+            find_source(str(tmp_path / "dict"), split="test", key=key)
