@@ -16,6 +16,14 @@ start-up renames it `step-<N>.damaged`, warns, and resumes from the newest one t
 line. Non-finite weights are never saved, and a checkpoint with non-finite weights is refused
 when loaded. Pruning (`keep_latest_k`) never removes the seed checkpoint (step 0).
 
+Nothing damaged is loaded. Every save records the size and xxh3_128 of each file it writes, hashed as DCP
+writes it (checksums.py), in `checksums.json`, which lands before `.metadata`: so it is published with the
+folder. Before a load, the ranks re-hash the files, each its share, and agree on the first damaged one
+(`verify_contents`); a damaged newest checkpoint is set aside as above and the one before resumes, one the user
+names is refused in one line, and a folder whose checkpoints are all damaged stops the run rather than start
+it again from step 0. A checkpoint saved before checksums were recorded is checked by size, said once.
+`python -m checkpoint verify PATH` checks a step folder, or every step of a checkpoint folder, without loading it.
+
 Loading runs no code from the checkpoint folder. DCP's `.metadata` is a pickle and DCP loads
 non-tensor items with `torch.load(weights_only=False)`; `verify` first reads `.metadata` with an
 unpickler that admits only DCP's metadata classes, loads every non-tensor item with
@@ -54,12 +62,14 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from checksums import ALGORITHM, CONTENT, MANIFEST, ChecksumWriter, first_damaged, read_manifest
 from config import Checkpoint
 from errors import ConfigError, warn, writable_folder
 from models import ModelFamily, parameter_shapes
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _PARTIAL_DIR = re.compile(r"^step-(\d+)\.partial$")
+_DAMAGED_DIR = re.compile(r"^step-(\d+)\.damaged(-\d+)?$")
 GiB = 2**30
 
 
@@ -171,14 +181,28 @@ def set_aside_damaged(folder: Path) -> None:
             verify(path, key="checkpoint.folder", fix="")
             return
         except ConfigError as e:
-            problem = e.problems[0].removeprefix("checkpoint.folder: ")
-        aside, again = path.with_name(f"step-{step}.damaged"), 1
-        while aside.exists():
-            aside, again = path.with_name(f"step-{step}.damaged-{again}"), again + 1
-        os.replace(path, aside)
-        warn(
-            f"checkpoint.folder: skipped step {step}, it is damaged ({problem}); kept as {aside} (delete it once "
-            "looked at), resuming from the newest complete checkpoint before it"
+            _set_aside(path, step, problem=e.problems[0].removeprefix("checkpoint.folder: "))
+
+
+def _set_aside(path: Path, step: int, *, problem: str) -> None:
+    aside, again = path.with_name(f"step-{step}.damaged"), 1
+    while aside.exists():
+        aside, again = path.with_name(f"step-{step}.damaged-{again}"), again + 1
+    os.replace(path, aside)
+    warn(
+        f"checkpoint.folder: skipped step {step}, it is damaged ({problem}); kept as {aside} (delete it once "
+        "looked at), resuming from the newest complete checkpoint before it"
+    )
+
+
+def refuse_all_damaged(folder: Path) -> None:
+    """A folder whose checkpoints were all set aside as damaged had progress: starting again from step 0 (or from
+    initial_load_path) would lose it without a word, so the run stops and says what to do."""
+    damaged = sorted(p.name for p in folder.iterdir() if _DAMAGED_DIR.match(p.name)) if folder.is_dir() else []
+    if damaged and not complete_checkpoints(folder):
+        raise ConfigError(
+            f"checkpoint.folder: every checkpoint in {folder} is damaged ({', '.join(damaged)}); not starting again "
+            f"from step 0. Copy a whole checkpoint there to resume from it, or move {folder} aside to start afresh"
         )
 
 
@@ -234,10 +258,7 @@ def verify(path: Path, *, key: str = "checkpoint", fix: str | None = None) -> Me
         ) from None
     if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
         raise ConfigError(f"{key}: {path}/.metadata is not DCP metadata ({type(metadata).__name__})")
-    # The run's own checkpoint can go (an earlier one resumes); one the user points at is theirs to replace.
-    if fix is None:
-        fix = f"delete {path}" if key == "checkpoint.folder" else f"point {key} at a complete checkpoint"
-    advice = f" ({fix})" if fix else ""
+    advice = _advice(path, key=key, fix=fix)
     sizes: dict[str, int] = {}
     for info in metadata.storage_data.values():
         file = path / info.relative_path
@@ -264,6 +285,39 @@ def verify(path: Path, *, key: str = "checkpoint", fix: str | None = None) -> Me
                     "tensors and plain values, and nothing in the folder was run"
                 ) from None
     return metadata
+
+
+def _advice(path: Path, *, key: str, fix: str | None) -> str:
+    # The run's own checkpoint can go (an earlier one resumes); one the user points at is theirs to replace.
+    if fix is None:
+        fix = f"delete {path}" if key == "checkpoint.folder" else f"point {key} at a complete checkpoint"
+    return f" ({fix})" if fix else ""
+
+
+def verify_contents(
+    path: Path, *, key: str = "checkpoint", fix: str | None = None, group: dist.ProcessGroup | None = None
+) -> None:
+    """Every file of the checkpoint at `path` holds the bytes it was saved with (its checksums.json), or one line
+    naming the first damaged file. Under torch.distributed a collective of `group`: each rank re-hashes its share
+    of the files. A checkpoint saved before checksums were recorded passes (`verify` checks its sizes), said once."""
+    advice = _advice(path, key=key, fix=fix)
+    try:
+        files = read_manifest(path)
+    except ValueError as e:
+        raise ConfigError(f"{key}: {path} is damaged ({e}){advice}") from None
+    if files is None:
+        warn(
+            f"{key}: {path} has no {MANIFEST} (saved before checkpoints recorded checksums): its files are checked "
+            "by size only"
+        )
+        return
+    if (damaged := first_damaged(path, files, group=group)) is not None:
+        name, why = damaged
+        what = "its bytes are not" if why == CONTENT else "its size is not"
+        raise ConfigError(
+            f"{key}: {path / name} is damaged ({what} what was saved, by the {ALGORITHM} checksums of {MANIFEST})"
+            f"{advice}"
+        )
 
 
 def check_holds(path: Path, metadata: Metadata, expected: dict[str, torch.Tensor], *, key: str = "checkpoint") -> None:
@@ -381,6 +435,7 @@ class CheckpointManager:
         self.last_saved = -1  # the step of the last save begun (async ones may still be running)
         self._staging: Future | None = None
         self._stager = None
+        self._resume_checked: tuple[tuple[int, Path] | None] | None = None  # _resume_from's answer, once found
         if cfg.async_mode == "async_with_pinned_mem" and not torch.cuda.is_available():
             raise ConfigError(
                 "checkpoint.async_mode: async_with_pinned_mem stages checkpoints through pinned (page-locked) memory, "
@@ -390,16 +445,33 @@ class CheckpointManager:
     # ---------------------------------------------------------------- loading
 
     def _resume_from(self) -> tuple[int, Path] | None:
-        """The checkpoint a run of this folder continues from: checkpoint.load_step's, else the newest."""
+        """The checkpoint a run of this folder continues from: checkpoint.load_step's, else the newest whole one
+        (a collective: the ranks check its files together, once; damaged newer ones are set aside)."""
+        if self._resume_checked is None:
+            self._resume_checked = (self._find_resume(),)
+        return self._resume_checked[0]
+
+    def _find_resume(self) -> tuple[int, Path] | None:
         found = complete_checkpoints(self.folder) if self.cfg.enable else []
         if self.cfg.load_step == -1:
-            return found[-1] if found else None
+            while found:
+                try:
+                    verify_contents(found[-1][1], key="checkpoint.folder", fix="", group=self.process_group)
+                    return found[-1]
+                except ConfigError as e:
+                    step, path = found.pop()
+                    if _rank() == 0:  # after the collective: the other ranks are done with its files
+                        _set_aside(path, step, problem=e.problems[0].removeprefix("checkpoint.folder: "))
+            if self.cfg.enable:
+                refuse_all_damaged(self.folder)
+            return None
         if not self.cfg.enable:
             raise ConfigError(
                 f"checkpoint.load_step: {self.cfg.load_step} resumes from a checkpoint, but checkpoint.enable is "
                 "false; set it to true (or load_step = -1)"
             )
         if match := [(step, path) for step, path in found if step == self.cfg.load_step]:
+            verify_contents(match[0][1], key="checkpoint.load_step", group=self.process_group)
             return match[0]
         steps = f"it has steps {', '.join(str(step) for step, _ in found)}" if found else "it has no checkpoint"
         raise ConfigError(
@@ -446,6 +518,7 @@ class CheckpointManager:
         elif self.cfg.initial_load_path is not None:
             path = Path(self.cfg.initial_load_path)
             metadata = verify(path, key="checkpoint.initial_load_path")
+            verify_contents(path, key="checkpoint.initial_load_path", group=self.process_group)
             self._load(path, metadata, ModelAndOptimizer(self.model, None), {}, key="checkpoint.initial_load_path")
             _log(f"initialized model weights from {path}")
         return 0
@@ -543,7 +616,7 @@ class CheckpointManager:
             if self.cfg.async_mode != "disabled" and not (wait or last):
                 self._pending = (self._async_save(state, partial), step)
             else:
-                dcp.save(state, checkpoint_id=str(partial), process_group=self.process_group)
+                dcp.save(state, storage_writer=ChecksumWriter(partial), process_group=self.process_group)
                 self._publish(step)
         if last and self.cfg.last_save_in_hf and _rank() == 0:
             self.export_hf(step)
@@ -574,18 +647,26 @@ class CheckpointManager:
         return target
 
     def _async_save(self, state: dict[str, Any], partial: Path) -> Future:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
         if self.cfg.async_mode == "async":
-            return dcp.async_save(state, checkpoint_id=str(partial), process_group=self.process_group)
+            # The stager DCP uses when given no writer; given ChecksumWriter (a FileSystemWriter, thus a
+            # BlockingAsyncStager) it would stage with that instead. Hashing happens in the upload thread.
+            stager = DefaultStager(StagingOptions(False, False, False, False))
+            future = dcp.async_save(
+                state, storage_writer=ChecksumWriter(partial), process_group=self.process_group, async_stager=stager
+            )
+            future.add_done_callback(lambda _: stager.close())
+            return future
         # async_with_pinned_mem, as torchtitan 0.2.2 does it: stage into pinned shared memory with a
         # background copy, upload from another process. Untested here (it needs CUDA).
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
         if self._stager is None:
             self._stager = DefaultStager(StagingOptions(True, True, True, True))
         response = dcp.async_save(
             state,
-            checkpoint_id=str(partial),
+            storage_writer=ChecksumWriter(partial),
             process_group=self.process_group,
             async_checkpointer_type=AsyncCheckpointerType.PROCESS,
             async_stager=self._stager,
@@ -687,6 +768,7 @@ def load_model_weights(path: Path, model: nn.Module, *, key: str = "checkpoint")
     """Fill `model` (plain, or sharded by TP under torchrun) with the weights of a DCP checkpoint saved by
     train.py at any step on any number of ranks; nothing else is read. One process needs no group."""
     metadata = verify(path, key=key)
+    verify_contents(path, key=key)  # under torchrun, each rank hashes its share
     state = {MODEL_PREFIX + name: t for name, t in model.state_dict().items()}
     check_holds(path, metadata, state, key=key)
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
@@ -714,6 +796,7 @@ def export_hf_folder(
     from models.hf import DEFAULT_MAX_SHARD_BYTES, hf_config, plan_shards, write_hf_folder
 
     metadata = verify(checkpoint)  # read without running anything from the folder
+    verify_contents(checkpoint)
     shapes = parameter_shapes(family, args)
     check_holds(checkpoint, metadata, {MODEL_PREFIX + n: torch.empty(s, device="meta") for n, s in shapes.items()})
     stored = metadata.state_dict_metadata
@@ -811,3 +894,54 @@ def _rank() -> int:
 def _log(message: str) -> None:
     if _rank() == 0:
         print(f"[checkpoint] {message}", flush=True)
+
+
+# ------------------------------------------------------------------ the command line
+
+
+def check_folder(path: Path) -> list[tuple[Path, str | None]]:
+    """(step folder, None or what is damaged) for a step folder, or for every step of a checkpoint folder (set-aside
+    ones included), without loading anything: what `verify` and `verify_contents` check, in one process."""
+    steps = [path]
+    if path.is_dir() and not is_checkpoint(path):
+        named = [(m, p) for p in path.iterdir() if (m := _STEP_DIR.match(p.name) or _DAMAGED_DIR.match(p.name))]
+        steps = [p for _, p in sorted(named, key=lambda mp: (int(mp[0].group(1)), mp[1].name))]
+    checked = []
+    for step in steps:
+        try:
+            verify(step, key="verify", fix="")
+            if (step / MANIFEST).is_file():  # else sizes only, which `main` says
+                verify_contents(step, key="verify", fix="")
+            checked.append((step, None))
+        except ConfigError as e:
+            checked.append((step, e.problems[0].removeprefix("verify: ")))
+    return checked
+
+
+def main(argv: list[str]) -> int:
+    """`python -m checkpoint verify PATH...`: OK or damaged per step, exit status 0 when all are OK, else 2."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m checkpoint", description=main.__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    check = sub.add_parser(
+        "verify", help="check step folders (or every step of a checkpoint folder) against their checksums"
+    )
+    check.add_argument("paths", nargs="+", type=Path, metavar="PATH")
+    opts = parser.parse_args(argv)
+    checked = [found for path in opts.paths for found in check_folder(path)]
+    for step, problem in checked:
+        if problem is None:
+            whole = (step / MANIFEST).is_file()
+            print(f"{step}: OK" + ("" if whole else f" (sizes only: no {MANIFEST})"), flush=True)
+        else:
+            print(f"{step}: damaged: {problem}", flush=True)
+    if not checked:
+        print(f"{', '.join(map(str, opts.paths))}: no checkpoint found", flush=True)
+    return 0 if checked and all(problem is None for _, problem in checked) else 2
+
+
+if __name__ == "__main__":
+    import sys
+
+    raise SystemExit(main(sys.argv[1:]))
