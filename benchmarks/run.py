@@ -32,6 +32,7 @@ import torch
 
 from benchmarks import (
     async_tp_fusion,
+    checkpoint_checksums,
     comm_volume,
     compile_cache,
     context_parallel,
@@ -63,6 +64,7 @@ BENCHMARKS = {
         gpu_costs,
         generation,
         vs_torchtitan,
+        checkpoint_checksums,
     )
 }
 
