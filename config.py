@@ -63,6 +63,7 @@ from config_torchtitan import (
     TorchtitanValidation,
     refusal,
 )
+from data.sources import is_hub_name
 from errors import ConfigError, warn
 from models import NAMES, ModelFamily, family, parameter_shapes, with_seq_len
 
@@ -1303,11 +1304,18 @@ def _missing_validation(v: Validation) -> list[str]:
 
 
 def _local_or_named(path: str) -> bool:
-    """A local path, or one that reads as a dataset name ("owner/name"), which data/sources.py looks up in the local
-    Hugging Face cache when it opens the data."""
-    from data.sources import is_hub_name
-
-    return Path(path).exists() or is_hub_name(path)
+    """A local path, or a dataset name ("owner/name") the local Hugging Face cache may hold, which data/sources.py
+    looks up when it opens the data. A cheap look, without importing `datasets`: a folder of that owner in the
+    datasets cache, or the name's snapshot folder in the hub cache (data/fineweb-edu is a missing local folder)."""
+    if Path(path).exists():
+        return True
+    if not is_hub_name(path):
+        return False
+    home = Path(os.environ.get("HF_HOME", "~/.cache/huggingface")).expanduser()
+    datasets_cache = Path(os.environ.get("HF_DATASETS_CACHE", home / "datasets")).expanduser()
+    hub_cache = Path(os.environ.get("HF_HUB_CACHE", home / "hub")).expanduser()
+    owner, name = path.split("/")
+    return (hub_cache / f"datasets--{owner}--{name}").is_dir() or any(datasets_cache.glob(f"{owner}___*"))
 
 
 def script(name: str) -> str:
@@ -1326,10 +1334,16 @@ def _missing_data(cfg: JobConfig) -> str:
         )
     if Path(path).suffix:
         return f"data.path: {path} not found; point it at a json/jsonl/parquet/txt file or folder, or a prepared folder"
+    named = ""
+    if is_hub_name(path):  # or the name of a Hugging Face dataset this machine has no copy of
+        named = (
+            f"; if it names a Hugging Face dataset, download it with `hf download {path} --repo-type dataset "
+            f"--local-dir data/hf/{path.split('/')[1]}` and set data.path to that folder"
+        )
     return (
         f"data.path: {path} not found; prepare a corpus into it with `python {script('prepare_data.py')} --source "
         f"SOURCE --tokenizer {cfg.model.tokenizer_path or ''} --output {path} --workers N` (a recipe's header names "
-        "its SOURCE)"
+        f"its SOURCE){named}"
     )
 
 

@@ -586,11 +586,20 @@ def test_the_data_forms_commands_of_docs_data_md_run_as_written(tmp_path: Path) 
 def test_a_dataset_name_that_is_not_cached_is_one_line_at_start_up(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The config does not take "owner/name" for a missing local path: opening it looks in the cache, then says how
-    to download or stream it (data.path and validation.dataset_path alike)."""
+    """A name ("owner/name") whose owner has a folder in the local Hugging Face cache is looked up when the data
+    opens (data/sources.py), one line if that dataset is not there; a name with nothing cached is refused with the
+    config's other missing inputs, in words that fit a missing local folder and a dataset to download alike."""
+    datasets_cache = tmp_path / "hf" / "datasets"
+    (datasets_cache / "someuser___other").mkdir(parents=True)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf" / "datasets"))
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
-    cfg = load_config(["--config", "configs/debug.toml", "--data.path=someuser/tiny", "--validation.dataset_path=a/b"])
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(datasets_cache))
+    cfg = load_config(["--config", "configs/debug.toml", "--data.path=someuser/tiny"])
     with pytest.raises(ConfigError, match=r"^data.path: someuser/tiny is neither a local path nor a dataset in the"):
         open_corpus(cfg.data, build_tokenizer("assets/tokenizer"), "assets/tokenizer")
+    with pytest.raises(ConfigError) as refused:
+        load_config(["--config", "configs/debug.toml", "--data.path=nobody/tiny"])
+    (line,) = refused.value.problems
+    assert line.endswith(
+        "; if it names a Hugging Face dataset, download it with `hf download nobody/tiny --repo-type dataset "
+        "--local-dir data/hf/tiny` and set data.path to that folder"
+    ), line
