@@ -269,6 +269,7 @@ def test_bf16_hf_checkpoint_converts_and_loads_into_fp32_parameters(tmp_path: Pa
     folder = save_hf_folder(model, tmp_path / "hf", tokenizer=False)
     proc = python("scripts/convert_hf.py", "to-dcp", str(folder), str(tmp_path / "dcp"))
     assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "dcp" / "checksums.json").is_file()  # checked when loaded, as train.py's own saves are
     expected, args = from_hf(folder)  # fp32 upcast of the bf16 weights
     with torch.device("meta"):
         target = Transformer(args)
