@@ -295,11 +295,17 @@ def _advice(path: Path, *, key: str, fix: str | None) -> str:
 
 
 def verify_contents(
-    path: Path, *, key: str = "checkpoint", fix: str | None = None, group: dist.ProcessGroup | None = None
+    path: Path,
+    *,
+    key: str = "checkpoint",
+    fix: str | None = None,
+    group: dist.ProcessGroup | None = None,
+    alone: bool = False,
 ) -> None:
     """Every file of the checkpoint at `path` holds the bytes it was saved with (its checksums.json), or one line
     naming the first damaged file. Under torch.distributed a collective of `group`: each rank re-hashes its share
-    of the files. A checkpoint saved before checksums were recorded passes (`verify` checks its sizes), said once."""
+    of the files; `alone`: this process re-hashes them all (what one rank does by itself). A checkpoint saved
+    before checksums were recorded passes (`verify` checks its sizes), said once."""
     advice = _advice(path, key=key, fix=fix)
     try:
         files = read_manifest(path)
@@ -311,7 +317,7 @@ def verify_contents(
             "by size only"
         )
         return
-    if (damaged := first_damaged(path, files, group=group)) is not None:
+    if (damaged := first_damaged(path, files, group=group, alone=alone)) is not None:
         name, why = damaged
         what = "its bytes are not" if why == CONTENT else "its size is not"
         raise ConfigError(
@@ -796,7 +802,7 @@ def export_hf_folder(
     from models.hf import DEFAULT_MAX_SHARD_BYTES, hf_config, plan_shards, write_hf_folder
 
     metadata = verify(checkpoint)  # read without running anything from the folder
-    verify_contents(checkpoint)
+    verify_contents(checkpoint, alone=True)  # rank 0 alone when a run exports its last step
     shapes = parameter_shapes(family, args)
     check_holds(checkpoint, metadata, {MODEL_PREFIX + n: torch.empty(s, device="meta") for n, s in shapes.items()})
     stored = metadata.state_dict_metadata

@@ -166,13 +166,15 @@ SIZE, CONTENT = 0, 1  # why a file is damaged
 
 
 def first_damaged(
-    folder: Path, files: dict[str, dict[str, Any]], *, group: dist.ProcessGroup | None = None
+    folder: Path, files: dict[str, dict[str, Any]], *, group: dist.ProcessGroup | None = None, alone: bool = False
 ) -> tuple[str, int] | None:
     """The first file (by name) of `files` whose size or hash differs on disk, and why (SIZE or CONTENT); None if
     all match. Under torch.distributed every rank of `group` hashes its share (every world-th file) and one
-    all-reduce (MIN) gives every rank the same answer; so every rank of the group must call it."""
+    all-reduce (MIN) gives every rank the same answer; so every rank of the group must call it. `alone`: this
+    process hashes every file itself (one rank's work, such as rank 0's Hugging Face export), no collective."""
     names = sorted(files)
-    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
+    distributed = dist.is_initialized() and not alone
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if distributed else (0, 1)
     worst = 2 * len(names)  # none damaged
     for i in range(rank, len(names), world):
         path, want = folder / names[i], files[names[i]]
@@ -183,7 +185,7 @@ def first_damaged(
             worst = 2 * i + CONTENT
         if worst < 2 * len(names):
             break
-    if dist.is_initialized() and world > 1:
+    if distributed and world > 1:
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
         agreed = torch.tensor([worst], dtype=torch.int64, device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)

@@ -21,6 +21,7 @@ assistant's. The label of position t is token t + 1, and counts when that token'
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,12 @@ class ChatRenderer:
         text, spans = self.replies(messages, where=where)
         ((ids, offsets),) = self.tokenizer.encode_with_offsets([text])
         return ids, assistant_mask(offsets, spans)
+
+
+@functools.lru_cache(maxsize=4)
+def chat_renderer(tokenizer_path: str) -> ChatRenderer:
+    """The renderer of `tokenizer_path`, built once per process (transformers' import and tokenizer load take seconds)."""
+    return ChatRenderer(tokenizer_path)
 
 
 def assistant_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:

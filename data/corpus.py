@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from config import Data
-from data.chat import ChatRenderer
+from data.chat import chat_renderer
 from data.prepare import FORMAT, begin, is_prepared, tokenize, write_manifest
 from data.sources import Source, find_source, not_cached
 from data.sources import prepare_command as source_command
@@ -147,7 +147,7 @@ def open_corpus(cfg: Data, tokenizer: Tokenizer, tokenizer_path: str, *, key: st
             f"start; prepare it once with `{prepare_command(cfg, tokenizer_path)}`, then set {key} to that --output folder"
         )
     # Another chat template renders other tokens: another cache folder.
-    chat = ChatRenderer(tokenizer_path).fingerprint if cfg.chat else None
+    chat = chat_renderer(tokenizer_path).fingerprint if cfg.chat else None
     cache = cache_folder(cfg, tokenizer, source.describe(), chat=chat)
     if not is_prepared(cache):
         writable_folder(cache, key="data.cache_folder")

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from data.chat import ChatRenderer
+from data.chat import ChatRenderer, chat_renderer
 from data.sources import Chunk, Reading, Source, read_chunks, texts, values
 from data.tokenizers import Tokenizer, build_tokenizer
 from errors import ConfigError
@@ -73,7 +73,7 @@ def plan(source: Source, tokenizer: Tokenizer, tokenizer_path: str, *, chunk_byt
                       "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id},
         "dtype": token_dtype(tokenizer.vocab_size).name,
         "chunk_bytes": chunk_bytes,
-    } | ({"chat": {"template": ChatRenderer(tokenizer_path).fingerprint}} if source.chat else {})  # fmt: skip
+    } | ({"chat": {"template": chat_renderer(tokenizer_path).fingerprint}} if source.chat else {})  # fmt: skip
 
 
 def begin(source: Source, tokenizer_path: str, output: Path, *, chunk_bytes: int = CHUNK_BYTES) -> Tokenizer:
@@ -113,7 +113,7 @@ class _Worker:
         # Each worker is one core: the Rust tokenizer would otherwise spread a batch over all of them.
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         cls.tokenizer = build_tokenizer(tokenizer_path)
-        cls.chat = ChatRenderer(tokenizer_path) if chat else None
+        cls.chat = chat_renderer(tokenizer_path) if chat else None
 
     @classmethod
     def run(cls, chunk: Chunk, output: Path, text_column: str, where: str) -> dict[str, Any]:
@@ -240,7 +240,7 @@ def _tokenize(
             workers, initializer=_Worker.init, initargs=(tokenizer_path, source.chat)
         )
     else:
-        _Worker.tokenizer, _Worker.chat = tokenizer, ChatRenderer(tokenizer_path) if source.chat else None
+        _Worker.tokenizer, _Worker.chat = tokenizer, chat_renderer(tokenizer_path) if source.chat else None
     pending: deque[tuple[Chunk, Any]] = deque()
     try:
         for chunk in reading:
