@@ -184,19 +184,21 @@ def test_a_checkpoint_saved_before_checksums_loads_with_one_warning(
 
 
 def test_train_py_refuses_damaged_checkpoints_in_one_line(seed: Path, tmp_path: Path) -> None:
-    damaged = tmp_path / "run" / "checkpoint" / "step-0"
-    shutil.copytree(seed, damaged)
-    flip(damaged / "__0_0.distcp")
+    # Two damaged copies: the resumed run sets its own aside while the other reads the one it is pointed at.
+    damaged, other = tmp_path / "run" / "checkpoint" / "step-0", tmp_path / "pointed" / "step-0"
+    for copy in (damaged, other):
+        shutil.copytree(seed, copy)
+        flip(copy / "__0_0.distcp")
     pointed, resumed = two_at_a_time(
         lambda: python(
-            "train.py", *TINY, f"--job.dump_folder={tmp_path / 'new'}", f"--checkpoint.initial_load_path={damaged}"
+            "train.py", *TINY, f"--job.dump_folder={tmp_path / 'new'}", f"--checkpoint.initial_load_path={other}"
         ),
         lambda: python("train.py", *TINY, f"--job.dump_folder={tmp_path / 'run'}", "--checkpoint.enable"),
     )
     for proc in (pointed, resumed):
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     (line,) = [line for line in pointed.stderr.splitlines() if line.startswith("error: ")]
-    assert line.startswith(f"error: checkpoint.initial_load_path: {damaged / '__0_0.distcp'} is damaged")
+    assert line.startswith(f"error: checkpoint.initial_load_path: {other / '__0_0.distcp'} is damaged")
     (line,) = [line for line in resumed.stderr.splitlines() if line.startswith("error: ")]
     assert line.startswith(
         f"error: checkpoint.folder: every checkpoint in {damaged.parent} is damaged (step-0.damaged)"
