@@ -24,6 +24,10 @@ names is refused in one line, and a folder whose checkpoints are all damaged sto
 it again from step 0. A checkpoint saved before checksums were recorded is checked by size, said once.
 `python -m checkpoint verify PATH` checks a step folder, or every step of a checkpoint folder, without loading it.
 
+A checkpoint torchtitan 0.2.2 wrote (its weights at the top level of the state dict) is recognised by its keys
+and read by checkpoint_torchtitan.py: a resume takes its weights, AdamW state and step, and each stateful part
+with a `load_torchtitan(state)` method what it can; initial_load_path its weights.
+
 Loading runs no code from the checkpoint folder. DCP's `.metadata` is a pickle and DCP loads
 non-tensor items with `torch.load(weights_only=False)`; `verify` first reads `.metadata` with an
 unpickler that admits only DCP's metadata classes, loads every non-tensor item with
@@ -62,6 +66,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from checkpoint_torchtitan import TorchtitanState, is_torchtitan, load_torchtitan
 from checksums import ALGORITHM, CONTENT, MANIFEST, ChecksumWriter, first_damaged, read_manifest
 from config import Checkpoint
 from errors import ConfigError, warn, writable_folder
@@ -442,6 +447,7 @@ class CheckpointManager:
         self._staging: Future | None = None
         self._stager = None
         self._resume_checked: tuple[tuple[int, Path] | None] | None = None  # _resume_from's answer, once found
+        self.torchtitan: TorchtitanState | None = None  # what torchtitan's checkpoint said, when one was loaded
         if cfg.async_mode == "async_with_pinned_mem" and not torch.cuda.is_available():
             raise ConfigError(
                 "checkpoint.async_mode: async_with_pinned_mem stages checkpoints through pinned (page-locked) memory, "
@@ -505,6 +511,8 @@ class CheckpointManager:
                     f"checkpoint.initial_load_path = {path}), or set checkpoint.load_step to an earlier step"
                 )
             model_only = is_model_only(metadata) or weights_only
+            if is_torchtitan(metadata):
+                return self._resume_torchtitan(path, metadata, excluded=excluded, model_only=model_only)
             parts = {} if model_only else {k: v for k, v in self.stateful.items() if k not in excluded}
             optimizer = None if model_only or "optimizer" in excluded else self.optimizer
             self._load(
@@ -525,8 +533,11 @@ class CheckpointManager:
             path = Path(self.cfg.initial_load_path)
             metadata = verify(path, key="checkpoint.initial_load_path")
             verify_contents(path, key="checkpoint.initial_load_path", group=self.process_group)
-            self._load(path, metadata, ModelAndOptimizer(self.model, None), {}, key="checkpoint.initial_load_path")
-            _log(f"initialized model weights from {path}")
+            if is_torchtitan(metadata):
+                self._load_torchtitan(path, metadata, None, key="checkpoint.initial_load_path")
+            else:
+                self._load(path, metadata, ModelAndOptimizer(self.model, None), {}, key="checkpoint.initial_load_path")
+            _log(f"initialized model weights from {path}" + (" (torchtitan's checkpoint)" if self.torchtitan else ""))
         return 0
 
     def _load(
@@ -557,6 +568,32 @@ class CheckpointManager:
                 f"{key}: {path} could not be read ({first[:300]}); delete it or point elsewhere"
             ) from None
         self._refuse_nonfinite(path, key=key)
+
+    def _resume_torchtitan(self, path: Path, metadata: Metadata, *, excluded: set[str], model_only: bool) -> int:
+        """Resume from torchtitan's checkpoint (checkpoint_torchtitan.py): weights, AdamW state and step; each
+        stateful part with a `load_torchtitan(state)` takes what it can (the step, the data position), the others
+        start afresh."""
+        optimizer = None if model_only or "optimizer" in excluded else self.optimizer
+        state = self._load_torchtitan(path, metadata, optimizer, key="checkpoint.folder")
+        parts = {} if model_only else {n: p for n, p in self.stateful.items() if n not in excluded}
+        taken = [name for name, part in parts.items() if hasattr(part, "load_torchtitan")]
+        for name in taken:
+            self.stateful[name].load_torchtitan(state)
+        fresh = sorted(set(self.stateful) - set(taken))
+        _log(f"resumed from torchtitan's checkpoint {path}" + (f" (afresh: {', '.join(fresh)})" if fresh else ""))
+        return state.step if "train_state" not in excluded and not model_only else 0
+
+    def _load_torchtitan(
+        self, path: Path, metadata: Metadata, optimizer: torch.optim.Optimizer | None, *, key: str
+    ) -> TorchtitanState:
+        assert self.family is not None, "CheckpointManager(family=...) reads torchtitan's checkpoints"
+        check_holds(path, metadata, get_model_state_dict(self.model), key=key)  # torchtitan's weights: top level
+        self.torchtitan = load_torchtitan(
+            path, metadata, self.model, optimizer, family=self.family, args=self.model_args, key=key,
+            group=self.process_group,
+        )  # fmt: skip
+        self._refuse_nonfinite(path, key=key)
+        return self.torchtitan
 
     def _load_hf(self, folder: Path) -> None:
         """Every rank reads its own shard of each weight from the safetensors files (DCP's Hugging Face

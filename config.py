@@ -1153,6 +1153,17 @@ def global_batch_size(t: Training, *, dp: int) -> int:
     return t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dp
 
 
+def grad_accum_steps(global_batch: int, *, local_batch: int, dp: int) -> int:
+    """Micro-batches per optimizer step: the global batch over local_batch_size on each of the dp ranks."""
+    per_micro = local_batch * dp
+    if global_batch % per_micro:
+        raise ConfigError(
+            f"training.global_batch_size: {global_batch} is not a multiple of local_batch_size {local_batch} x "
+            f"data-parallel degree {dp}; use a multiple of {per_micro} or -1"
+        )
+    return global_batch // per_micro
+
+
 def model_args(cfg: Model) -> Any:
     """The model shape this config names: the flavor, or hf_assets_path's config.json with shape_from_hf_config."""
     fam = family(cfg.name)

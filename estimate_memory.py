@@ -173,7 +173,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 # TorchDispatchMode is the documented way to see every aten op, in a private module (PyTorch 2.13).
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from config import JobConfig, Parallelism, Training, global_batch_size, model_args, selective_ac_every
+from config import JobConfig, Parallelism, Training, global_batch_size, grad_accum_steps, model_args, selective_ac_every
 from errors import ConfigError
 from models import NAMES, ModelFamily, family, with_seq_len
 from parallelisms.parallel_dims import ParallelDims, layout_problems
@@ -660,7 +660,9 @@ def job_of(cfg: JobConfig, dims: ParallelDims, *, cuda: bool) -> Job:
         replicate=dims.dp_replicate,
         seq_len=training.seq_len,
         local_batch_size=training.local_batch_size,
-        grad_accum=global_batch_size(training, dp=dims.dp) // (training.local_batch_size * dims.dp),
+        grad_accum=grad_accum_steps(
+            global_batch_size(training, dp=dims.dp), local_batch=training.local_batch_size, dp=dims.dp
+        ),
         param_dtype=training.mixed_precision_param,
         reduce_dtype=training.mixed_precision_reduce,
         ac=f"selective-{ac.selective_ac_option}" if ac.mode == "selective" else ac.mode,

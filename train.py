@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 import doctor
 from checkpoint import CheckpointManager, SaveStep, prepare_dump_folder
+from checkpoint_torchtitan import schedule_disagreement
 from config import (
     Comm,
     Debug,
@@ -419,6 +420,10 @@ def resume(
     if start_step and is_rank0():
         for line in changed_settings(state.resumed_settings, state.settings):
             print(f"resume: {line} (from step {start_step + 1} on)", flush=True)
+    if start_step and checkpoint.torchtitan is not None and is_rank0():
+        lr = cfg.optimizer.lr * lr_factor(start_step, cfg.lr_scheduler, training_steps=cfg.training.steps)
+        if line := schedule_disagreement(checkpoint.torchtitan, lr=lr):
+            print(line, flush=True)
     set_hyperparameters(optimizer, cfg.optimizer)  # the checkpoint's param_groups carry the old ones
 
 
@@ -580,6 +585,10 @@ class TrainState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step, self.resumed_settings, self.rng = int(state["step"]), state["settings"], state["rng"]
+
+    def load_torchtitan(self, state: Any) -> None:
+        """torchtitan's checkpoint (checkpoint_torchtitan.py): its step and optimizer settings; no RNG state."""
+        self.step, self.resumed_settings, self.rng = state.step, state.settings, {}
 
     def restore_rng(self) -> None:
         if "cpu" in self.rng:

@@ -29,10 +29,11 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from config import grad_accum_steps
 from data.chat import IGNORE_INDEX, ChatWindows
 from data.corpus import TokenCorpus
 from data.mixture import MixedCorpus
-from errors import ConfigError
+from errors import ConfigError, is_rank0
 
 
 class Batch(NamedTuple):
@@ -94,13 +95,7 @@ class GlobalBatchLoader:
     sample_index: int = 0  # samples consumed by all ranks together: the checkpointed position
 
     def __post_init__(self) -> None:
-        per_micro = self.local_batch_size * self.dp_degree
-        if self.global_batch_size % per_micro:
-            raise ConfigError(
-                f"training.global_batch_size: {self.global_batch_size} is not a multiple of local_batch_size "
-                f"{self.local_batch_size} x data-parallel degree {self.dp_degree}; use a multiple of {per_micro} or -1"
-            )
-        self.grad_accum = self.global_batch_size // per_micro
+        self.grad_accum = grad_accum_steps(self.global_batch_size, local_batch=self.local_batch_size, dp=self.dp_degree)
         mixed = isinstance(self.corpus, MixedCorpus)
         self.sources = self.corpus.sources if mixed else [self.corpus]
         self.mixture = self.corpus.mixture if mixed else None
@@ -197,6 +192,17 @@ class GlobalBatchLoader:
 
     def state_dict(self) -> dict[str, Any]:
         return {"sample_index": self.sample_index, **self._identity()}
+
+    def load_torchtitan(self, state: Any) -> None:
+        """Resumed from torchtitan's checkpoint (checkpoint_torchtitan.py) of step `state.step`: its loader's position
+        is in its own pipeline's terms, so this one continues where a run of these settings is after that step."""
+        self.sample_index = state.step * self.global_batch_size
+        if is_rank0():
+            print(
+                f"data: torchtitan's loader position is not read; reading on from sample {self.sample_index:,} of "
+                "data.path, where this recipe's run of these settings is after that step",
+                flush=True,
+            )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         changed = [f"{k} {state[k]!r} -> {v!r}" for k, v in self._identity().items() if k in state and state[k] != v]

@@ -2,7 +2,14 @@
 
 from models.family import ModelFamily
 from models.llama3 import hf, plans
-from models.llama3.model import FLAVORS, ModelArgs, Transformer, num_flops_per_token, num_params
+from models.llama3.model import (
+    FLAVORS,
+    ModelArgs,
+    Transformer,
+    num_flops_per_token,
+    num_params,
+    torchtitan_interleaved,
+)
 
 FAMILY = ModelFamily(
     name="llama3",
@@ -14,6 +21,7 @@ FAMILY = ModelFamily(
     num_params=num_params,
     num_flops_per_token=num_flops_per_token,
     hf=hf,
+    torchtitan_interleaved=torchtitan_interleaved,
 )
 
 __all__ = ["FAMILY", "FLAVORS", "ModelArgs", "Transformer", "num_flops_per_token", "num_params"]

@@ -21,6 +21,7 @@ FAMILY = ModelFamily(
     num_params=num_params,
     num_flops_per_token=num_flops_per_token,
     hf=hf,
+    torchtitan_interleaved=lambda args: {},  # torchtitan's Qwen3 rotates halves, as this one does
 )
 
 __all__ = ["FAMILY", "FLAVORS", "ModelArgs", "Transformer", "num_flops_per_token", "num_params"]
