@@ -177,7 +177,7 @@ def load_torchtitan(
             flat[f"state.{name}.{moment}"] = _permuted(flat[f"state.{name}.{moment}"], heads, to_rotate_half)
     set_model_state_dict(model, weights)
     if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, flat | to_load["optimizer"], options=FLAT)
+        set_optimizer_state_dict(model, optimizer, flat, options=FLAT)
     return state
 
 
