@@ -318,7 +318,7 @@ def verify_contents(
         raise ConfigError(f"{key}: {path} is damaged ({e}){advice}") from None
     if files is None:
         warn(
-            f"{key}: {path} has no {MANIFEST} (saved before checkpoints recorded checksums): its files are checked "
+            f"{key}: {path} has no {MANIFEST} (saved by torchtitan, or before this recipe recorded checksums): its files are checked "
             "by size only"
         )
         return

@@ -178,7 +178,7 @@ def test_a_checkpoint_saved_before_checksums_loads_with_one_warning(
         assert resumed.load() == 4
     assert all(torch.equal(v, weights[4][k]) for k, v in resumed.model.state_dict().items())
     assert capsys.readouterr().err == (
-        f"warning: checkpoint.folder: {step} has no {MANIFEST} (saved before checkpoints recorded checksums): its files "
+        f"warning: checkpoint.folder: {step} has no {MANIFEST} (saved by torchtitan, or before this recipe recorded checksums): its files "
         "are checked by size only\n"
     )
 
