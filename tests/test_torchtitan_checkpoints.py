@@ -132,6 +132,7 @@ def test_a_torchtitan_run_continues_here_and_a_run_here_continues_in_torchtitan(
     assert (
         f"resumed from torchtitan's checkpoint {ours / 'checkpoint' / 'step-2'} (afresh: spike_window)" in proc.stdout
     )
+    assert "data: torchtitan's loader position is not read; reading on from sample 16 of data.path" in proc.stdout
     assert "learning rate is" not in proc.stdout  # the schedules agree
     rows = [json.loads(line) for line in (ours / "metrics.jsonl").read_text().splitlines()]
     resumed = {r["step"]: r["loss"] for r in rows if "tps" in r}
