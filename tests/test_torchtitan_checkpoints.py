@@ -111,7 +111,8 @@ def test_a_torchtitan_run_continues_here_and_a_run_here_continues_in_torchtitan(
     """torchtitan trains 2 steps and saves; its own resume and this recipe's (2 ranks, FSDP) from that checkpoint
     give the same losses at steps 3-5. This recipe's step 3, written by scripts/convert_torchtitan.py, resumes in
     torchtitan with the losses this recipe had at steps 4-5. One rank for torchtitan: its loader then reads this
-    recipe's token stream, batch for batch (with more, each rank reads its own slice of the documents)."""
+    recipe's token stream, batch for batch (with more, each rank reads its own slice of the documents). The run here
+    is also torchtitan's debug_model.toml under torchrun from a torchtitan user's folder."""
     folder = user_folder(tmp_path)
     shape = ["--training.seq_len=256", "--training.mixed_precision_param=float32", "--activation_checkpoint.mode=none",
              "--checkpoint.enable"]  # fmt: skip
@@ -126,7 +127,10 @@ def test_a_torchtitan_run_continues_here_and_a_run_here_continues_in_torchtitan(
             "--training.local_batch_size=4", f"--data.cache_folder={folder / 'cache'}"]  # fmt: skip
     continued, proc = two_at_a_time(
         lambda: _torchtitan(folder, *toml, *shape, "--training.steps=5", f"--job.dump_folder={theirs}"),
-        lambda: torchrun(REPO / "train.py", *toml, *here, f"--job.dump_folder={ours}", nproc=2, cwd=folder),
+        # From the user's folder, no PYTHONPATH: train.py finds its own modules.
+        lambda: torchrun(
+            REPO / "train.py", *toml, *here, f"--job.dump_folder={ours}", nproc=2, cwd=folder, env={"PYTHONPATH": ""}
+        ),  # fmt: skip
     )
     assert sorted(continued) == [3, 4, 5]
     assert (
