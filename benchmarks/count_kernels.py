@@ -60,7 +60,7 @@ def main(argv: list[str]) -> int:
 
         train.train_step = count_step(train.train_step, lambda *a, step, **k: step == COUNTED_STEP, out)
         return train.main(trainer_argv)
-    from benchmarks import torchtitan_trainer
+    from tests import torchtitan_trainer
 
     sys.argv = [sys.argv[0], *trainer_argv]  # before torchtitan imports: its parser's default is sys.argv[1:] then
     torchtitan_trainer.prepare()

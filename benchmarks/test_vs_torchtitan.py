@@ -1,5 +1,5 @@
 """benchmarks/vs_torchtitan.py, one short round of FSDP 2: torchtitan's own Trainer runs on CPU ranks through
-benchmarks/torchtitan_trainer.py; both trainers' logs give their tokens/s, memory and losses, and one step of
+tests/torchtitan_trainer.py; both trainers' logs give their tokens/s, memory and losses, and one step of
 each its kernels (benchmarks/count_kernels.py)."""
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Both trainers read one TOML, torchtitan's own debug_model.toml (tests/torchtitan
 folder laid out as torchtitan's repository expects (tests/assets/tokenizer: the shipped tokenizer;
 tests/assets/c4_test: the shipped corpus), with the same command-line overrides: the model shape,
 optimizer, schedule, batch shapes, settings and data source are one file's. torchtitan runs
-unchanged through benchmarks/torchtitan_trainer.py (what it needs on CPU is said there). Layouts:
+unchanged through tests/torchtitan_trainer.py (what it needs on CPU is said there). Layouts:
 
     fsdp2                  FSDP 2 (AC on every 2nd block, as the TOML has it)
     tp2                    TP 2 with loss parallel
@@ -42,6 +42,7 @@ from benchmarks import harness
 from benchmarks.count_kernels import COUNTED_STEP
 from benchmarks.harness import Row
 from config import REPO
+from tests.torchtitan_trainer import user_folder
 
 PROBLEM = "vs torchtitan"
 LAYOUTS = {
@@ -52,15 +53,6 @@ LAYOUTS = {
 LABELS = {"fsdp2": "FSDP 2", "tp2": "TP 2", "fsdp2_compile_op_sac": "FSDP 2 + compile + op SAC"}
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _TITAN_STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([\d.]+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+)")
-
-
-def user_folder(root: Path) -> Path:
-    """A working folder as torchtitan's repository lays it out, with this repo's tokenizer and corpus."""
-    shutil.copytree(REPO / "assets" / "tokenizer", root / "tests" / "assets" / "tokenizer")
-    (root / "tests" / "assets" / "c4_test").mkdir(parents=True)
-    shutil.copy(REPO / "assets" / "corpus" / "stories.jsonl", root / "tests" / "assets" / "c4_test" / "data.json")
-    shutil.copy(REPO / "tests" / "torchtitan" / "debug_model.toml", root / "debug_model.toml")
-    return root
 
 
 def dump_folder(folder: Path, trainer: str, layout: str) -> Path:
@@ -89,7 +81,7 @@ def run(trainer: str, layout: str, *, folder: Path, steps: int, cuda: bool) -> d
     elif trainer == "recipe":
         entry = [str(REPO / "train.py")]
     else:
-        entry = ["-m", "benchmarks.torchtitan_trainer"]
+        entry = ["-m", "tests.torchtitan_trainer"]
     proc = harness.run_python(*entry, *args, nproc=2, capture=True, cwd=folder)
     if proc.returncode != 0:
         raise SystemExit(f"{trainer} ({layout}) exited with status {proc.returncode}:\n{proc.stderr[-4000:]}")

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.vs_torchtitan import user_folder
 from checkpoint_torchtitan import interleaved_weights, to_interleaved, to_rotate_half, torchtitan_loader_state
 from models import family
 from tests.launch import REPO, python, torchrun, two_at_a_time
+from tests.torchtitan_trainer import user_folder
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([\d.]+)")
@@ -99,7 +99,7 @@ def test_the_loader_state_written_is_where_torchtitans_dataset_stands(tmp_path: 
 
 def _torchtitan(folder: Path, *args: str) -> dict[int, float]:
     """torchtitan 0.2.2's own Trainer on one CPU rank in `folder`: its losses by step."""
-    proc = torchrun(REPO / "benchmarks" / "torchtitan_trainer.py", *args, nproc=1, cwd=folder)
+    proc = torchrun(REPO / "tests" / "torchtitan_trainer.py", *args, nproc=1, cwd=folder)
     return {int(m[1]): float(m[2]) for m in _STEP.finditer(_ANSI.sub("", proc.stdout + proc.stderr))}
 
 

@@ -1,6 +1,7 @@
-"""torchtitan 0.2.2's own Trainer on CPU ranks, unchanged: what `make bench` compares this recipe with.
+"""torchtitan 0.2.2's own Trainer on CPU ranks, unchanged: what `make bench` compares this recipe with, and what the tests of
+torchtitan's checkpoints resume from and continue (tests/test_torchtitan_checkpoints.py).
 
-    torchrun --nproc_per_node=2 -m benchmarks.torchtitan_trainer --job.config_file debug_model.toml ...
+    torchrun --nproc_per_node=2 -m tests.torchtitan_trainer --job.config_file debug_model.toml ...
 
 torchtitan picks its device once, at import (`torchtitan.tools.utils.device_type`, "cuda" when no
 accelerator is found) and reads memory statistics from `torch.cuda`. On a machine without a GPU this
@@ -14,10 +15,14 @@ is touched; with a GPU the module runs torchtitan as it is.
 from __future__ import annotations
 
 import resource
+import shutil
 import sys
 import types
+from pathlib import Path
 
 import torch
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _cpu_device_module() -> types.SimpleNamespace:
@@ -78,6 +83,16 @@ def prepare() -> None:
             if getattr(loaded, "device_module", None) is torch.cuda:
                 loaded.device_module = module
         _sum_gradients_with_gloo()
+
+
+def user_folder(root: Path) -> Path:
+    """A working folder as torchtitan's repository lays it out (its debug_model.toml, tests/assets/tokenizer,
+    tests/assets/c4_test), with this repo's tokenizer and corpus: both trainers run from it."""
+    shutil.copytree(REPO / "assets" / "tokenizer", root / "tests" / "assets" / "tokenizer")
+    (root / "tests" / "assets" / "c4_test").mkdir(parents=True)
+    shutil.copy(REPO / "assets" / "corpus" / "stories.jsonl", root / "tests" / "assets" / "c4_test" / "data.json")
+    shutil.copy(REPO / "tests" / "torchtitan" / "debug_model.toml", root / "debug_model.toml")
+    return root
 
 
 def main() -> None:
