@@ -146,15 +146,23 @@ def adapt_tp_plan(block: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str,
             and module.config.cast_config_input.scaling_granularity is ScalingGranularity.TENSORWISE
         )
 
+    # Each float8 style is given every argument of the style it replaces: a plan's layouts and local outputs hold.
     adapted: dict[str, ParallelStyle] = {}
     for fqn, style in plan.items():
-        if isinstance(style, ColwiseParallel) and tensorwise(fqn):
-            adapted[fqn] = Float8ColwiseParallel()
-        elif isinstance(style, RowwiseParallel) and tensorwise(fqn):
-            adapted[fqn] = Float8RowwiseParallel(output_layouts=style.output_layouts[0])
+        if isinstance(style, ColwiseParallel | RowwiseParallel) and tensorwise(fqn):
+            float8 = Float8ColwiseParallel if isinstance(style, ColwiseParallel) else Float8RowwiseParallel
+            adapted[fqn] = float8(
+                input_layouts=style.input_layouts[0],
+                output_layouts=style.output_layouts[0],
+                use_local_output=style.use_local_output,
+            )
         elif isinstance(style, PrepareModuleInput) and _all_float8(block.get_submodule(fqn), tensorwise, fqn):
             adapted[fqn] = PrepareFloat8ModuleInput(
-                input_layouts=style.input_layouts, desired_input_layouts=style.desired_input_layouts
+                input_layouts=style.input_layouts,
+                desired_input_layouts=style.desired_input_layouts,
+                input_kwarg_layouts=style.input_kwarg_layouts,
+                desired_input_kwarg_layouts=style.desired_input_kwarg_layouts,
+                use_local_output=style.use_local_output,
             )
         else:
             adapted[fqn] = style

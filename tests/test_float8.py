@@ -133,16 +133,19 @@ def test_float8_tp_styles_replace_the_plain_ones_where_the_linears_are_float8() 
         "attention": PrepareModuleInput(
             input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
         ),
-        "attention.wq": ColwiseParallel(),
+        "attention.wq": ColwiseParallel(use_local_output=False),  # non-default arguments: kept
+        "attention.wk": ColwiseParallel(input_layouts=Shard(1)),
         "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
     }
     adapted = adapt_tp_plan(model.layers["0"], plan)
     assert type(adapted["attention"]) is PrepareFloat8ModuleInput
     assert adapted["attention"].desired_input_layouts == (Replicate(), None, None)
-    assert type(adapted["attention.wq"]) is Float8ColwiseParallel
-    assert type(adapted["attention.wo"]) is Float8RowwiseParallel and adapted["attention.wo"].output_layouts == (
-        Shard(1),
-    )
+    assert [type(adapted[f"attention.{w}"]) for w in ("wq", "wk", "wo")] == [
+        Float8ColwiseParallel, Float8ColwiseParallel, Float8RowwiseParallel
+    ]  # fmt: skip
+    # Every argument of the style replaced, whatever it is: the same attributes, the same values.
+    assert all(vars(adapted[fqn]) == vars(plan[fqn]) for fqn in ("attention.wq", "attention.wk", "attention.wo"))
+    assert adapted["attention.wq"].use_local_output is False and adapted["attention.wo"].output_layouts == (Shard(1),)
     # A block left in high precision keeps the plain styles.
     with torch.device("meta"):
         plain = Transformer(TINY_ARGS)
