@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from tests.launch import REPO, python
 
@@ -75,7 +76,7 @@ def shipped_config(
         # whose shape is no flavor.
         from tests.tiny_hf import tiny_hf_folder
 
-        family = "qwen3" if 'name = "qwen3"' in text else "llama3"
+        family = tomllib.loads(text).get("model", {}).get("name", "llama3")
         hf = tiny_hf_folder(tmp_path / "hf", family=family, vocab_size=2048)  # the shipped tokenizer's
         overrides = [f"--model.hf_assets_path={hf}", "--model.shape_from_hf_config", "--training.seq_len=256"]
     tokenizer, corpus = llama3_stand_ins

@@ -64,6 +64,8 @@ TINY_QWEN3 = with_seq_len(
     ),
     32,
 )
+# Every family's tiny shape, one row each: the reference, the layouts (Layout.family) and the dry-run tests read it.
+TINY_SHAPES = {"llama3": TINY, "qwen3": TINY_QWEN3}
 STEPS = 5
 GLOBAL_BATCH = 4
 SEQ_LEN = 32
@@ -174,8 +176,7 @@ LAYOUTS |= CP_LAYOUTS
 
 
 def model_args(*, block_causal: bool = False, family: str = "llama3") -> Any:
-    tiny = TINY_QWEN3 if family == "qwen3" else TINY
-    return dataclasses.replace(tiny, attn_mask_type="block_causal" if block_causal else "causal")
+    return dataclasses.replace(TINY_SHAPES[family], attn_mask_type="block_causal" if block_causal else "causal")
 
 
 def build_tiny(*, seed: int = 0, block_causal: bool = False, family: str = "llama3") -> nn.Module:
@@ -326,11 +327,12 @@ def write_reference(path: Path) -> dict:
     ref["segments"] = random_segments()
     ref["block_causal"] = dict(zip(("losses", "times"), train(block, tokens, segments=ref["segments"]), strict=True))
     ref["block_causal"]["final"] = block.state_dict()
-    # The same batch through the second family.
-    qwen3 = build_tiny(family="qwen3")
-    ref["qwen3"] = {"initial": {k: v.clone() for k, v in qwen3.state_dict().items()}}
-    ref["qwen3"]["losses"], ref["qwen3"]["times"] = train(qwen3, tokens)
-    ref["qwen3"]["final"] = qwen3.state_dict()
+    # The same batch through each other family.
+    for family in [name for name in TINY_SHAPES if name != "llama3"]:
+        other = build_tiny(family=family)
+        ref[family] = {"initial": {k: v.clone() for k, v in other.state_dict().items()}}
+        ref[family]["losses"], ref[family]["times"] = train(other, tokens)
+        ref[family]["final"] = other.state_dict()
     # The same start, with the z-loss added.
     z_loss = build_tiny()
     ref["z_loss"] = dict(zip(("losses", "times"), train(z_loss, tokens, z_loss_weight=Z_LOSS_WEIGHT), strict=True))
@@ -405,7 +407,7 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
     # A copy (set_model_state_dict replaces the dict's tensors with this layout's DTensors) of the
     # weights this rank holds (a pipeline stage holds some).
     held = get_model_state_dict(model).keys()
-    initial = ref["qwen3"]["initial"] if layout.family == "qwen3" else ref["initial"]
+    initial = ref["initial"] if layout.family == "llama3" else ref[layout.family]["initial"]
     set_model_state_dict(model, {k: v for k, v in initial.items() if k in held}, options=options)
 
     # Each data-parallel rank takes its slice of the global batch; the TP ranks of one
@@ -437,8 +439,8 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
         if layout.chat
         else ref["block_causal"]
         if layout.block_causal
-        else ref["qwen3"]
-        if layout.family == "qwen3"
+        else ref[layout.family]
+        if layout.family != "llama3"
         else ref["z_loss"]
         if layout.z_loss
         else ref

@@ -16,7 +16,7 @@ from estimate_memory import job_of
 from models.llama3 import FLAVORS
 from parallelisms.parallel_dims import ParallelDims
 from tests.launch import python, two_at_a_time
-from tests.parity_worker import GLOBAL_BATCH, LAYOUTS, TINY, TINY_QWEN3, TRAINING, Z_LOSS_WEIGHT, Layout
+from tests.parity_worker import GLOBAL_BATCH, LAYOUTS, TINY_SHAPES, TRAINING, Z_LOSS_WEIGHT, Layout
 
 
 def dry_run(config: str, world_size: int | None, *args: str, **env: str) -> tuple[int, str, str]:
@@ -119,8 +119,7 @@ def predicted_comm(layout: Layout) -> dict[str, float]:
     )
     cfg.activation_checkpoint = layout.ac
     cfg.model.name = layout.family
-    shape = TINY_QWEN3 if layout.family == "qwen3" else TINY
-    job = dataclasses.replace(job_of(cfg, dims, cuda=False), model=shape)
+    job = dataclasses.replace(job_of(cfg, dims, cuda=False), model=TINY_SHAPES[layout.family])
     return {dim: nbytes for dim, (nbytes, _) in comm_per_step(cfg, dims, job, grad_accum=1).items()}
 
 

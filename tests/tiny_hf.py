@@ -65,12 +65,18 @@ def unit_scale_init_(model: nn.Module, *, seed: int, gain_noise: float = 0.2) ->
             p.copy_(noise * p.shape[1] ** -0.5)
 
 
+# Each family's transformers model, config class and tiny config, one row each (`[model] name` -> row).
+HF_MODELS = {
+    "llama3": (LlamaForCausalLM, LlamaConfig, BASE),
+    "qwen3": (Qwen3ForCausalLM, Qwen3Config, QWEN3_BASE),
+}
+
+
 def tiny_hf_model(*, seed: int = 0, family: str = "llama3", **config: Any) -> nn.Module:
-    """A transformers LlamaForCausalLM or Qwen3ForCausalLM (fp32, eager attention: the plainest reference math)."""
-    if family == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(**{**QWEN3_BASE, **config}, attn_implementation="eager"))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(**{**BASE, **config}, attn_implementation="eager"))
+    """The family's transformers model, LlamaForCausalLM or Qwen3ForCausalLM (fp32, eager attention: the plainest
+    reference math)."""
+    model_cls, config_cls, base = HF_MODELS[family]
+    model = model_cls(config_cls(**{**base, **config}, attn_implementation="eager"))
     unit_scale_init_(model.float(), seed=seed)
     return model.eval()
 
