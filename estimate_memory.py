@@ -174,7 +174,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from config import JobConfig, Parallelism, Training, global_batch_size, grad_accum_steps, model_args, selective_ac_every
-from errors import ConfigError
+from errors import ConfigError, warn
 from models import NAMES, ModelFamily, family, with_seq_len
 from parallelisms.parallel_dims import ParallelDims, layout_problems
 from parallelisms.pp import SCHEDULES, rank_stages, stage_layers
@@ -335,6 +335,22 @@ def observe_ops(on_op: OpCallback) -> Iterator[None]:
         yield
 
 
+_WARNED_NORMS: set[tuple[str, str]] = set()
+
+
+def _warn_unfused_norms(family: ModelFamily, block: nn.Module) -> None:
+    """The fused-kernel correction knows nn.RMSNorm only: a family's own norm class (a module whose class name ends
+    in "Norm") is counted as traced, the CPU's composite ops, which may overstate what it saves on CUDA. Said once."""
+    for name, module in block.named_modules():
+        kind = type(module).__name__
+        if kind.endswith("Norm") and not isinstance(module, nn.RMSNorm) and (family.name, kind) not in _WARNED_NORMS:
+            _WARNED_NORMS.add((family.name, kind))
+            warn(
+                f"estimate: {family.name}'s {name} is a {kind}, not nn.RMSNorm, whose fused CUDA kernel the estimate "
+                "counts; it is counted as traced on this CPU (composite ops), which may overstate what it saves"
+            )
+
+
 def trace_costs(
     family: ModelFamily,
     args: Any,
@@ -374,6 +390,8 @@ def trace_costs(
         cfg = ActivationCheckpoint(mode="full" if ac == "full" else "selective", selective_ac_option="op")
         apply_ac(model, cfg, saved_linears=family.sac_saved_linears)
     block = model.layers["0"]
+    if rmsnorm == "fused":
+        _warn_unfused_norms(family, block)
     tp = tp_mesh.size() if tp_mesh is not None else 1
     watch = _Watch(model, block, tp=tp)
     with FakeTensorMode(allow_non_fake_inputs=True):

@@ -220,3 +220,39 @@ def test_traced_block_terms_by_hand() -> None:
     tp2 = activation_bytes(Job(**{**debug, "ngpu": 2, "tp": 2, "ac": "none", "param_dtype": "float32"}))
     gathered = 2 * 4 * T * D  # the attention and MLP inputs, gathered over the sequence
     assert tp2["per_block_no_ac"] == (fp32["per_block_no_ac"] - gathered) // 2 + gathered
+
+
+def test_a_familys_own_norm_class_is_named_once_not_corrected_silently(capsys: pytest.CaptureFixture[str]) -> None:
+    """The fused-RMSNorm correction knows nn.RMSNorm: a block whose norm is a class of the family's own is said to
+    be counted as traced, once per family and class; nn.RMSNorm blocks say nothing."""
+    import dataclasses
+
+    import torch
+    from torch import nn
+
+    from models import family
+
+    class OwnNorm(nn.Module):
+        def __init__(self, dim: int):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(dim))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * self.weight
+
+    llama = family("llama3")
+
+    def own_norms(args: object) -> nn.Module:
+        model = llama.model_cls(args)
+        for block in model.layers.values():
+            block.attention_norm = OwnNorm(block.attention_norm.weight.shape[0])
+        return model
+
+    tiny = with_seq_len(dataclasses.replace(ARGS, n_layers=1), SEQ)
+    mine = dataclasses.replace(llama, name="ownnorm", model_cls=own_norms)
+    shape = dict(batch=1, seq_len=SEQ, dtype=torch.float32, ac="none", rmsnorm="fused")
+    estimate_memory.block_costs(llama, tiny, **shape)
+    assert "OwnNorm" not in capsys.readouterr().err
+    estimate_memory.block_costs(mine, tiny, **shape)
+    estimate_memory.block_costs(mine, dataclasses.replace(tiny, dim=2 * tiny.dim), **shape)
+    assert capsys.readouterr().err.count("ownnorm's attention_norm is a OwnNorm, not nn.RMSNorm") == 1
