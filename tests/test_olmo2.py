@@ -274,6 +274,40 @@ def test_post_norms_follow_each_branch() -> None:
         assert (model(tokens) - before).abs().max().item() > 0.1
 
 
+def test_tp_moves_only_the_qk_norm_statistic() -> None:
+    """Under TP (models/olmo2/plans.py) the QK-norm over a column-split projection costs one all-reduce of
+    (bs, seqlen, 1) fp32 per norm in forward and one in backward, nothing of the projection's width; every
+    other collective of the block is Llama's (sequence parallel's all-gathers and reduce-scatters). The
+    values (torch's fake backend, one process) are not what is checked here: tests/test_parallelisms.py's
+    olmo2_tp2 layout trains on two real ranks against one process."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from parallelisms.tp import apply_tp
+    from tests.instruments import CollectiveLog, observe_ops
+
+    if dist.is_initialized():
+        pytest.skip("a process group is running")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        model = tiny(n_layers=1)
+        model.init_weights()
+        apply_tp(model, init_device_mesh("cpu", (2,)), block_plan=FAMILY.tp_plan, loss_parallel=False, seq_len=32)
+        block, bs, seq, log = model.layers["0"], 2, 32, CollectiveLog({(0, 1): "tp"})
+        x = torch.randn(bs, seq // 2, 64, requires_grad=True)  # this rank's sequence shard of the residual
+        with observe_ops(log):
+            block(x, model.rope_cos_sin, None).sum().backward()
+    finally:
+        dist.destroy_process_group()
+    statistic = bs * seq * 1 * 4  # (bs, seqlen, 1) fp32
+    activation = bs * seq * 64 * 4  # (bs, seqlen, dim) fp32: the sequence-parallel gathers and scatters
+    ops = [(c.op, c.payload_bytes) for c in log.records]
+    assert sorted(ops) == sorted(
+        [("all_reduce", statistic)] * 4 + [("all_gather", activation)] * 4 + [("reduce_scatter", activation)] * 4
+    ), ops
+
+
 def test_meta_init_then_to_empty_then_init_weights() -> None:
     with torch.device("meta"):
         model = tiny()
@@ -304,3 +338,24 @@ def test_block_causal_logits_of_a_packed_window_are_those_of_each_document_alone
             assert (packed[:, start : start + len(doc)] - alone).abs().max().item() < 1e-5
             start += len(doc)
         assert (model(tokens) - packed).abs().max().item() > 1e-3  # the mask is applied
+
+
+def test_the_shipped_debug_config_trains_on_two_ranks(tmp_path: Path) -> None:
+    """configs/olmo2_debug.toml trains OLMo 2's debug model as Llama's is trained (2 CPU ranks, FSDP)."""
+    from tests.conftest import losses
+    from tests.launch import torchrun
+
+    torchrun(
+        "train.py",
+        "--config",
+        "configs/olmo2_debug.toml",
+        "--training.steps=6",
+        "--training.seq_len=64",
+        "--training.local_batch_size=4",
+        "--metrics.log_freq=1",
+        "--lr_scheduler.warmup_steps=2",
+        f"--job.dump_folder={tmp_path}",
+        nproc=2,
+    )
+    logged = losses(tmp_path)
+    assert sorted(logged) == [1, 2, 3, 4, 5, 6] and logged[6] < logged[1] - 0.5, logged

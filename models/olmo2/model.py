@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
 
 from models.attention import AttentionMask, ScaledDotProductAttention, attention_mask
 from models.kv_cache import KVCache, LayerCache, check_inference
@@ -65,7 +66,7 @@ class ModelArgs:
 # OLMo 2 1B (allenai/OLMo-2-0425-1B) and 32B (allenai/OLMo-2-0325-32B) are left out until their
 # config.json is checked: a flavor here is a claim about a published shape.
 FLAVORS: dict[str, ModelArgs] = {
-    # ~7M parameters: trains on two CPU cores with the shipped 2048-token BPE. Grouped-query (2 query heads
+    # ~6M parameters: trains on two CPU cores with the shipped 2048-token BPE. Grouped-query (2 query heads
     # per KV head) so that q_norm and k_norm have different widths in every debug run.
     "debugmodel": ModelArgs(
         dim=256, n_layers=6, n_heads=16, n_kv_heads=8, head_dim=16, hidden_dim=768, vocab_size=2048,
@@ -102,14 +103,31 @@ def apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------ modules
 
 
+class _SumOfShards(torch.autograd.Function):
+    """A Partial DTensor (bs, seqlen, 1) made Replicate, its gradient made Replicate too: an all-reduce of the
+    statistic each way. DTensor's own redistribute leaves the gradient Partial (its adjoint needs no
+    communication), which then meets the sharded input in backward as a full-width reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, partial: DTensor) -> DTensor:
+        return partial.redistribute(placements=[Replicate()] * partial.device_mesh.ndim)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: DTensor) -> DTensor:
+        return grad.redistribute(placements=[Replicate()] * grad.device_mesh.ndim)
+
+
 class ProjectionNorm(nn.Module):
     """RMSNorm over a whole projection output (all heads at once), in fp32.
 
     Written out rather than nn.RMSNorm because of tensor parallel: the projection's output, and so this
-    norm's input and weight, are split over the TP ranks along the normalized dimension. The forward is
-    written as a sum of squares divided by the full width (`self.width`, not the local one), so that on the
-    DTensor input the TP plan gives it (plans.py) the sum over a split dimension is a partial sum, and
-    DTensor all-reduces just that (bs, seqlen, 1) statistic before the rsqrt. Unsplit, it is nn.RMSNorm.
+    norm's input and weight, are split over the TP ranks along the normalized dimension (plans.py hands
+    it a DTensor sharded on its last dim). The mean of squares is then a sum over the local shard, a
+    DTensor Partial, made whole by `_SumOfShards`: an all-reduce of (bs, seqlen, 1) in forward and one
+    of the same size in backward. Left to DTensor (its implicit redistribution inside the `+ eps`), the
+    forward is the same but the backward carries the partial gradient on to the full-width input and
+    reduce-scatters (bs, seqlen, heads * head_dim) there.
+    Unsplit, it is nn.RMSNorm's arithmetic (in fp32, as transformers' Olmo2RMSNorm).
     """
 
     def __init__(self, width: int, eps: float):
@@ -120,7 +138,10 @@ class ProjectionNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        mean_square = xf.pow(2).sum(-1, keepdim=True) / self.width  # (bs, seqlen, 1)
+        sum_of_squares = xf.pow(2).sum(-1, keepdim=True)  # (bs, seqlen, 1)
+        if isinstance(sum_of_squares, DTensor):  # a sum of this rank's columns only: add the other ranks'
+            sum_of_squares = _SumOfShards.apply(sum_of_squares)
+        mean_square = sum_of_squares / self.width  # the full width, not the local shard's
         return (xf * torch.rsqrt(mean_square + self.eps) * self.weight).type_as(x)
 
     def reset_parameters(self) -> None:
