@@ -274,21 +274,29 @@ def test_post_norms_follow_each_branch() -> None:
         assert (model(tokens) - before).abs().max().item() > 0.1
 
 
-def test_tp_moves_only_the_qk_norm_statistic() -> None:
+@pytest.mark.parametrize("sum_of_shards", ["autograd", "dtensor"])
+def test_tp_moves_only_the_qk_norm_statistic(sum_of_shards: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Under TP (models/olmo2/plans.py) the QK-norm over a column-split projection costs one all-reduce of
     (bs, seqlen, 1) fp32 per norm in forward and one in backward, nothing of the projection's width; every
-    other collective of the block is Llama's (sequence parallel's all-gathers and reduce-scatters). The
-    values (torch's fake backend, one process) are not what is checked here: tests/test_parallelisms.py's
+    other collective of the block is Llama's (sequence parallel's all-gathers and reduce-scatters). So in
+    generation's plan, whose weights of the norm stay split like wq's. "dtensor": without `_SumOfShards`,
+    DTensor's own redistribute, backward reduce-scatters the full-width gradient of each norm's input.
+    The values (torch's fake backend, one process) are not what is checked here: tests/test_parallelisms.py's
     olmo2_tp2 layout trains on two real ranks against one process."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from parallelisms.tp import apply_tp
+    from models.olmo2 import model as olmo2_model
+    from parallelisms.tp import apply_tp, apply_tp_inference
     from tests.instruments import CollectiveLog, observe_ops
 
     if dist.is_initialized():
         pytest.skip("a process group is running")
+    if sum_of_shards == "dtensor":
+        redistribute = staticmethod(lambda partial: partial.redistribute(placements=[Replicate()]))
+        monkeypatch.setattr(olmo2_model._SumOfShards, "apply", redistribute)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         model = tiny(n_layers=1)
@@ -298,14 +306,28 @@ def test_tp_moves_only_the_qk_norm_statistic() -> None:
         x = torch.randn(bs, seq // 2, 64, requires_grad=True)  # this rank's sequence shard of the residual
         with observe_ops(log):
             block(x, model.rope_cos_sin, None).sum().backward()
+        # Generation's plan (no sequence parallel) keeps the split norm: it is a ColwiseParallel by type.
+        generating = tiny(n_layers=1)
+        apply_tp_inference(generating, init_device_mesh("cpu", (2,)), block_plan=FAMILY.tp_plan)
+        q_norm = generating.layers["0"].attention.q_norm.weight
+        inference_log = CollectiveLog({(0, 1): "tp"})
+        with torch.no_grad(), observe_ops(inference_log):
+            generating.layers["0"](torch.randn(bs, seq, 64), generating.rope_cos_sin, None)
     finally:
         dist.destroy_process_group()
     statistic = bs * seq * 1 * 4  # (bs, seqlen, 1) fp32
     activation = bs * seq * 64 * 4  # (bs, seqlen, dim) fp32: the sequence-parallel gathers and scatters
     ops = [(c.op, c.payload_bytes) for c in log.records]
-    assert sorted(ops) == sorted(
-        [("all_reduce", statistic)] * 4 + [("all_gather", activation)] * 4 + [("reduce_scatter", activation)] * 4
-    ), ops
+    llamas = [("all_gather", activation)] * 4 + [("reduce_scatter", activation)] * 4
+    if sum_of_shards == "autograd":
+        assert sorted(ops) == sorted([("all_reduce", statistic)] * 4 + llamas), ops
+    else:  # q's gradient at its full width (4 heads of 16 = dim), k's (2 heads of 16)
+        full_width = [("reduce_scatter", activation), ("reduce_scatter", activation // 2)]
+        assert sorted(ops) == sorted([("all_reduce", statistic)] * 2 + full_width + llamas), ops
+    assert q_norm.placements == (Shard(0),) and q_norm.to_local().shape == (32,)
+    # Two statistics, then the row-wise wo and w2 all-reduce their (bs, seqlen, dim) outputs.
+    inference_ops = sorted((c.op, c.payload_bytes) for c in inference_log.records)
+    assert inference_ops == sorted([("all_reduce", statistic)] * 2 + [("all_reduce", activation)] * 2), inference_ops
 
 
 def test_meta_init_then_to_empty_then_init_weights() -> None:
