@@ -341,7 +341,8 @@ def test_meta_init_then_to_empty_then_init_weights() -> None:
     attention = model.layers["0"].attention
     assert attention.q_norm.weight.eq(1).all() and attention.k_norm.weight.eq(1).all()
     assert model.layers["0"].post_attention_norm.weight.eq(1).all()
-    assert attention.wq.weight.std().item() == pytest.approx(0.02, rel=0.1)
+    assert attention.wq.weight.std().item() == pytest.approx(64**-0.5, rel=0.1)  # fan-in: dim 64
+    assert model.layers["0"].feed_forward.w2.weight.std().item() == pytest.approx(96**-0.5, rel=0.1)  # hidden 96
     assert set(model.state_dict()) == {name for name, _ in model.named_parameters()}  # no stored buffers
 
 
