@@ -1,7 +1,7 @@
 """Model families. One folder per family owns everything particular to its architecture; the rest
 of the repo reaches a family through `family(name)`, a plain `match` on `[model] name`.
 
-A family folder (models/llama3/, models/qwen3/) holds:
+A family folder (models/llama3/, models/qwen3/, models/olmo2/) holds:
 
     model.py     ModelArgs, FLAVORS, the module, its init, num_params and num_flops_per_token
     plans.py     how tensor parallel splits one block (`tp_plan`) and which linears' outputs
@@ -47,7 +47,7 @@ import torch
 from errors import ConfigError
 from models.family import ModelFamily  # (its own module: the family folders import it)
 
-NAMES = ("llama3", "qwen3")  # the arms of `family`, for messages and --help
+NAMES = ("llama3", "qwen3", "olmo2")  # the arms of `family`, for messages and --help
 
 
 def family(name: str) -> ModelFamily:
@@ -57,6 +57,8 @@ def family(name: str) -> ModelFamily:
             from models.llama3 import FAMILY
         case "qwen3":
             from models.qwen3 import FAMILY
+        case "olmo2":
+            from models.olmo2 import FAMILY
         case _:
             raise ConfigError(f"model.name: unknown model family {name!r}; choose from {', '.join(NAMES)}")
     return FAMILY

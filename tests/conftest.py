@@ -56,6 +56,8 @@ SHIPPED: dict[str, Launch] = {
     "configs/llama3_405b.toml": Launch(512, gpus_per_node=8),
     "configs/qwen3_debug.toml": Launch(2),
     "configs/qwen3_8b.toml": Launch(8, gpus_per_node=8),
+    "configs/olmo2_debug.toml": Launch(2),
+    "configs/olmo2_7b.toml": Launch(8, gpus_per_node=8),
 }
 
 

@@ -34,7 +34,7 @@ from tests.tiny_hf import SHIPPED_TOKENIZER, save_hf_folder, tiny_hf_model
 NEW_TOKENS = 48
 
 
-@pytest.fixture(scope="module", params=["llama3", "qwen3"])
+@pytest.fixture(scope="module", params=["llama3", "qwen3", "olmo2"])
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple:
     """A random transformers model and ours loaded from its saved folder."""
     reference = tiny_hf_model(family=request.param, seed=1)

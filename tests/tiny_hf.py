@@ -1,4 +1,4 @@
-"""Tiny random Hugging Face models and folders (Llama, Qwen3) for tests, and the helpers their parity tests
+"""Tiny random Hugging Face models and folders (Llama, Qwen3, OLMo 2) for tests, and the helpers their parity tests
 share: no downloads, made in a second."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Olmo2Config, Olmo2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from tests.launch import REPO
 
@@ -45,6 +45,17 @@ QWEN3_BASE = dict(
     rope_theta=1_000_000.0,
     rms_norm_eps=1e-6,
 )
+OLMO2_BASE = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=192,
+    vocab_size=512,
+    max_position_embeddings=256,
+    rope_theta=500_000.0,
+    rms_norm_eps=1e-6,
+)
 
 
 @torch.no_grad()
@@ -69,12 +80,12 @@ def unit_scale_init_(model: nn.Module, *, seed: int, gain_noise: float = 0.2) ->
 HF_MODELS = {
     "llama3": (LlamaForCausalLM, LlamaConfig, BASE),
     "qwen3": (Qwen3ForCausalLM, Qwen3Config, QWEN3_BASE),
+    "olmo2": (Olmo2ForCausalLM, Olmo2Config, OLMO2_BASE),
 }
 
 
 def tiny_hf_model(*, seed: int = 0, family: str = "llama3", **config: Any) -> nn.Module:
-    """The family's transformers model, LlamaForCausalLM or Qwen3ForCausalLM (fp32, eager attention: the plainest
-    reference math)."""
+    """The family's transformers model, its HF_MODELS row (fp32, eager attention: the plainest reference math)."""
     model_cls, config_cls, base = HF_MODELS[family]
     model = model_cls(config_cls(**{**base, **config}, attn_implementation="eager"))
     unit_scale_init_(model.float(), seed=seed)

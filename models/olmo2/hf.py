@@ -1,0 +1,166 @@
+"""What is particular to OLMo 2 in Hugging Face folders: config.json <-> ModelArgs, weight names, where the
+published weights live. Reading and writing the folders is generic (models/hf.py).
+
+Weight names map one to one:
+
+    model.embed_tokens.weight                    tok_embeddings.weight
+    model.layers.{i}.self_attn.{q,k,v,o}_proj    layers.{i}.attention.w{q,k,v,o}
+    model.layers.{i}.self_attn.{q,k}_norm        layers.{i}.attention.{q,k}_norm (over the whole projection)
+    model.layers.{i}.mlp.gate_proj               layers.{i}.feed_forward.w1
+    model.layers.{i}.mlp.down_proj               layers.{i}.feed_forward.w2
+    model.layers.{i}.mlp.up_proj                 layers.{i}.feed_forward.w3
+    model.layers.{i}.post_attention_layernorm    layers.{i}.post_attention_norm (after attention, not before the MLP)
+    model.layers.{i}.post_feedforward_layernorm  layers.{i}.post_ffn_norm
+    model.norm.weight                            norm.weight
+    lm_head.weight                               output.weight (absent when embeddings are tied)
+
+RoPE: HF's Olmo2 rotates half of each head, as our model does, so q_proj/k_proj load as they are.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from errors import ConfigError
+from models.olmo2.model import ModelArgs
+
+MODEL_TYPE = "olmo2"  # config.json's model_type
+# Written by old transformers versions: the RoPE table, which the model derives from the config.
+IGNORED_WEIGHT_SUFFIXES = (".self_attn.rotary_emb.inv_freq",)
+# Where each published flavor's weights and tokenizer live on the Hugging Face hub: the Base (pretrained
+# only) repos. allenai/OLMo-2-0425-1B and allenai/OLMo-2-0325-32B have no flavor yet (model.py says why).
+PUBLISHED = {
+    "olmo2_7b": "allenai/OLMo-2-1124-7B",
+    "olmo2_13b": "allenai/OLMo-2-1124-13B",
+}
+_TOP_LEVEL = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_PER_LAYER = {
+    "self_attn.q_proj": "attention.wq",
+    "self_attn.k_proj": "attention.wk",
+    "self_attn.v_proj": "attention.wv",
+    "self_attn.o_proj": "attention.wo",
+    "self_attn.q_norm": "attention.q_norm",
+    "self_attn.k_norm": "attention.k_norm",
+    "mlp.gate_proj": "feed_forward.w1",
+    "mlp.down_proj": "feed_forward.w2",
+    "mlp.up_proj": "feed_forward.w3",
+    "post_attention_layernorm": "post_attention_norm",
+    "post_feedforward_layernorm": "post_ffn_norm",
+}
+# transformers' Olmo2Config defaults, which a config.json that omits the key gets (num_key_value_heads
+# null or absent: multi-head; head_dim absent: hidden_size / num_attention_heads, as Olmo2Attention reads it).
+_DEFAULTS = {
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": False,
+    "rope_theta": 10000.0,  # transformers' default_theta: every published config sets 500000
+}
+
+
+def model_args_from_hf_config(cfg: dict[str, Any], *, source: str) -> ModelArgs:
+    """ModelArgs from an OLMo 2 config.json's contents. Every field that changes the function is mapped;
+    one the model cannot represent is refused, all such fields together, each line naming `source`."""
+    problems: list[str] = []
+
+    def refuse(key: str, why: str) -> None:
+        problems.append(f"{source}: {key} = {cfg.get(key)!r} {why}")
+
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
+        if not _positive_int(cfg.get(key)):
+            refuse(key, "must be a positive integer")
+    for key in ("head_dim", "num_key_value_heads"):
+        if cfg.get(key) is not None and not _positive_int(cfg[key]):
+            refuse(key, "must be a positive integer")
+    if problems:  # the checks below need the shape
+        raise ConfigError(*problems)
+
+    n_heads = cfg["num_attention_heads"]
+    n_kv_heads = cfg.get("num_key_value_heads") or n_heads
+    if "head_dim" not in cfg and cfg["hidden_size"] % n_heads:
+        refuse("num_attention_heads", f"does not divide hidden_size = {cfg['hidden_size']} (and no head_dim is set)")
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
+    if n_heads % n_kv_heads:
+        problems.append(f"{source}: num_key_value_heads = {n_kv_heads} does not divide num_attention_heads = {n_heads}")
+    if head_dim % 2:
+        problems.append(f"{source}: head_dim = {head_dim} is odd; RoPE rotates pairs of dimensions")
+    if cfg.get("hidden_act", "silu") != "silu":
+        refuse("hidden_act", "is not supported; the model's MLP is SwiGLU (silu)")
+    if cfg.get("attention_bias"):
+        refuse("attention_bias", "is not supported; the model's projections have no bias")
+    if cfg.get("attention_dropout", 0.0):
+        refuse("attention_dropout", "is not supported; the model has no dropout (set it to 0.0)")
+
+    # transformers < 5 writes rope_theta + rope_scaling, transformers 5 one rope_parameters dict.
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
+    rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", _DEFAULTS["rope_theta"])))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        problems.append(
+            f"{source}: {rope_key}.rope_type = {rope_type!r} is not supported; the model implements RoPE without scaling"
+        )
+    if problems:
+        raise ConfigError(*problems)
+
+    return ModelArgs(
+        dim=cfg["hidden_size"],
+        n_layers=cfg["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        hidden_dim=cfg["intermediate_size"],
+        vocab_size=cfg["vocab_size"],
+        norm_eps=float(cfg.get("rms_norm_eps", _DEFAULTS["rms_norm_eps"])),
+        rope_theta=rope_theta,
+        max_seq_len=int(cfg.get("max_position_embeddings", _DEFAULTS["max_position_embeddings"])),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", _DEFAULTS["tie_word_embeddings"])),
+    )
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def hf_config(args: ModelArgs, *, dtype: torch.dtype) -> dict[str, Any]:
+    """A config.json for `args` in the layout of the published OLMo 2 folders (rope_theta + rope_scaling,
+    transformers 4.47), which transformers 4 and 5 read as Olmo2ForCausalLM. head_dim only when it is not
+    dim / n_heads (the published configs never write it)."""
+    config = {
+        "architectures": ["Olmo2ForCausalLM"],
+        "model_type": MODEL_TYPE,
+        "hidden_size": args.dim,
+        "intermediate_size": args.hidden_dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.kv_heads,
+        "vocab_size": args.vocab_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": None,
+        "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": args.tie_word_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "use_cache": True,
+    }
+    if args.head_dim * args.n_heads != args.dim:
+        config["head_dim"] = args.head_dim
+    return config
+
+
+def hf_to_ours(args: ModelArgs) -> dict[str, str]:
+    """HF weight name -> our parameter name, for every weight a model of `args` has."""
+    names = {hf: ours for hf, ours in _TOP_LEVEL.items() if not (args.tie_word_embeddings and hf == "lm_head.weight")}
+    for i in range(args.n_layers):
+        for hf, ours in _PER_LAYER.items():
+            names[f"model.layers.{i}.{hf}.weight"] = f"layers.{i}.{ours}.weight"
+    return names
