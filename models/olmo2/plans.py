@@ -25,11 +25,12 @@ projection has split over the ranks. Gathering the projection (what transformers
 does, "colwise_gather_output") moves (bs, seqlen, heads * head_dim) per rank and makes every rank
 normalize every head. The cheap form moves (bs, seqlen, 1): each rank sums the squares of its shard,
 the sums are all-reduced over the TP group, and each rank normalizes its own shard with its own
-slice of the weight (split along dim 0 like the projection's output rows). SplitNormParallel does it
-by handing the norm its input as a DTensor Shard(-1): the sum over the split dimension is then a
-Partial, and DTensor all-reduces it, and only it, before the rsqrt (models/olmo2/model.py,
-ProjectionNorm). In backward the gradient of that statistic is all-reduced the same way, again
-(bs, seqlen, 1). The weight's gradient stays on its shard: no reduction over TP at all.
+slice of the weight (split along dim 0 like the projection's output rows). SplitNormParallel hands
+the norm its input as a DTensor Shard(-1): the sum over the split dimension is then a Partial, which
+ProjectionNorm (models/olmo2/model.py) all-reduces explicitly, and only it, before the rsqrt; in
+backward the gradient of that statistic is all-reduced the same way, again (bs, seqlen, 1). Left to
+DTensor's implicit redistribution, the backward would reduce-scatter the full-width gradient instead
+(tests/test_olmo2.py counts both). The weight's gradient stays on its shard: no reduction over TP.
 
 Selective op AC (parallelisms/ac.py) keeps the outputs of attention, TP's reduce-scatters and the
 matmuls of the linears named here: as for Llama, wq, wv, w1 and w2 keep theirs; wk, wo and w3 are
