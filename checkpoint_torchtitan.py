@@ -167,7 +167,7 @@ def load_torchtitan(
         # The moments and step are loaded; the param_groups are compared (read_state), this run's own are kept.
         to_load["optimizer"] = {k: v for k, v in flat.items() if k.startswith("state.")}
     try:
-        dcp.load(to_load, checkpoint_id=str(path), process_group=group)
+        dcp.load(to_load, checkpoint_id=str(path), process_group=group, no_dist=not dist.is_initialized())
     except Exception as e:  # DCP gathers every rank's read errors into one exception on all ranks
         first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         raise ConfigError(f"{key}: {path} could not be read as torchtitan's checkpoint ({first[:300]})") from None

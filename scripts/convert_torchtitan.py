@@ -61,7 +61,7 @@ def read_whole(path: Path, metadata: Metadata) -> dict[str, Any]:
     return state
 
 
-def next_lr(ours: dict[str, Any]) -> tuple[float, float]:
+def learning_rates(ours: dict[str, Any]) -> tuple[float, float]:
     """(the configured learning rate, the schedule's for the step after the saved one), by the settings the run
     saved with the checkpoint."""
     settings = {
@@ -125,7 +125,7 @@ def convert(checkpoint: Path, out: Path, cfg: JobConfig, *, dp: int) -> str:
     else:
         optimizer = {k.removeprefix(OPTIMIZER_PREFIX).replace("param_groups.0.", "param_groups."): v
                      for k, v in ours.items() if k.startswith(OPTIMIZER_PREFIX)}  # fmt: skip
-        lr, lr_next = next_lr(ours)
+        lr, lr_next = learning_rates(ours)
         loader, why = loader_state(cfg, ours, dp=dp)
         left_out = (
             why and f"no data position ({why}); resume torchtitan with --checkpoint.exclude_from_loading dataloader"
