@@ -1,0 +1,144 @@
+"""A Python process that has imported torch once and forks a copy of itself for each test launch.
+
+    python tests/forkserver.py SOCKET     (started by tests/launch.py, one per environment and rank)
+
+Most of this suite's launches are `python train.py ...` or one rank of a gloo group, and each spent about 3 of its
+4-5 CPU-seconds importing torch and DTensor before running a line of the recipe: over 300 launches, a third of the
+suite's time on 2 cores. This server pays that import once. A request (over a Unix socket: the command line, the
+working folder, the environment, and the three standard files as descriptors) is answered by a fork whose child
+becomes what `python SCRIPT ARGS` or `python -m MODULE ARGS` would be, then runs it as the interpreter does:
+
+- the same `sys.argv`, `sys.path[0]` (the script's folder, or the working folder under -m), `__main__` module
+  (`__file__` absolute, `__spec__` None), environment and working folder;
+- the same exit: SystemExit's code (a message printed to stderr and 1), an uncaught exception's traceback and 1, a
+  KeyboardInterrupt re-raised as SIGINT; non-daemon threads joined, then atexit, then the streams flushed.
+
+What a fork cannot change is decided before the import: the variables torch, OpenMP and Python read when they load
+(tests/launch.py starts one server per value of those), and Python's string-hash seed (one server per rank, so
+the ranks of a launch hash as differently as separately started ranks do). Nothing of this repository is imported
+here, so a launch always runs the files as they are now. Only the modules below are; torch._dynamo and inductor,
+which read their settings from the environment when they load, are not.
+"""
+
+from __future__ import annotations
+
+import array
+import atexit
+import contextlib
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import types
+from importlib.machinery import SourceFileLoader
+from typing import NoReturn
+
+WARM = ("torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp", "numpy")
+NOT_IMPORTED = ("torch._dynamo", "torch._inductor")  # they read the environment at import: a child imports them
+
+
+def _exit_code(exc: SystemExit) -> int:
+    """What the interpreter exits with for SystemExit(code)."""
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
+def _become(request: dict, fds: list[int]) -> NoReturn:
+    """In the child: turn into `python ARGV` in CWD with ENV, run it, and exit as the interpreter would."""
+    for target, fd in enumerate(fds):  # stdin, stdout, stderr
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    argv = request["argv"]
+    code = 0
+    try:
+        if argv[0] == "-m":
+            import runpy
+
+            sys.argv = ["-m", *argv[2:]]
+            sys.path[0] = os.getcwd()
+            runpy._run_module_as_main(argv[1], alter_argv=True)  # what `python -m` calls
+        else:
+            path = os.path.abspath(argv[0])
+            sys.argv = list(argv)
+            sys.path[0] = os.path.dirname(path)
+            main = types.ModuleType("__main__")
+            main.__file__, main.__cached__, main.__spec__ = path, None, None
+            main.__loader__ = SourceFileLoader("__main__", path)
+            sys.modules["__main__"] = main
+            with open(path, "rb") as f:
+                source = f.read()
+            exec(compile(source, path, "exec"), main.__dict__)
+    except SystemExit as exc:
+        code = _exit_code(exc)
+    except BaseException as exc:  # printed from the script's frame on, as the interpreter prints it
+        exc = exc.with_traceback(exc.__traceback__.tb_next if exc.__traceback__ else None)  # the frame above is ours
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+        code = -signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]  # the interpreter's order at exit
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        if code == -signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+        os._exit(code & 0xFF)
+
+
+def serve(path: str) -> None:
+    for name in WARM:
+        __import__(name)
+    loaded = [name for name in NOT_IMPORTED if name in sys.modules]
+    assert not loaded, f"the fork server imported {loaded}, which read the environment at import"
+    parent = os.getppid()
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    server.bind(path + ".tmp")
+    server.listen(64)
+    os.rename(path + ".tmp", path)  # the client waits for this name: the server is ready
+    children: dict[int, socket.socket] = {}
+    while os.getppid() == parent:
+        ready, _, _ = select.select([server], [], [], 0.05)
+        if ready:
+            conn, _ = server.accept()
+            fds = array.array("i")
+            message, ancillary, _, _ = conn.recvmsg(1 << 20, socket.CMSG_LEN(3 * fds.itemsize))
+            for level, kind, data in ancillary:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                server.close()
+                for other in children.values():
+                    other.close()
+                conn.close()
+                _become(json.loads(message), list(fds))
+            for fd in fds:
+                os.close(fd)
+            conn.send(str(pid).encode())
+            children[pid] = conn
+        while children:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            conn = children.pop(pid)
+            with contextlib.suppress(OSError):  # the client went away
+                conn.send(str(os.waitstatus_to_exitcode(status)).encode())
+            conn.close()
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])

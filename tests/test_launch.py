@@ -1,0 +1,63 @@
+"""tests/launch.py forks most launches from a warm interpreter (tests/forkserver.py). What a script sees and how it
+exits there must be what a new `python` process gives it, or every test that launches would test something else."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+import tests.launch
+from tests.launch import python, torchrun
+
+PROBE = """
+import atexit, json, os, sys, threading, time
+atexit.register(lambda: print("atexit ran", flush=True))
+threading.Thread(target=lambda: (time.sleep(0.2), print("thread joined", flush=True))).start()
+print(json.dumps({
+    "argv": sys.argv, "path": sys.path[:2], "file": __file__, "main": sys.modules["__main__"].__file__,
+    "spec": __spec__ and __spec__.name, "name": __name__, "cwd": os.getcwd(), "env": os.environ.get("PROBE"),
+    "parent": os.getppid(), "hash": hash("a string"),
+}))
+what = sys.argv[1]
+if what == "exit":
+    sys.exit(3)
+if what == "message":
+    sys.exit("a message")
+if what == "raise":
+    raise ValueError("boom")
+if what == "interrupt":
+    raise KeyboardInterrupt
+"""
+
+
+def test_a_forked_launch_is_what_a_new_interpreter_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A script and a module (-m), each ending five ways: the same output, errors and exit status, forked or new.
+    Only the parent differs (the server, not pytest), and the hash seed (each process its own)."""
+    (tmp_path / "probe.py").write_text(PROBE)
+    for command in ([str(tmp_path / "probe.py")], ["-m", "probe"]):
+        for what in ("ok", "exit", "message", "raise", "interrupt"):
+            forked = python(*command, what, env={"PROBE": "1"}, cwd=tmp_path)
+            monkeypatch.setattr(tests.launch, "FRESH", True)
+            fresh = python(*command, what, env={"PROBE": "1"}, cwd=tmp_path)
+            monkeypatch.setattr(tests.launch, "FRESH", False)
+            seen = [json.loads(proc.stdout.splitlines()[0]) for proc in (forked, fresh)]
+            assert seen[1].pop("parent") == os.getpid() != seen[0].pop("parent"), "not forked, or not new"
+            assert seen[0].pop("hash") != seen[1].pop("hash")
+            assert seen[0] == seen[1], (command, what)
+            expected = {"ok": 0, "exit": 3, "message": 1, "raise": 1, "interrupt": -2}[what]
+            assert forked.returncode == fresh.returncode == expected, (command, what, forked, fresh)
+            after = [proc.stdout.splitlines()[1:] for proc in (forked, fresh)]
+            assert after[0] == after[1] == ["thread joined", "atexit ran"], (command, what, after)
+            assert forked.stderr == fresh.stderr, (command, what)
+
+
+def test_the_ranks_of_a_launch_hash_strings_differently(tmp_path: Path) -> None:
+    """Each rank is forked from a server of its own, so that an iteration over a set of names may differ between the
+    ranks, as it may between separately started processes (a test would otherwise hide such a disagreement)."""
+    (tmp_path / "probe.py").write_text(PROBE)
+    proc = torchrun(tmp_path / "probe.py", "ok", nproc=2)
+    hashes = [json.loads(line)["hash"] for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(hashes) == 2 and hashes[0] != hashes[1], proc.stdout
