@@ -8,7 +8,7 @@ suite's time on 2 cores. This server pays that import once. A request (over a Un
 working folder, the environment, and the three standard files as descriptors) is answered by a fork whose child
 becomes what `python SCRIPT ARGS` or `python -m MODULE ARGS` would be, then runs it as the interpreter does:
 
-- the same `sys.argv`, `sys.path[0]` (the script's folder, or the working folder under -m), `__main__` module
+- the same `sys.argv`, `sys.path` (the script's folder, or the working folder under -m, then PYTHONPATH), `__main__` module
   (`__file__` absolute, `__spec__` None), environment and working folder;
 - the same exit: SystemExit's code (a message printed to stderr and 1), an uncaught exception's traceback and 1, a
   KeyboardInterrupt re-raised as SIGINT; non-daemon threads joined, then atexit, then the streams flushed.
@@ -50,12 +50,21 @@ def _exit_code(exc: SystemExit) -> int:
     return 1
 
 
+def _search_path(pythonpath: str) -> list[str]:
+    """sys.path after its first entry, for a PYTHONPATH: its entries, then the interpreter's own (this server's,
+    after the entries of the PYTHONPATH it started with)."""
+    started_with = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    entries = [entry for entry in pythonpath.split(os.pathsep) if entry]
+    return entries + sys.path[1 + len(started_with) :]
+
+
 def _become(request: dict, fds: list[int]) -> NoReturn:
     """In the child: turn into `python ARGV` in CWD with ENV, run it, and exit as the interpreter would."""
     for target, fd in enumerate(fds):  # stdin, stdout, stderr
         os.dup2(fd, target)
         os.close(fd)
     os.chdir(request["cwd"])
+    sys.path[1:] = _search_path(request["env"].get("PYTHONPATH", ""))
     os.environ.clear()
     os.environ.update(request["env"])
     argv = request["argv"]

@@ -134,13 +134,12 @@ def start(
     cmd: list[str], *, env: dict[str, str], cwd: str | Path, stdout: IO[str], stderr: IO[str]
 ) -> subprocess.Popen[str] | Forked:
     """`cmd` started as a new interpreter: forked from a warm server (tests/forkserver.py) when it is `python SCRIPT.py
-    ...` or `python -m MODULE ...` on this repository's PYTHONPATH, a new process otherwise."""
+    ...` or `python -m MODULE ...`, a new process otherwise."""
     args = cmd[1:]
     warm = (
         not FRESH
         and sys.platform == "linux"
         and cmd[0] == sys.executable
-        and env.get("PYTHONPATH") == str(REPO)
         and bool(args)
         and (args[0] == "-m" or args[0].endswith(".py"))
     )
@@ -202,7 +201,9 @@ class _Servers:
         self._folder: str | None = None
 
     def address(self, env: dict[str, str]) -> str:
-        key = (tuple(sorted((k, v) for k, v in env.items() if k.startswith(AT_IMPORT))), env.get("LOCAL_RANK", "0"))
+        # PYTHONPATH is read again by the child (a copy of the repository is served by the same server).
+        at_import = sorted((k, v) for k, v in env.items() if k.startswith(AT_IMPORT) and k != "PYTHONPATH")
+        key = (tuple(at_import), env.get("LOCAL_RANK", "0"))
         with self._lock:
             if self._folder is None:
                 self._folder = tempfile.mkdtemp(prefix="forkserver-")

@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 
 import tests.launch
-from tests.launch import python, torchrun
+from tests.launch import REPO, python, torchrun
 
 PROBE = """
 import atexit, json, os, sys, threading, time
 atexit.register(lambda: print("atexit ran", flush=True))
 threading.Thread(target=lambda: (time.sleep(0.2), print("thread joined", flush=True))).start()
 print(json.dumps({
-    "argv": sys.argv, "path": sys.path[:2], "file": __file__, "main": sys.modules["__main__"].__file__,
+    "argv": sys.argv, "path": sys.path, "file": __file__, "main": sys.modules["__main__"].__file__,
     "spec": __spec__ and __spec__.name, "name": __name__, "cwd": os.getcwd(), "env": os.environ.get("PROBE"),
     "parent": os.getppid(), "hash": hash("a string"),
 }))
@@ -39,9 +39,11 @@ def test_a_forked_launch_is_what_a_new_interpreter_runs(tmp_path: Path, monkeypa
     (tmp_path / "probe.py").write_text(PROBE)
     for command in ([str(tmp_path / "probe.py")], ["-m", "probe"]):
         for what in ("ok", "exit", "message", "raise", "interrupt"):
-            forked = python(*command, what, env={"PROBE": "1"}, cwd=tmp_path)
+            # Another PYTHONPATH (a copy of the repository, tests/test_removal.py) on the last two.
+            env = {"PROBE": "1"} | ({"PYTHONPATH": f"{tmp_path}:{REPO}"} if what in ("raise", "interrupt") else {})
+            forked = python(*command, what, env=env, cwd=tmp_path)
             monkeypatch.setattr(tests.launch, "FRESH", True)
-            fresh = python(*command, what, env={"PROBE": "1"}, cwd=tmp_path)
+            fresh = python(*command, what, env=env, cwd=tmp_path)
             monkeypatch.setattr(tests.launch, "FRESH", False)
             seen = [json.loads(proc.stdout.splitlines()[0]) for proc in (forked, fresh)]
             assert seen[1].pop("parent") == os.getpid() != seen[0].pop("parent"), "not forked, or not new"

@@ -10,17 +10,15 @@ the syntax tree; in TOML files the lines that set them).
 from __future__ import annotations
 
 import ast
-import os
 import re
 import shutil
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from tests.launch import REPO
+from tests.launch import REPO, python
 
 # What runs in each copy: the tests of the core that take seconds (a pytest -k expression), and the two commands
 # every fork keeps working.
@@ -205,9 +203,7 @@ def _copy(dst: Path) -> Path:
 
 
 def _run(copy: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    environ = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    environ |= {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(copy)} | (env or {})
-    return subprocess.run([sys.executable, *args], cwd=copy, env=environ, capture_output=True, text=True, timeout=600)
+    return python(*args, cwd=copy, env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(copy)} | (env or {}))
 
 
 def perform(part: str, root: Path) -> list[str]:
