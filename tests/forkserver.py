@@ -3,13 +3,13 @@
     python tests/forkserver.py SOCKET     (started by tests/launch.py, one per environment and rank)
 
 Most of this suite's launches are `python train.py ...` or one rank of a gloo group, and each spent about 3 of its
-4-5 CPU-seconds importing torch and DTensor before running a line of the recipe: over 300 launches, a third of the
-suite's time on 2 cores. This server pays that import once. A request (over a Unix socket: the command line, the
+4-5 CPU-seconds importing torch and DTensor before running a line of the recipe: over 300 launches, about a quarter
+of the suite's CPU time (49 -> 37 CPU-minutes when this server came). This server pays that import once. A request (over a Unix socket: the command line, the
 working folder, the environment, and the three standard files as descriptors) is answered by a fork whose child
 becomes what `python SCRIPT ARGS` or `python -m MODULE ARGS` would be, then runs it as the interpreter does:
 
-- the same `sys.argv`, `sys.path` (the script's folder, or the working folder under -m, then PYTHONPATH), `__main__` module
-  (`__file__` absolute, `__spec__` None), environment and working folder;
+- the same `sys.argv`, `sys.path` (the script's folder, or the working folder under -m, then PYTHONPATH), `__main__`
+  module (a script's `__file__` absolute and `__spec__` None; under -m, runpy's), environment and working folder;
 - the same exit: SystemExit's code (a message printed to stderr and 1), an uncaught exception's traceback and 1, a
   KeyboardInterrupt re-raised as SIGINT; non-daemon threads joined, then atexit, then the streams flushed.
 

@@ -43,10 +43,10 @@ def torchrun(
 ) -> subprocess.CompletedProcess[str]:
     """`torchrun --nproc_per_node=nproc script args...` on CPU/gloo, from the repo root unless `cwd`.
 
-    The ranks are started directly, with the environment torchrun gives them (RANK, LOCAL_RANK, WORLD_SIZE,
-    LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), and stopped together when one fails, as torchrun stops them: its
-    launcher process would import torch once more per launch, seconds of these 2 cores each. stdout and stderr are
-    the ranks' in rank order; the exit status is torchrun's (0, or 1 when a rank failed). launcher: start torchrun
+    The ranks are started directly (forked from a warm interpreter where they can be: `start`), with the environment
+    torchrun gives them (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), and stopped
+    together when one fails, as torchrun stops them: its launcher process would import torch once more per launch,
+    seconds of these 2 cores each. stdout and stderr are the ranks' in rank order; the exit status is torchrun's (0, or 1 when a rank failed). launcher: start torchrun
     itself, for a test of what it prints or does (a rank's failure summary, its signal forwarding).
     """
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
