@@ -4,9 +4,10 @@
 
 Most of this suite's launches are `python train.py ...` or one rank of a gloo group, and each spent about 3 of its
 4-5 CPU-seconds importing torch and DTensor before running a line of the recipe: over 300 launches, about a quarter
-of the suite's CPU time (49 -> 37 CPU-minutes when this server came). This server pays that import once. A request (over a Unix socket: the command line, the
-working folder, the environment, and the three standard files as descriptors) is answered by a fork whose child
-becomes what `python SCRIPT ARGS` or `python -m MODULE ARGS` would be, then runs it as the interpreter does:
+of the suite's CPU time (49 -> 37 CPU-minutes when this server came). This server pays that import once. A request
+(over a Unix socket: the command line, the working folder, the environment, and the three standard files as
+descriptors) is answered by a fork whose child becomes what `python SCRIPT ARGS` or `python -m MODULE ARGS` would be,
+then runs it as the interpreter does:
 
 - the same `sys.argv`, `sys.path` (the script's folder, or the working folder under -m, then PYTHONPATH), `__main__`
   module (a script's `__file__` absolute and `__spec__` None; under -m, runpy's), environment and working folder;
@@ -22,7 +23,6 @@ which read their settings from the environment when they load, are not.
 
 from __future__ import annotations
 
-import array
 import atexit
 import contextlib
 import json
@@ -121,11 +121,7 @@ def serve(path: str) -> None:
         ready, _, _ = select.select([server], [], [], 0.05)
         if ready:
             conn, _ = server.accept()
-            fds = array.array("i")
-            message, ancillary, _, _ = conn.recvmsg(1 << 20, socket.CMSG_LEN(3 * fds.itemsize))
-            for level, kind, data in ancillary:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+            message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)  # what launch.Forked sent with socket.send_fds
             sys.stdout.flush()
             sys.stderr.flush()
             pid = os.fork()
@@ -134,7 +130,7 @@ def serve(path: str) -> None:
                 for other in children.values():
                     other.close()
                 conn.close()
-                _become(json.loads(message), list(fds))
+                _become(json.loads(message), fds)
             for fd in fds:
                 os.close(fd)
             conn.send(str(pid).encode())

@@ -46,8 +46,9 @@ def torchrun(
     The ranks are started directly (forked from a warm interpreter where they can be: `start`), with the environment
     torchrun gives them (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), and stopped
     together when one fails, as torchrun stops them: its launcher process would import torch once more per launch,
-    seconds of these 2 cores each. stdout and stderr are the ranks' in rank order; the exit status is torchrun's (0, or 1 when a rank failed). launcher: start torchrun
-    itself, for a test of what it prints or does (a rank's failure summary, its signal forwarding).
+    seconds of these 2 cores each. stdout and stderr are the ranks' in rank order; the exit status is torchrun's (0,
+    or 1 when a rank failed). launcher: start torchrun itself, for a test of what it prints or does (a rank's failure
+    summary, its signal forwarding).
     """
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
     port = str(free_port())
@@ -127,7 +128,21 @@ def _together(
 # A new interpreter for every launch, as users start them (tests/forkserver.py is not used): TESTS_FRESH_PROCESSES=1.
 FRESH = os.environ.get("TESTS_FRESH_PROCESSES") == "1"
 # Variables read when Python, OpenMP, BLAS or torch load, which a fork cannot change: one server per value of these.
-AT_IMPORT = ("PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "TORCH_", "PYTORCH_", "CUDA_", "LD_", "MALLOC_", "TMPDIR", "HOME")  # fmt: skip
+AT_IMPORT = (
+    "PYTHON",
+    "OMP_",
+    "GOMP_",
+    "KMP_",
+    "MKL_",
+    "OPENBLAS_",
+    "TORCH_",
+    "PYTORCH_",
+    "CUDA_",
+    "LD_",
+    "MALLOC_",
+    "TMPDIR",
+    "HOME",
+)
 
 
 def start(
@@ -211,10 +226,10 @@ class _Servers:
             if key not in self._started:
                 path = f"{self._folder}/{len(self._started)}"
                 with open(path + ".log", "wb") as log:
+                    server = [sys.executable, str(REPO / "tests" / "forkserver.py"), path + ".sock"]
                     proc = subprocess.Popen(
-                        [sys.executable, str(REPO / "tests" / "forkserver.py"), path + ".sock"],
-                        cwd=self._folder, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                    )  # fmt: skip
+                        server, cwd=self._folder, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log
+                    )
                 self._started[key] = (proc, path)
             proc, path = self._started[key]
         deadline = time.monotonic() + 300
