@@ -774,7 +774,9 @@ class JobConfig:
 # ---------------------------------------------------------------- the section tree
 
 
+@functools.cache
 def _types(section: type) -> dict[str, Any]:
+    """The section's field types, resolved once (get_type_hints re-evaluates every annotation per call)."""
     return typing.get_type_hints(section)
 
 

@@ -22,7 +22,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -153,9 +153,23 @@ def run_python(
 
     capture: keep stdout and stderr (text) instead of passing them through. env: added to `repo_env()`.
     """
+    if LAUNCH is not None:
+        return LAUNCH(args, nproc=nproc, capture=capture, timeout=timeout, env=repo_env(env), cwd=cwd)
     return subprocess.run(
         _command(args, nproc), cwd=cwd, env=repo_env(env), text=True, capture_output=capture, timeout=timeout
     )
+
+
+class Launch(Protocol):
+    def __call__(
+        self, args: tuple[str, ...], *, nproc: int | None, capture: bool, timeout: float | None, env: dict[str, str],
+        cwd: Path,
+    ) -> subprocess.CompletedProcess[str]: ...  # fmt: skip
+
+
+# What starts `run_python`'s processes instead of a new interpreter (under torchrun's launcher with nproc): None in
+# `make bench`; the benchmarks' tests fork them as the test suite does (benchmarks/conftest.py).
+LAUNCH: Launch | None = None
 
 
 def start_python(*args: str, env: Mapping[str, str] | None = None) -> subprocess.Popen[str]:

@@ -34,8 +34,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any
         str(N_LAYERS),
         "--ranks-per-node",
         str(RANKS_PER_NODE),
-        "--world",
-        str(WORLD),
+        nproc=WORLD,
         capture=True,
         timeout=180,
     )

@@ -14,7 +14,7 @@ from models.llama3 import FLAVORS
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("float8") / "float8.json"
-    proc = run_python("-m", "benchmarks.float8", f"--out={out}", "--world=2", capture=True, timeout=400)
+    proc = run_python("-m", "benchmarks.float8", f"--out={out}", nproc=2, capture=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return read_results(out)
 

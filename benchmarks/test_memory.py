@@ -30,10 +30,10 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "-m",
         "benchmarks.memory",
         f"--out={out}",
-        "--world=2",
         f"--seq-len={SEQ}",
         f"--batch-size={BATCH}",
         f"--loss-dim={LOSS_DIM}",
+        nproc=2,
         capture=True,
         timeout=400,
     )

@@ -14,11 +14,14 @@ then runs it as the interpreter does:
 - the same exit: SystemExit's code (a message printed to stderr and 1), an uncaught exception's traceback and 1, a
   KeyboardInterrupt re-raised as SIGINT; non-daemon threads joined, then atexit, then the streams flushed.
 
-What a fork cannot change is decided before the import: the variables torch, OpenMP and Python read when they load
-(tests/launch.py starts one server per value of those), and Python's string-hash seed (one server per rank, so
-the ranks of a launch hash as differently as separately started ranks do). Nothing of this repository is imported
-here, so a launch always runs the files as they are now. Only the modules below are; torch._dynamo and inductor,
-which read their settings from the environment when they load, are not.
+What a fork cannot change is decided before the import: the environment variables torch, dynamo, inductor, OpenMP
+and Python read when they load, and Python's string-hash seed. tests/launch.py starts one server per value of the
+variables it knows to be read (AT_IMPORT) and per rank (so the ranks of a launch hash as differently as separately
+started ranks do); this server also records every variable its imports looked up, and answers a request whose
+environment differs in one of them with the variable's name instead of a fork: the client then starts a new
+interpreter. Importing dynamo and inductor here (about 3 of a train.py launch's 4 CPU-seconds after torch: the
+start-up memory estimate traces with dynamo's fake tensors) is what that check makes safe. Nothing of this
+repository is imported here, so a launch always runs the files as they are now.
 """
 
 from __future__ import annotations
@@ -36,8 +39,41 @@ import types
 from importlib.machinery import SourceFileLoader
 from typing import NoReturn
 
-WARM = ("torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp", "numpy")
-NOT_IMPORTED = ("torch._dynamo", "torch._inductor")  # they read the environment at import: a child imports them
+WARM = (
+    "torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp", "numpy",
+    "torch._dynamo", "torch._inductor.compile_fx",
+)  # fmt: skip
+
+
+def _warm_imports() -> tuple[dict[str, str | None], dict[str, str]]:
+    """Import WARM. The environment variables those imports looked up by name, with the value each had (None: unset;
+    a copy of the whole environment, as networkx reads its own prefix, is not a lookup by name), and those they set
+    (inductor sets its cache folder's)."""
+    before = dict(os.environ)
+    looked_up: dict[str, str | None] = {}
+    environ = type(os.environ)
+    getitem = environ.__getitem__
+
+    def recording(self: os._Environ[str], key: str) -> str:
+        caller = sys._getframe(1).f_code
+        whole = caller.co_name == "__iter__" or (caller.co_name == "copy" and caller.co_filename == os.__file__)
+        try:
+            value = getitem(self, key)
+        except KeyError:
+            value = None
+            raise
+        finally:
+            if not whole:
+                looked_up.setdefault(key, value)
+        return value
+
+    environ.__getitem__ = recording  # type: ignore[method-assign]
+    try:
+        for name in WARM:
+            __import__(name)
+    finally:
+        environ.__getitem__ = getitem  # type: ignore[method-assign]
+    return looked_up, {key: value for key, value in os.environ.items() if before.get(key) != value}
 
 
 def _exit_code(exc: SystemExit) -> int:
@@ -58,15 +94,16 @@ def _search_path(pythonpath: str) -> list[str]:
     return entries + sys.path[1 + len(started_with) :]
 
 
-def _become(request: dict, fds: list[int]) -> NoReturn:
-    """In the child: turn into `python ARGV` in CWD with ENV, run it, and exit as the interpreter would."""
+def _become(request: dict, fds: list[int], set_by_imports: dict[str, str]) -> NoReturn:
+    """In the child: turn into `python ARGV` in CWD with ENV (and what the warm imports set in it), run it, and exit
+    as the interpreter would."""
     for target, fd in enumerate(fds):  # stdin, stdout, stderr
         os.dup2(fd, target)
         os.close(fd)
     os.chdir(request["cwd"])
     sys.path[1:] = _search_path(request["env"].get("PYTHONPATH", ""))
     os.environ.clear()
-    os.environ.update(request["env"])
+    os.environ.update(set_by_imports | request["env"])
     argv = request["argv"]
     code = 0
     try:
@@ -107,10 +144,7 @@ def _become(request: dict, fds: list[int]) -> NoReturn:
 
 
 def serve(path: str) -> None:
-    for name in WARM:
-        __import__(name)
-    loaded = [name for name in NOT_IMPORTED if name in sys.modules]
-    assert not loaded, f"the fork server imported {loaded}, which read the environment at import"
+    looked_up, set_by_imports = _warm_imports()
     parent = os.getppid()
     server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     server.bind(path + ".tmp")
@@ -122,6 +156,14 @@ def serve(path: str) -> None:
         if ready:
             conn, _ = server.accept()
             message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)  # what launch.Forked sent with socket.send_fds
+            request = json.loads(message)
+            stale = [key for key, value in looked_up.items() if request["env"].get(key) != value]
+            if stale:  # the imports above would have read another value: not a fork of this interpreter
+                for fd in fds:
+                    os.close(fd)
+                conn.send(f"stale {stale[0]}".encode())
+                conn.close()
+                continue
             sys.stdout.flush()
             sys.stderr.flush()
             pid = os.fork()
@@ -130,7 +172,7 @@ def serve(path: str) -> None:
                 for other in children.values():
                     other.close()
                 conn.close()
-                _become(json.loads(message), fds)
+                _become(request, fds, set_by_imports)
             for fd in fds:
                 os.close(fd)
             conn.send(str(pid).encode())

@@ -127,7 +127,9 @@ def _together(
 
 # A new interpreter for every launch, as users start them (tests/forkserver.py is not used): TESTS_FRESH_PROCESSES=1.
 FRESH = os.environ.get("TESTS_FRESH_PROCESSES") == "1"
-# Variables read when Python, OpenMP, BLAS or torch load, which a fork cannot change: one server per value of these.
+# Variables read when Python, OpenMP, BLAS, torch, dynamo or inductor load, which a fork cannot change: one server per
+# value of these. (A server also answers an environment that differs in any other variable its imports read with
+# Stale, and a new interpreter runs that launch.)
 AT_IMPORT = (
     "PYTHON",
     "OMP_",
@@ -136,6 +138,10 @@ AT_IMPORT = (
     "MKL_",
     "OPENBLAS_",
     "TORCH_",
+    "TORCHINDUCTOR_",
+    "TORCHDYNAMO_",
+    "INDUCTOR_",
+    "CXX",
     "PYTORCH_",
     "CUDA_",
     "LD_",
@@ -162,7 +168,16 @@ def start(
         return subprocess.Popen(
             cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, text=True
         )
-    return Forked(_SERVERS.address(env), args, cwd=cwd, env=env, stdout=stdout, stderr=stderr)
+    try:
+        return Forked(_SERVERS.address(env), args, cwd=cwd, env=env, stdout=stdout, stderr=stderr)
+    except Stale:  # the server's imports read a variable this environment sets otherwise
+        return subprocess.Popen(
+            cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, text=True
+        )
+
+
+class Stale(Exception):
+    """A fork server's answer to an environment its imports would have read differently: start a new interpreter."""
 
 
 class Forked:
@@ -178,7 +193,11 @@ class Forked:
         request = json.dumps({"argv": args, "cwd": str(cwd), "env": env}).encode()
         with open(os.devnull) as stdin:
             socket.send_fds(self._conn, [request], [stdin.fileno(), stdout.fileno(), stderr.fileno()])
-        self.pid = int(self._conn.recv(64))
+        answer = self._conn.recv(64).decode()
+        if answer.startswith("stale "):
+            self._conn.close()
+            raise Stale(answer.split(" ", 1)[1])
+        self.pid = int(answer)
 
     def _finish(self) -> None:
         status = self._conn.recv(64)

@@ -63,3 +63,12 @@ def test_the_ranks_of_a_launch_hash_strings_differently(tmp_path: Path) -> None:
     proc = torchrun(tmp_path / "probe.py", "ok", nproc=2)
     hashes = [json.loads(line)["hash"] for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(hashes) == 2 and hashes[0] != hashes[1], proc.stdout
+
+
+def test_an_environment_the_servers_imports_read_otherwise_runs_in_a_new_interpreter(tmp_path: Path) -> None:
+    """A variable the server's imports looked up (one dynamo reads, outside launch.AT_IMPORT's prefixes) set otherwise
+    than in the server: it does not fork, and the launch runs in a new interpreter, which reads the new value."""
+    (tmp_path / "probe.py").write_text(PROBE)
+    assert "UNSAFE_SKIP_FSDP_MODULE_GUARDS" not in os.environ
+    proc = python(str(tmp_path / "probe.py"), "ok", env={"UNSAFE_SKIP_FSDP_MODULE_GUARDS": "1"}, cwd=tmp_path)
+    assert proc.returncode == 0 and json.loads(proc.stdout.splitlines()[0])["parent"] == os.getpid(), proc

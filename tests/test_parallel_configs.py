@@ -18,6 +18,8 @@ from tests.launch import REPO, python, torchrun
 COMMON = [
     "--training.steps=3", "--training.seq_len=64", "--training.global_batch_size=8", "--training.local_batch_size=2",
     "--debug.deterministic", "--metrics.log_freq=1", "--lr_scheduler.warmup_steps=1",
+    # The configs that validate do it on one small batch (their 10 x 8 x 256 tokens were most of this test's time).
+    "--validation.steps=1", "--validation.local_batch_size=2", "--validation.seq_len=64",
 ]  # fmt: skip
 
 # config -> ranks; compile is run in test_compiled_config_matches_one_process_and_compiles_once.
@@ -88,8 +90,6 @@ def test_compiled_config_matches_one_process_and_compiles_once(
     validate = (
         "--validation.enable",
         "--validation.freq=1",
-        "--validation.steps=1",
-        "--validation.seq_len=64",
         "--validation.dataset_path=assets/corpus/stories_validation.jsonl",
         "--checkpoint.enable",
     )
