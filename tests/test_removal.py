@@ -23,6 +23,8 @@ from tests.launch import REPO, python
 # What runs in each copy: the tests of the core that take seconds (a pytest -k expression), and the two commands
 # every fork keeps working.
 CHEAP = "test_model and not parallel"
+# Plain asserts: rewriting every test module's asserts, for a pass or a fail, was most of a copy's collection.
+PYTEST = ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--assert=plain", "-k", CHEAP]
 TRAIN = [
     "train.py", "--config", "configs/debug.toml", "--training.steps=1", "--training.seq_len=64",
     "--training.local_batch_size=2", "--validation.enable=false", "--metrics.log_freq=1",
@@ -221,7 +223,7 @@ def perform(part: str, root: Path) -> list[str]:
     checks = {
         # One pytest: it imports every test module (collection; benchmarks/ tests import make bench's modules) and
         # runs the cheap ones.
-        "collect every test, run the cheap ones": ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", CHEAP],
+        "collect every test, run the cheap ones": PYTEST,
         "a one-step train": TRAIN,
     }
     if any("dry_run.py" in files for _, files in clauses):  # the row edits the dry run: it still plans
