@@ -126,6 +126,7 @@ def _switch_on_async_tp(tp_mesh: Any, **_: Any) -> None:
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     import os
+    import shutil
     import tempfile
     from unittest import mock
 
@@ -135,7 +136,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     from parallelisms import parallelize
 
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="async_tp_fusion_")
+    cache = os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="async_tp_fusion_")  # removed at the end
     for op, fallback in (
         ("fused_all_gather_matmul", symm_mem._fused_all_gather_matmul_fallback),
         ("fused_matmul_reduce_scatter", symm_mem._fused_matmul_reduce_scatter_fallback),
@@ -155,6 +156,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 layouts.append(count_layout(family, ac_mode))
     finally:
         dist.destroy_process_group()
+        shutil.rmtree(cache, ignore_errors=True)
     return {"tp": 2, "layouts": layouts}
 
 
