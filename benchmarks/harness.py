@@ -8,7 +8,8 @@ Every benchmark module `benchmarks/<name>.py` has two entry points:
                      problem's headline metric first (it is the one charted).
 
 benchmarks/ is a leaf: nothing outside it imports it, and the test suite passes without it. Its
-own tests (benchmarks/test_*.py) start benchmarks with `run_python` below, not with tests/.
+own tests (benchmarks/test_*.py) start benchmarks with `run_python` below, which they point at the test suite's
+forked launches (`LAUNCH`, benchmarks/conftest.py).
 """
 
 from __future__ import annotations

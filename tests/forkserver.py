@@ -19,7 +19,7 @@ and Python read when they load, and Python's string-hash seed. tests/launch.py s
 variables it knows to be read (AT_IMPORT) and per rank (so the ranks of a launch hash as differently as separately
 started ranks do); this server also records every variable its imports looked up, and answers a request whose
 environment differs in one of them with the variable's name instead of a fork: the client then starts a new
-interpreter. Importing dynamo and inductor here (about 3 of a train.py launch's 4 CPU-seconds after torch: the
+interpreter. Importing dynamo and inductor here (about half of what a forked train.py launch still spent: the
 start-up memory estimate traces with dynamo's fake tensors) is what that check makes safe. Nothing of this
 repository is imported here, so a launch always runs the files as they are now.
 """
