@@ -34,9 +34,8 @@ from data.tokenizers import build_tokenizer
 from errors import ConfigError
 from metrics import StepResult
 from optimizer import SkipStepAdamW, SpikeWindow, build_optimizer, lr_factor
-from tests import launch
 from tests.conftest import TINY, losses
-from tests.launch import REPO, free_port, python, two_at_a_time
+from tests.launch import REPO, free_port, python, torchrun, two_at_a_time
 from tests.parity_worker import GLOBAL_BATCH, SEQ_LEN, build_tiny, random_batch
 from tests.parity_worker import TINY as TINY_ARGS
 from train import init_distributed, set_collective_timeout, train_step
@@ -368,7 +367,8 @@ def children(pid: int) -> list[int]:
     return found
 
 
-def torchrun(*args: str) -> list[str]:
+def plain_torchrun(*args: str) -> list[str]:
+    """The command line of torchrun itself, its launcher included (what these signal tests are about)."""
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", *args]
 
 
@@ -388,7 +388,7 @@ def test_sigterm_to_plain_torchrun_abandons_a_long_step_and_saves_within_a_3_s_g
     )
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     run = subprocess.Popen(
-        torchrun("--shutdown-timeout=3", "train.py", *args, "--training.steps=100"),
+        plain_torchrun("--shutdown-timeout=3", "train.py", *args, "--training.steps=100"),
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
@@ -406,7 +406,7 @@ def test_sigterm_to_plain_torchrun_abandons_a_long_step_and_saves_within_a_3_s_g
     assert "forcefully exiting" not in err and 'train.py", line' not in err, err[-3000:]  # no SIGKILL, no traceback
     assert folders(dump) == ["step-1"] and not (dump / ".lock").exists()
     # The rerun's launcher is not under test: its ranks are started as the other tests start theirs.
-    again = launch.torchrun("train.py", *args, "--training.steps=2", nproc=2)
+    again = torchrun("train.py", *args, "--training.steps=2", nproc=2)
     assert f"resumed from {dump / 'checkpoint' / 'step-1'}" in again.stdout and sorted(losses(dump)) == [1, 2]
 
 
@@ -414,7 +414,7 @@ def test_sigint_to_plain_torchrun_during_start_up_stops_cleanly_in_one_line(tmp_
     """Ctrl-C while the ranks still import torch: recorded (stop.py), answered once start-up is done, one line
     from rank 0 and no KeyboardInterrupt traceback from any rank."""
     dump = tmp_path / "run"
-    cmd = torchrun("train.py", *TINY, f"--job.dump_folder={dump}", "--checkpoint.enable")
+    cmd = plain_torchrun("train.py", *TINY, f"--job.dump_folder={dump}", "--checkpoint.enable")
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     run = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -18,7 +18,7 @@ from tests.launch import REPO, python, torchrun
 COMMON = [
     "--training.steps=3", "--training.seq_len=64", "--training.global_batch_size=8", "--training.local_batch_size=2",
     "--debug.deterministic", "--metrics.log_freq=1", "--lr_scheduler.warmup_steps=1",
-    # The configs that validate do it on one small batch (their 10 x 8 x 256 tokens were most of this test's time).
+    # The configs that validate do it on one small batch (their 10 x 8 x 256 tokens were half of a run's time).
     "--validation.steps=1", "--validation.local_batch_size=2", "--validation.seq_len=64",
 ]  # fmt: skip
 
