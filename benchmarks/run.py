@@ -108,6 +108,7 @@ def run_train(out: Path, *, cuda: bool) -> dict[str, Any]:
             "--training.steps=20",
             "--metrics.log_freq=1",
             "--validation.enable=false",
+            "--checkpoint.enable=false",  # a 1B run's last-step save would write 12 GiB and time nothing
             f"--job.dump_folder={dump}",
             *common,
             *extra,

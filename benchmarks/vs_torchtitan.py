@@ -13,7 +13,7 @@ unchanged through tests/torchtitan_trainer.py (what it needs on CPU is said ther
     fsdp2_compile_op_sac   FSDP 2 + compile + op SAC
 
 On CPU: 2 ranks, float32, seq_len 256, local batch 8. With CUDA the TOML's own bf16 and seq_len
-2048, on as many GPUs as the layout names. A round runs both trainers once per layout, which goes
+2048, on 2 GPUs, or on 1 where the machine has one (`--nproc 1`: FSDP over one rank, TP 2 left out). A round runs both trainers once per layout, which goes
 first alternating from round to round (a busy machine slows both alike); a run's tokens/s per device
 is the median of its steps after the first two (lazy initialization, compilation), its memory the
 peak. A row: the median over rounds of each side, and the median and spread (min - max) of the
@@ -50,7 +50,8 @@ LAYOUTS = {
     "tp2": ["--parallelism.tensor_parallel_degree=2"],
     "fsdp2_compile_op_sac": ["--compile.enable", "--activation_checkpoint.selective_ac_option=op"],
 }
-LABELS = {"fsdp2": "FSDP 2", "tp2": "TP 2", "fsdp2_compile_op_sac": "FSDP 2 + compile + op SAC"}
+LABELS = {"fsdp2": "FSDP {n}", "tp2": "TP 2", "fsdp2_compile_op_sac": "FSDP {n} + compile + op SAC"}  # n: ranks
+NEEDS_RANKS = {"tp2": 2}
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _TITAN_STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([\d.]+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+)")
 
@@ -71,7 +72,11 @@ def trainer_args(trainer: str, layout: str, *, folder: Path, steps: int, cuda: b
     return args
 
 
-def run(trainer: str, layout: str, *, folder: Path, steps: int, cuda: bool) -> dict[str, Any]:
+def label(layout: str, nproc: int) -> str:
+    return LABELS[layout].format(n=nproc)
+
+
+def run(trainer: str, layout: str, *, folder: Path, steps: int, cuda: bool, nproc: int) -> dict[str, Any]:
     """One run of `trainer` ("recipe" or "torchtitan"): tokens/s per device, peak memory, losses by step."""
     args = trainer_args(trainer, layout, folder=folder, steps=steps, cuda=cuda)
     dump = dump_folder(folder, trainer, layout)
@@ -82,7 +87,7 @@ def run(trainer: str, layout: str, *, folder: Path, steps: int, cuda: bool) -> d
         entry = [str(REPO / "train.py")]
     else:
         entry = ["-m", "tests.torchtitan_trainer"]
-    proc = harness.run_python(*entry, *args, nproc=2, capture=True, cwd=folder)
+    proc = harness.run_python(*entry, *args, nproc=nproc, capture=True, cwd=folder)
     if proc.returncode != 0:
         raise SystemExit(f"{trainer} ({layout}) exited with status {proc.returncode}:\n{proc.stderr[-4000:]}")
     if trainer == "recipe":
@@ -105,19 +110,27 @@ def run(trainer: str, layout: str, *, folder: Path, steps: int, cuda: bool) -> d
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     cuda = torch.cuda.is_available()
+    nproc = args.nproc or (min(2, torch.cuda.device_count()) if cuda else 2)
+    layouts = [layout for layout in args.layouts if NEEDS_RANKS.get(layout, 1) <= nproc]
+    for layout in sorted(set(args.layouts) - set(layouts)):
+        print(f"{layout}: left out, it needs {NEEDS_RANKS[layout]} ranks and this run has {nproc}", flush=True)
     with tempfile.TemporaryDirectory(prefix="vs-torchtitan-") as tmp:
         folder = user_folder(Path(tmp))
-        runs: dict[str, dict[str, list]] = {layout: {"recipe": [], "torchtitan": []} for layout in args.layouts}
+        runs: dict[str, dict[str, list]] = {layout: {"recipe": [], "torchtitan": []} for layout in layouts}
         for round_ in range(args.rounds):
-            for layout in args.layouts:
+            for layout in layouts:
                 order = ["recipe", "torchtitan"] if round_ % 2 == 0 else ["torchtitan", "recipe"]
                 for trainer in order:
-                    runs[layout][trainer].append(run(trainer, layout, folder=folder, steps=args.steps, cuda=cuda))
+                    runs[layout][trainer].append(
+                        run(trainer, layout, folder=folder, steps=args.steps, cuda=cuda, nproc=nproc)
+                    )
                     print(
                         f"round {round_ + 1} {layout} {trainer}: {runs[layout][trainer][-1]['tps']:,.0f} tokens/s",
                         flush=True,
                     )
-    results: dict[str, Any] = {"device": "cuda" if cuda else "cpu", "rounds": args.rounds, "steps": args.steps}
+    results: dict[str, Any] = {
+        "device": "cuda" if cuda else "cpu", "nproc": nproc, "rounds": args.rounds, "steps": args.steps,
+    }  # fmt: skip
     for layout, sides in runs.items():
         ratios = [
             ours["tps"] / theirs["tps"] for ours, theirs in zip(sides["recipe"], sides["torchtitan"], strict=True)
@@ -143,31 +156,33 @@ def rows(results: dict[str, Any]) -> list[Row]:
         return Row(PROBLEM, metric, unit, "torchtitan 0.2.2", r[f"torchtitan_{key}"], "this recipe", r[f"recipe_{key}"])
 
     out = []
-    for layout, label in LABELS.items():
-        r = results.get(layout)
-        if r is None:
+    for layout in LABELS:
+        if (r := results.get(layout)) is None:
             continue
+        name = label(layout, results["nproc"])
         # The ratio column divides the two medians; the per-round ratios (each run against the one beside it)
         # are the comparison, and the metric carries their median and spread.
         paired = f"per round {r['ratio']:.3f}x ({r['ratio_min']:.3f}-{r['ratio_max']:.3f})"
-        out.append(row(f"tokens/s per device, {label}; {paired}", "tok/s", "tps"))
+        out.append(row(f"tokens/s per device, {name}; {paired}", "tok/s", "tps"))
         if "recipe_kernels" in r:
             out.append(
-                row(
-                    f"kernels per eager step (ops dispatched but views, step {COUNTED_STEP}), {label}", "ops", "kernels"
-                )
+                row(f"kernels per eager step (ops dispatched but views, step {COUNTED_STEP}), {name}", "ops", "kernels")
             )
-        out.append(row(f"peak memory per device, {label}", "GiB", "memory_gib"))
+        out.append(row(f"peak memory per device, {name}", "GiB", "memory_gib"))
     return out
 
 
 def table(results: dict[str, Any]) -> str:
-    lines = [f"this recipe vs torchtitan 0.2.2 ({results['device']}, {results['rounds']} rounds, alternated):"]
-    for layout, label in LABELS.items():
+    lines = [
+        f"this recipe vs torchtitan 0.2.2 ({results['device']}, {results['nproc']} ranks, {results['rounds']} rounds, "
+        "alternated):"
+    ]
+    for layout in LABELS:
         if (r := results.get(layout)) is None:
             continue
+        name = label(layout, results["nproc"])
         lines.append(
-            f"  {label:<26} tokens/s {r['recipe_tps']:>9,.0f} vs {r['torchtitan_tps']:>9,.0f}  ratio {r['ratio']:.3f}x "
+            f"  {name:<26} tokens/s {r['recipe_tps']:>9,.0f} vs {r['torchtitan_tps']:>9,.0f}  ratio {r['ratio']:.3f}x "
             f"({r['ratio_min']:.3f}-{r['ratio_max']:.3f})  memory {r['recipe_memory_gib']:.2f} vs "
             f"{r['torchtitan_memory_gib']:.2f} GiB  losses {r['recipe_losses'][-1]:.4f} vs {r['torchtitan_losses'][-1]:.4f}"
         )
@@ -185,6 +200,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="runs of each trainer per layout, alternated")
     parser.add_argument("--steps", type=int, default=8, help="training steps per run (the first two are not timed)")
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument(
+        "--nproc", type=int, choices=(1, 2), help="ranks per run (default: 2, or 1 on a machine with one GPU)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -116,6 +117,27 @@ def test_tied_model_uses_the_embedding_as_output() -> None:
     loss = model(tokens).sum()
     loss.backward()
     assert model.tok_embeddings.weight.grad is not None
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen3", "olmo2"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_first_loss_is_about_ln_vocab_tied_or_not(name: str, tied: bool) -> None:
+    """Logits start at unit scale in every family, also when the output projection is the embedding (Llama 3.2
+    1B, Qwen3 0.6B-4B): the embedding's std 1, kept as the output projection, gave llama3_1b a first loss of 1,777
+    on a GPU."""
+    import models
+
+    args = dataclasses.replace(models.family(name).flavors["debugmodel"], dim=512, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    model = models.family(name).model_cls(with_seq_len(args, 64))
+    model.init_weights()
+    tokens = torch.randint(0, args.vocab_size, (2, 65))
+    with torch.no_grad():
+        logits = model(tokens[:, :-1])
+    loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    # Within a nat: a tied output projection still meets the input token's own embedding in the last hidden state
+    # (measured: 7.6-7.7 untied, 8.4-8.6 tied; llama3_1b tied 12.26 against ln(128256) = 11.76, 1,703 before).
+    assert loss.item() == pytest.approx(math.log(args.vocab_size), abs=1.0), loss
 
 
 def test_rope_llama3_scaling_matches_transformers() -> None:

@@ -295,10 +295,14 @@ class Transformer(nn.Module):
             layer.init_weights()
         if self.norm is not None:
             self.norm.reset_parameters()
-        if self.output is not None:
-            # Logits start at unit scale: std dim^-0.5, truncated at 3 std.
+        # The output projection starts with logits at unit scale: std dim^-0.5, truncated at 3 std. A tied
+        # embedding is the output projection too, so it starts as one: at the embedding's std 1 the first logits
+        # would have std dim^0.5 (a first loss of ~1,800 instead of ln(vocab) for llama3_1b).
+        tied = self.args.tie_word_embeddings and self.tok_embeddings is not None
+        output = self.tok_embeddings.weight if tied else self.output.weight if self.output is not None else None
+        if output is not None:
             std = self.args.dim**-0.5
-            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+            nn.init.trunc_normal_(output, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
 
 # ------------------------------------------------------------------ size and FLOPs
