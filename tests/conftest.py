@@ -3,10 +3,10 @@ with the launch it is meant for."""
 
 from __future__ import annotations
 
-import functools
 import json
 import subprocess
-from collections.abc import Callable
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,31 +150,80 @@ def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subpro
 # ------------------------------------------------------------ parity layouts
 
 
-@pytest.fixture(scope="session")
-def parity_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The single-process reference (weights, batch, losses, final parameters) every layout of
-    tests/parity_worker.py compares to, and the folder the layouts write their results to."""
-    from tests.parity_worker import write_reference
+class ParityLaunches:
+    """world size -> every layout of that size of tests/parity_worker.py (its losses, parameters and counts), from
+    one torchrun launch per world size, after the single-process reference they compare to (RUN_DIR/reference.pt).
 
-    path = tmp_path_factory.mktemp("parity")
-    write_reference(path / "reference.pt")
-    return path
+    Started ahead: the session starts them when it starts (`parity_ahead`), in a background thread, one after the
+    other, and a test that asks for a world size waits for its launch. They are minutes of 2 and 4 ranks, and the
+    tests before the first that reads them (test_dry_run.py, in file order) keep the machine's two cores only partly
+    busy: most run one process, or wait on one. Everything runs in processes of its own, none in this one."""
 
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parity")
+        self._launches: dict[int, Future[dict[str, dict]]] = {}
+        self._reference = self._pool.submit(self._write_reference)
 
-@pytest.fixture(scope="session")
-def parity(parity_dir: Path) -> Callable[[int], dict[str, dict]]:
-    """world size -> every layout of that size of tests/parity_worker.py (its losses, parameters and counts),
-    from one torchrun launch per world size, run when a test first asks for it."""
-    from tests.launch import torchrun
-    from tests.parity_worker import LAYOUTS
+    def start(self, world_size: int) -> None:
+        if world_size not in self._launches:
+            self._launches[world_size] = self._pool.submit(self._launch, world_size)
 
-    @functools.cache
-    def launch(world_size: int) -> dict[str, dict]:
+    def __call__(self, world_size: int) -> dict[str, dict]:
+        self.start(world_size)
+        return self._launches[world_size].result()
+
+    def reference(self) -> Path:
+        self._reference.result()
+        return self.folder / "reference.pt"
+
+    def close(self) -> None:
+        self._pool.shutdown(cancel_futures=True)
+
+    def _write_reference(self) -> None:
+        proc = python(str(REPO / "tests" / "parity_worker.py"), str(self.folder), "--reference")
+        assert proc.returncode == 0, proc.stderr[-6000:]
+
+    def _launch(self, world_size: int) -> dict[str, dict]:
+        from tests.launch import torchrun
+        from tests.parity_worker import LAYOUTS
+
+        self._reference.result()
         names = [name for name, layout in LAYOUTS.items() if layout.world_size == world_size]
         # A fresh inductor cache under the run folder: compiled layouts compile for real, and the
         # per-recipe folders they create can be inspected.
-        env = {"TORCHINDUCTOR_CACHE_DIR": str(parity_dir / f"inductor-{world_size}")}
-        torchrun(REPO / "tests" / "parity_worker.py", str(parity_dir), *names, nproc=world_size, env=env, timeout=600)
-        return {name: json.loads((parity_dir / f"{name}.json").read_text()) for name in names}
+        env = {"TORCHINDUCTOR_CACHE_DIR": str(self.folder / f"inductor-{world_size}")}
+        torchrun(REPO / "tests" / "parity_worker.py", str(self.folder), *names, nproc=world_size, env=env, timeout=600)
+        return {name: json.loads((self.folder / f"{name}.json").read_text()) for name in names}
 
-    return launch
+
+@pytest.fixture(scope="session", autouse=True)
+def parity_ahead(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ParityLaunches | None]:
+    """The parity launches, started with the session when a collected test reads them; None when none does."""
+    from tests.parity_worker import LAYOUTS
+
+    if not any("parity" in item.fixturenames or "parity_dir" in item.fixturenames for item in request.session.items):
+        yield None
+        return
+    launches = ParityLaunches(tmp_path_factory.mktemp("parity"))
+    for world_size in sorted({layout.world_size for layout in LAYOUTS.values()}):
+        launches.start(world_size)
+    yield launches
+    launches.close()
+
+
+@pytest.fixture(scope="session")
+def parity_dir(parity_ahead: ParityLaunches | None) -> Path:
+    """The folder of the single-process reference every layout of tests/parity_worker.py compares to (reference.pt:
+    weights, batch, losses, final parameters), and of the layouts' results."""
+    assert parity_ahead is not None
+    return parity_ahead.reference().parent
+
+
+@pytest.fixture(scope="session")
+def parity(parity_ahead: ParityLaunches | None) -> ParityLaunches:
+    """world size -> every layout of that size (ParityLaunches)."""
+    assert parity_ahead is not None
+    return parity_ahead

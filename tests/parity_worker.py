@@ -1,8 +1,9 @@
 """Loss parity of parallel layouts against one process, on the same weights and global batch.
 
+    python tests/parity_worker.py RUN_DIR --reference
     torchrun --nproc_per_node=N tests/parity_worker.py RUN_DIR LAYOUT [LAYOUT ...]
 
-RUN_DIR holds `reference.pt` from `write_reference` (initial full state dict, token batch,
+RUN_DIR holds `reference.pt` from `write_reference` (the first command; initial full state dict, token batch,
 the single-process losses and final parameters). For each LAYOUT (a key of LAYOUTS with
 the world size N) the worker builds the model on the meta device, parallelizes it, loads the
 reference weights, trains STEPS AdamW steps and compares; rank 0 writes RUN_DIR/LAYOUT.json.
@@ -489,6 +490,9 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
 
 def main(argv: list[str]) -> int:
     run_dir, names = Path(argv[0]), argv[1:]
+    if names == ["--reference"]:  # one process, before the launches
+        write_reference(run_dir / "reference.pt")
+        return 0
     dist.init_process_group("gloo")
     try:
         ref = torch.load(run_dir / "reference.pt")
