@@ -13,8 +13,9 @@ unchanged through tests/torchtitan_trainer.py (what it needs on CPU is said ther
     fsdp2_compile_op_sac   FSDP 2 + compile + op SAC
 
 On CPU: 2 ranks, float32, seq_len 256, local batch 8. With CUDA the TOML's own bf16 and seq_len
-2048, on 2 GPUs, or on 1 where the machine has one (`--nproc 1`: FSDP over one rank, TP 2 left out). A round runs both trainers once per layout, which goes
-first alternating from round to round (a busy machine slows both alike); a run's tokens/s per device
+2048, on 2 GPUs, or on 1 where the machine has one (`--nproc 1`, TP 2 left out: this recipe then
+shards over one rank, torchtitan applies no FSDP and trains under autocast, so the two do not run
+the same thing). A round runs both trainers once per layout, which goes first alternating from round to round (a busy machine slows both alike); a run's tokens/s per device
 is the median of its steps after the first two (lazy initialization, compilation), its memory the
 peak. A row: the median over rounds of each side, and the median and spread (min - max) of the
 per-round ratio ours / torchtitan's. In the eager layouts both trainers start through

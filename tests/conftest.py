@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from tests.launch import REPO, python
+from tests.launch import REPO, python, torchrun
 
 # The debug model, small enough for many launches on 2 cores.
 TINY = [
@@ -125,7 +125,6 @@ def seed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
     """30 steps of the debug model on 2 ranks (FSDP), logging every 5 steps and profiling every 15: its dump folder
     and output, read by tests/test_train.py (loss and metrics) and tests/test_profiling.py (traces)."""
-    from tests.launch import torchrun
 
     dump = tmp_path_factory.mktemp("two_rank") / "run"
     proc = torchrun(
@@ -185,7 +184,6 @@ class ParityLaunches:
         assert proc.returncode == 0, proc.stderr[-6000:]
 
     def _launch(self, world_size: int) -> dict[str, dict]:
-        from tests.launch import torchrun
         from tests.parity_worker import LAYOUTS
 
         self._reference.result()
