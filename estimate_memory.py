@@ -384,6 +384,7 @@ def trace_costs(
     one = dataclasses.replace(args, n_layers=1, max_seq_len=seq_len, attn_mask_type="causal")
     with torch.device("meta"):
         model = family.model_cls(one).to(dtype)
+    model.init_buffers(torch.device("meta"))  # float32 again, as in training: FSDP's mixed precision casts parameters
     if tp_mesh is not None:
         apply_tp(model, tp_mesh, block_plan=family.tp_plan, loss_parallel=loss_parallel, seq_len=seq_len)
     if ac != "none":

@@ -111,24 +111,28 @@ class SkipStepAdamW(torch.optim.AdamW):
         """The update of training step `step`, unless it is bad. `loss`: this rank's mean loss of the step (0
         on ranks before the last pipeline stage); `grad_norm`: the global norm, the same on every rank, so
         every rank decides alike (a non-finite loss anywhere means non-finite gradients there)."""
-        finite = torch.isfinite(grad_norm)
-        spike = torch.zeros_like(finite)
+        # A norm is >= 0, so `< inf` is isfinite in one kernel (NaN compares false); torch.isfinite takes four.
+        finite = grad_norm < math.inf
         if self.window.sigma > 0:  # one all-reduce of a scalar: the loss of the whole step
             global_loss = mean_over_loss_ranks(loss, pp_degree=self.pp_degree)
             spike = self.window.is_spike(torch.stack([global_loss, grad_norm.detach().float()]))
-        self._update_if(finite & ~spike)
-        self.skipped = torch.where(finite, spike.float() * 2, 1.0)
+            self.skipped = torch.where(finite, spike.float() * 2, 1.0)
+            skip = (self.skipped > 0).float()
+        else:  # three kernels in all, the decision's and the report's
+            self.skipped = skip = (~finite).float()
+        self._update_unless(skip)
         self._report(step, torch.stack([self.skipped, loss.detach().float(), grad_norm.detach().float()]))
 
-    def _update_if(self, apply: torch.Tensor) -> None:
+    def _update_unless(self, skip: torch.Tensor) -> None:
+        """AdamW's update, unless `skip` (a float32 device scalar) is 1."""
         if self.defaults.get("fused"):
             # Fused AdamW reads GradScaler's `found_inf` from these attributes (PyTorch 2.0-2.13).
-            self.found_inf, self.grad_scale = (~apply).float(), None
+            self.found_inf, self.grad_scale = skip, None
             try:
                 self.step()
             finally:
                 del self.found_inf, self.grad_scale
-        elif apply.item():
+        elif not skip.item():
             self.step()
 
     def _report(self, step: int, values: torch.Tensor) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -161,6 +162,91 @@ def test_rope_llama3_scaling_matches_transformers() -> None:
     hf_inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
     ours = rope_inv_freq(args.head_dim, args.rope_theta, scaling)
     torch.testing.assert_close(ours, hf_inv_freq.float(), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize(("dtype", "kernels"), [(torch.float32, (2, 2)), (torch.bfloat16, (3, 3))])
+def test_rope_gives_attention_what_hugging_faces_rotate_half_gives_in_two_kernels_each_way(
+    dtype: torch.dtype, kernels: tuple[int, int]
+) -> None:
+    """models/rope.py returns q and k permuted alike within each head: their dot products, all attention
+    reads of them, and the gradients of the projections equal those of transformers' rotate-half. Forward
+    and backward each launch two kernels in float32 (a copy, a complex multiply) and three in bfloat16
+    (the casts), where rotate-half written out takes four and six."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from estimate_memory import observe_ops
+    from models.llama3.model import rope_cos_sin
+    from models.rope import apply_rope
+
+    args = dataclasses.replace(FLAVORS["debugmodel"], max_seq_len=32)
+    table = rope_cos_sin(args)
+    angles = torch.outer(torch.arange(16.0), rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling))
+    cos, sin = torch.cat([angles.cos()] * 2, dim=-1), torch.cat([angles.sin()] * 2, dim=-1)  # HF's tables
+    torch.manual_seed(0)
+    q = torch.randn(2, 16, args.n_heads, args.head_dim, dtype=dtype, requires_grad=True)
+    k = torch.randn(2, 16, args.kv_heads, args.head_dim, dtype=dtype, requires_grad=True)
+    forward: list[str] = []
+    backward: list[str] = []
+    with observe_ops(lambda op, *_: op.is_view or forward.append(op.name())):
+        q_rot = apply_rope(q, table)
+    grad = torch.ones_like(q_rot)
+    with observe_ops(lambda op, *_: op.is_view or backward.append(op.name())):
+        q_rot.backward(grad)
+    assert (len(forward), len(backward)) == kernels, (forward, backward)
+    q.grad = None
+
+    def scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:  # q . k of every head pair attention forms
+        return torch.einsum("bshd,btgd->bhgst", q.double(), k.double())
+
+    ours = scores(apply_rope(q, table), apply_rope(k, table))
+    q_ref, k_ref = (t.detach().double().requires_grad_() for t in (q, k))
+    hf_q, hf_k = apply_rotary_pos_emb(q_ref, k_ref, cos.double(), sin.double(), unsqueeze_dim=1)
+    theirs = scores(hf_q, hf_k)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(ours, theirs, rtol=tolerance, atol=tolerance * theirs.abs().max().item())
+    weights = torch.randn_like(theirs)
+    (ours * weights).sum().backward()
+    (theirs * weights).sum().backward()
+    for mine, ref in ((q.grad, q_ref.grad), (k.grad, k_ref.grad)):
+        torch.testing.assert_close(mine.double(), ref, rtol=tolerance, atol=tolerance * ref.abs().max().item())
+
+
+def test_compiled_rope_is_the_eager_rotation_in_one_fused_kernel_each_way() -> None:
+    """Under torch.compile models/rope.py rotates in real arithmetic: the same values and gradients as the
+    eager complex form (a KV cache filled by an eager prefill is read by a compiled decode), and inductor
+    fuses it, casts included, into one kernel forward and one backward beside the projection's matmul."""
+    from torch._inductor.utils import run_and_get_code
+
+    from models.llama3.model import rope_cos_sin
+    from models.rope import apply_rope
+
+    args = dataclasses.replace(FLAVORS["debugmodel"], max_seq_len=32)
+    table = rope_cos_sin(args)
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, args.dim, dtype=torch.bfloat16)
+    wq = torch.randn(args.n_heads * args.head_dim, args.dim, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(2, 16, args.n_heads, args.head_dim, dtype=torch.bfloat16)
+
+    def q_rotated(x: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
+        return apply_rope(F.linear(x, wq).view(2, 16, args.n_heads, args.head_dim), table)
+
+    eager = q_rotated(x, wq)
+    eager.backward(grad)
+    eager_grad, wq.grad = wq.grad, None
+
+    def step() -> torch.Tensor:
+        out = torch.compile(q_rotated, fullgraph=True)(x, wq)
+        out.backward(grad)
+        return out
+
+    compiled, (forward, backward) = run_and_get_code(step)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0.02)
+    torch.testing.assert_close(wq.grad, eager_grad, rtol=0.02, atol=0.02 * eager_grad.abs().max().item())
+    for code in (forward, backward):
+        launches = re.findall(
+            r"^\s+(cpp_fused_\w+|extern_kernels\.\w+|aten\.\w+)\(", code[code.index("def call(") :], re.M
+        )
+        assert sorted(launch.startswith("cpp_fused_") for launch in launches) == [False, True], launches
 
 
 def test_block_causal_logits_of_a_packed_window_are_those_of_each_document_alone() -> None:

@@ -89,7 +89,9 @@ def test_the_host_read_counter_sees_the_reads_a_gpu_would_wait_for() -> None:
             )
         found[implementation] = dict(reads)
     line = next(
-        i for i, text in enumerate((REPO / "optimizer.py").read_text().splitlines(), 1) if "elif apply.item():" in text
+        i
+        for i, text in enumerate((REPO / "optimizer.py").read_text().splitlines(), 1)
+        if "elif not skip.item():" in text
     )
     assert found["fused"] == {} and found["foreach"][f"item at optimizer.py:{line}"] == 1, found
 

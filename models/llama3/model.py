@@ -32,6 +32,7 @@ from torch import nn
 
 from models.attention import AttentionMask, ScaledDotProductAttention, attention_mask
 from models.kv_cache import KVCache, LayerCache, check_inference
+from models.rope import apply_rope, rope_table
 
 
 @dataclass(frozen=True)
@@ -137,23 +138,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
 
 
 def rope_cos_sin(args: ModelArgs, device: torch.device | None = None) -> torch.Tensor:
-    """(2, max_seq_len, head_dim) table of cos and of sin in the rotate-half layout, sin negated on the first half."""
+    """The RoPE table of this family's frequencies (models/rope.py): (2, max_seq_len, head_dim // 2, 2)."""
     inv_freq = rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling).to(device)
-    positions = torch.arange(args.max_seq_len, device=device, dtype=torch.float32)
-    angles = torch.outer(positions, inv_freq)  # (max_seq_len, head_dim // 2)
-    cos, sin = angles.cos(), angles.sin()
-    # Rotate-half's sign lives in the table: x * cos + rotate_half(x) * sin = x * cos + roll(x) * [-sin, sin].
-    return torch.stack([torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)])
-
-
-def apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (bs, seqlen, heads, head_dim) by the angles of its positions: rotate_half(x) = [-x2, x1] is
-    [x2, x1] (one roll, no cat and no neg) times the signs kept in the table (rope_cos_sin)."""
-    seqlen = x.shape[1]
-    cos = cos_sin[0, :seqlen, None, :]  # (seqlen, 1, head_dim), broadcast over bs and heads
-    sin = cos_sin[1, :seqlen, None, :]
-    xf = x.float()
-    return (xf * cos + xf.roll(x.shape[-1] // 2, dims=-1) * sin).type_as(x)
+    return rope_table(inv_freq, args.max_seq_len)
 
 
 def torchtitan_interleaved(args: ModelArgs) -> dict[str, int]:

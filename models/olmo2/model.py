@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from models.attention import AttentionMask, ScaledDotProductAttention, attention_mask
 from models.kv_cache import KVCache, LayerCache, check_inference
+from models.rope import apply_rope, rope_table
 
 
 @dataclass(frozen=True)
@@ -81,23 +82,10 @@ FLAVORS: dict[str, ModelArgs] = {
 
 
 def rope_cos_sin(args: ModelArgs, device: torch.device | None = None) -> torch.Tensor:
-    """(2, max_seq_len, head_dim) table of cos and of sin in the rotate-half layout, sin negated on the first half."""
+    """The RoPE table of this family's frequencies (models/rope.py): (2, max_seq_len, head_dim // 2, 2)."""
     exponents = torch.arange(0, args.head_dim, 2, dtype=torch.float64, device=device) / args.head_dim
     inv_freq = (1.0 / args.rope_theta**exponents).float()
-    positions = torch.arange(args.max_seq_len, device=device, dtype=torch.float32)
-    angles = torch.outer(positions, inv_freq)  # (max_seq_len, head_dim // 2)
-    cos, sin = angles.cos(), angles.sin()
-    # Rotate-half's sign lives in the table: x * cos + rotate_half(x) * sin = x * cos + roll(x) * [-sin, sin].
-    return torch.stack([torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)])
-
-
-def apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (bs, seqlen, heads, head_dim) by the angles of its positions (one roll: see rope_cos_sin)."""
-    seqlen = x.shape[1]
-    cos = cos_sin[0, :seqlen, None, :]  # (seqlen, 1, head_dim), broadcast over bs and heads
-    sin = cos_sin[1, :seqlen, None, :]
-    xf = x.float()
-    return (xf * cos + xf.roll(x.shape[-1] // 2, dims=-1) * sin).type_as(x)
+    return rope_table(inv_freq, args.max_seq_len)
 
 
 # ------------------------------------------------------------------------ modules

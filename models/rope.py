@@ -1,0 +1,78 @@
+"""Rotary position embedding (RoPE) as every family's attention applies it, in two kernels each way.
+
+Generic on purpose, like models/attention.py: the families differ in their frequencies (theta, Llama 3.1's
+scaling), which each builds into a table with `rope_table`, not in how a head is rotated.
+
+Hugging Face checkpoints pair a head's element i with element i + head_dim/2 ("rotate half"), and this
+recipe keeps their `wq`/`wk` rows as they are. Written out, rotate-half costs a roll, two multiplies and an
+add each way. Here each pair is gathered next to its partner once (one copy, in float32) and rotated by one
+complex multiply; the result stays in that interleaved order. q and k leave RoPE permuted alike within
+each head, and attention only takes dot products of q with k, so its output does not change (the
+permutation cancels in q . k; v is not permuted). Backward mirrors it: one complex multiply by the
+conjugate angles, then one copy back to the rotate-half order of the projection's rows.
+
+Kernels per rotation, forward + backward, in eager mode (the kernel counts of docs/benchmarks.md): float32
+2 + 2, bfloat16 3 + 3 (the copies in and out of float32 are the casts), against 4 + 4 and 6 + 7 written out,
+and torchtitan's complex form on its interleaved rows: 1 + 2 and 3 + 4. Under torch.compile the same rotation
+is written in real arithmetic, which inductor fuses into one kernel each way (tests/test_model.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rope_table(inv_freq: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+    """(2, max_seq_len, head_dim // 2, 2) float32: [0] (cos, sin) of each pair's angle at each position, the
+    forward's rotation; [1] (cos, -sin), its inverse, for backward. `inv_freq`: (head_dim // 2,) float32."""
+    positions = torch.arange(max_seq_len, device=inv_freq.device, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq)  # (max_seq_len, head_dim // 2)
+    cos, sin = angles.cos(), angles.sin()
+    return torch.stack([torch.stack([cos, sin], dim=-1), torch.stack([cos, -sin], dim=-1)])
+
+
+def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """x (bs, seqlen, heads, head_dim), rotate-half order, rotated by the angles of `table[:, :seqlen]`
+    (rope_table's, or its rows at given positions). Returned in the interleaved order
+    (x0, x_{h}), (x1, x_{h+1}), ...: apply it to q and k alike and to nothing else."""
+    table = table[:, : x.shape[1], None]  # (2, seqlen, 1, head_dim // 2, 2): broadcast over bs and heads
+    if torch.compiler.is_compiling():
+        return _rotate_fused(x, table[0])
+    return _Rotate.apply(x, table)
+
+
+def _rotate_fused(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """What _Rotate computes, in real arithmetic for torch.compile: inductor fuses it into one kernel each way,
+    casts included, where it would split the complex form around the casts (two kernels each way in bfloat16)."""
+    first, second = x.to(_working_dtype(x.dtype)).view(*x.shape[:-1], 2, -1).unbind(-2)  # pair halves
+    cos, sin = angles.float().unbind(-1)
+    return torch.stack([first * cos - second * sin, first * sin + second * cos], dim=-1).flatten(-2).to(x.dtype)
+
+
+def _working_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32, or float64 for float64 tensors (a Python choice: torch.promote_types would be an op in backward)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _working(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` in `dtype` and contiguous: at most one copy (a cast when the dtype differs)."""
+    return t.contiguous() if t.dtype == dtype else t.to(dtype, memory_format=torch.contiguous_format)
+
+
+class _Rotate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        table = table.float()  # float32 already, unless a module.to(dtype) cast the buffer
+        ctx.save_for_backward(table[1])
+        work = _working_dtype(x.dtype)
+        pairs = _working(x.view(*x.shape[:-1], 2, -1).transpose(-1, -2), work)  # (..., head_dim // 2, 2)
+        rotated = torch.view_as_complex(pairs) * torch.view_as_complex(table[0])
+        return torch.view_as_real(rotated).flatten(-2).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (inverse,) = ctx.saved_tensors
+        dtype = grad.dtype
+        grad = _working(grad, _working_dtype(dtype))  # attention's come contiguous: a cast in bfloat16, else nothing
+        g = torch.view_as_complex(grad.view(*grad.shape[:-1], -1, 2)) * torch.view_as_complex(inverse)
+        return _working(torch.view_as_real(g).transpose(-1, -2), dtype).flatten(-2), None
