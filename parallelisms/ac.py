@@ -4,7 +4,7 @@ Modes (config section [activation_checkpoint]):
     none                        keep every activation
     full                        keep only each block's input; recompute the whole block in backward
     selective, option "op"      recompute the block, but keep the outputs of the expensive ops:
-                                attention, TP's reduce-scatters (_SAVE_OPS) and the matmuls of the
+                                attention, TP's collectives (_SAVE_OPS) and the matmuls of the
                                 linears the family names (plans.py SAC_SAVED_LINEARS)
     selective, option k         full AC on every k-th block only (1 = full)
 
@@ -57,6 +57,9 @@ _SAVE_OPS: frozenset[torch._ops.OpOverload] = frozenset(
         # recomputing them would repeat the communication.
         torch.ops._c10d_functional.reduce_scatter_tensor.default,
         torch.ops._c10d_functional.all_gather_into_tensor.default,
+        # A block's all-reduce: OLMo 2's norm statistic over a TP-split projection, (bs, seqlen, 1) float32, 4 bytes
+        # a token to keep against a collective's latency to send again (tests/test_parallelisms.py counts it).
+        torch.ops._c10d_functional.all_reduce.default,
         # The amax of float8 scaling: cheap to keep, a full reduction to recompute.
         aten.max.default,
     }

@@ -30,7 +30,17 @@ from parallelisms.compile import inductor_cache_dir
 from parallelisms.tp import check_tp
 from tests.instruments import count_calls, count_host_reads, count_ops
 from tests.launch import REPO
-from tests.parity_worker import LAYOUTS, OP_SAC, TINY, build_tiny, max_param_diff, random_batch, train
+from tests.parity_worker import (
+    LAYOUTS,
+    OP_SAC,
+    SEQ_LEN,
+    TINY,
+    TINY_SHAPES,
+    build_tiny,
+    max_param_diff,
+    random_batch,
+    train,
+)
 from train import train_step
 
 TOL = 1e-5
@@ -347,3 +357,70 @@ def test_compiled_op_sac_recomputes_the_unnamed_matmuls() -> None:
     assert backward_matmuls(SAVED) == {14 + 3}
     assert backward_matmuls(()) == {14 + 6}  # nothing named: every matmul but w2's (not needed) recomputed
     torch._dynamo.reset()
+
+
+# Per block, beyond sequence parallel's all-gathers and reduce-scatters: OLMo 2's QK-norms over column-split
+# projections all-reduce a (bs, seqlen, 1) float32 statistic, once per norm each way (models/olmo2/plans.py).
+# A new family adds its row.
+TP_STATISTICS_PER_BLOCK = {"llama3": 0, "qwen3": 0, "olmo2": 4}
+
+
+def tp_block_collectives(family: str, ac: str) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """One block of `family` under its TP plan (torch's fake backend, one process: nothing is computed across
+    ranks, every collective is recorded), forward and backward: the (kind, bytes) of its collectives, and those
+    its plan should issue: sequence parallel's all-gather before attention and before the MLP and reduce-scatter
+    after each, of a (bs, seqlen, dim) activation, mirrored in backward, plus TP_STATISTICS_PER_BLOCK."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import models
+    from parallelisms.tp import apply_tp
+    from tests.instruments import CollectiveLog, observe_ops
+
+    fam = models.family(family)
+    args = dataclasses.replace(TINY_SHAPES[family], n_layers=1)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        with torch.device("meta"):
+            model = fam.model_cls(args)
+        model.to_empty(device="cpu")
+        model.init_weights()
+        apply_tp(model, init_device_mesh("cpu", (2,)), block_plan=fam.tp_plan, loss_parallel=False, seq_len=SEQ_LEN)
+        if ac == "op":
+            apply_ac(model, OP_SAC, saved_linears=fam.sac_saved_linears)
+        bs, log = 2, CollectiveLog({(0, 1): "tp"})
+        x = torch.randn(bs, SEQ_LEN // 2, args.dim, requires_grad=True)  # this rank's sequence shard
+        with observe_ops(log):
+            model.layers["0"](x, model.rope_cos_sin, None).sum().backward()
+    finally:
+        dist.destroy_process_group()
+    activation, statistic = bs * SEQ_LEN * args.dim * 4, bs * SEQ_LEN * 4
+    expected = [("all_gather", activation)] * 4 + [("reduce_scatter", activation)] * 4
+    expected += [("all_reduce", statistic)] * TP_STATISTICS_PER_BLOCK[family]
+    return sorted((c.op, c.payload_bytes) for c in log.records), sorted(expected)
+
+
+@pytest.mark.parametrize("ac", ["none", "op"])
+@pytest.mark.parametrize("family", list(TINY_SHAPES))
+def test_each_familys_tp_block_moves_what_its_plan_should_and_no_more(family: str, ac: str) -> None:
+    """A plan that trains correctly but moves more fails here where the losses would not. Op SAC keeps the
+    collectives' outputs (parallelisms/ac.py): its recomputation sends nothing again, OLMo 2's statistics
+    included (they were sent three times before they were kept)."""
+    found, expected = tp_block_collectives(family, ac)
+    assert found == expected
+
+
+def test_the_tp_count_fails_a_norm_that_reduce_scatters_its_full_width_gradient(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """OLMo 2's QK-norm left to DTensor's own redistribute (the obvious port) trains the same but sends each
+    norm's gradient at the projection's full width in backward: the count above catches it."""
+    from torch.distributed.tensor import Replicate
+
+    from models.olmo2 import model as olmo2_model
+
+    slow = staticmethod(lambda partial: partial.redistribute(placements=[Replicate()]))
+    monkeypatch.setattr(olmo2_model._SumOfShards, "apply", slow)
+    found, expected = tp_block_collectives("olmo2", "none")
+    assert found != expected and sum(kind == "reduce_scatter" for kind, _ in found) == 6, found
