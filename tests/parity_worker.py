@@ -86,6 +86,11 @@ STEPS = 5
 GLOBAL_BATCH = 4
 SEQ_LEN = 32
 LR = 1e-3
+# AdamW's epsilon, above the float32 rounding of a gradient summed in another order. An element whose gradient is near
+# epsilon moves by about lr * g / (|g| + eps) on the first step, so at torch's 1e-8 a rounding difference of 6e-10 in a
+# gradient of 1e-8 (OLMo 2's TP 2: every gradient within 5e-8 of one process') moved a weight 1.4e-5, above TOL. At
+# 1e-6 the same difference moves it 6e-7; the steps of gradients far above epsilon do not change.
+ADAM_EPS = 1e-6
 # Below the tiny model's gradient norm (about 1-2 at init), so clipping really scales the gradients.
 MAX_NORM = 0.5
 Z_LOSS_WEIGHT = 1e-2  # the tiny model's z-loss is about 24 (logsumexp near log 128): 0.24 of its loss of about 5
@@ -161,9 +166,9 @@ LAYOUTS: dict[str, Layout] = {
     "qwen3_fsdp2_tp2_compile_op_sac_block_causal": Layout(
         dp_shard=2, tp=2, ac=OP_SAC, compile=True, block_causal=True, family="qwen3"
     ),
-    # OLMo 2 through the same code: FSDP and its pipeline stages. Its TP 2 layout is not here yet: its losses match
-    # (4.8e-7) but one parameter drifts 3.6e-5 in 5 steps, above TOL (docs/benchmarks.md).
+    # OLMo 2 through the same code: FSDP, its TP plan (norms over column-split projections), its pipeline stages.
     "olmo2_fsdp2": Layout(dp_shard=2, family="olmo2"),
+    "olmo2_tp2": Layout(tp=2, family="olmo2"),
     "olmo2_pp2": Layout(pp=2, family="olmo2"),
 }
 # Context parallel (parallelisms/cp.py): FSDP shards over the CP ranks; on CPU, SDPA with a dense mask of the rank's
@@ -261,7 +266,7 @@ def train(
     loss, so this is the mean over the data-parallel ranks, the average FSDP takes of the
     gradients, and thus the single-process mean over the global batch.
     """
-    optimizer = build_optimizer(Optimizer(lr=LR), model)
+    optimizer = build_optimizer(Optimizer(lr=LR, eps=ADAM_EPS), model)
     batch = [Batch(tokens[:, :-1], tokens[:, 1:] if labels is None else labels, segments, divisor)]
     loss_fn = build_loss_fn(Compile(), chunk_tokens=loss_chunk_tokens, z_loss_weight=z_loss_weight)
     losses, times = [], []

@@ -281,8 +281,8 @@ def test_tp_moves_only_the_qk_norm_statistic(sum_of_shards: str, monkeypatch: py
     other collective of the block is Llama's (sequence parallel's all-gathers and reduce-scatters). So in
     generation's plan, whose weights of the norm stay split like wq's. "dtensor": without `_SumOfShards`,
     DTensor's own redistribute, backward reduce-scatters the full-width gradient of each norm's input.
-    The values (torch's fake backend, one process) are not what is checked here; OLMo 2's TP 2 layout is not yet
-    in the parity table (docs/benchmarks.md, "OLMo 2", says where it drifts)."""
+    The values (torch's fake backend, one process) are not what is checked here: the parity table's olmo2_tp2 checks
+    them (tests/parity_worker.py)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
