@@ -162,6 +162,14 @@ PUBLISHED_CONFIGS = {
     "olmo2_13b": published(
         hidden_size=5120, intermediate_size=13824, num_attention_heads=40, num_hidden_layers=40, num_key_value_heads=40
     ),
+    # The 1B (OLMo-2-0425-1B) and 32B (OLMo-2-0325-32B) shapes as Ai2's OLMo-core defines them (olmo2_1B_v2,
+    # olmo2_32B); the rest as the 7B's config.json. 1,484,916,736 and 32,234,279,936 parameters.
+    "olmo2_1b": published(
+        hidden_size=2048, intermediate_size=8192, num_attention_heads=16, num_hidden_layers=16, num_key_value_heads=16
+    ),
+    "olmo2_32b": published(
+        hidden_size=5120, intermediate_size=27648, num_attention_heads=40, num_hidden_layers=64, num_key_value_heads=8
+    ),
 }
 
 

@@ -32,8 +32,10 @@ IGNORED_WEIGHT_SUFFIXES = (".self_attn.rotary_emb.inv_freq",)
 # Where each published flavor's weights and tokenizer live on the Hugging Face hub: the Base (pretrained
 # only) repos. allenai/OLMo-2-0425-1B and allenai/OLMo-2-0325-32B have no flavor yet (model.py says why).
 PUBLISHED = {
+    "olmo2_1b": "allenai/OLMo-2-0425-1B",
     "olmo2_7b": "allenai/OLMo-2-1124-7B",
     "olmo2_13b": "allenai/OLMo-2-1124-13B",
+    "olmo2_32b": "allenai/OLMo-2-0325-32B",
 }
 _TOP_LEVEL = {
     "model.embed_tokens.weight": "tok_embeddings.weight",

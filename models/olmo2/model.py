@@ -23,8 +23,9 @@ Design rules shared with the other families, so the same skeleton (models/__init
   * Layers in a ModuleDict keyed "0", "1", ... so names stay stable under pipeline cuts.
   * RoPE in the "rotate half" layout of Hugging Face checkpoints: HF weights load unpermuted.
 
-This folder is self-contained on purpose (a fork may delete any family): the RoPE table is written again
-here. The attention core and its masks are generic (models/attention.py), shared by every family.
+This folder is self-contained on purpose (a fork may delete any family): its RoPE frequencies are written
+again here. The attention core, its masks and the rotation of q and k are generic (models/attention.py,
+models/rope.py), shared by every family.
 """
 
 from __future__ import annotations
@@ -73,8 +74,10 @@ FLAVORS: dict[str, ModelArgs] = {
         dim=256, n_layers=6, n_heads=16, n_kv_heads=8, head_dim=16, hidden_dim=768, vocab_size=2048,
         max_seq_len=2048,
     ),
+    "olmo2_1b": ModelArgs(dim=2048, n_layers=16, n_heads=16, n_kv_heads=16, head_dim=128, hidden_dim=8192),
     "olmo2_7b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, head_dim=128, hidden_dim=11008),
     "olmo2_13b": ModelArgs(dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, head_dim=128, hidden_dim=13824),
+    "olmo2_32b": ModelArgs(dim=5120, n_layers=64, n_heads=40, n_kv_heads=8, head_dim=128, hidden_dim=27648),
 }  # fmt: skip
 
 

@@ -22,9 +22,10 @@ Design rules shared with Llama's module, so the same skeleton (models/__init__.p
   * RoPE in the "rotate half" layout of Hugging Face checkpoints: HF weights load unpermuted.
   * attn_mask_type "block_causal": attention stays inside each packed document (`segments`).
 
-This folder is self-contained on purpose: the RoPE table is a few lines, written again here rather
+This folder is self-contained on purpose: its RoPE frequencies are a few lines, written again here rather
 than imported from models/llama3, so a fork may delete or change either family without breaking the
-other. The attention core and its masks are generic (models/attention.py), shared by every family.
+other. The attention core, its masks and the rotation of q and k are generic (models/attention.py,
+models/rope.py), shared by every family.
 """
 
 from __future__ import annotations
