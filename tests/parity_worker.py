@@ -169,6 +169,7 @@ LAYOUTS: dict[str, Layout] = {
     # OLMo 2 through the same code: FSDP, its TP plan (norms over column-split projections), its pipeline stages.
     "olmo2_fsdp2": Layout(dp_shard=2, family="olmo2"),
     "olmo2_tp2": Layout(tp=2, family="olmo2"),
+    "olmo2_tp2_op_sac": Layout(tp=2, ac=OP_SAC, family="olmo2"),  # op SAC keeps the norms' all-reduced statistics
     "olmo2_pp2": Layout(pp=2, family="olmo2"),
 }
 # Context parallel (parallelisms/cp.py): FSDP shards over the CP ranks; on CPU, SDPA with a dense mask of the rank's
@@ -186,6 +187,7 @@ CP_LAYOUTS: dict[str, Layout] = {
     "pp2_cp2": Layout(pp=2, cp=2),
     "hsdp2x1_cp2": Layout(dp_replicate=2, cp=2),  # FSDP over the CP ranks inside, replicas outside
     "qwen3_cp2": Layout(cp=2, family="qwen3"),  # the shared attention core, QK-norm before it
+    "olmo2_cp2": Layout(cp=2, family="olmo2"),  # post-norm blocks around the same core
     "cp2_chat": Layout(cp=2, chat=True, block_causal=True),
 }
 # Chat data (data/chat.py): the loss is the mean over the global batch's counted labels, however unevenly the ranks,

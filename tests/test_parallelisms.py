@@ -362,7 +362,11 @@ def test_compiled_op_sac_recomputes_the_unnamed_matmuls() -> None:
 # Per block, beyond sequence parallel's all-gathers and reduce-scatters: OLMo 2's QK-norms over column-split
 # projections all-reduce a (bs, seqlen, 1) float32 statistic, once per norm each way (models/olmo2/plans.py).
 # A new family adds its row.
-TP_STATISTICS_PER_BLOCK = {"llama3": 0, "qwen3": 0, "olmo2": 4}
+TP_STATISTICS_PER_BLOCK = {
+    "llama3": 0,
+    "qwen3": 0,
+    "olmo2": 4,
+}
 
 
 def tp_block_collectives(family: str, ac: str) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
