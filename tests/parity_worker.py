@@ -158,16 +158,19 @@ LAYOUTS: dict[str, Layout] = {
     # pipeline stages.
     "qwen3_fsdp2": Layout(dp_shard=2, family="qwen3"),
     "qwen3_pp2": Layout(pp=2, family="qwen3", loss_chunk_tokens=24),
-    # Compile on FSDP x TP: its named SAC linears, the documents' segments, TP + compile's first-block input (see
-    # parallelisms.tp._wait_async_output). One compiled layout of 4 ranks, because one costs more than all the eager
-    # layouts of its launch together; Qwen3's block is Llama's plus QK-norm. The rest of compile is covered elsewhere:
-    # Llama's named SAC linears and the plain causal mask in cp2_compile_op_sac, TP alone in tp2_compile_full_ac,
-    # FSDP alone in configs/debug_compile.toml (tests/test_parallel_configs.py).
-    "qwen3_fsdp2_tp2_compile_op_sac_block_causal": Layout(
-        dp_shard=2, tp=2, ac=OP_SAC, compile=True, block_causal=True, family="qwen3"
-    ),
     # OLMo 2 through the same code: FSDP, its TP plan (norms over column-split projections), its pipeline stages.
     "olmo2_fsdp2": Layout(dp_shard=2, family="olmo2"),
+    "olmo2_fsdp2_tp2": Layout(dp_shard=2, tp=2, family="olmo2"),  # the split norms' weights sharded twice
+    # Compile on FSDP x TP: its named SAC linears, the documents' segments, TP + compile's first-block input (see
+    # parallelisms.tp._wait_async_output). One compiled layout of 4 ranks, because one costs more than all the eager
+    # layouts of its launch together, and OLMo 2's, the block with the most to compile: post-norms, the QK-norm's
+    # statistic all-reduced by an autograd function, op SAC keeping it. (Qwen3's block is Llama's plus a per-head
+    # norm; it was this layout until 2026-11-27.) The rest of compile is covered elsewhere: Llama's named SAC linears
+    # and the plain causal mask in cp2_compile_op_sac, TP alone in tp2_compile_full_ac, FSDP alone in
+    # configs/debug_compile.toml (tests/test_parallel_configs.py).
+    "olmo2_fsdp2_tp2_compile_op_sac_block_causal": Layout(
+        dp_shard=2, tp=2, ac=OP_SAC, compile=True, block_causal=True, family="olmo2"
+    ),
     "olmo2_tp2": Layout(tp=2, family="olmo2"),
     "olmo2_tp2_op_sac": Layout(tp=2, ac=OP_SAC, family="olmo2"),  # op SAC keeps the norms' all-reduced statistics
     "olmo2_pp2": Layout(pp=2, family="olmo2"),
