@@ -1,5 +1,5 @@
 """Async TP (docs/failures.md #4): does inductor's micro-pipeline TP pass find the TP plan's collectives in this
-recipe's compiled blocks? Counted on CPU, per block, forward and backward, for each AC mode and both families.
+recipe's compiled blocks? Counted on CPU, per block, forward and backward, for each AC mode and every family.
 
     python -m benchmarks.async_tp_fusion
 
@@ -39,6 +39,7 @@ from benchmarks.harness import Row
 LAYOUTS = [
     ("llama3", "none"), ("llama3", "op"), ("llama3", "op, gathers kept"), ("llama3", "full"),
     ("qwen3", "none"), ("qwen3", "op"), ("qwen3", "full"),
+    ("olmo2", "none"), ("olmo2", "op"), ("olmo2", "full"),
 ]  # fmt: skip
 COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
 FUSED = ("fused_all_gather_matmul", "fused_matmul_reduce_scatter")
