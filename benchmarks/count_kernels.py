@@ -9,11 +9,19 @@ estimate_memory.observe_ops. On a GPU every op an eager step dispatches that is 
 launch, and at small shapes launches, not FLOPs, bound a step. DTensor ops count as the local ops they run,
 collectives as one op each; views (reshapes, transposes, slices) launch nothing and are counted apart, and
 record_function's annotations (the profiler namespace) not at all.
+
+A compiled step (`--compile.enable` among the trainer's arguments) is counted from torch.profiler instead, as its
+launches: on CPU every kernel inductor generated (its C++ kernels announce themselves with `cpp.enable_kernel_profile`,
+set before either trainer compiles) and every op called outside them (matmuls and attention, collectives, the
+optimizer, the compiled code's glue) that is not a view and not inside another op; on a GPU every kernel launch the
+CUDA runtime or driver records (Triton's, fused the GPU's way, included; not yet run on one). The same rule for both
+trainers.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections import Counter
 from collections.abc import Callable
@@ -21,44 +29,100 @@ from pathlib import Path
 from typing import Any
 
 COUNTED_STEP = 2
+_OP = re.compile(r"^(aten|c10d|_c10d_functional|fsdp)::(\w+)")
+_GENERATED = re.compile(r"cpp_fused")  # a C++ kernel inductor generated (graph_<n>_cpp_fused_...)
+_LAUNCH = re.compile(r"^cu(da)?LaunchKernel")  # cudaLaunchKernel(ExC), cuLaunchKernel(Ex): Triton's too
 
 
-def count_step(step_fn: Callable[..., Any], is_counted: Callable[..., bool], out: Path) -> Callable[..., Any]:
-    """`step_fn`, writing to `out` (JSON) on rank 0 the ops of the call where `is_counted(*args, **kwargs)`."""
+def count_step(
+    step_fn: Callable[..., Any], is_counted: Callable[..., bool], out: Path, *, compiled: bool = False
+) -> Callable[..., Any]:
+    """`step_fn`, writing to `out` (JSON) on rank 0 the ops of the call where `is_counted(*args, **kwargs)`: as the
+    dispatcher runs them, or for a `compiled` step its launches as the profiler records them (module docstring)."""
     import torch.distributed as dist
-
-    from estimate_memory import observe_ops
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         if not (is_counted(*args, **kwargs) and dist.get_rank() == 0):
             return step_fn(*args, **kwargs)
-        kernels: Counter[str] = Counter()
-        views = 0
-
-        def on_op(op: Any, *_: Any) -> None:
-            nonlocal views
-            if op.namespace == "profiler":  # record_function's annotations: no kernel
-                return
-            if op.is_view:
-                views += 1
-            else:
-                kernels[op.name()] += 1
-
-        with observe_ops(on_op):
-            result = step_fn(*args, **kwargs)
-        counts = {"kernels": sum(kernels.values()), "views": views, "by_op": dict(sorted(kernels.items()))}
+        result, counts = (_profiled if compiled else _dispatched)(step_fn, *args, **kwargs)
         out.write_text(json.dumps(counts, indent=1))
         return result
 
     return counted
 
 
+def _dispatched(step_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
+    from estimate_memory import observe_ops
+
+    kernels: Counter[str] = Counter()
+    views = 0
+
+    def on_op(op: Any, *_: Any) -> None:
+        nonlocal views
+        if op.namespace == "profiler":  # record_function's annotations: no kernel
+            return
+        if op.is_view:
+            views += 1
+        else:
+            kernels[op.name()] += 1
+
+    with observe_ops(on_op):
+        result = step_fn(*args, **kwargs)
+    return result, {"kernels": sum(kernels.values()), "views": views, "by_op": dict(sorted(kernels.items()))}
+
+
+def _profiled(step_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+        result = step_fn(*args, **kwargs)
+    kernels: Counter[str] = Counter()
+    views = 0
+    for event in prof.events():
+        if cuda:  # every launch, generated or not, is a call of the CUDA runtime or driver (not yet run on a GPU)
+            if _LAUNCH.match(event.name):
+                kernels["cuda::launch"] += 1
+        elif _GENERATED.search(event.name):
+            kernels["inductor::generated"] += 1
+        elif (op := _OP.match(event.name)) and not _inside_an_op(event):
+            if _is_view(op[1], op[2]):
+                views += 1
+            else:
+                kernels[event.name] += 1
+    return result, {"kernels": sum(kernels.values()), "views": views, "by_op": dict(sorted(kernels.items()))}
+
+
+def _inside_an_op(event: Any) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if _OP.match(parent.name):
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def _is_view(namespace: str, name: str) -> bool:
+    import torch
+
+    packet = getattr(getattr(torch.ops, namespace, None), name, None)
+    overloads = [getattr(packet, o) for o in packet.overloads()] if packet is not None else []
+    return any(o.is_view for o in overloads)
+
+
 def main(argv: list[str]) -> int:
     trainer, out, trainer_argv = argv[0], Path(argv[1]), argv[2:]
+    compiled = "--compile.enable" in trainer_argv
+    if compiled:
+        import torch._inductor.config
+
+        torch._inductor.config.cpp.enable_kernel_profile = True  # before either trainer compiles
     if trainer == "recipe":
         import train  # the repo is on PYTHONPATH (benchmarks.harness.run_python)
 
-        train.train_step = count_step(train.train_step, lambda *a, step, **k: step == COUNTED_STEP, out)
+        is_counted = lambda *a, step, **k: step == COUNTED_STEP  # noqa: E731
+        train.train_step = count_step(train.train_step, is_counted, out, compiled=compiled)
         return train.main(trainer_argv)
     from tests import torchtitan_trainer
 
@@ -66,7 +130,8 @@ def main(argv: list[str]) -> int:
     torchtitan_trainer.prepare()
     from torchtitan.train import Trainer
 
-    Trainer.train_step = count_step(Trainer.train_step, lambda self, *a, **k: self.step == COUNTED_STEP, out)
+    is_titans = lambda self, *a, **k: self.step == COUNTED_STEP  # noqa: E731
+    Trainer.train_step = count_step(Trainer.train_step, is_titans, out, compiled=compiled)
     torchtitan_trainer.main()
     return 0
 

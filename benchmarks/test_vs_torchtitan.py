@@ -38,3 +38,25 @@ def test_torchtitans_trainer_and_this_recipe_side_by_side(tmp_path: Path) -> Non
     assert rows[1].metric == "kernels per eager step (ops dispatched but views, step 2), FSDP 2"
     ratio = fsdp2["recipe_tps"] / fsdp2["torchtitan_tps"]  # one round: the per-round ratio is the ratio
     assert rows[0].metric == f"tokens/s per device, FSDP 2; per round {ratio:.3f}x ({ratio:.3f}-{ratio:.3f})"
+
+
+def test_a_compiled_step_is_counted_as_its_launches(tmp_path: Path) -> None:
+    """count_kernels on a compiled step (benchmarks/count_kernels.py, `_profiled`): each kernel inductor generated
+    once per call, each op outside them once (the matmuls inductor leaves to aten), nothing nested inside an op or a
+    view."""
+    import torch
+    import torch._inductor.config
+
+    from benchmarks.count_kernels import _profiled
+
+    def step(x: torch.Tensor, w: torch.Tensor) -> None:
+        (torch.nn.functional.silu(x @ w) * 2 + 1).sum().backward()
+
+    x, w = torch.randn(64, 64), torch.randn(64, 64, requires_grad=True)
+    with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):
+        compiled = torch.compile(step)
+        compiled(x, w)  # compiles
+        _, counts = _profiled(compiled, x, w)
+    # The forward's matmul and fused kernel; backward's seed (ones), fused kernel, matmul and accumulation into w.grad.
+    expected = {"aten::mm": 2, "inductor::generated": 2, "aten::ones_like": 1, "aten::add_": 1}
+    assert counts == {"kernels": 6, "views": 0, "by_op": expected}, counts

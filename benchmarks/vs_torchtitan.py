@@ -18,9 +18,9 @@ shards over one rank, torchtitan applies no FSDP and trains under autocast, so t
 the same thing). A round runs both trainers once per layout, which goes first alternating from round to round (a busy machine slows both alike); a run's tokens/s per device
 is the median of its steps after the first two (lazy initialization, compilation), its memory the
 peak. A row: the median over rounds of each side, and the median and spread (min - max) of the
-per-round ratio ours / torchtitan's. In the eager layouts both trainers start through
-benchmarks/count_kernels.py, which counts the ops of one untimed step: kernels per step, GPU launches
-(the same in every round). The two trainers do not read their documents in the same
+per-round ratio ours / torchtitan's. Both trainers start through benchmarks/count_kernels.py, which
+counts the kernels of one untimed step, GPU launches on a GPU (the same in every round): the ops an eager
+step dispatches, or the launches of a compiled one. The two trainers do not read their documents in the same
 order (torchtitan packs a streamed dataset, this recipe reads windows of one token stream), so their
 losses are close, not equal; both are printed.
 """
@@ -42,7 +42,6 @@ import torch
 from benchmarks import harness
 from benchmarks.count_kernels import COUNTED_STEP
 from benchmarks.harness import Row
-from config import REPO
 from tests.torchtitan_trainer import user_folder
 
 PROBLEM = "vs torchtitan"
@@ -73,6 +72,14 @@ def trainer_args(trainer: str, layout: str, *, folder: Path, steps: int, cuda: b
     return args
 
 
+def compiled(layout: str) -> bool:
+    return "--compile.enable" in LAYOUTS[layout]
+
+
+def step_kind(layout: str) -> str:
+    return "compiled" if compiled(layout) else "eager"
+
+
 def label(layout: str, nproc: int) -> str:
     return LABELS[layout].format(n=nproc)
 
@@ -82,12 +89,7 @@ def run(trainer: str, layout: str, *, folder: Path, steps: int, cuda: bool, npro
     args = trainer_args(trainer, layout, folder=folder, steps=steps, cuda=cuda)
     dump = dump_folder(folder, trainer, layout)
     kernels = folder / f"kernels-{trainer}-{layout}.json"
-    if "--compile.enable" not in LAYOUTS[layout]:  # an eager step's ops, counted outside the timed steps
-        entry = ["-m", "benchmarks.count_kernels", trainer, str(kernels)]
-    elif trainer == "recipe":
-        entry = [str(REPO / "train.py")]
-    else:
-        entry = ["-m", "tests.torchtitan_trainer"]
+    entry = ["-m", "benchmarks.count_kernels", trainer, str(kernels)]  # one step's kernels, outside the timed steps
     proc = harness.run_python(*entry, *args, nproc=nproc, capture=True, cwd=folder)
     if proc.returncode != 0:
         raise SystemExit(f"{trainer} ({layout}) exited with status {proc.returncode}:\n{proc.stderr[-4000:]}")
@@ -143,7 +145,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             **{f"{side}_losses": rs[0]["losses"] for side, rs in sides.items()},
         }  # fmt: skip
         ours, theirs = sides["recipe"][0]["kernels"], sides["torchtitan"][0]["kernels"]
-        if ours and theirs:  # eager layouts: the same in every round
+        if ours and theirs:  # the same in every round
             mine, peer = Counter(ours["by_op"]), Counter(theirs["by_op"])
             results[layout] |= {
                 "recipe_kernels": ours["kernels"], "torchtitan_kernels": theirs["kernels"],
@@ -166,8 +168,9 @@ def rows(results: dict[str, Any]) -> list[Row]:
         paired = f"per round {r['ratio']:.3f}x ({r['ratio_min']:.3f}-{r['ratio_max']:.3f})"
         out.append(row(f"tokens/s per device, {name}; {paired}", "tok/s", "tps"))
         if "recipe_kernels" in r:
+            what = "launches but views" if compiled(layout) else "ops dispatched but views"
             out.append(
-                row(f"kernels per eager step (ops dispatched but views, step {COUNTED_STEP}), {name}", "ops", "kernels")
+                row(f"kernels per {step_kind(layout)} step ({what}, step {COUNTED_STEP}), {name}", "ops", "kernels")
             )
         out.append(row(f"peak memory per device, {name}", "GiB", "memory_gib"))
     return out
@@ -191,7 +194,7 @@ def table(results: dict[str, Any]) -> str:
             more = ", ".join(f"{op} +{n}" for op, n in r["kernels_more_here"].items())
             fewer = ", ".join(f"{op} -{n}" for op, n in r["kernels_fewer_here"].items())
             lines.append(
-                f"  {'':<26} kernels per eager step {r['recipe_kernels']} vs {r['torchtitan_kernels']}: "
+                f"  {'':<26} kernels per {step_kind(layout)} step {r['recipe_kernels']} vs {r['torchtitan_kernels']}: "
                 f"{'; '.join(part for part in (more, fewer) if part) or 'the same ops'}"
             )
     return "\n".join(lines)
