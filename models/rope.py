@@ -60,6 +60,8 @@ def _working(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class _Rotate(torch.autograd.Function):
+    """The eager rotation (module docstring): autograd's own backward of it would take four kernels, this one two."""
+
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         table = table.float()  # float32 already, unless a module.to(dtype) cast the buffer
