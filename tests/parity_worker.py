@@ -160,7 +160,10 @@ LAYOUTS: dict[str, Layout] = {
     "qwen3_pp2": Layout(pp=2, family="qwen3", loss_chunk_tokens=24),
     # OLMo 2 through the same code: FSDP, its TP plan (norms over column-split projections), its pipeline stages.
     "olmo2_fsdp2": Layout(dp_shard=2, family="olmo2"),
+    "olmo2_tp2": Layout(tp=2, family="olmo2"),
+    "olmo2_tp2_op_sac": Layout(tp=2, ac=OP_SAC, family="olmo2"),  # op SAC keeps the norms' all-reduced statistics
     "olmo2_fsdp2_tp2": Layout(dp_shard=2, tp=2, family="olmo2"),  # the split norms' weights sharded twice
+    "olmo2_pp2": Layout(pp=2, family="olmo2"),
     # Compile on FSDP x TP: its named SAC linears, the documents' segments, TP + compile's first-block input (see
     # parallelisms.tp._wait_async_output). One compiled layout of 4 ranks, because one costs more than all the eager
     # layouts of its launch together, and OLMo 2's, the block with the most to compile: post-norms, the QK-norm's
@@ -171,9 +174,6 @@ LAYOUTS: dict[str, Layout] = {
     "olmo2_fsdp2_tp2_compile_op_sac_block_causal": Layout(
         dp_shard=2, tp=2, ac=OP_SAC, compile=True, block_causal=True, family="olmo2"
     ),
-    "olmo2_tp2": Layout(tp=2, family="olmo2"),
-    "olmo2_tp2_op_sac": Layout(tp=2, ac=OP_SAC, family="olmo2"),  # op SAC keeps the norms' all-reduced statistics
-    "olmo2_pp2": Layout(pp=2, family="olmo2"),
 }
 # Context parallel (parallelisms/cp.py): FSDP shards over the CP ranks; on CPU, SDPA with a dense mask of the rank's
 # queries x the window.
