@@ -428,3 +428,73 @@ def test_the_tp_count_fails_a_norm_that_reduce_scatters_its_full_width_gradient(
     monkeypatch.setattr(olmo2_model._SumOfShards, "apply", slow)
     found, expected = tp_block_collectives("olmo2", "none")
     assert found != expected and sum(kind == "reduce_scatter" for kind, _ in found) == 6, found
+
+
+@pytest.mark.parametrize("family", list(TINY_SHAPES))
+def test_each_familys_tp_block_computes_what_one_process_computes(family: str) -> None:
+    """The values of the count above, in one process in seconds: the two TP ranks run as threads over torch's
+    threaded process group, each with its sequence shard of the residual, one block under the family's plan, forward
+    and backward; their outputs, input gradients and (gathered) weight gradients against the unsharded block's."""
+    import threading
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.testing._internal.distributed.multi_threaded_pg import _install_threaded_pg, _uninstall_threaded_pg
+
+    import models
+    from parallelisms.tp import apply_tp
+
+    fam, args = models.family(family), dataclasses.replace(TINY_SHAPES[family], n_layers=1)
+    torch.manual_seed(0)
+    model = fam.model_cls(args)
+    model.init_weights()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    x, grad = torch.randn(2, SEQ_LEN, args.dim), torch.randn(2, SEQ_LEN, args.dim)
+    x_ref = x.clone().requires_grad_()
+    out_ref = model.layers["0"](x_ref, model.rope_cos_sin, None)
+    out_ref.backward(grad)
+    grads_ref = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+    results: dict[int, tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]] = {}
+    errors: list[BaseException] = []
+    store = dist.HashStore()
+
+    def rank(r: int) -> None:  # the global RNG is shared by the threads: nothing random in here
+        try:
+            dist.init_process_group("threaded", rank=r, world_size=2, store=store)
+            tp = fam.model_cls(args)
+            tp.load_state_dict(state)
+            apply_tp(tp, init_device_mesh("cpu", (2,)), block_plan=fam.tp_plan, loss_parallel=False, seq_len=SEQ_LEN)
+            rows = slice(r * SEQ_LEN // 2, (r + 1) * SEQ_LEN // 2)  # this rank's sequence shard
+            x_r = x[:, rows].clone().requires_grad_()
+            out = tp.layers["0"](x_r, tp.rope_cos_sin, None)
+            out.backward(grad[:, rows])
+            full = {
+                n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for n, p in tp.named_parameters()
+            }
+            results[r] = (out.detach(), x_r.grad, {n: g for n, g in full.items() if g is not None})
+        except BaseException as e:  # kept for the test's thread, which asserts there was none
+            errors.append(e)
+            raise
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    _install_threaded_pg()
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)  # each thread its own group registry
+    try:
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    finally:
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+        _uninstall_threaded_pg()
+    assert not errors and len(results) == 2, errors
+    torch.testing.assert_close(torch.cat([results[r][0] for r in range(2)], dim=1), out_ref.detach(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(torch.cat([results[r][1] for r in range(2)], dim=1), x_ref.grad, rtol=0, atol=1e-5)
+    assert results[0][2].keys() == grads_ref.keys()
+    for name, g in grads_ref.items():
+        torch.testing.assert_close(results[0][2][name], g, rtol=1e-5, atol=1e-5 * g.abs().max().item(), msg=name)
