@@ -34,13 +34,10 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.harness import Row
+from tests.parity_worker import TINY_SHAPES
 
 # The layouts counted: (family, AC mode). "op, gathers kept" is op SAC as plain TP runs it (parallelisms/ac.py).
-LAYOUTS = [
-    ("llama3", "none"), ("llama3", "op"), ("llama3", "op, gathers kept"), ("llama3", "full"),
-    ("qwen3", "none"), ("qwen3", "op"), ("qwen3", "full"),
-    ("olmo2", "none"), ("olmo2", "op"), ("olmo2", "full"),
-]  # fmt: skip
+LAYOUTS = [("llama3", "op, gathers kept")] + [(f, ac) for f in TINY_SHAPES for ac in ("none", "op", "full")]
 COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
 FUSED = ("fused_all_gather_matmul", "fused_matmul_reduce_scatter")
 

@@ -9,6 +9,7 @@ import pytest
 
 from benchmarks import async_tp_fusion
 from benchmarks.harness import read_results, run_python
+from tests.parity_worker import TP_STATISTICS
 
 # Per block, the TP plan's collectives (sequence parallel): forward, an all-gather before attention's and the MLP's
 # column-wise linears, a reduce-scatter after their row-wise ones; backward, the same mirrored.
@@ -18,9 +19,6 @@ FUSED = {"fused_all_gather_matmul": 2, "fused_matmul_reduce_scatter": 2}
 # input's gradient of several column-wise linears (wq + wk + wv; w1 + w3), a sum of matmuls, which the pass does not
 # match by design (it fuses a reduce-scatter with the one matmul that produces its input).
 BACKWARD = {"fused_all_gather_matmul": 2, "reduce_scatter_tensor": 2}
-# OLMo 2's QK-norms over split projections all-reduce their statistic, each way (models/olmo2/plans.py): no matmul
-# beside them to fuse with, plain collectives before and after the pass.
-STATISTICS = {"olmo2": {"all_reduce": 2}}
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +38,8 @@ def test_every_forward_collective_of_the_tp_plan_is_fused(
     each one in forward; in backward all but the two reduce-scatters of a sum of matmuls."""
     result = layouts[(family, ac)]
     assert "error" not in result, result  # full AC with TP compiles (parallelisms/ac.py, compile_inside_checkpoint)
-    statistics = STATISTICS.get(family, {})
+    # A family's statistic all-reduces (tests/parity_worker.py, TP_STATISTICS) have no matmul beside them to fuse with.
+    statistics = {"all_reduce": TP_STATISTICS[family]} if TP_STATISTICS[family] else {}
     assert result["before"]["forward"] == {**PLAN, **statistics}
     assert result["after"]["forward"] == {**FUSED, **statistics}
     # Op SAC recomputes the forward's all-gathers in backward (async TP's policy): fused there too. It keeps the

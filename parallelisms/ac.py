@@ -57,8 +57,8 @@ _SAVE_OPS: frozenset[torch._ops.OpOverload] = frozenset(
         # recomputing them would repeat the communication.
         torch.ops._c10d_functional.reduce_scatter_tensor.default,
         torch.ops._c10d_functional.all_gather_into_tensor.default,
-        # A block's all-reduce: OLMo 2's norm statistic over a TP-split projection, (bs, seqlen, 1) float32, 4 bytes
-        # a token to keep against a collective's latency to send again (tests/test_parallelisms.py counts it).
+        # A block's all-reduce: a norm's statistic over a TP-split dimension, (bs, seqlen, 1) float32, 4 bytes a token
+        # to keep against a collective's latency to send again (tests/test_parallelisms.py counts it per family).
         torch.ops._c10d_functional.all_reduce.default,
         # The amax of float8 scaling: cheap to keep, a full reduction to recompute.
         aten.max.default,

@@ -82,6 +82,14 @@ TINY_OLMO2 = with_seq_len(
 )
 # Every family's tiny shape, one row each: the reference, the layouts (Layout.family) and the dry-run tests read it.
 TINY_SHAPES = {"llama3": TINY, "qwen3": TINY_QWEN3, "olmo2": TINY_OLMO2}
+# Each family's all-reduces per block and direction under its TP plan, beyond sequence parallel's all-gathers and
+# reduce-scatters: OLMo 2's QK-norms over column-split projections all-reduce a (bs, seqlen, 1) float32 statistic
+# (models/olmo2/plans.py). The TP count (tests/test_parallelisms.py) and the async-TP fusion count read it.
+TP_STATISTICS = {
+    "llama3": 0,
+    "qwen3": 0,
+    "olmo2": 2,
+}
 STEPS = 5
 GLOBAL_BATCH = 4
 SEQ_LEN = 32

@@ -62,7 +62,7 @@ def test_the_guide_adds_a_family_that_passes_its_parity_and_tp_count(tmp_path: P
     edit(worker, 'TINY_SHAPES = {"llama3": TINY', 'TINY_SHAPES["mymodel"] = TINY_QWEN3\n')
     edit(worker, '"olmo2_pp2": Layout(pp=2, family="olmo2"),',
          '    "mymodel_fsdp2": Layout(dp_shard=2, family="mymodel"),\n    "mymodel_tp2": Layout(tp=2, family="mymodel"),\n')  # fmt: skip
-    edit(copy / "tests/test_parallelisms.py", "TP_STATISTICS_PER_BLOCK = {", '    "mymodel": 0,\n')
+    edit(worker, "TP_STATISTICS = {", '    "mymodel": 0,\n')
 
     run, env = tmp_path / "parity", {"PYTHONPATH": str(copy)}
     run.mkdir()

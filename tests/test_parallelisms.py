@@ -36,6 +36,7 @@ from tests.parity_worker import (
     SEQ_LEN,
     TINY,
     TINY_SHAPES,
+    TP_STATISTICS,
     build_tiny,
     max_param_diff,
     random_batch,
@@ -359,21 +360,11 @@ def test_compiled_op_sac_recomputes_the_unnamed_matmuls() -> None:
     torch._dynamo.reset()
 
 
-# Per block, beyond sequence parallel's all-gathers and reduce-scatters: OLMo 2's QK-norms over column-split
-# projections all-reduce a (bs, seqlen, 1) float32 statistic, once per norm each way (models/olmo2/plans.py).
-# A new family adds its row.
-TP_STATISTICS_PER_BLOCK = {
-    "llama3": 0,
-    "qwen3": 0,
-    "olmo2": 4,
-}
-
-
 def tp_block_collectives(family: str, ac: str) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
     """One block of `family` under its TP plan (torch's fake backend, one process: nothing is computed across
     ranks, every collective is recorded), forward and backward: the (kind, bytes) of its collectives, and those
     its plan should issue: sequence parallel's all-gather before attention and before the MLP and reduce-scatter
-    after each, of a (bs, seqlen, dim) activation, mirrored in backward, plus TP_STATISTICS_PER_BLOCK."""
+    after each, of a (bs, seqlen, dim) activation, mirrored in backward, plus the family's TP_STATISTICS."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -401,7 +392,7 @@ def tp_block_collectives(family: str, ac: str) -> tuple[list[tuple[str, int]], l
         dist.destroy_process_group()
     activation, statistic = bs * SEQ_LEN * args.dim * 4, bs * SEQ_LEN * 4
     expected = [("all_gather", activation)] * 4 + [("reduce_scatter", activation)] * 4
-    expected += [("all_reduce", statistic)] * TP_STATISTICS_PER_BLOCK[family]
+    expected += [("all_reduce", statistic)] * 2 * TP_STATISTICS[family]  # forward and backward
     return sorted((c.op, c.payload_bytes) for c in log.records), sorted(expected)
 
 
