@@ -203,9 +203,10 @@ def hf_tokenizer(tokenizer_path: str) -> Any:
 
 
 def encode_prompts(texts: list[str], tokenizer: Tokenizer, tokenizer_path: str, *, chat: bool) -> list[list[int]]:
-    """Token ids of each prompt: BOS + text as training packs documents, or the tokenizer folder's chat template."""
+    """Token ids of each prompt: the text framed as its tokenizer frames one (data/tokenizers.py: Llama 3's
+    <|begin_of_text|> first, Qwen3's nothing), or the tokenizer folder's chat template."""
     if not chat:
-        return [[tokenizer.bos_id, *ids] for ids in tokenizer.encode_batch(texts)]
+        return [tokenizer.framing.prompt(ids) for ids in tokenizer.encode_batch(texts)]
     template = hf_tokenizer(tokenizer_path)
     if not getattr(template, "chat_template", None):
         raise ConfigError(f"--chat: {tokenizer_path} has no chat_template (tokenizer_config.json); drop --chat")

@@ -3,8 +3,9 @@
 `RecipeLM` is lm-eval's `TemplateLM` (its `LM` interface with the tokenization of context/continuation pairs it
 shares with its own `hf` backend) over a model that generate.py's loader built from a DCP step folder or a Hugging
 Face folder: a DCP checkpoint is scored without converting it. Tokenization follows the `hf` backend's defaults
-(no BOS added, the empty context replaced by BOS), so scores equal that backend's on the same weights
-(tests/test_eval.py). One process: lm-eval's own data parallelism is not wired here.
+(a text framed as its tokenizer frames one, data/tokenizers.py; an empty context replaced by the tokenizer's BOS,
+or its end-of-text when it names none), so scores equal that backend's on the same weights (tests/test_eval.py).
+One process: lm-eval's own data parallelism is not wired here.
 
     loglikelihood           sum of log-probabilities of the continuation tokens after the context, and whether
                             greedy decoding would have produced them (multiple choice, cloze)
@@ -81,6 +82,7 @@ def recipe_lm() -> type:
     from lm_eval.models.utils import handle_stop_sequences
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+    from data.tokenizers import build_tokenizer
     from generate import Generator, Sampling, hf_tokenizer
 
     class RecipeLM(TemplateLM):
@@ -88,6 +90,7 @@ def recipe_lm() -> type:
             super().__init__()
             self.model = model.eval()
             self.tokenizer = hf_tokenizer(tokenizer_path)
+            self.framing = build_tokenizer(tokenizer_path, key="--tokenizer").framing
             self.batch_size, self.max_gen_toks = batch_size, max_gen_toks
             self.max_length = model.args.max_seq_len
             self.device_ = next(model.parameters()).device
@@ -102,7 +105,15 @@ def recipe_lm() -> type:
             return bos if bos is not None else self.eot_token_id
 
         def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
-            return self.tokenizer.encode(string, add_special_tokens=bool(add_special_tokens))
+            """As the hf backend encodes: framed as the tokenizer frames a text (data/tokenizers.py) unless told
+            not to, or (not told) when the text already starts with the prefix token."""
+            if add_special_tokens is None:
+                add_special_tokens = not string.startswith(self.tokenizer.decode(self.prefix_token_id))
+            return self._encode(string, framed=add_special_tokens)
+
+        def _encode(self, string: str, *, framed: bool) -> list[int]:
+            ids = self.tokenizer.encode(string, add_special_tokens=False)
+            return self.framing.prompt(ids) if framed else ids
 
         def tok_decode(self, tokens: list[int], skip_special_tokens: bool = True) -> str:
             return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
@@ -152,7 +163,9 @@ def recipe_lm() -> type:
                 until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
                 max_new = int(kwargs.pop("max_gen_toks", self.max_gen_toks))
                 sampling = Sampling(float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0)
-                prompt = self.tok_encode(context)[-(self.max_length - max_new) :]
+                # (the hf backend's batch encoding: framed unless the context starts with the BOS's text)
+                framed = not (self.tokenizer.bos_token and context.startswith(self.tokenizer.bos_token))
+                prompt = self._encode(context, framed=framed)[-(self.max_length - max_new) :]
                 (tokens,) = generator.generate([prompt], max_new_tokens=max_new, sampling=sampling,
                                                stop_ids=[self.eot_token_id])  # fmt: skip
                 text = self.tok_decode(tokens)

@@ -132,6 +132,12 @@ def open_corpus(cfg: Data, tokenizer: Tokenizer, tokenizer_path: str, *, key: st
                 f"data.chat: {path} was not prepared as {what}; set data.chat = {str(not cfg.chat).lower()}, or "
                 f"prepare it again{' with prepare_data.py --chat' if cfg.chat else ''}"
             )
+        if corpus.tokenizer_fingerprint != tokenizer.fingerprint and "framing" not in corpus.manifest["tokenizer"]:
+            raise ConfigError(
+                f"{key}: {path} was prepared before documents were framed as their tokenizer frames them "
+                f"(data/tokenizers.py); prepare it again with `{reprepare_command(corpus.manifest, tokenizer_path)}` "
+                f"and set {key} to that --output folder"
+            )
         if corpus.tokenizer_fingerprint != tokenizer.fingerprint:
             raise ConfigError(
                 f"{key}: {path} was tokenized by {corpus.manifest['tokenizer']['path']}, not by "
@@ -180,6 +186,16 @@ def prepare_command(cfg: Data, tokenizer_path: str) -> str:
         cfg.path, hub=cfg.format == "hub", name=cfg.name, split=cfg.split, text_column=cfg.text_column,
         tokenizer=tokenizer_path,
     )  # fmt: skip
+
+
+def reprepare_command(manifest: dict[str, Any], tokenizer_path: str) -> str:
+    """The scripts/prepare_data.py command that prepares a prepared folder's source again."""
+    source = manifest["source"]
+    command = source_command(
+        source["path"], hub=source["format"] == "hub", name=source.get("name"), split=source["split"],
+        text_column=source["text_column"], tokenizer=tokenizer_path,
+    )  # fmt: skip
+    return command + (" --chat" if manifest.get("chat") else "")
 
 
 def raw_source(cfg: Data, *, key: str, tokenizer_path: str = "TOKENIZER") -> Source:

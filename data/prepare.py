@@ -3,7 +3,8 @@
 `scripts/prepare_data.py` runs this with a pool of worker processes; train.py runs it for small raw
 data at start-up, into a cache, with the ranks splitting the chunks among them. The output folder:
 
-    tokens-00000.npy     the documents of input chunk 0 as BOS text EOS, back to back: uint16 when
+    tokens-00000.npy     the documents of input chunk 0 framed as their tokenizer frames a document
+                         (data/tokenizers.py: Llama 3's BOS text EOS, Qwen3's text EOS), back to back: uint16 when
                          the vocabulary has fewer than 65,536 tokens, else uint32
     tokens-00000-001.npy part 1 of chunk 0 (and so on for each kind of file), where the chunk streams a
                          gzip file or a JSON array cut into parts of about the chunk size as it is read
@@ -70,7 +71,7 @@ def plan(source: Source, tokenizer: Tokenizer, tokenizer_path: str, *, chunk_byt
         "format": FORMAT,
         "source": source.describe(),
         "tokenizer": {"path": tokenizer_path, "fingerprint": tokenizer.fingerprint, "vocab_size": tokenizer.vocab_size,
-                      "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id},
+                      "eos_id": tokenizer.eos_id, "framing": tokenizer.framing.describe()},
         "dtype": token_dtype(tokenizer.vocab_size).name,
         "chunk_bytes": chunk_bytes,
     } | ({"chat": {"template": chat_renderer(tokenizer_path).fingerprint}} if source.chat else {})  # fmt: skip
@@ -157,18 +158,19 @@ def write_shard(
 def _text_documents(
     chunk: Chunk, tokenizer: Tokenizer, *, text_column: str, where: str
 ) -> tuple[np.ndarray, np.ndarray, int]:
-    """(BOS text EOS of each document back to back, where each ends, null documents skipped)."""
+    """(each document framed as its tokenizer frames one, back to back; where each ends; null documents skipped)."""
     documents = texts(chunk, text_column=text_column, where=where)
     present = [t for t in documents if t is not None]
     ids = tokenizer.encode_batch(present) if present else []
-    lengths = np.fromiter((len(x) + 2 for x in ids), dtype=np.int64, count=len(ids))
+    before, closing = tokenizer.framing.before, tokenizer.framing.closing
+    lengths = np.fromiter((len(before) + len(x) + len(closing) for x in ids), dtype=np.int64, count=len(ids))
     ends = np.cumsum(lengths)
     flat = np.empty(int(ends[-1]) if len(ends) else 0, dtype=token_dtype(tokenizer.vocab_size))
     starts = ends - lengths
     for begin, end, doc in zip(starts.tolist(), ends.tolist(), ids, strict=True):
-        flat[begin] = tokenizer.bos_id
-        flat[begin + 1 : end - 1] = doc
-        flat[end - 1] = tokenizer.eos_id
+        flat[begin : begin + len(before)] = before
+        flat[begin + len(before) : end - len(closing)] = doc
+        flat[end - len(closing) : end] = closing
     return flat, ends, len(documents) - len(present)
 
 

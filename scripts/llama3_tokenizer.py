@@ -46,6 +46,7 @@ def meta_tokenizer(model: Path | None):  # -> llama_models.llama3.tokenizer.Toke
 def convert(model: Path | None, output: Path) -> Path:
     """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into `output`."""
     meta = meta_tokenizer(model)
+    from tokenizers import processors
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     specials = sorted(meta.special_tokens, key=meta.special_tokens.get)  # in id order: ids follow the ranks
@@ -56,6 +57,12 @@ def convert(model: Path | None, output: Path) -> Path:
             raise ConfigError(
                 f"--model: {token} got id {fast.token_to_id(token)}, Meta's is {meta.special_tokens[token]}"
             )
+    # Meta's own tokenizer.json frames a text as <|begin_of_text|> text (transformers' `tokenizer(text)`).
+    bos = ("<|begin_of_text|>", meta.special_tokens["<|begin_of_text|>"])
+    template = processors.TemplateProcessing(
+        single=f"{bos[0]} $A", pair=f"{bos[0]} $A {bos[0]} $B:1", special_tokens=[bos]
+    )
+    fast.post_processor = processors.Sequence([fast.post_processor, template]) if fast.post_processor else template
     output.mkdir(parents=True, exist_ok=True)
     fast.save(str(output / "tokenizer.json"))
     names = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}

@@ -8,8 +8,9 @@ round-trips, whatever its script), and Llama 3's special-token names:
     id 0: <|begin_of_text|>   (BOS)
     id 1: <|end_of_text|>     (EOS)
 
-There is deliberately no post-processor: encoding a string never inserts
-BOS/EOS, because the data pipeline adds them itself.
+Its post-processor frames a text as Llama 3's does: <|begin_of_text|> first, nothing after
+(transformers' ``tokenizer(text)``). Training documents are <|begin_of_text|> text <|end_of_text|>
+(data/tokenizers.py reads that framing from this file).
 
 The output folder holds ``tokenizer.json`` (for the ``tokenizers`` library) plus
 ``tokenizer_config.json`` and ``special_tokens_map.json`` so that
@@ -27,7 +28,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
@@ -71,6 +72,14 @@ def build_tokenizer() -> Tokenizer:
     return tokenizer
 
 
+def frame_like_llama3(tokenizer: Tokenizer) -> None:
+    """Llama 3's post-processor: BOS before each text (and before each of a pair), nothing after."""
+    bos = (BOS_TOKEN, tokenizer.token_to_id(BOS_TOKEN))
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B:1", special_tokens=[bos]
+    )
+
+
 def train(corpus: Path, vocab_size: int) -> Tokenizer:
     tokenizer = build_tokenizer()
     trainer = trainers.BpeTrainer(
@@ -88,6 +97,7 @@ def train(corpus: Path, vocab_size: int) -> Tokenizer:
         raise SystemExit(f"trained vocab has {actual} tokens, expected {vocab_size}: corpus too small?")
     for token_id, token in enumerate(SPECIAL_TOKENS):
         assert tokenizer.token_to_id(token) == token_id, f"{token} should have id {token_id}"
+    frame_like_llama3(tokenizer)
     return tokenizer
 
 
@@ -99,8 +109,6 @@ def save(tokenizer: Tokenizer, out: Path) -> None:
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS_TOKEN,
         "eos_token": EOS_TOKEN,
-        "add_bos_token": False,
-        "add_eos_token": False,
         # Keep decode(encode(x)) == x: do not "clean up" spaces before punctuation.
         "clean_up_tokenization_spaces": False,
         "chat_template": CHAT_TEMPLATE,
@@ -123,7 +131,7 @@ def main() -> None:
     n_bytes = n_tokens = 0
     for text in read_texts(args.corpus):
         n_bytes += len(text.encode("utf-8"))
-        n_tokens += len(tokenizer.encode(text).ids)
+        n_tokens += len(tokenizer.encode(text, add_special_tokens=False).ids)
     print(
         f"vocab {tokenizer.get_vocab_size()} -> {args.out}; corpus: {n_tokens:,} tokens, "
         f"{n_bytes:,} text bytes, {n_tokens / n_bytes:.3f} tokens/byte"

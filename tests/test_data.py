@@ -23,9 +23,10 @@ from data.loader import GlobalBatchLoader, permute
 from data.mixture import BLOCK, MixedCorpus, Mixture, open_mixture
 from data.prepare import prepare, shard_name, tokenize
 from data.sources import find_source
-from data.tokenizers import ByteTokenizer, build_tokenizer
+from data.tokenizers import ByteTokenizer, Framing, build_tokenizer
 from errors import ConfigError
 from tests.launch import REPO, python, two_at_a_time
+from tests.tiny_hf import CONVENTIONS, tokenizer_folder
 
 BYTE = ByteTokenizer()
 
@@ -53,13 +54,15 @@ def test_byte_tokenizer_round_trips_unicode() -> None:
     text = "café ✓ naïve"
     (ids,) = tok.encode_batch([text])
     assert max(ids) < 256 and tok.decode(ids) == text
-    assert (tok.bos_id, tok.eos_id, tok.vocab_size) == (256, 257, 258)
+    assert (tok.framing, tok.eos_id, tok.vocab_size) == (Framing(before=(256,), after=(), eos=257), 257, 258)
 
 
 @pytest.mark.parametrize("path", ["assets/tokenizer", "assets/tokenizer/tokenizer.json"])
 def test_shipped_tokenizer_loads_as_folder_and_file(path: str) -> None:
     tok = build_tokenizer(str(REPO / path))
-    assert (tok.bos_id, tok.eos_id, tok.vocab_size) == (0, 1, 2048)
+    named_bos = None if path.endswith(".json") else 0  # (a bare tokenizer.json names no BOS; its template adds it)
+    assert (tok.bos_id, tok.eos_id, tok.vocab_size) == (named_bos, 1, 2048)
+    assert tok.framing == Framing(before=(0,), after=(), eos=1)  # Llama 3's: BOS text, documents BOS text EOS
     (ids,) = tok.encode_batch(["Once upon a time, there was a café."])
     assert tok.bos_id not in ids and tok.decode(ids) == "Once upon a time, there was a café."
 
@@ -84,6 +87,7 @@ def test_the_llama3_tokenizer_from_llama_models_gives_metas_ids_and_prepares_a_u
     assert ours.encode_batch(texts) == expected
     assert expected[0] == [2028, 374, 264, 1296, 11914, 13]  # llama-models' own test of this sentence
     assert (ours.bos_id, ours.eos_id, ours.vocab_size) == (meta.bos_id, meta.eos_id, 128_256)
+    assert ours.framing == Framing(before=(meta.bos_id,), after=(), eos=meta.eos_id)  # Meta's tokenizer.json's
     source = write_jsonl(tmp_path / "d.jsonl", texts)
     manifest = prepare(find_source(str(source)), str(tmp_path / "tok"), tmp_path / "corpus", workers=0)
     corpus = TokenCorpus(tmp_path / "corpus")
@@ -101,6 +105,73 @@ def test_bad_tokenizer_file_is_a_config_error(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="has no tokenizer.json"):
         build_tokenizer(str(tmp_path / "empty"))
+
+
+@pytest.mark.parametrize("convention", CONVENTIONS)
+def test_prompts_are_framed_as_transformers_frames_them_and_documents_as_the_family_was_pretrained(
+    convention: str, tmp_path: Path
+) -> None:
+    """data/tokenizers.py's one rule, on a tokenizer in each convention: a prompt is transformers' `tokenizer(text)`;
+    a prepared document is that, closed by end-of-text (once); no BOS by name where the tokenizer adds none."""
+    from transformers import AutoTokenizer
+
+    folder = tokenizer_folder(tmp_path / "tok", convention)
+    theirs, ours = AutoTokenizer.from_pretrained(str(folder)), build_tokenizer(str(folder))
+    texts = ["Once upon a time", "Hi", " two  spaces", ""]
+    assert [ours.framing.prompt(ids) for ids in ours.encode_batch(texts)] == [theirs(t)["input_ids"] for t in texts]
+    bos, eos = 0, 1  # the shipped vocabulary's <|begin_of_text|> and <|end_of_text|>
+    expected = {"llama3": ((bos,), (eos,)), "smollm2": ((), (eos,)), "qwen3": ((), (eos,)), "flags": ((bos,), (eos,))}
+    assert (ours.framing.before, ours.framing.closing) == expected[convention]
+    corpus_folder = tmp_path / "corpus"
+    prepare(find_source(str(write_jsonl(tmp_path / "d.jsonl", texts[:3]))), str(folder), corpus_folder, workers=0)
+    corpus = TokenCorpus(corpus_folder)
+    plain = [theirs(t, add_special_tokens=False)["input_ids"] for t in texts[:3]]
+    documents = [[*expected[convention][0], *ids, *expected[convention][1]] for ids in plain]
+    assert corpus.read(0, corpus.num_tokens).tolist() == [t for d in documents for t in d]
+    assert corpus.manifest["tokenizer"]["framing"] == ours.framing.describe()
+
+
+def test_the_framing_table_of_docs_data_md_is_what_each_tokenizer_does(tmp_path: Path) -> None:
+    text = (REPO / "docs" / "data.md").read_text()
+    section = text[text.index("## How a text is framed") :].split("\n## ")[0]
+    rows = [
+        [c.strip() for c in re.split(r"(?<!\\)\|", line.strip("|"))]
+        for line in section.splitlines()
+        if line.startswith("| ")
+    ]
+    tokenizers = {
+        "the shipped": [build_tokenizer(str(REPO / "assets" / "tokenizer")), BYTE],
+        "a Llama 3 folder": [build_tokenizer(str(tokenizer_folder(tmp_path / "llama3", "llama3")))],
+        "a SmolLM2 folder": [build_tokenizer(str(tokenizer_folder(tmp_path / "smollm2", "smollm2")))],
+        "a Qwen3 folder": [build_tokenizer(str(tokenizer_folder(tmp_path / "qwen3", "qwen3")))],
+        "a folder whose": [build_tokenizer(str(tokenizer_folder(tmp_path / "flags", "flags")))],
+    }
+    checked = 0
+    for label, _, prompt, document in rows[1:]:
+        for tok in next((v for k, v in tokenizers.items() if label.startswith(k)), []):
+            f = tok.framing
+            words = [["EOS" if i == f.eos else "BOS" for i in ids] for ids in (f.before, f.after, f.closing)]
+            assert prompt == " ".join([*words[0], "text", *words[1]]), (label, f)
+            assert document == " ".join([*words[0], "text", *words[2]]), (label, f)
+            checked += 1
+    assert checked == 6, rows
+
+
+def test_a_corpus_prepared_under_the_old_framing_rule_is_refused_with_the_command(tmp_path: Path) -> None:
+    """Before the rule, a prepared manifest had no framing and every document began with a BOS found by name."""
+    source = write_jsonl(tmp_path / "d.jsonl", TEXTS[:5])
+    folder = tokenizer_folder(tmp_path / "tok", "qwen3")
+    prepare(find_source(str(source)), str(folder), tmp_path / "corpus", workers=0)
+    manifest_file = tmp_path / "corpus" / "manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    del manifest["tokenizer"]["framing"]
+    manifest["tokenizer"]["fingerprint"] = "0123456789abcdef"
+    manifest_file.write_text(json.dumps(manifest))
+    with pytest.raises(ConfigError) as refused:
+        open_corpus(Data(path=str(tmp_path / "corpus")), build_tokenizer(str(folder)), str(folder))
+    (line,) = refused.value.problems
+    assert line.startswith(f"data.path: {tmp_path / 'corpus'} was prepared before documents were framed "), line
+    assert f"--source {source} " in line and f"--tokenizer {folder} " in line, line
 
 
 # ------------------------------------------------------------------ preparation

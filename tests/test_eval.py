@@ -49,16 +49,13 @@ def scores(results: dict) -> dict[str, float]:
     }
 
 
-def test_tasks_score_what_lm_evals_hf_backend_scores_from_an_hf_folder_and_a_dcp_checkpoint(
-    task_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
+def ours_and_theirs(folder: Path, task_folder: Path) -> tuple[dict, dict]:
+    """lm-eval's results for TASKS through RecipeLM and through lm-eval's own hf backend, on one HF folder."""
     import lm_eval
 
     from generate import load_model
     from lm_eval_adapter import recipe_lm, task_manager
 
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    folder = tiny_hf_folder(tmp_path / "hf", seed=1)
     manager = task_manager(str(task_folder))  # (lm-eval's index of its tasks: built once per process)
 
     def run(model: object, **kw: str) -> dict:
@@ -71,6 +68,25 @@ def test_tasks_score_what_lm_evals_hf_backend_scores_from_an_hf_folder_and_a_dcp
     responses = lambda r: [s["resps"] for s in r["samples"]["recipe_gen"]]  # noqa: E731
     assert responses(ours) == responses(theirs) and all(responses(ours))
     assert scores(ours)["recipe_mc/acc,none"] not in (0.0, 1.0)  # the choices are not all alike
+    return ours, theirs
+
+
+@pytest.mark.parametrize("convention", ["smollm2", "qwen3"])
+def test_tasks_score_what_the_hf_backend_scores_with_a_tokenizer_that_adds_no_bos(
+    convention: str, task_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Llama 3 convention (a BOS before every text) is the test below's; here texts are framed with nothing,
+    and the empty context is the named BOS (SmolLM2's) or, naming none, the end-of-text (Qwen3's)."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    ours_and_theirs(tiny_hf_folder(tmp_path / "hf", seed=1, convention=convention), task_folder)
+
+
+def test_tasks_score_what_lm_evals_hf_backend_scores_from_an_hf_folder_and_a_dcp_checkpoint(
+    task_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    folder = tiny_hf_folder(tmp_path / "hf", seed=1)
+    ours, _ = ours_and_theirs(folder, task_folder)
 
     # The same weights as a DCP checkpoint with its run config beside it, through the command: the same table.
     sys.path.insert(0, str(REPO / "scripts"))

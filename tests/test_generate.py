@@ -72,6 +72,27 @@ def test_greedy_tokens_equal_transformers_generate_for_a_batch_of_prompts_of_dif
     assert no_stop == hf_greedy(reference, prompts, eos=None) and all(len(row) == NEW_TOKENS for row in no_stop)
 
 
+@pytest.mark.parametrize("convention", ["llama3", "smollm2", "qwen3"])
+def test_greedy_text_equals_transformers_generate_on_its_own_tokenization_in_each_tokenizer_convention(
+    convention: str, tmp_path: Path
+) -> None:
+    """Prompts framed as the tokenizer frames them (Llama 3's BOS first; SmolLM2's and Qwen3's nothing), so a
+    batch of texts of different lengths continues as transformers continues `tokenizer(texts)`."""
+    from transformers import AutoTokenizer
+
+    reference = tiny_hf_model(family="llama3", seed=1)
+    folder = save_hf_folder(reference, tmp_path / "hf", convention=convention)
+    theirs = AutoTokenizer.from_pretrained(str(folder))
+    texts = ["Once upon a time", "The dog", "She said that the little bird was"]
+    ours = encode_prompts(texts, build_tokenizer(str(folder)), str(folder), chat=False)
+    assert ours == [theirs(t)["input_ids"] for t in texts] and len({len(p) for p in ours}) == 3
+    model, _ = from_hf(folder)
+    eos = theirs.eos_token_id
+    assert Generator(model.eval()).generate(ours, max_new_tokens=NEW_TOKENS, stop_ids=[eos]) == hf_greedy(
+        reference, [theirs(t)["input_ids"] for t in texts], eos=eos
+    )
+
+
 def test_decoding_from_the_cache_equals_recomputing_the_whole_sequence(pair: tuple) -> None:
     _, ours, _ = pair
     tokens = torch.tensor(prompts_of(ours.args.vocab_size, (40,)))

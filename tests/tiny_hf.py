@@ -92,18 +92,56 @@ def tiny_hf_model(*, seed: int = 0, family: str = "llama3", **config: Any) -> nn
     return model.eval()
 
 
-def save_hf_folder(model: nn.Module, path: Path, *, tokenizer: bool = True, max_shard_size: str | None = None) -> Path:
-    """save_pretrained (sharded when max_shard_size is small), plus the shipped tokenizer files."""
-    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(path, **kwargs)
-    if tokenizer:
-        for file in SHIPPED_TOKENIZER.iterdir():
-            shutil.copy2(file, path / file.name)
+# How real tokenizers frame a text, each made here from the shipped vocabulary (ids 0 and 1 are its two specials):
+#   llama3   names <|begin_of_text|> and adds it before every text (Llama 3's; the shipped tokenizer's)
+#   smollm2  names a BOS (its end-of-text, as SmolLM2's base tokenizer does) but adds nothing
+#   qwen3    names no BOS at all and adds nothing; <|end_of_text|> ends a document (Qwen3's <|endoftext|>)
+#   flags    tokenizer_config.json's add_bos_token / add_eos_token decide, whatever tokenizer.json says (transformers)
+CONVENTIONS = {
+    "llama3": {},
+    "smollm2": {"bos_token": "<|end_of_text|>", "eos_token": "<|end_of_text|>", "post_processor": None},
+    "qwen3": {"bos_token": None, "eos_token": "<|end_of_text|>", "post_processor": None},
+    "flags": {"add_bos_token": True, "add_eos_token": True},
+}
+
+
+def tokenizer_folder(path: Path, convention: str = "llama3") -> Path:
+    """The shipped tokenizer's files in `path`, framing texts by `convention` (a CONVENTIONS row)."""
+    path.mkdir(parents=True, exist_ok=True)
+    for file in SHIPPED_TOKENIZER.iterdir():
+        shutil.copy2(file, path / file.name)
+    change = dict(CONVENTIONS[convention])
+    if "post_processor" in change:
+        tokenizer = json.loads((path / "tokenizer.json").read_text())
+        tokenizer["post_processor"] = change.pop("post_processor")
+        (path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        ours = change if name == "tokenizer_config.json" else {k: v for k, v in change.items() if k.endswith("_token")}
+        config = json.loads((path / name).read_text()) | ours
+        (path / name).write_text(json.dumps({k: v for k, v in config.items() if v is not None}, indent=1))
     return path
 
 
-def tiny_hf_folder(path: Path, *, seed: int = 0, family: str = "llama3", **config: Any) -> Path:
-    return save_hf_folder(tiny_hf_model(seed=seed, family=family, **config), path)
+def save_hf_folder(
+    model: nn.Module,
+    path: Path,
+    *,
+    tokenizer: bool = True,
+    max_shard_size: str | None = None,
+    convention: str = "llama3",
+) -> Path:
+    """save_pretrained (sharded when max_shard_size is small), plus the shipped tokenizer's files (in `convention`)."""
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    if tokenizer:
+        tokenizer_folder(path, convention)
+    return path
+
+
+def tiny_hf_folder(
+    path: Path, *, seed: int = 0, family: str = "llama3", convention: str = "llama3", **config: Any
+) -> Path:
+    return save_hf_folder(tiny_hf_model(seed=seed, family=family, **config), path, convention=convention)
 
 
 # ------------------------------------------------------------------ parity helpers
