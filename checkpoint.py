@@ -93,6 +93,24 @@ def complete_checkpoints(folder: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def refuse_folder_of_steps(path: Path, *, key: str) -> None:
+    """`key` names a folder that holds step folders rather than being one: a checkpoint folder (step-<N> inside) or a
+    run folder (train.py's dump folder, whose checkpoint folder holds them). One line naming its newest step."""
+    if not path.is_dir() or is_checkpoint(path):
+        return
+    try:
+        if found := complete_checkpoints(path):
+            kind, newest = "a checkpoint folder", found[-1][1]
+        else:
+            inner = [steps[-1][1] for child in sorted(path.iterdir()) if (steps := complete_checkpoints(child))]
+            if not inner:
+                return
+            kind, newest = "a run folder", inner[0]
+    except OSError:  # an unreadable folder: the caller's own checks say what is wrong
+        return
+    raise ConfigError(f"{key}: {path} is {kind}; point it at one of its step folders, e.g. {newest}")
+
+
 # ------------------------------------------------------------------ the dump folder
 
 
@@ -775,16 +793,20 @@ def _holds_part(metadata: Metadata, name: str) -> bool:
 
 
 class SaveStep:
-    """After each step: publish a finished async save; save every checkpoint.interval steps and after the last."""
+    """After each step: publish a finished async save; save every checkpoint.interval steps and after the last, the
+    time the save holds the loop left out of the training throughput and ETA (`throughput.pause`, metrics.py)."""
 
-    def __init__(self, checkpoint: CheckpointManager, *, total_steps: int):
-        self.checkpoint, self.total_steps = checkpoint, total_steps
+    def __init__(self, checkpoint: CheckpointManager, *, total_steps: int, throughput: Any = None):
+        self.checkpoint, self.total_steps, self.throughput = checkpoint, total_steps, throughput
 
     def __call__(self, step: int, result: Any) -> bool:
         self.checkpoint.poll()
         last = step == self.total_steps
         if self.checkpoint.should_save(step, last=last):
+            begin = time.perf_counter()
             self.checkpoint.save(step, last=last)
+            if self.throughput is not None:
+                self.throughput.pause(time.perf_counter() - begin)
         return False
 
 
@@ -962,7 +984,8 @@ def check_folder(path: Path) -> list[tuple[Path, str | None]]:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m checkpoint verify PATH...`: OK or damaged per step, exit status 0 when all are OK, else 2."""
+    """`python -m checkpoint verify PATH...`: OK or damaged per step (a PATH that does not exist: not found), exit
+    status 0 when all are OK, else 2."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m checkpoint", description=main.__doc__)
@@ -972,16 +995,22 @@ def main(argv: list[str]) -> int:
     )
     check.add_argument("paths", nargs="+", type=Path, metavar="PATH")
     opts = parser.parse_args(argv)
-    checked = [found for path in opts.paths for found in check_folder(path)]
-    for step, problem in checked:
-        if problem is None:
-            whole = (step / MANIFEST).is_file()
-            print(f"{step}: OK" + ("" if whole else f" (sizes only: no {MANIFEST})"), flush=True)
-        else:
-            print(f"{step}: damaged: {problem}", flush=True)
-    if not checked:
-        print(f"{', '.join(map(str, opts.paths))}: no checkpoint found", flush=True)
-    return 0 if checked and all(problem is None for _, problem in checked) else 2
+    checked, missing = [], []
+    for path in opts.paths:
+        if not path.exists():
+            missing.append(path)
+            print(f"{path}: not found", flush=True)
+            continue
+        for step, problem in check_folder(path):
+            checked.append(problem)
+            if problem is None:
+                whole = (step / MANIFEST).is_file()
+                print(f"{step}: OK" + ("" if whole else f" (sizes only: no {MANIFEST})"), flush=True)
+            else:
+                print(f"{step}: damaged: {problem}", flush=True)
+    if not checked and len(missing) < len(opts.paths):
+        print(f"{', '.join(str(p) for p in opts.paths if p not in missing)}: no checkpoint found", flush=True)
+    return 0 if checked and not missing and all(problem is None for problem in checked) else 2
 
 
 if __name__ == "__main__":

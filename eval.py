@@ -67,6 +67,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     opts, overrides = parser.parse_known_args(argv)
     if not opts.checkpoint.is_dir():
         raise ConfigError(f"--checkpoint: {opts.checkpoint} is not a folder; point it at a step-<N> or HF folder")
+    from checkpoint import refuse_folder_of_steps
+
+    refuse_folder_of_steps(opts.checkpoint, key="--checkpoint")  # a run folder or its checkpoint folder, not a step
     return opts, overrides
 
 

@@ -37,6 +37,8 @@ from models.kv_cache import KVCache
 
 CACHE_LENGTH_MULTIPLE = 128
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# --chat: between the prompt and the reply (without --chat the completion continues the prompt on its line).
+CHAT_REPLY = "\n---\n"
 
 
 def main(argv: list[str]) -> int:
@@ -94,7 +96,7 @@ def generate_and_print(opts: argparse.Namespace, model: nn.Module, tokenizer_pat
     )
     if is_rank0():  # (under tensor parallel every rank holds the same tokens)
         for text, completion in zip(texts, completions, strict=True):
-            print(f"{text}{tokenizer.decode(completion)}\n", flush=True)
+            print(f"{text}{CHAT_REPLY if opts.chat else ''}{tokenizer.decode(completion)}\n", flush=True)
         print(generator.timing.summary(), file=sys.stderr)
     return 0
 
@@ -151,8 +153,10 @@ def load_model(
         args = model_args_from_hf(fam, path)
         tokenizer_path = str(path) if (path / "tokenizer.json").is_file() else None
     else:
+        from checkpoint import refuse_folder_of_steps
         from config import load_config, model_args
 
+        refuse_folder_of_steps(path, key="--checkpoint")  # a run folder or its checkpoint folder, not a step
         config = config or path.parent / "config.toml"
         if not config.is_file():
             raise ConfigError(

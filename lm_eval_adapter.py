@@ -16,8 +16,12 @@ One process: lm-eval's own data parallelism is not wired here.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,17 +58,56 @@ def run_tasks(opts: argparse.Namespace) -> int:
     manager = task_manager(opts.include_path)
     if unknown := [t for t in tasks if t not in manager.all_tasks]:
         raise ConfigError(f"--tasks: no lm-eval task named {', '.join(unknown)} (lm-eval --tasks list shows them)")
-    try:
-        results = lm_eval.simple_evaluate(
-            model=lm, tasks=tasks, num_fewshot=opts.num_fewshot, limit=opts.limit, task_manager=manager
-        )
-    except (ConnectionError, OSError) as e:
-        raise ConfigError(
-            f"--tasks: {', '.join(tasks)} needs its dataset, which could not be read ({type(e).__name__}); download it "
-            "where the Hugging Face hub is reachable (HF_DATASETS_OFFLINE=0), or give a local task with --include-path"
-        ) from None
+    names = ", ".join(tasks)
+    with hub_offline_unless_it_answers() as unreachable:
+        try:
+            results = lm_eval.simple_evaluate(
+                model=lm, tasks=tasks, num_fewshot=opts.num_fewshot, limit=opts.limit, task_manager=manager
+            )
+        except (ConnectionError, OSError) as e:
+            if isinstance(e, FileNotFoundError) and (missing := re.search(r"Unable to find '(.+?)'", str(e))):
+                raise ConfigError(
+                    f"--tasks: {missing[1]}, a data file of {names}, does not exist (a task's relative data_files are "
+                    f"read from the current folder, {Path.cwd()}); run eval.py from the folder they are relative to, "
+                    "or fix the task's data_files"
+                ) from None
+            why = f"not cached here, and {unreachable} did not answer" if unreachable else type(e).__name__
+            raise ConfigError(
+                f"--tasks: {names} needs its dataset, which could not be read ({why}); download it where the Hugging "
+                "Face hub is reachable (HF_DATASETS_OFFLINE=0), or give a local task with --include-path"
+            ) from None
     print(make_table(results), flush=True)
     return 0
+
+
+HUB_TIMEOUT_S = 5.0
+
+
+@contextlib.contextmanager
+def hub_offline_unless_it_answers(timeout_s: float = HUB_TIMEOUT_S) -> Iterator[str | None]:
+    """The Hugging Face hub's offline mode while lm-eval reads its datasets, when the hub does not answer one request
+    within timeout_s: else huggingface_hub retries each request five times, waiting longer each time (and longer still
+    where connections time out), before the run fails. Offline, a cached dataset is read and a missing one fails at once.
+    Yields the hub's address when it did not answer (None: it answered, or offline mode was on already)."""
+    import datasets.config
+    from huggingface_hub import constants, get_session
+
+    if constants.HF_HUB_OFFLINE or datasets.config.HF_HUB_OFFLINE:
+        yield None
+        return
+    try:
+        get_session().head(constants.ENDPOINT, timeout=timeout_s)
+    except Exception:  # no answer: no network, no name resolution, refused, timed out, a proxy's or TLS's error
+        pass
+    else:
+        yield None
+        return
+    saved = constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
+    try:
+        yield constants.ENDPOINT
+    finally:
+        constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE = saved
 
 
 @functools.cache

@@ -100,7 +100,7 @@ class MetricsLogger:
     ):
         self.total_steps, self.start_step = total_steps, start_step
         self.enabled = enabled
-        self.start = time.perf_counter()
+        self.start, self.paused = time.perf_counter(), 0.0  # paused: seconds outside training steps (pause)
         self.jsonl = Path(dump_folder) / "metrics.jsonl"
         self.tb = self.wandb = None
         if enabled:
@@ -132,8 +132,8 @@ class MetricsLogger:
         if not self.enabled:
             return
         done = (m.step - self.start_step) / max(self.total_steps - self.start_step, 1)
-        elapsed = time.perf_counter() - self.start
-        eta = elapsed / done - elapsed if done > 0 else 0.0
+        training = time.perf_counter() - self.start - self.paused  # the rate of training steps alone
+        eta = training / done - training if done > 0 else 0.0
         mfu = f"{m.mfu:.1f}%" if m.mfu is not None else "n/a"
         width = len(str(self.total_steps))
         print(
@@ -141,7 +141,7 @@ class MetricsLogger:
             f" | loss {m.loss:7.4f}"
             + (f" | z_loss {m.z_loss:.4g}" if m.z_loss is not None else "")
             + f" | grad_norm {m.grad_norm:7.3f} | lr {m.lr:.2e}"
-            f" | tps {m.tps:,.0f}{' (warm-up)' if m.warmup else ''} | mfu {mfu} | mem {m.memory_gib:.2f} GiB"
+            f" | tps/rank {m.tps:,.0f}{' (warm-up)' if m.warmup else ''} | mfu {mfu} | mem {m.memory_gib:.2f} GiB"
             f" | step {m.step_time_s * 1000:.0f} ms | eta {_duration(eta)}",
             flush=True,
         )
@@ -150,6 +150,10 @@ class MetricsLogger:
             scalars["z_loss"] = m.z_loss
         scalars |= {f"tokens_{name}": tokens for name, tokens in (m.tokens_per_source or {}).items()}
         self._write(m.step, scalars)
+
+    def pause(self, seconds: float) -> None:
+        """Leave `seconds` spent outside training steps (a validation, a checkpoint save) out of the ETA's rate."""
+        self.paused += seconds
 
     def log_validation(self, step: int, loss: float, tokens: int, seconds: float) -> None:
         if not self.enabled:
@@ -177,8 +181,9 @@ class LogStep:
     """After each step: every metrics.log_freq steps and after the last, the step's metrics go to the
     logger (rank 0). Reading the loss is the one host sync of a logged step; the others read nothing.
 
-    Throughput is averaged over the steps since the last logged one, validation's time left out; the
-    first logged window of a process includes start-up (compilation, allocation) and says so."""
+    Throughput is averaged over the steps since the last logged one, the time of validations and checkpoint saves
+    left out (`pause`), of the logger's ETA too; the first logged window of a process includes start-up
+    (compilation, allocation) and says so."""
 
     def __init__(
         self,
@@ -204,8 +209,9 @@ class LogStep:
         self.since, self.since_step = time.perf_counter(), start_step
 
     def pause(self, seconds: float) -> None:
-        """Leave `seconds` (a validation) out of the throughput."""
+        """Leave `seconds` (a validation, a checkpoint save) out of the throughput and the ETA."""
         self.since += seconds
+        self.logger.pause(seconds)
 
     def __call__(self, step: int, result: StepResult) -> bool:
         if step % self.freq and step != self.total_steps:

@@ -320,7 +320,8 @@ def after_step_work(
     )
     collect = GarbageCollection(every=t.gc_freq)
     run.resources.callback(collect.close)
-    return [*work, run.stop, SaveStep(run.checkpoint, total_steps=t.steps), ProfileStep(profiler), collect]
+    save = SaveStep(run.checkpoint, total_steps=t.steps, throughput=log)
+    return [*work, run.stop, save, ProfileStep(profiler), collect]
 
 
 def prepare_run_folder(cfg: JobConfig, args: Any) -> None:

@@ -51,7 +51,7 @@ OPTIONS = {"cheap", "echo"}
 # What varies between two runs of the same command; compared as "#".
 VARYING = [
     re.compile(r"\b\d+m\d+s\b"),  # eta 2m27s
-    re.compile(r"(?<=tps )[\d,]+"),
+    re.compile(r"(?<=tps/rank )[\d,]+"),
     re.compile(r"(?<=mem )[\d.]+(?= GiB)"),
     re.compile(r"\b\d[\d,]*(\.\d+)?(?= ?(s|ms)\b)"),  # 2.1 s, 1298 ms
 ]

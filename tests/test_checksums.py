@@ -104,6 +104,8 @@ def test_a_flipped_bit_in_any_file_is_found_and_reported(tmp_path: Path, capsys:
     # The command: per step OK or damaged, exit 2 when any is damaged.
     assert checkpoint.main(["verify", str(whole)]) == 0
     assert capsys.readouterr().out == f"{whole}: OK\n"
+    assert checkpoint.main(["verify", str(whole), str(tmp_path / "nowhere")]) == 2  # a typo is not damage
+    assert capsys.readouterr().out == f"{whole}: OK\n{tmp_path / 'nowhere'}: not found\n"
     damaged = tmp_path / "copy-__0_1.distcp"
     shutil.copytree(whole, damaged / "step-1")
     assert checkpoint.main(["verify", str(damaged)]) == 2

@@ -105,3 +105,20 @@ def test_the_readme_data_commands_run_as_written(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     last = [row for row in rows if "loss" in row][-1]
     assert last["step"] == 10 and last["tokens_stories"] > 2 * last["tokens_more"] > 0, last
+
+
+def test_the_readmes_commands_run_the_venv_make_creates() -> None:
+    """A fresh clone has no `python` or `torchrun` of its own: every command of README.md's ```bash blocks is `make`
+    (which creates .venv) or a program of .venv/bin/, after any VAR=value settings."""
+    text = (REPO / "README.md").read_text()
+    programs = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        for line in block.splitlines():
+            words = line.split()
+            while words and re.match(r"^[A-Z_]+=", words[0]):
+                words = words[1:]
+            if words and not words[0].startswith("#"):
+                programs.append(words[0])
+    assert len(programs) > 10 and "make" in programs, programs
+    bare = [p for p in programs if p != "make" and not f"/{p}".startswith(("/.venv/bin/", "/path/to/.venv/bin/"))]
+    assert not bare, f"README.md runs {bare}: name .venv/bin/'s (make creates it)"

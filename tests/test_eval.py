@@ -9,6 +9,7 @@ import json
 import re
 import shlex
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,10 @@ def task_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (folder / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
     for yaml in (REPO / "tests" / "lm_eval_tasks").glob("*.yaml"):
         (folder / yaml.name).write_text(yaml.read_text().replace("DATA/", f"{folder}/"))
+    gen = (folder / "recipe_gen.yaml").read_text()  # a task whose data file is not there
+    (folder / "recipe_missing.yaml").write_text(
+        gen.replace("recipe_gen", "recipe_missing").replace("gen.jsonl", "no.jsonl")
+    )
     return folder
 
 
@@ -109,16 +114,49 @@ def test_tasks_score_what_lm_evals_hf_backend_scores_from_an_hf_folder_and_a_dcp
         assert f"|{metric}" in table.replace(" ", "") and f"{value:.4f}" in table, (key, value, table)
 
 
-def test_tasks_refusals_are_one_line(task_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Among them README's --tasks command, offline: its hub task's dataset cannot be read."""
-    folder = tiny_hf_folder(tmp_path / "hf", seed=1)
+def readme_eval_command(line: int) -> list[str]:
+    """A line of README's eval.py block, its checkpoint that of `make train`."""
     text = (REPO / "README.md").read_text()
     block = re.search(r"```bash\n(.*?)```", text[text.index("`eval.py` scores a checkpoint") :], flags=re.S)[1]
-    readme = shlex.split(block.splitlines()[1])
+    readme = shlex.split(block.splitlines()[line])
     assert readme[:4] == [".venv/bin/python", "eval.py", "--checkpoint", "outputs/debug/checkpoint/step-100"], readme
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    with pytest.raises(ConfigError, match=r"--tasks: hellaswag needs its dataset, which could not be read"):
+    return readme
+
+
+def test_tasks_refusals_are_one_line(task_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Among them README's --tasks command where the hub does not answer: its hub task's dataset cannot be read, said
+    at once (not after huggingface_hub's retries); a local task's missing data file, named; a run folder given where a
+    step folder is wanted."""
+    import datasets.config
+    from huggingface_hub import constants
+
+    from lm_eval_adapter import task_manager
+
+    folder = tiny_hf_folder(tmp_path / "hf", seed=1)
+    readme = readme_eval_command(1)
+    # Online as configured, but the hub refuses connections; nothing cached (a machine that downloaded hellaswag).
+    for module, name, value in [(constants, "HF_HUB_OFFLINE", False), (datasets.config, "HF_HUB_OFFLINE", False),
+                                (constants, "ENDPOINT", "http://127.0.0.1:9"), (constants, "HF_HUB_CACHE", str(tmp_path)),
+                                (datasets.config, "HF_DATASETS_CACHE", str(tmp_path))]:  # fmt: skip
+        monkeypatch.setattr(module, name, value)
+    task_manager(str(task_folder))  # (built once per process: seconds, not part of the refusal's time)
+    begin = time.perf_counter()
+    with pytest.raises(ConfigError, match=r"--tasks: hellaswag needs its dataset, which could not be read \(not cached "
+                       r"here, and http://127.0.0.1:9 did not answer\); download it where"):  # fmt: skip
         eval_py.main(["--checkpoint", str(folder), *readme[4:], "--include-path", str(task_folder)])
+    assert time.perf_counter() - begin < 10  # huggingface_hub's five retries wait 23 s
+    assert constants.HF_HUB_OFFLINE is False and datasets.config.HF_HUB_OFFLINE is False  # offline only meanwhile
+    missing = ["--checkpoint", str(folder), "--tasks", "recipe_missing", "--include-path", str(task_folder)]
+    with pytest.raises(ConfigError, match=rf"^--tasks: {task_folder / 'no.jsonl'}, a data file of recipe_missing, does"
+                       rf" not exist \(a task's relative data_files are read from the current folder, "):  # fmt: skip
+        eval_py.main(missing)
+    run = tmp_path / "run"
+    (run / "checkpoint" / "step-7").mkdir(parents=True)
+    (run / "checkpoint" / "step-7" / ".metadata").touch()
+    for path, kind in [(run, "a run folder"), (run / "checkpoint", "a checkpoint folder")]:
+        with pytest.raises(ConfigError, match=rf"^--checkpoint: {path} is {kind}; point it at one of its step folders, "
+                           rf"e.g. {run / 'checkpoint' / 'step-7'}$"):  # fmt: skip
+            eval_py.main(["--checkpoint", str(path), *readme[4:]])
     base = ["--checkpoint", str(folder), "--tasks", "recipe_nope", "--include-path", str(task_folder)]
     with pytest.raises(ConfigError, match=r"--tasks: no lm-eval task named recipe_nope \(lm-eval --tasks list"):
         eval_py.main(base)
@@ -133,3 +171,30 @@ def test_tasks_refusals_are_one_line(task_folder: Path, tmp_path: Path, monkeypa
         ConfigError, match="is a Hugging Face folder; name the TOML with the data, tokenizer and layout"
     ):
         eval_py.main(["--checkpoint", str(folder)])
+
+
+def test_the_readmes_offline_task_runs_as_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """README's third eval.py command, from the repo root and offline, on a tiny model in place of `make train`'s:
+    assets/eval_tasks/'s stories_facts, whose questions are scripts/make_eval_task.py's, right by the corpus's facts."""
+    import datasets.config
+    from huggingface_hub import constants
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    from make_corpus import ANIMALS
+    from make_eval_task import questions
+
+    shipped = [json.loads(line) for line in (REPO / "assets/eval_tasks/stories_facts.jsonl").open()]
+    assert shipped == questions(seed=7) and len(shipped) == 55
+    assert {q["choices"][q["answer"]] for q in shipped if q["context"] == "The cow says"} == {"moo"}
+    assert {q["choices"][q["answer"]] for q in shipped if q["context"].endswith(" says")} == {a.sound for a in ANIMALS}
+    readme = readme_eval_command(2)
+    assert readme[4:] == ["--tasks", "stories_facts", "--include-path", "assets/eval_tasks"], readme
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(REPO)
+    capsys.readouterr()
+    assert eval_py.main(["--checkpoint", str(tiny_hf_folder(tmp_path / "hf", seed=1)), *readme[4:]]) == 0
+    table = capsys.readouterr().out.replace(" ", "")
+    assert "|stories_facts|" in table and "|acc|" in table and "|acc_norm|" in table, table

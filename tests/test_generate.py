@@ -261,6 +261,11 @@ def test_the_command_generates_from_an_hf_folder_and_from_a_dcp_step_with_its_co
     lonely.mkdir()
     for argv, problem in [
         (["--checkpoint", str(lonely)], f"--config: no config.toml beside {lonely} (train.py writes one when it "),
+        # train.py's dump folder and its checkpoint folder, where a step folder is wanted: its newest step named.
+        (["--checkpoint", str(seed.parent.parent)], f"--checkpoint: {seed.parent.parent} is a run folder; point it "
+         f"at one of its step folders, e.g. {seed}"),
+        (["--checkpoint", str(seed.parent)], f"--checkpoint: {seed.parent} is a checkpoint folder; point it at one of "
+         f"its step folders, e.g. {seed}"),
         (["--checkpoint", str(folder), "--max-new-tokens", "300"], "--max-new-tokens: the longest prompt (3 tokens) "
          "plus 300 new ones exceeds the model's 256 positions"),
         (["--checkpoint", str(folder), "--top-p", "0"], "--top-p: must be in (0, 1]"),
@@ -294,3 +299,16 @@ def test_chat_prompts_are_the_tokenizer_templates_tokens(tmp_path: Path) -> None
     with pytest.raises(ConfigError) as refused:
         encode_prompts(["Hi"], build_tokenizer(str(folder)), str(folder), chat=True)
     assert str(refused.value) == f"--chat: {folder} has no chat_template (tokenizer_config.json); drop --chat"
+
+
+def test_chat_replies_are_printed_under_their_prompts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """README: with --chat each reply is printed under its prompt and a `---` line; without it the completion
+    continues the prompt."""
+    folder = save_hf_folder(tiny_hf_model(seed=1), tmp_path / "hf")  # with the shipped tokenizer's chat template
+    args = ["--checkpoint", str(folder), "--prompt", "What does a cow say?", "--prompt", "Hi", "--max-new-tokens", "8"]
+    assert generate.main([*args, "--chat"]) == 0
+    chat = capsys.readouterr().out
+    assert chat.startswith("What does a cow say?\n---\n") and "\n\nHi\n---\n" in chat, chat
+    assert generate.main(args) == 0
+    plain = capsys.readouterr().out
+    assert plain.startswith("What does a cow say?") and not plain.startswith("What does a cow say?\n---\n"), plain

@@ -47,6 +47,55 @@ def test_two_rank_run_loss_falls_and_metrics_are_logged(
     assert "a spike" not in proc.stderr, proc.stderr  # (tests/test_faults.py skips one)
 
 
+def test_throughput_and_eta_leave_out_validations_and_saves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The work after each step in train.py's order (log, validate, save) on a fake clock: 10 s per step, a 50 s
+    validation after step 1, a 30 s save after step 10. The logged step time, tokens/s per rank and ETA are those of
+    the steps alone (step 1's validation once made step 10's ETA 22m30s)."""
+    from types import SimpleNamespace
+
+    import checkpoint
+    import metrics
+    from config import Metrics
+    from validation import ValidateStep
+
+    clock = SimpleNamespace(now=0.0)
+    fake_time = SimpleNamespace(perf_counter=lambda: clock.now)
+    monkeypatch.setattr(metrics, "time", fake_time)
+    monkeypatch.setattr(checkpoint, "time", fake_time)
+    monkeypatch.setattr(metrics.dist, "get_world_size", lambda: 1)
+    monkeypatch.setattr(metrics, "mean_over_loss_ranks", lambda value, pp_degree: value)
+
+    def validate(model: object, pipeline: object) -> tuple[float, int, float]:
+        clock.now += 50
+        return 2.5, 1000, 50.0
+
+    def save(step: int, last: bool) -> None:
+        clock.now += 30
+
+    logger = metrics.MetricsLogger(Metrics(), dump_folder=str(tmp_path), total_steps=100, start_step=0, enabled=True)
+    log = metrics.LogStep(
+        logger, freq=10, total_steps=100, start_step=0, tokens_per_step=1000, flops_per_token=1.0,
+        device=torch.device("cpu"), pp_degree=1, z_loss_weight=0.0, lr=lambda: 1e-3,
+    )  # fmt: skip
+    validator = SimpleNamespace(validate=validate, seconds=50.0)
+    ckpt = SimpleNamespace(poll=lambda: None, should_save=lambda step, last: step == 10, save=save)
+    work = [
+        log,
+        ValidateStep(validator, model=None, pipeline=None, freq=50, total_steps=100, logger=logger, throughput=log),
+        checkpoint.SaveStep(ckpt, total_steps=100, throughput=log),
+    ]
+    result = metrics.StepResult(loss=torch.tensor(2.0), grad_norm=torch.tensor(1.0))
+    for step in range(1, 21):
+        clock.now += 10
+        assert not any(after(step, result) for after in work)
+    logged = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert len(logged) == 2, logged
+    assert "| tps/rank 100 (warm-up) |" in logged[0] and logged[0].endswith("| step 10000 ms | eta 15m00s"), logged
+    assert "| tps/rank 100 |" in logged[1] and logged[1].endswith("| step 10000 ms | eta 13m20s"), logged
+
+
 def run_args(dump: Path, *, steps: int, seed: Path, extra: tuple[str, ...] = ()) -> list[str]:
     """train.py's arguments for a run of `steps` steps. The LR stays flat after warmup (min_lr_factor = 1), so that a
     10-step run is the first half of a 20-step run, as if the 20-step job was stopped."""

@@ -66,7 +66,7 @@ def test_validation_is_dp_and_pp_invariant_leaves_training_alone_and_reaches_eve
     text = (REPO / "README.md").read_text()
     block = re.search(r"```bash\n(.*?)```", text[text.index("`eval.py` scores a checkpoint") :], flags=re.S)[1]
     readme = block.splitlines()[0].split()
-    assert readme[:3] == ["torchrun", "--nproc_per_node=2", "eval.py"], readme
+    assert readme[:3] == [".venv/bin/torchrun", "--nproc_per_node=2", "eval.py"], readme
     evaluation = torchrun(
         "eval.py", *[a.replace("outputs/debug/checkpoint/step-100", str(two / "checkpoint" / "step-4")) for a in readme[3:]],
         "--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1", nproc=2,
