@@ -4,15 +4,25 @@ A chat row ([data] chat = true) is a list of messages, OpenAI-style: {"role": "s
 "assistant" | ..., "content": text}. It is rendered by the tokenizer folder's chat template
 (transformers' `apply_chat_template`: the template the model will be prompted with), then
 tokenized. Only what the assistant says counts in the loss: each reply and the token that closes
-it (EOS, Llama 3's <|eot_id|>), never the system prompt, the user's turns or the role headers.
+it (EOS, Llama 3's <|eot_id|>, Qwen3's <|im_end|>), never the system prompt, the user's turns or
+the role headers.
 
-Which characters are the assistant's comes from the template alone, with no marks in it: the
-conversation before turn i, rendered with the generation prompt (what a model sees before it
-answers), is a prefix of the conversation through turn i, and the characters between the two are
-turn i's reply. A template that renders earlier turns differently once more follow (Qwen3 drops
-earlier turns' reasoning) breaks that and is refused in one line. A token is the assistant's when
-it covers a character of a reply: the rule transformers applies to templates with
-{% generation %} marks (`return_assistant_tokens_mask`), which tests/test_chat.py checks we match.
+Which tokens are the assistant's comes from the template, one of three ways:
+
+  * It marks what the assistant says with {% generation %} ... {% endgeneration %}: transformers renders it and
+    masks the tokens of the marked characters (`apply_chat_template(..., return_assistant_tokens_mask=True)`), and
+    its ids must be the ones our tokenizer gives the rendered text (tokenized as transformers does, no special
+    tokens added).
+  * A model family knows it (ModelFamily.training_chat_templates, by the template's exact text): the family's
+    marked training variant of it is rendered the same way. It renders the same text as the template (the ids
+    are checked against our tokenization of the template's own rendering), so thinking blocks are kept or
+    dropped exactly as the template keeps or drops them. This is how a template that renders earlier turns
+    differently once more follow (Qwen3's drops earlier turns' reasoning) is trained on.
+  * Otherwise, from its renderings alone: the conversation before turn i, rendered with the generation prompt
+    (what a model sees before it answers), is a prefix of the conversation through turn i, and the characters
+    between the two are turn i's reply; a token is the assistant's when it covers a character of a reply (the
+    rule transformers applies to the marks, which tests/test_chat.py checks we match). A template for which
+    this fails is refused in one line that says how to mark it.
 
 Prepared chat data stores a loss mask beside the tokens (data/prepare.py): 1 where a token is the
 assistant's. The label of position t is token t + 1, and counts when that token's mask is 1
@@ -23,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import re
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +42,7 @@ import numpy as np
 from errors import ConfigError, warn
 
 IGNORE_INDEX = -100  # the label of a position the loss skips (torch's cross_entropy default)
+GENERATION_MARK = re.compile(r"\{%-?\s*generation\s*-?%\}")  # a template's marks, as transformers finds them
 
 
 class ChatRenderer:
@@ -49,16 +61,26 @@ class ChatRenderer:
                 f"data.chat: {key} {tokenizer_path} has no chat template (tokenizer_config.json's chat_template); "
                 "use the tokenizer folder of an instruct model, or set data.chat = false to train on plain text"
             )
-        self._apply = hf.apply_chat_template
+        self._hf, self.path = hf, tokenizer_path
         self.tokenizer = HFTokenizer(folder, key=key)
-        # Another template, or another tokenizer, renders other tokens: prepared data records this.
-        self.fingerprint = hashlib.sha256((self.tokenizer.fingerprint + template).encode()).hexdigest()[:16]
+        # The template whose {% generation %} marks give the mask: the folder's own, or a family's variant of it.
+        self.marked: str | None = template if GENERATION_MARK.search(template) else None
+        self.marked_by: str | None = None  # the family whose variant it is
+        if self.marked is None and (known := training_variant(template)) is not None:
+            self.marked_by, self.marked = known
+        # Another template, another tokenizer, or another way of finding the replies renders other tokens or
+        # another mask: prepared data records this.
+        what = self.tokenizer.fingerprint + template
+        if self.marked is not None:
+            what += "\n{% generation %} marks:\n" + self.marked
+        self.fingerprint = hashlib.sha256(what.encode()).hexdigest()[:16]
 
     def _render(self, messages: list[dict[str, Any]], *, generation_prompt: bool = False) -> str:
-        return self._apply(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        return self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
     def replies(self, messages: list[dict[str, Any]], *, where: str) -> tuple[str, list[tuple[int, int]]]:
-        """The rendered conversation and the [start, end) characters of each assistant reply in it."""
+        """The rendered conversation and the [start, end) characters of each assistant reply in it, found from the
+        template's renderings alone (a template without marks)."""
         check_messages(messages, where=where)
         whole = self._render(messages)
         spans = []
@@ -69,18 +91,57 @@ class ChatRenderer:
             through = self._render(messages[: i + 1])
             if not (through.startswith(before) and whole.startswith(through)):
                 raise ConfigError(
-                    f"data.chat: the chat template renders the turns before assistant turn {i} of {where} differently "
-                    "once more turns follow, so its reply cannot be told apart; use a template that renders each turn "
-                    "the same whatever follows"
+                    f"data.chat: the chat template of {self.path} renders the turns before assistant turn {i} of "
+                    f"{where} differently once more turns follow, so its reply cannot be told apart, and no model "
+                    "family has a training variant of it; mark what the assistant says in the template with "
+                    "{% generation %} ... {% endgeneration %} (the folder's chat_template.jinja or "
+                    "tokenizer_config.json's chat_template, its rendering unchanged), or use a template that renders "
+                    "each turn the same whatever follows"
                 )
             spans.append((len(before), len(through)))
         return whole, spans
 
     def render(self, messages: list[dict[str, Any]], *, where: str) -> tuple[list[int], np.ndarray]:
         """Token ids of the conversation and its loss mask (uint8, 1 on the assistant's tokens)."""
-        text, spans = self.replies(messages, where=where)
-        ((ids, offsets),) = self.tokenizer.encode_with_offsets([text])
-        return ids, assistant_mask(offsets, spans)
+        if self.marked is None:
+            text, spans = self.replies(messages, where=where)
+            ((ids, offsets),) = self.tokenizer.encode_with_offsets([text])
+            return ids, assistant_mask(offsets, spans)
+        check_messages(messages, where=where)
+        out = self._hf.apply_chat_template(
+            messages, chat_template=self.marked, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        text = self._render(messages)  # the template's own rendering: what the model is prompted with
+        (ids,) = self.tokenizer.encode_batch([text])
+        if ids != list(out["input_ids"]):
+            raise self._mismatch(messages, text, where=where)
+        return ids, np.asarray(out["assistant_masks"], dtype=np.uint8)
+
+    def _mismatch(self, messages: list[dict[str, Any]], text: str, *, where: str) -> ConfigError:
+        """Why transformers' ids of a conversation are not ours: another rendering, or another tokenization."""
+        if self.marked_by is not None and (
+            self._hf.apply_chat_template(messages, chat_template=self.marked, tokenize=False) != text
+        ):
+            return ConfigError(
+                f"data.chat: models/{self.marked_by}/'s training variant of the chat template of {self.path} renders "
+                f"{where} differently from the template; mark the replies in the folder's own chat_template with "
+                "{% generation %} ... {% endgeneration %} instead"
+            )
+        return ConfigError(
+            f"data.chat: transformers' tokenizer of {self.path} tokenizes {where} differently from its "
+            "tokenizer.json; use a folder whose tokenizer_config.json loads that tokenizer.json unchanged "
+            '(tokenizer_class "PreTrainedTokenizerFast")'
+        )
+
+
+def training_variant(template: str) -> tuple[str, str] | None:
+    """(family, its marked training variant) of a chat template a model family knows (models/<family>/), or None."""
+    from models import NAMES, family
+
+    for name in NAMES:
+        if (variant := family(name).training_chat_templates.get(template)) is not None:
+            return name, variant
+    return None
 
 
 @functools.lru_cache(maxsize=4)

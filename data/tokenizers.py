@@ -4,8 +4,8 @@ How a text is framed is the tokenizer's own rule, read from its files and writte
 
     a prompt    the ids its post-processor puts around a text: what transformers' `tokenizer(text)` gives
                 (Llama 3: <|begin_of_text|> text; SmolLM2, Qwen3: text alone)
-    a document  the same, closed by its end-of-text token, as the family was pretrained (Llama 3:
-                <|begin_of_text|> doc <|end_of_text|>; Qwen3: doc <|endoftext|>)
+    a document  the same, closed by its eos_token, as the family was pretrained (Llama 3:
+                <|begin_of_text|> doc <|end_of_text|>; a Qwen3 base folder: doc <|endoftext|>)
 
 The post-processor is tokenizer.json's, unless tokenizer_config.json sets add_bos_token / add_eos_token:
 then, as transformers does, those flags decide. No BOS is ever looked up by name: a tokenizer that adds

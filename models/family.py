@@ -5,7 +5,7 @@ importing the package that looks families up."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
@@ -36,3 +36,7 @@ class ModelFamily:
     torchtitan_interleaved: Callable[[Any], dict[str, int]]
     """The weights torchtitan 0.2.2's model of this family holds in RoPE's interleaved layout, as {name inside a
     block: heads}: within each head their rows are ours permuted (checkpoint_torchtitan.py); {} when none."""
+    training_chat_templates: Mapping[str, str] = field(default_factory=dict)
+    """Chat templates the family's published tokenizers ship (tokenizer_config.json's chat_template, the exact text)
+    -> a training variant of each: the same rendering, with {% generation %} marks around what the assistant says
+    (data/chat.py: how a template that renders earlier turns differently once more follow is trained on)."""

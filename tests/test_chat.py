@@ -4,7 +4,9 @@ against a cross-entropy over the answers computed from transformers' model."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import hashlib
 import json
 import re
 import shlex
@@ -19,7 +21,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from config import Data, load_config
-from data.chat import IGNORE_INDEX, ChatRenderer, ChatWindows
+from data.chat import IGNORE_INDEX, ChatRenderer, ChatWindows, assistant_mask
 from data.corpus import TokenCorpus, open_corpus
 from data.loader import GlobalBatchLoader
 from data.mixture import open_mixture
@@ -27,18 +29,20 @@ from data.prepare import prepare
 from data.sources import find_source
 from data.tokenizers import build_tokenizer
 from errors import ConfigError
-from tests.launch import REPO, torchrun
+from models.qwen3 import FAMILY as qwen3_family
+from models.qwen3 import chat as qwen3_chat
+from tests.launch import REPO, python, torchrun
 from tests.tiny_hf import SHIPPED_TOKENIZER, tiny_hf_folder
 
 CHAT = REPO / "assets" / "corpus" / "chat.jsonl"
 CONVERSATIONS = [json.loads(line)["messages"] for line in CHAT.read_text().splitlines()]
 
 
-def tokenizer_folder(tmp_path: Path, template: str | None) -> Path:
-    """A copy of the shipped tokenizer with another chat template (None: none)."""
+def tokenizer_folder(tmp_path: Path, template: str | None, source: Path = SHIPPED_TOKENIZER) -> Path:
+    """A copy of the shipped tokenizer (or of `source`) with another chat template (None: none)."""
     folder = tmp_path / "tokenizer"
     folder.mkdir(exist_ok=True)
-    for file in SHIPPED_TOKENIZER.iterdir():
+    for file in source.iterdir():
         (folder / file.name).write_bytes(file.read_bytes())
     config = json.loads((folder / "tokenizer_config.json").read_text())
     config.pop("chat_template")
@@ -59,22 +63,21 @@ def transformers_render(folder: Path, messages: list[dict]) -> tuple[list[int], 
 
 
 def test_tokens_and_mask_are_transformers_assistant_tokens(tmp_path: Path) -> None:
-    """The shipped template marks the replies with {% generation %}: transformers' mask of them is ours, which we
-    find from the template's renderings alone (so also for templates without marks, like Llama 3's)."""
-    ours = ChatRenderer(str(SHIPPED_TOKENIZER))
+    """The shipped template marks the replies with {% generation %}: transformers' mask of them is ours. Without
+    its marks (as Llama 3's has none) we find the same mask from the template's renderings alone."""
     theirs = AutoTokenizer.from_pretrained(str(SHIPPED_TOKENIZER))
-    for i, messages in enumerate(CONVERSATIONS[:200]):
-        ids, mask = ours.render(messages, where=f"row {i}")
-        out = theirs.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-        assert (ids, mask.tolist()) == (list(out["input_ids"]), list(out["assistant_masks"])), i
-    # A reply is the assistant's text and the EOS that closes its turn; nothing of the prompt counts.
-    ids, mask = ours.render(CONVERSATIONS[1], where="row 1")
-    assert theirs.decode([t for t, m in zip(ids, mask, strict=True) if m]) == 'A lion says "roar".<|end_of_text|>'
-
-    # The same template without its marks: the same mask.
     unmarked = theirs.chat_template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
-    plain = ChatRenderer(str(tokenizer_folder(tmp_path, unmarked)))
-    assert all(np.array_equal(plain.render(m, where="")[1], ours.render(m, where="")[1]) for m in CONVERSATIONS[:50])
+    ours, plain = ChatRenderer(str(SHIPPED_TOKENIZER)), ChatRenderer(str(tokenizer_folder(tmp_path, unmarked)))
+    assert ours.marked == theirs.chat_template and plain.marked is None  # the marks, and the renderings alone
+    for i, messages in enumerate(CONVERSATIONS[:200]):
+        out = theirs.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        expected = (list(out["input_ids"]), list(out["assistant_masks"]))
+        for renderer in (ours, plain):
+            ids, mask = renderer.render(messages, where=f"row {i}")
+            assert (ids, mask.tolist()) == expected, i
+    # A reply is the assistant's text and the EOS that closes its turn; nothing of the prompt counts.
+    ids, mask = plain.render(CONVERSATIONS[1], where="row 1")
+    assert theirs.decode([t for t, m in zip(ids, mask, strict=True) if m]) == 'A lion says "roar".<|end_of_text|>'
     assert plain.fingerprint != ours.fingerprint  # another template, another preparation
 
 
@@ -87,8 +90,14 @@ def test_what_cannot_be_rendered_is_one_line(tmp_path: Path) -> None:
     renderer = ChatRenderer(str(tokenizer_folder(tmp_path, forgetful)))
     two_turns = CONVERSATIONS[0]
     assert sum(m["role"] == "assistant" for m in two_turns) == 2
-    with pytest.raises(ConfigError, match="^data.chat: the chat template renders the turns before assistant turn"):
+    with pytest.raises(ConfigError) as refused:
         renderer.render(two_turns, where="row 0")
+    assert re.match(
+        r"data.chat: the chat template of \S+ renders the turns before assistant turn \d+ of row 0 differently once "
+        r"more turns follow, so its reply cannot be told apart, and no model family has a training variant of it; "
+        r"mark what the assistant says in the template with \{% generation %\} ... \{% endgeneration %\}",
+        str(refused.value),
+    ), refused.value
     ours = ChatRenderer(str(SHIPPED_TOKENIZER))
     for row, problem in [
         ("hello", "data.messages_column: row 7 holds str, not a list of messages; point data.messages_column at"),
@@ -101,6 +110,122 @@ def test_what_cannot_be_rendered_is_one_line(tmp_path: Path) -> None:
     for path in (str(tokenizer_folder(tmp_path, None)), "byte"):
         with pytest.raises(ConfigError, match=f"^data.chat: model.tokenizer_path {path} has no chat template"):
             ChatRenderer(path)
+
+
+# ------------------------------------------------------------------ a template that re-renders earlier turns: Qwen3's
+
+QWEN3_TOKENIZER = REPO / "assets" / "tokenizer_qwen3"
+# The sha256 of Qwen3's chat template as its post-trained releases ship it (the text TRL identifies Qwen3 by,
+# trl/chat_templates/qwen3.jinja).
+QWEN3_TEMPLATE_SHA256 = "a55ee1b1660128b7098723e0abcd92caa0788061051c62d51cbe87d9cf1974d8"
+REASONING = [  # thinking in the content, in reasoning_content, and a tool call
+    [
+        {"role": "user", "content": "What is 2 plus 2?"},
+        {"role": "assistant", "content": "<think>\nTwo and two.\n</think>\n\n2 plus 2 is 4."},
+        {"role": "user", "content": "And 3 plus 3?"},
+        {"role": "assistant", "content": "<think>\nThree and three.\n</think>\n\n3 plus 3 is 6."},
+    ],
+    [
+        {"role": "system", "content": "Answer in one sentence."},
+        {"role": "user", "content": "What does a cow say?"},
+        {"role": "assistant", "content": 'A cow says "moo".', "reasoning_content": "Cows moo."},
+        {"role": "user", "content": "And a lion?"},
+        {"role": "assistant", "content": 'A lion says "roar".', "reasoning_content": "Lions roar."},
+        {"role": "assistant", "content": "Both are loud.", "reasoning_content": "One more reply."},
+    ],
+    [
+        {"role": "user", "content": "What day is it?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "today", "arguments": {}}}]},
+        {"role": "tool", "content": "Tuesday"},
+        {"role": "assistant", "content": "It is Tuesday."},
+    ],
+]  # fmt: skip
+
+
+def chatml_replies(text: str) -> list[tuple[int, int]]:
+    """The characters of each assistant turn of a ChatML rendering: after its header, through its <|im_end|>."""
+    return [
+        (header.end(), text.index("<|im_end|>", header.end()) + len("<|im_end|>"))
+        for header in re.finditer(r"<\|im_start\|>assistant\n", text)
+    ]
+
+
+def test_qwen3s_template_is_trained_through_its_marked_variant(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen3's chat template drops earlier turns' reasoning once a user turn follows, so their replies cannot be found
+    from its renderings; models/qwen3/'s marked variant of it renders the same text, and the mask is transformers'
+    mask of the variant: each assistant turn after its header, through its <|im_end|>."""
+    renderer, hf = ChatRenderer(str(QWEN3_TOKENIZER)), AutoTokenizer.from_pretrained(str(QWEN3_TOKENIZER))
+    assert hashlib.sha256(hf.chat_template.encode()).hexdigest() == QWEN3_TEMPLATE_SHA256  # recognized by its text
+    assert (renderer.marked_by, renderer.marked) == ("qwen3", qwen3_chat.TRAINING)
+    assert sum(m[0]["role"] == "system" for m in CONVERSATIONS) > 0 and max(len(m) for m in CONVERSATIONS) >= 6
+    marked = qwen3_chat.TRAINING
+    for i, messages in enumerate(CONVERSATIONS + REASONING):
+        text = hf.apply_chat_template(messages, tokenize=False)
+        assert hf.apply_chat_template(messages, chat_template=marked, tokenize=False) == text, i
+        ids, mask = renderer.render(messages, where=f"row {i}")
+        out = hf.apply_chat_template(
+            messages, chat_template=marked, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        assert (ids, mask.tolist()) == (list(out["input_ids"]), list(out["assistant_masks"])), i
+        ((_, offsets),) = renderer.tokenizer.encode_with_offsets([text])
+        assert np.array_equal(mask, assistant_mask(offsets, chatml_replies(text))), i
+    # Thinking: kept in the turns after the last user query (an empty block in the last one without any), dropped
+    # from earlier ones, as the template renders the whole conversation.
+    for messages, counted in zip(REASONING, [
+        "2 plus 2 is 4.<|im_end|><think>\nThree and three.\n</think>\n\n3 plus 3 is 6.<|im_end|>",
+        'A cow says "moo".<|im_end|><think>\nLions roar.\n</think>\n\nA lion says "roar".<|im_end|>'
+        "<think>\nOne more reply.\n</think>\n\nBoth are loud.<|im_end|>",
+        '<tool_call>\n{"name": "today", "arguments": {}}\n</tool_call><|im_end|><think>\n\n</think>\n\nIt is Tuesday.'
+        "<|im_end|>",
+    ], strict=True):  # fmt: skip
+        ids, mask = renderer.render(messages, where="")
+        assert hf.decode([t for t, m in zip(ids, mask, strict=True) if m]) == counted
+
+    # Not the official text (here one more newline, which renders the same): not recognized, and refused.
+    other = ChatRenderer(str(tokenizer_folder(tmp_path, hf.chat_template + "\n", source=QWEN3_TOKENIZER)))
+    assert other.marked is None
+    with pytest.raises(ConfigError, match=r"^data.chat: the chat template of \S+ renders the turns before assistant"):
+        other.render(REASONING[0], where="row 0")
+    # A variant that renders otherwise, or a tokenizer.json that transformers' tokenizer does not match: one line.
+    broken = copy.copy(renderer)
+    broken.marked = "{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}{% endfor %}"
+    with pytest.raises(ConfigError, match=r"^data.chat: models/qwen3/'s training variant of the chat template of \S+ "
+                       "renders row 3 differently from the template; mark the replies in the folder's own"):  # fmt: skip
+        broken.render(REASONING[0], where="row 3")
+    broken = copy.copy(renderer)
+    broken.tokenizer = build_tokenizer(str(SHIPPED_TOKENIZER))
+    with pytest.raises(ConfigError, match=r"^data.chat: transformers' tokenizer of \S+ tokenizes row 3 differently"):
+        broken.render(REASONING[0], where="row 3")
+
+    # The variant is a part of the fingerprint that prepared data records: another variant, another mask.
+    without_im_end = qwen3_chat.TRAINING.replace(
+        "{{- '<|im_end|>' }}\n        {%- endgeneration %}", "{%- endgeneration %}\n        {{- '<|im_end|>' }}"
+    )
+    monkeypatch.setitem(qwen3_chat.TRAINING_CHAT_TEMPLATES, qwen3_chat.OFFICIAL, without_im_end)
+    changed = ChatRenderer(str(QWEN3_TOKENIZER))
+    assert changed.fingerprint != renderer.fingerprint
+    ids, mask = changed.render(REASONING[2], where="")
+    assert hf.decode([t for t, m in zip(ids, mask, strict=True) if m]).endswith("It is Tuesday.")
+
+
+def test_the_qwen3_tokenizer_is_its_script_s_and_fits_the_qwen3_debug_model(tmp_path: Path) -> None:
+    """assets/tokenizer_qwen3 is what scripts/make_qwen3_tokenizer.py writes, byte for byte: the shipped BPE, its
+    ordinary tokens' ids unchanged, with Qwen3's special tokens, no BOS, EOS <|im_end|>, within the Qwen3 debug
+    model's 2,048 embeddings."""
+    assert python("scripts/make_qwen3_tokenizer.py", "--out", str(tmp_path / "t")).returncode == 0
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        assert (tmp_path / "t" / name).read_bytes() == (QWEN3_TOKENIZER / name).read_bytes(), name
+    ours, hf = build_tokenizer(str(QWEN3_TOKENIZER)), AutoTokenizer.from_pretrained(str(QWEN3_TOKENIZER))
+    assert ours.vocab_size == len(hf) == qwen3_family.flavors["debugmodel"].vocab_size
+    specials = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2045, "<think>": 2046, "</think>": 2047}
+    assert hf.convert_tokens_to_ids(list(specials)) == list(specials.values())
+    assert (hf.bos_token, hf.eos_token, hf.pad_token, ours.eos_id) == (None, "<|im_end|>", "<|endoftext|>", 2045)
+    text = "<|im_start|>user\nWhat does a cow say?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nMoo."
+    assert hf(text)["input_ids"] == ours.encode_batch([text])[0]  # a text is its tokens alone
+    shipped = AutoTokenizer.from_pretrained(str(SHIPPED_TOKENIZER)).get_vocab()
+    dropped = {"<|begin_of_text|>", "<|end_of_text|>", "\u0120rise", "\u0120shadows", "\u0120Cookies"}
+    assert hf.get_vocab() == {t: i for t, i in shipped.items() if t not in dropped} | specials
+    assert hf.tokenize(" rise") == ["\u0120r", "ise"]  # a dropped merge's word: two tokens
 
 
 # ------------------------------------------------------------------ prepared data and windows
@@ -269,5 +394,24 @@ def test_the_readmes_chat_commands_fine_tune_a_checkpoint_and_answer(seed: Path,
     assert f"initialized model weights from {seed}" in run.stdout and "validation at step 2" in run.stdout
     ask = ask.replace(".venv/bin/python", sys.executable).replace("outputs/debug_chat", str(dump))
     ask = ask.replace("step-40", "step-2")
+    proc = subprocess.run(["bash", "-c", ask], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.startswith("What does a cow say?"), proc.stderr[-3000:]
+
+
+def test_the_readmes_qwen3_chat_commands_fine_tune_from_scratch_and_answer(tmp_path: Path) -> None:
+    """README's Qwen3 lines of "Fine-tune on chat data" as written, for 2 steps instead of 100, into a temporary
+    folder: Qwen3's debug model trains on the conversations as Qwen3's template renders them, validates on the
+    held-out ones, and its checkpoint answers a question in that template."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("### Fine-tune on chat data") : text.index("## Where things live")]
+    train, ask = re.findall(r"```bash\n(.*?)```", section, flags=re.S)[1].strip().splitlines()
+    assert "--model.tokenizer_path=assets/tokenizer_qwen3" in train and "--training.steps=100" in train
+    dump = tmp_path / "qwen3_debug_chat"
+    train = train.replace("--training.steps=100", "--training.steps=2").replace("outputs/qwen3_debug_chat", str(dump))
+    nproc, script, *args = shlex.split(train.removeprefix(".venv/bin/torchrun "))
+    run = torchrun(script, *args, nproc=int(nproc.removeprefix("--nproc_per_node=")))
+    assert "validation at step 1" in run.stdout and "validation at step 2" in run.stdout, run.stdout
+    ask = ask.replace(".venv/bin/python", sys.executable).replace("outputs/qwen3_debug_chat", str(dump))
+    ask = ask.replace("step-100", "step-2")
     proc = subprocess.run(["bash", "-c", ask], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.startswith("What does a cow say?"), proc.stderr[-3000:]

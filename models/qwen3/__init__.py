@@ -1,7 +1,7 @@
 """Qwen3 dense (0.6B to 32B): the family as the generic code sees it (models/__init__.py)."""
 
 from models.family import ModelFamily
-from models.qwen3 import hf, plans
+from models.qwen3 import chat, hf, plans
 from models.qwen3.model import FLAVORS, ModelArgs, Transformer, num_flops_per_token, num_params
 
 FAMILY = ModelFamily(
@@ -22,6 +22,7 @@ FAMILY = ModelFamily(
     num_flops_per_token=num_flops_per_token,
     hf=hf,
     torchtitan_interleaved=lambda args: {},  # torchtitan's Qwen3 rotates halves, as this one does
+    training_chat_templates=chat.TRAINING_CHAT_TEMPLATES,  # its chat template re-renders earlier turns
 )
 
 __all__ = ["FAMILY", "FLAVORS", "ModelArgs", "Transformer", "num_flops_per_token", "num_params"]
