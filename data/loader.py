@@ -206,6 +206,8 @@ class GlobalBatchLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         changed = [f"{k} {state[k]!r} -> {v!r}" for k, v in self._identity().items() if k in state and state[k] != v]
+        if state.get("dataset") == self.corpus.fingerprint:  # the same tokens (a hash of them): the same stream, so a
+            changed = [c for c in changed if not c.startswith("tokenizer ")]  # tokenizer's new fingerprint is no change
         if changed and self.strict_resume:
             raise ConfigError(
                 f"data.ignore_resume_mismatch: the checkpoint was trained on other data or settings ({', '.join(changed)}); "

@@ -448,6 +448,12 @@ def test_loader_state_resumes_exactly_on_another_world_size_and_refuses_other_da
         loader(corpus, local=4, global_=8).load_state_dict(state | {"shuffle": False, "seed": 0})
     with pytest.raises(ConfigError, match=r"dataset 'other' -> "):
         loader(corpus, local=4, global_=4, shuffle=True, seed=9).load_state_dict(state | {"dataset": "other"})
+    # The same tokens under a tokenizer whose fingerprint changed (the framing rule's, on an unchanged stream): resumes.
+    renamed = loader(corpus, local=4, global_=4, shuffle=True, seed=9)
+    renamed.load_state_dict(state | {"tokenizer": "before-the-framing-rule"})
+    assert renamed.sample_index == state["sample_index"]
+    with pytest.raises(ConfigError, match=r"tokenizer 'before-the-framing-rule' -> "):
+        renamed.load_state_dict(state | {"tokenizer": "before-the-framing-rule", "dataset": "other"})
     lenient = loader(corpus, local=4, global_=8, strict_resume=False)
     lenient.load_state_dict(state)
     assert lenient.sample_index == state["sample_index"]
