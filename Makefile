@@ -3,6 +3,7 @@
 #   make train CONFIG=configs/debug.toml NPROC=4 ARGS="--training.steps=50"
 #   make test                       # the test suite (tests/, and benchmarks/ when it is there)
 #   make bench                      # what each fix buys, measured: one table, bench.json, bench.png
+#   make bench-gpu                  # one prepared ~10-minute run on one GPU (ARGS="--rehearse": on CPU, tiny)
 #   TORCH_VERSION=2.11.0 make setup # another torch; a build of PyTorch's own index also needs the index, e.g.
 #   PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cu128 TORCH_VERSION=2.13.0+cu128 make setup
 
@@ -16,7 +17,7 @@ ARGS ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 
-.PHONY: setup train test bench lint fmt clean
+.PHONY: setup train test bench bench-gpu lint fmt clean
 
 setup: $(STAMP)
 
@@ -34,6 +35,9 @@ test: setup
 
 bench: setup
 	OMP_NUM_THREADS=1 $(PY) -m benchmarks.run $(ARGS)
+
+bench-gpu: setup
+	$(PY) -m benchmarks.gpu_run $(ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

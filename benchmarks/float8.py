@@ -8,6 +8,11 @@ parameters, built by the recipe's own parallelize_model, in three setups:
     bf16                 no converter
     float8               tensorwise float8 linears, bf16 all-gather
     float8_all_gather    + enable_fsdp_float8_all_gather + precompute_float8_dynamic_scale_for_fsdp
+    float8_rowwise       rowwise float8 linears (torchao's rowwise recipe), bf16 all-gather
+
+`make bench-gpu` (benchmarks/gpu_run.py) runs it on one GPU at the Llama 3 8B block shape with
+`--setups bf16 float8 float8_rowwise --compile --steps 3`: step time and tokens/s of tensorwise and
+rowwise against bf16 (float8's speed needs compile: eager, its casts are separate kernels).
 
 Bytes are read off the tensors FSDP hands to `torch.distributed.all_gather_single` (its all-gather
 of each unit's flat buffer): the block weights travel as 1-byte float8 instead of 2-byte bf16,
@@ -42,7 +47,7 @@ from parallelisms.parallelize import parallelize_model
 from train import train_step
 
 PROBLEM = "float8"
-SETUPS = ("bf16", "float8", "float8_all_gather")
+SETUPS = ("bf16", "float8", "float8_all_gather", "float8_rowwise")
 
 
 @contextmanager
@@ -69,7 +74,9 @@ def measure(setup: str, *, args: argparse.Namespace, device: torch.device) -> di
     mesh = dims.build_mesh(device.type)
     emulate = bool(float8_problems(Float8Linear(), device=device))
     float8 = None
-    if setup != "bf16":
+    if setup == "float8_rowwise":
+        float8 = Float8Linear(recipe_name="rowwise", emulate=emulate)
+    elif setup != "bf16":
         gather = setup == "float8_all_gather"
         float8 = Float8Linear(
             enable_fsdp_float8_all_gather=gather, precompute_float8_dynamic_scale_for_fsdp=gather, emulate=emulate
@@ -86,7 +93,7 @@ def measure(setup: str, *, args: argparse.Namespace, device: torch.device) -> di
         training=training,
         parallelism=parallelism,
         ac=ActivationCheckpoint(),
-        compile=Compile(),
+        compile=Compile(enable=args.compile),
         float8=float8,
         device=device,
     )
@@ -110,11 +117,13 @@ def measure(setup: str, *, args: argparse.Namespace, device: torch.device) -> di
     dist.barrier()
     start = time.perf_counter()
     with all_gather_bytes(counts):
-        step()
-    seconds = time.perf_counter() - start
+        for _ in range(args.steps):
+            step()  # .item(): each step ends synchronized
+    seconds = (time.perf_counter() - start) / args.steps
     return {
-        "setup": setup, "emulate": emulate, "all_gather_bytes": counts["bytes"], "all_gathers": counts["calls"],
-        "step_seconds": seconds, "first_loss": first_loss,
+        "setup": setup, "emulate": emulate, "all_gather_bytes": counts["bytes"] // args.steps,
+        "all_gathers": counts["calls"] // args.steps, "step_seconds": seconds, "first_loss": first_loss,
+        "tokens_per_s": args.batch_size * args.seq_len / seconds,
     }  # fmt: skip
 
 
@@ -123,23 +132,40 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-layers", type=int, default=2, help="blocks of the flavor to keep (smaller, faster)")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS))
+    p.add_argument("--steps", type=int, default=1, help="timed steps (after one warm-up step); their mean")
+    p.add_argument("--compile", action="store_true", help="compile each block (compile.enable)")
 
 
 def measure_args(args: argparse.Namespace) -> dict[str, Any]:
     with harness.process_group() as device:
-        setups = {setup: measure(setup, args=args, device=device) for setup in SETUPS}
+        setups = {setup: measure(setup, args=args, device=device) for setup in args.setups}
         world = dist.get_world_size()
     return {"flavor": args.flavor, "n_layers": args.n_layers, "world": world, "device": device.type, "setups": setups}
 
 
 def rows(results: dict[str, Any]) -> list[Row]:
+    """The all-gather bytes (float8 vs float8_all_gather), and where float8 is not emulated the step time and
+    tokens/s of each float8 setup measured against bf16's."""
     s = results["setups"]
-    out = [
-        Row(problem=PROBLEM, metric="FSDP all-gather bytes per step (rank 0)", unit="MiB",
-            broken="bf16 all-gather", broken_value=s["float8"]["all_gather_bytes"] / MiB,
-            fixed="float8 all-gather", fixed_value=s["float8_all_gather"]["all_gather_bytes"] / MiB),
-    ]  # fmt: skip
-    if not s["float8"]["emulate"]:
+    out = []
+    if "float8" in s and "float8_all_gather" in s:
+        out.append(
+            Row(problem=PROBLEM, metric="FSDP all-gather bytes per step (rank 0)", unit="MiB",
+                broken="bf16 all-gather", broken_value=s["float8"]["all_gather_bytes"] / MiB,
+                fixed="float8 all-gather", fixed_value=s["float8_all_gather"]["all_gather_bytes"] / MiB)
+        )  # fmt: skip
+    emulated = any(r["emulate"] for r in s.values())
+    if not emulated and "bf16" in s:
+        labels = {"float8": "float8 tensorwise", "float8_all_gather": "float8 + float8 all-gather",
+                  "float8_rowwise": "float8 rowwise"}  # fmt: skip
+        out += [
+            Row(problem=PROBLEM, metric=f"tokens/s, {results['flavor']} ({results['n_layers']} blocks)", unit="tok/s",
+                broken="bf16", broken_value=s["bf16"]["tokens_per_s"], fixed=label,
+                fixed_value=s[name]["tokens_per_s"])
+            for name, label in labels.items() if name in s
+        ]  # fmt: skip
+    if not emulated and "bf16" in s and "float8_all_gather" in s:
         out.append(
             Row(
                 problem=PROBLEM,

@@ -20,6 +20,12 @@ median round counts. All four produce the same tokens (checked).
 At batch 1 a decode step reads every weight once, so its limit is memory bandwidth: "weight bytes read / s" is the
 parameter bytes times decode tokens/s, beside this machine's copy bandwidth measured in the same run (a 256 MiB
 fp32 tensor copied: bytes read + written per second, STREAM's convention).
+
+On a GPU (`--device cuda`, the default where there is one; `make bench-gpu` runs the "1b" shape, Llama 3.2 1B's,
+in bf16) it also reports the fraction of the GPU's peak memory bandwidth the compiled decode reaches: the bytes
+one decoded token reads (every weight but the token embedding table, of which one row, plus the whole KV cache
+buffer, which the fixed-shape decode step attends over) x decode tokens/s / the peak of PEAK_BANDWIDTH for this
+device's name; n/a for a device not in that table or on CPU.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from benchmarks import harness
 from benchmarks.harness import Row
-from generate import Generator
+from generate import CACHE_LENGTH_MULTIPLE, Generator
 from models.hf import from_hf
 from tests.tiny_hf import unit_scale_init_
 
@@ -49,20 +55,56 @@ SHAPES: dict[str, dict[str, Any]] = {
                   intermediate_size=768, vocab_size=2048),
     "100m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
                  intermediate_size=2048, vocab_size=32768),
+    "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=8192, vocab_size=128256),  # Llama 3.2 1B's shape, untied: make bench-gpu
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=192, vocab_size=512),  # the benchmark's own test
 }  # fmt: skip
 SETUPS = ("hf generate", "no cache", "cache", "cache + compile")
+# Peak memory bandwidth (bytes/s, vendor specs) by a substring of torch.cuda.get_device_name(), first match wins.
+PEAK_BANDWIDTH = (
+    ("H100 PCIe", 2.0e12),
+    ("H100", 3.35e12),  # H100 SXM ("NVIDIA H100 80GB HBM3")
+    ("H200", 4.8e12),
+    ("A100-SXM4-80GB", 2.0e12),
+    ("A100 80GB", 2.0e12),
+)
 
 
-def copy_bandwidth(mib: int = 256, repeats: int = 5) -> float:
-    """Bytes read + written per second by a tensor copy of `mib` MiB (the best of `repeats`)."""
-    src = torch.randn(mib * 2**20 // 4)
+def peak_bandwidth(device_name: str) -> float | None:
+    """PEAK_BANDWIDTH's bytes/s for this device name; None for a device not in it."""
+    return next((bw for key, bw in PEAK_BANDWIDTH if key in device_name), None)
+
+
+def bytes_per_token(model: nn.Module, *, prompt: int, new_tokens: int) -> dict[str, int]:
+    """What one batch-1 decode step reads: the weights (the embedding table as one row) and the KV cache buffer
+    Generator allocates for prompt + new_tokens (models/kv_cache.py: max_len rounded up, every position attended)."""
+    args = model.args
+    embedding = model.tok_embeddings.weight
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights -= embedding.numel() * embedding.element_size() - args.dim * embedding.element_size()
+    max_len = min(-(-(prompt + new_tokens) // CACHE_LENGTH_MULTIPLE) * CACHE_LENGTH_MULTIPLE, args.max_seq_len)
+    max_len = max(max_len, prompt + new_tokens)
+    kv = 2 * args.n_layers * max_len * args.kv_heads * args.head_dim * embedding.element_size()
+    return {"weights": weights, "kv_cache": kv}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(mib: int = 256, repeats: int = 5, device: torch.device | str = "cpu") -> float:
+    """Bytes read + written per second by a tensor copy of `mib` MiB on `device` (the best of `repeats`)."""
+    device = torch.device(device)
+    src = torch.randn(mib * 2**20 // 4, device=device)
     dst = torch.empty_like(src)
     best = float("inf")
     for _ in range(repeats):
+        _sync(device)
         t0 = time.perf_counter()
         dst.copy_(src)
+        _sync(device)
         best = min(best, time.perf_counter() - t0)
     return 2 * src.numel() * 4 / best
 
@@ -93,31 +135,41 @@ def decoders(reference: nn.Module, ours: nn.Module, prompt: torch.Tensor) -> dic
     }
 
 
-def measure_shape(shape: str, *, new_tokens: int, rounds: int) -> dict[str, Any]:
+def measure_shape(
+    shape: str, *, new_tokens: int, rounds: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> dict[str, Any]:
+    device = torch.device(device)
     config = LlamaConfig(**SHAPES[shape], max_position_embeddings=512, rope_theta=500000.0,
                          attn_implementation="sdpa")  # fmt: skip
     reference = LlamaForCausalLM(config).float().eval()
     unit_scale_init_(reference, seed=0)
     with tempfile.TemporaryDirectory(prefix="generation_bench_") as tmp:
         reference.save_pretrained(tmp)
-        ours, _ = from_hf(Path(tmp))
+        ours, _ = from_hf(Path(tmp), dtype=dtype, device=device)
+    reference = reference.to(device=device, dtype=dtype)
     ours.eval()
-    prompt = torch.randint(3, config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(0))
+    prompt = torch.randint(3, config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(0)).to(device)
     setups = decoders(reference, ours, prompt)
     tokens = {name: decode(new_tokens) for name, decode in setups.items()}  # warm-up: compiles the decode step
     setups["cache + compile"](1)
     seconds: dict[str, list[float]] = {name: [] for name in setups}
     for _ in range(rounds):
         for name, decode in setups.items():
+            _sync(device)
             t0 = time.perf_counter()
             decode(1)
+            _sync(device)
             t1 = time.perf_counter()
             decode(new_tokens)
+            _sync(device)
             t2 = time.perf_counter()
             seconds[name].append((t2 - t1) - (t1 - t0))
     weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
     rate = {name: (new_tokens - 1) / statistics.median(s) for name, s in seconds.items()}
+    read = bytes_per_token(ours, prompt=PROMPT, new_tokens=new_tokens)
     return {
+        "dtype": str(dtype).removeprefix("torch."),
+        "bytes_read_per_token": read,
         "parameters": sum(p.numel() for p in ours.parameters()),
         "weight_bytes": weight_bytes,
         "new_tokens": new_tokens,
@@ -130,24 +182,46 @@ def measure_shape(shape: str, *, new_tokens: int, rounds: int) -> dict[str, Any]
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(0)
-    results: dict[str, Any] = {"copy_bytes_per_s": copy_bandwidth()}
-    results["shapes"] = {s: measure_shape(s, new_tokens=args.new_tokens, rounds=args.rounds) for s in args.shapes}
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, args.dtype)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    results: dict[str, Any] = {"device": device.type, "device_name": name, "peak_bytes_per_s": peak_bandwidth(name)}
+    results["copy_bytes_per_s"] = copy_bandwidth(device=device)
+    results["shapes"] = {
+        s: measure_shape(s, new_tokens=args.new_tokens, rounds=args.rounds, device=device, dtype=dtype)
+        for s in args.shapes
+    }
     return results
+
+
+def bandwidth_fraction(results: dict[str, Any], shape: str) -> float | None:
+    """Bytes one decoded token reads x the compiled decode's tokens/s / the device's peak bandwidth; None where the
+    peak is unknown (CPU, a GPU not in PEAK_BANDWIDTH)."""
+    peak, r = results.get("peak_bytes_per_s"), results["shapes"][shape]
+    if not peak or "bytes_read_per_token" not in r:
+        return None
+    return sum(r["bytes_read_per_token"].values()) * r["decode_tokens_per_s"]["cache + compile"] / peak
 
 
 def rows(results: dict[str, Any]) -> list[Row]:
     """Per shape: transformers vs ours with cache + compile (the headline), no cache vs cache, and the weight bytes
     read per second beside the machine's copy bandwidth."""
     out = []
+    where = "GPU" if results.get("device") == "cuda" else "CPU"
     for shape, r in results["shapes"].items():
         rate, label = r["decode_tokens_per_s"], f"{r['parameters'] / 1e6:.0f}M" if shape != "debug" else "debug"
+        if (fraction := bandwidth_fraction(results, shape)) is not None:
+            out.append(
+                Row(problem=PROBLEM, metric=f"fraction of peak memory bandwidth, decode, {label}", unit="",
+                    broken="peak", broken_value=1.0, fixed="cache + compile", fixed_value=fraction)
+            )  # fmt: skip
         out += [
-            Row(problem=PROBLEM, metric=f"decode tokens/s, batch 1, {label} (CPU)", unit="tok/s",
+            Row(problem=PROBLEM, metric=f"decode tokens/s, batch 1, {label} ({where})", unit="tok/s",
                 broken="hf generate", broken_value=rate["hf generate"], fixed="cache + compile",
                 fixed_value=rate["cache + compile"]),
-            Row(problem=PROBLEM, metric=f"decode tokens/s, batch 1, {label}, eager (CPU)", unit="tok/s",
+            Row(problem=PROBLEM, metric=f"decode tokens/s, batch 1, {label}, eager ({where})", unit="tok/s",
                 broken="no cache", broken_value=rate["no cache"], fixed="cache", fixed_value=rate["cache"]),
-            Row(problem=PROBLEM, metric=f"weight bytes read / s, {label} (CPU)", unit="GB/s",
+            Row(problem=PROBLEM, metric=f"weight bytes read / s, {label} ({where})", unit="GB/s",
                 broken="copy bandwidth", broken_value=results["copy_bytes_per_s"] / 1e9, fixed="cache + compile",
                 fixed_value=r["weight_bytes_read_per_s"]["cache + compile"] / 1e9),
         ]  # fmt: skip
@@ -156,6 +230,11 @@ def rows(results: dict[str, Any]) -> list[Row]:
 
 def table(results: dict[str, Any]) -> str:
     lines = [f"copy bandwidth: {results['copy_bytes_per_s'] / 1e9:.1f} GB/s (read + written)"]
+    if "device_name" in results:
+        peak = results["peak_bytes_per_s"]
+        lines.append(
+            f"device: {results['device_name']}, peak bandwidth " + (f"{peak / 1e12:.2f} TB/s" if peak else "n/a")
+        )
     for shape, r in results["shapes"].items():
         lines.append(
             f"{shape} ({r['parameters']:,} parameters, {r['weight_bytes'] / 2**20:.0f} MiB), {r['new_tokens']} new tokens, "
@@ -166,6 +245,14 @@ def table(results: dict[str, Any]) -> str:
                 f"  {name:16s} {r['decode_tokens_per_s'][name]:8.1f} tokens/s  "
                 f"{r['weight_bytes_read_per_s'][name] / 1e9:6.2f} GB/s of weights"
             )
+        if "bytes_read_per_token" in r:
+            fraction = bandwidth_fraction(results, shape)
+            read = r["bytes_read_per_token"]
+            lines.append(
+                f"  bytes read per decoded token: {read['weights'] / 2**20:.1f} MiB weights + "
+                f"{read['kv_cache'] / 2**20:.1f} MiB KV cache; cache + compile reaches "
+                + (f"{fraction:.1%} of the peak bandwidth" if fraction is not None else "n/a of the peak bandwidth")
+            )
     return "\n".join(lines)
 
 
@@ -173,6 +260,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shapes", nargs="+", choices=SHAPES, default=["debug", "100m"])
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda where there is one, else cpu")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="both models' weights")
 
 
 def main(argv: list[str] | None = None) -> int:

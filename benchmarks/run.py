@@ -81,9 +81,18 @@ def run_benchmark(name: str, out: Path) -> dict[str, Any]:
 # --------------------------------------------------------------------- train rows
 
 
-def run_train(out: Path, *, cuda: bool) -> dict[str, Any]:
-    """tokens/s, MFU and peak memory of FSDP vs + compile vs + op SAC, 20 steps each through train.py."""
-    if cuda:
+def run_train(out: Path, *, cuda: bool, rehearse: bool = False) -> dict[str, Any]:
+    """tokens/s, MFU and peak memory of FSDP vs + compile vs + op SAC, 20 steps each through train.py.
+
+    rehearse: the same runs at a tiny shape, 3 steps each, on one process and without compile (`make bench-gpu
+    --rehearse`, benchmarks/gpu_run.py: compiling on CPU would cost ~30 s per variant and measure nothing).
+    """
+    steps, warm = (3, 1) if rehearse else (20, 5)
+    if rehearse:
+        flavor, seq_len, nproc = "debugmodel", 32, 1
+        common = ["--training.mixed_precision_param=float32", "--training.local_batch_size=2"]
+        print("rehearsal: train rows run without --compile.enable (compile is not timed on CPU)", flush=True)
+    elif cuda:
         # The largest flavor whose FSDP(1) state (16 bytes per parameter) leaves room on one GPU.
         flavor, seq_len, nproc = "llama3_1b", 2048, 1
         common = ["--training.mixed_precision_param=bfloat16", "--training.local_batch_size=4"]
@@ -95,6 +104,8 @@ def run_train(out: Path, *, cuda: bool) -> dict[str, Any]:
         "fsdp_compile": ["--compile.enable"],
         "fsdp_compile_sac": ["--compile.enable", "--activation_checkpoint.mode=selective"],
     }
+    if rehearse:
+        variants = {name: [a for a in extra if a != "--compile.enable"] for name, extra in variants.items()}
     results = {}
     for name, extra in variants.items():
         dump = out / "train" / name
@@ -105,7 +116,7 @@ def run_train(out: Path, *, cuda: bool) -> dict[str, Any]:
             "configs/debug.toml",
             f"--model.flavor={flavor}",
             f"--training.seq_len={seq_len}",
-            "--training.steps=20",
+            f"--training.steps={steps}",
             "--metrics.log_freq=1",
             "--validation.enable=false",
             "--checkpoint.enable=false",  # a 1B run's last-step save would write 12 GiB and time nothing
@@ -117,12 +128,17 @@ def run_train(out: Path, *, cuda: bool) -> dict[str, Any]:
         if proc.returncode != 0:
             raise SystemExit(f"train.py ({name}) exited with status {proc.returncode}")
         rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
-        steps = [row for row in rows if "tps" in row][5:]  # training rows, warm
+        timed = [row for row in rows if "tps" in row][warm:]  # training rows, warm
         results[name] = {
-            "tps": statistics.median(s["tps"] for s in steps),
-            "mfu": statistics.median(s["mfu"] for s in steps) if steps[0]["mfu"] is not None else None,
-            "memory_gib": max(s["memory_gib"] for s in steps),
+            "tps": statistics.median(s["tps"] for s in timed),
+            "mfu": statistics.median(s["mfu"] for s in timed) if timed[0]["mfu"] is not None else None,
+            "memory_gib": max(s["memory_gib"] for s in timed),
             "flavor": flavor,
+            "seq_len": seq_len,
+            "local_batch_size": int(common[1].rsplit("=", 1)[1]),
+            "nproc": nproc,
+            "param_dtype": common[0].rsplit("=", 1)[1],
+            "ac": "selective-op" if "--activation_checkpoint.mode=selective" in extra else "none",
         }
     return {"device": "cuda" if cuda else "cpu", "variants": results}
 

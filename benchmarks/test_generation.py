@@ -18,3 +18,24 @@ def test_the_four_setups_decode_the_same_tokens_and_each_row_is_measured() -> No
     weights = shape["weight_bytes"] * shape["decode_tokens_per_s"]["cache + compile"]
     assert math.isclose(rows[2].fixed_value, weights / 1e9)
     assert "same tokens: True" in generation.table(results)
+
+
+def test_the_bandwidth_fraction_counts_the_weights_a_token_reads_and_the_whole_kv_cache() -> None:
+    assert generation.peak_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12
+    assert generation.peak_bandwidth("NVIDIA H100 PCIe") == 2.0e12
+    assert generation.peak_bandwidth("NVIDIA H200") == 4.8e12
+    assert generation.peak_bandwidth("NVIDIA A100-SXM4-80GB") == 2.0e12
+    assert generation.peak_bandwidth("NVIDIA A100 80GB PCIe") == 2.0e12
+    assert generation.peak_bandwidth("NVIDIA L4") is None and generation.peak_bandwidth("cpu") is None
+    from models.llama3 import FLAVORS, Transformer
+
+    model = Transformer(FLAVORS["debugmodel"])
+    a = model.args
+    read = generation.bytes_per_token(model, prompt=16, new_tokens=64)
+    # Every weight but the embedding table, of which one row; fp32. 16 + 64 positions round up to one 128 cache.
+    assert read["weights"] == 4 * (sum(p.numel() for p in model.parameters()) - a.vocab_size * a.dim + a.dim)
+    assert read["kv_cache"] == 4 * 2 * a.n_layers * 128 * a.kv_heads * a.head_dim
+    shape = {"bytes_read_per_token": read, "decode_tokens_per_s": {"cache + compile": 100.0}}
+    results = {"peak_bytes_per_s": 1e12, "shapes": {"s": shape}}
+    assert math.isclose(generation.bandwidth_fraction(results, "s"), 100 * sum(read.values()) / 1e12)
+    assert generation.bandwidth_fraction(results | {"peak_bytes_per_s": None}, "s") is None

@@ -1,12 +1,16 @@
 """benchmarks/vs_torchtitan.py, one short round of FSDP 2: torchtitan's own Trainer runs on CPU ranks through
 tests/torchtitan_trainer.py; both trainers' logs give their tokens/s, memory and losses, and one step of
-each its kernels (benchmarks/count_kernels.py)."""
+each its kernels (benchmarks/count_kernels.py); and the busy shape (`--shape busy`, a GPU's run) reaching both trainers
+as one model, checked on the meta device."""
 
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
+
+import pytest
+import torch
 
 from benchmarks import vs_torchtitan
 
@@ -60,3 +64,65 @@ def test_a_compiled_step_is_counted_as_its_launches(tmp_path: Path) -> None:
     # The forward's matmul and fused kernel; backward's seed (ones), fused kernel, matmul and accumulation into w.grad.
     expected = {"aten::mm": 2, "inductor::generated": 2, "aten::ones_like": 1, "aten::add_": 1}
     assert counts == {"kernels": 6, "views": 0, "by_op": expected}, counts
+
+
+@pytest.mark.parametrize("rehearse", [False, True], ids=["busy", "rehearsal"])
+def test_the_busy_shape_is_one_model_in_both_trainers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rehearse: bool
+) -> None:
+    """`--shape busy`: this recipe reads the shape from the config.json the harness writes (model.shape_from_hf_config),
+    torchtitan from the flavor the harness registers in its own Llama 3 registry (tests/torchtitan_trainer.py,
+    FLAVORS_ENV) and names with --model.flavor: the same parameters, counted on the meta device, with the arguments and
+    environment each trainer gets."""
+    import json
+
+    from torchtitan.models.llama3 import llama3_args
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from config import load_config, run_model_args
+    from models import family
+    from tests.torchtitan_trainer import FLAVORS_ENV, register_flavors, user_folder
+
+    shape = vs_torchtitan.shape_of("busy", cuda=True, rehearse=rehearse)
+    folder = user_folder(tmp_path)
+    shape.prepare(folder)
+    monkeypatch.chdir(folder)
+    layout = "fsdp2_compile_full_ac"
+    ours = run_model_args(
+        load_config(vs_torchtitan.trainer_args("recipe", layout, folder=folder, steps=3, shape=shape))
+    )
+    titans_argv = vs_torchtitan.trainer_args("torchtitan", layout, folder=folder, steps=3, shape=shape)
+    (flavor,) = [a.removeprefix("--model.flavor=") for a in titans_argv if a.startswith("--model.flavor=")]
+    assert "--activation_checkpoint.mode=full" in titans_argv
+    assert f"--training.seq_len={64 if rehearse else 4096}" in titans_argv
+    monkeypatch.setitem(llama3_args, flavor, None)  # put back as it was after the test
+    register_flavors(json.loads(shape.env()[FLAVORS_ENV]))
+    theirs = get_train_spec("llama3").model_args[flavor]
+    with torch.device("meta"):
+        n_ours = sum(p.numel() for p in family("llama3").model_cls(ours).parameters())
+        n_theirs = sum(p.numel() for p in get_train_spec("llama3").model_cls(theirs).parameters())
+    # Llama 3 8B: 218,112,000 per block (attention 41.9M, SwiGLU 176.2M, 2 norms), 2 x 525.3M embedding and output;
+    # the rehearsal's dim 64 block: 61,568.
+    expected = 2 * 128256 * 64 + 2 * 61_568 + 64 if rehearse else 2 * 128256 * 4096 + 6 * 218_112_000 + 4096
+    assert n_ours == n_theirs == family("llama3").num_params(shape.model) == expected, (n_ours, n_theirs)
+    assert (ours.vocab_size, theirs.vocab_size, ours.ffn_hidden_dim) == (128256, 128256, 256 if rehearse else 14336)
+    assert theirs.rope_theta == ours.rope_theta == 500000 and ours.rope_scaling.factor == 8.0
+    assert not ours.tie_word_embeddings and (ours.n_heads, ours.n_kv_heads) == ((4, 2) if rehearse else (32, 8))
+
+
+def test_a_rehearsal_of_the_busy_shape(tmp_path: Path) -> None:
+    """What the GPU run's rehearsal does (`--shape busy --rehearse`), eager: the busy shape, tiny, reaches both
+    trainers' processes (torchtitan's through FLAVORS_ENV: `run` checks the flavor and size its Trainer logs), one
+    round of 3 steps at seq_len 64; MFU is a GPU's figure, n/a here."""
+    out = tmp_path / "vs_torchtitan.json"
+    argv = ["--shape", "busy", "--nproc", "1", "--layouts", "fsdp2", "--rounds", "3", "--rehearse", "--out", str(out)]
+    assert vs_torchtitan.main(argv) == 0
+    results = json.loads(out.read_text())["results"]
+    assert (results["rounds"], results["steps"], results["seq_len"], results["nproc"]) == (1, 3, 64, 1)
+    assert results["model"].startswith("Llama 3 8B block x 2 (dim 64") and results["rehearsal"]
+    fsdp = results["fsdp2"]
+    assert fsdp["recipe_mfu"] is None and fsdp["torchtitan_mfu"] is None
+    # Both start near ln(128256) = 11.8 (the 8B's vocabulary; the shipped tokenizer's 2048 ids are all it sees).
+    assert all(11.0 < loss < 13.0 for loss in fsdp["recipe_losses"] + fsdp["torchtitan_losses"])
+    units = [r.unit for r in vs_torchtitan.rows(results)]
+    assert units == ["tok/s", "ops", "GiB"]

@@ -1,6 +1,8 @@
-"""This recipe and torchtitan 0.2.2's own Trainer, side by side: tokens/s and peak memory per device.
+"""This recipe and torchtitan 0.2.2's own Trainer, side by side: tokens/s, MFU (on a GPU) and peak memory per device.
 
     python -m benchmarks.vs_torchtitan --out outputs/bench/vs_torchtitan.json [--rounds 3] [--steps 8]
+    python -m benchmarks.vs_torchtitan --shape busy --nproc 1 --layouts fsdp2_compile_op_sac fsdp2_compile_full_ac \
+        --rounds 3 --out X.json [--rehearse]
 
 Both trainers read one TOML, torchtitan's own debug_model.toml (tests/torchtitan/), in a working
 folder laid out as torchtitan's repository expects (tests/assets/tokenizer: the shipped tokenizer;
@@ -11,14 +13,42 @@ unchanged through tests/torchtitan_trainer.py (what it needs on CPU is said ther
     fsdp2                  FSDP 2 (AC on every 2nd block, as the TOML has it)
     tp2                    TP 2 with loss parallel
     fsdp2_compile_op_sac   FSDP 2 + compile + op SAC
+    fsdp2_compile_full_ac  FSDP 2 + compile + full AC (--activation_checkpoint.mode=full, both trainers' key)
 
-On CPU: 2 ranks, float32, seq_len 256, local batch 8. With CUDA the TOML's own bf16 and seq_len
-2048, on 2 GPUs, or on 1 where the machine has one (`--nproc 1`, TP 2 left out: this recipe then
-shards over one rank, torchtitan applies no FSDP and trains under autocast, so the two do not run
-the same thing). A round runs both trainers once per layout, which goes first alternating from round to round (a busy machine slows both alike); a run's tokens/s per device
-is the median of its steps after the first two (lazy initialization, compilation), its memory the
+Shapes (--shape):
+
+    debug  the TOML's debugmodel (6M parameters). On CPU: 2 ranks, float32, seq_len 256, local batch 8. With CUDA
+           the TOML's own bf16 and seq_len 2048, on 2 GPUs, or on 1 where the machine has one (`--nproc 1`). At this
+           size both trainers wait on the host: the rows compare their Python and launch overheads.
+    busy   Llama 3.1 8B's block (dim 4096, 32 heads, 8 key/value heads, SwiGLU 14336, vocabulary 128256, RoPE theta
+           500000 with Llama 3.1 scaling) x --busy-layers (6), bf16, seq_len 4096, local batch 1, for one GPU: the
+           GPU does the work (about 50 TFLOP a step, torchtitan's count), so the rows compare the kernels.
+           This recipe reads the shape from a config.json the harness writes into the working folder
+           (model.shape_from_hf_config, its way of taking a size that is no flavor); torchtitan from a flavor the
+           harness registers in its own Llama 3 registry in torchtitan's process (tests/torchtitan_trainer.py,
+           FLAVORS_ENV) and names with --model.flavor. `run` checks the flavor and size torchtitan's Trainer logs
+           against this recipe's count. Both read the shipped 2048-token tokenizer: the ids stay below 2048, the
+           embedding and output projection are the 8B's 128256 rows on both sides, so the FLOPs and memory are the
+           8B shape's and the two trainers alike (the losses start near ln 128256 = 11.8).
+           Layers, by memory (2,359,349,248 parameters at 6: 1,050.6M embedding + output, 218.1M a block): the fp32
+           parameters, gradients and AdamW's two moments are 16 bytes a parameter, 35.2 GiB. This recipe (FSDP over
+           one rank) peaks at 36.1 GiB allocated, 45.4 GiB reserved under op SAC (estimate_memory.py's model at 6
+           layers; 52.5 GiB at 8). torchtitan applies no FSDP on one rank and trains its fp32 weights under autocast:
+           it also holds the bf16 copies autocast makes (2 bytes a parameter, 4.4 GiB) and every gradient at once, and
+           its foreach AdamW allocates about 4 more bytes a parameter at the step: some 55-60 GiB at 6 layers, 70 or
+           more at 8, too near an H100's 78 GiB for a run that has one try. So 6.
+    --rehearse  the same code paths on CPU, tiny: one round of 3 steps at seq_len 64, local batch 1, float32 (on a
+           GPU bf16); busy becomes the same family of numbers at dim 64 (4 heads, 2 key/value heads, SwiGLU 256), 2
+           blocks, the 8B's vocabulary, through the same config.json and torchtitan registration. MFU is n/a on CPU.
+
+On one GPU (`--nproc 1`, TP 2 left out) this recipe shards over one rank, torchtitan applies no FSDP and trains
+under autocast (above), so the two do not run quite the same thing. A round runs both trainers once per layout,
+which goes first alternating from round to round (a busy machine slows both alike); a run's tokens/s per device
+and MFU are the medians of its steps after the first two (lazy initialization, compilation), its memory the
 peak. A row: the median over rounds of each side, and the median and spread (min - max) of the
-per-round ratio ours / torchtitan's. Both trainers start through benchmarks/count_kernels.py, which
+per-round ratio ours / torchtitan's. MFU is each trainer's own figure (torchtitan's step line; this recipe's
+metrics.jsonl), on a GPU only: torchtitan divides by an A100's peak where it finds no GPU it knows. Both trainers
+start through benchmarks/count_kernels.py, which
 counts the kernels of one untimed step, GPU launches on a GPU (the same in every round): the ops an eager
 step dispatches, or the launches of a compiled one. The two trainers do not read their documents in the same
 order (torchtitan packs a streamed dataset, this recipe reads windows of one token stream), so their
@@ -28,12 +58,14 @@ losses are close, not equal; both are printed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import shutil
 import statistics
 import tempfile
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,31 +74,136 @@ import torch
 from benchmarks import harness
 from benchmarks.count_kernels import COUNTED_STEP
 from benchmarks.harness import Row
-from tests.torchtitan_trainer import user_folder
+from models import family
+from tests.torchtitan_trainer import FLAVORS_ENV, user_folder
 
 PROBLEM = "vs torchtitan"
 LAYOUTS = {
     "fsdp2": [],
     "tp2": ["--parallelism.tensor_parallel_degree=2"],
     "fsdp2_compile_op_sac": ["--compile.enable", "--activation_checkpoint.selective_ac_option=op"],
+    "fsdp2_compile_full_ac": ["--compile.enable", "--activation_checkpoint.mode=full"],
 }
-LABELS = {"fsdp2": "FSDP {n}", "tp2": "TP 2", "fsdp2_compile_op_sac": "FSDP {n} + compile + op SAC"}  # n: ranks
+LABELS = {  # n: ranks
+    "fsdp2": "FSDP {n}", "tp2": "TP 2", "fsdp2_compile_op_sac": "FSDP {n} + compile + op SAC",
+    "fsdp2_compile_full_ac": "FSDP {n} + compile + full AC",
+}  # fmt: skip
 NEEDS_RANKS = {"tp2": 2}
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_TITAN_STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([\d.]+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+)")
+_TITAN_STEP = re.compile(
+    r"step:\s*(\d+)\s+loss:\s*([\d.]+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+).*?mfu:\s*([\d.]+)%"
+)
+_TITAN_MODEL = re.compile(r"Model llama3 (\S+) size: ([\d,]+) total parameters")
+BUSY_LAYERS = 6  # Llama 3 8B blocks on one H100 (module docstring: the memory arithmetic)
+BUSY_SEQ_LEN, BUSY_LOCAL_BATCH = 4096, 1
+BUSY_FOLDER = "busy-model"  # in the working folder: the busy shape's config.json, this recipe's hf_assets_path
+REHEARSAL = {"rounds": 1, "steps": 3, "seq_len": 64, "local_batch": 1}
+
+
+def busy_model(layers: int = BUSY_LAYERS, *, tiny: bool = False) -> Any:
+    """This recipe's ModelArgs of the busy shape: Llama 3.1 8B's block (llama3_8b: dim 4096, 32 heads, 8 key/value
+    heads, SwiGLU 14336, vocabulary 128256, RoPE theta 500000 with Llama 3.1 scaling), `layers` of them; `tiny`
+    (--rehearse): the same family of numbers at dim 64 (4 heads, 2 key/value heads, SwiGLU 256), 2 layers, and the
+    8B's vocabulary."""
+    from models.llama3.model import FLAVORS
+
+    eight_b = FLAVORS["llama3_8b"]
+    if tiny:
+        return dataclasses.replace(eight_b, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=64)
+    return dataclasses.replace(eight_b, n_layers=layers)
+
+
+def torchtitan_flavor(args: Any) -> dict[str, Any]:
+    """The fields of torchtitan 0.2.2's TransformerModelArgs for this recipe's Llama 3 `args` (JSON), the same
+    model: torchtitan sizes the SwiGLU from ffn_dim_multiplier and multiple_of as models/llama3 does, and always
+    scales RoPE the Llama 3.1 way (RoPEScalingArgs); it has no tied embeddings and no size override."""
+    if args.tie_word_embeddings or args.ffn_hidden_dim_override is not None or args.rope_scaling is None:
+        raise ValueError(f"torchtitan's Llama 3 cannot build {args}")
+    s = args.rope_scaling
+    return {
+        "dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads, "n_kv_heads": args.kv_heads,
+        "vocab_size": args.vocab_size, "multiple_of": args.multiple_of, "ffn_dim_multiplier": args.ffn_dim_multiplier,
+        "norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
+        "rope_scaling_args": {
+            "scaling_factor": s.factor, "low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position_embeddings,
+        },
+    }  # fmt: skip
+
+
+def flavor_name(args: Any) -> str:
+    """The name the busy shape is registered under in torchtitan's Llama 3 flavors."""
+    return f"vs_recipe_{args.dim}d_{args.n_layers}l"
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What both trainers train beyond the TOML: its model (None: the TOML's debugmodel) and batch shapes."""
+
+    name: str  # debug | busy
+    model: Any = None  # this recipe's ModelArgs (busy)
+    seq_len: int | None = None  # None: the TOML's
+    local_batch: int | None = None
+    float32: bool = False  # on CPU: float32 parameters (bf16 matmuls there are slow)
+
+    def args(self, trainer: str) -> list[str]:
+        out = [f"--training.seq_len={self.seq_len}"] if self.seq_len else []
+        out += [f"--training.local_batch_size={self.local_batch}"] if self.local_batch else []
+        out += ["--training.mixed_precision_param=float32"] if self.float32 else []
+        if self.model is not None and trainer == "recipe":  # the shape from a config.json, the TOML's tokenizer
+            out += [f"--model.hf_assets_path={BUSY_FOLDER}", "--model.shape_from_hf_config",
+                    "--model.tokenizer_path=tests/assets/tokenizer"]  # fmt: skip
+        elif self.model is not None:  # the flavor registered in torchtitan's registry (FLAVORS_ENV)
+            out.append(f"--model.flavor={flavor_name(self.model)}")
+        return out
+
+    def env(self) -> dict[str, str]:
+        """The environment of torchtitan's process: the busy shape as a flavor of its registry."""
+        if self.model is None:
+            return {}
+        return {FLAVORS_ENV: json.dumps({flavor_name(self.model): torchtitan_flavor(self.model)})}
+
+    def prepare(self, folder: Path) -> None:
+        """The busy shape's config.json in `folder`, for this recipe (model.shape_from_hf_config)."""
+        if self.model is not None:
+            from models.hf import hf_config
+
+            (folder / BUSY_FOLDER).mkdir(exist_ok=True)
+            config = hf_config(family("llama3"), self.model, dtype=torch.bfloat16)
+            (folder / BUSY_FOLDER / "config.json").write_text(json.dumps(config, indent=1))
+
+    def describe(self) -> str:
+        if self.model is None:
+            return "debugmodel (the TOML's)"
+        m = self.model
+        return (
+            f"Llama 3 8B block x {m.n_layers} (dim {m.dim}, {m.n_heads} heads, {m.kv_heads} kv heads, ffn "
+            f"{m.ffn_hidden_dim}, vocab {m.vocab_size})"
+        )
+
+
+def shape_of(name: str, *, cuda: bool, rehearse: bool, layers: int = BUSY_LAYERS) -> Shape:
+    """debug: the TOML's model, and on CPU seq_len 256 in float32 (a GPU: the TOML's bf16, seq_len 2048 and batch 8).
+    busy: `busy_model`, seq_len 4096, local batch 1 in bf16. rehearse: the same code paths at seq_len 64, batch 1, the
+    busy model `tiny`."""
+    model = busy_model(layers, tiny=rehearse) if name == "busy" else None
+    if rehearse:
+        return Shape(name, model, REHEARSAL["seq_len"], REHEARSAL["local_batch"], float32=not cuda)
+    if name == "busy":
+        return Shape(name, model, BUSY_SEQ_LEN, BUSY_LOCAL_BATCH, float32=not cuda)
+    return Shape(name) if cuda else Shape(name, seq_len=256, float32=True)
 
 
 def dump_folder(folder: Path, trainer: str, layout: str) -> Path:
     return folder / "outputs" / f"{trainer}-{layout}"
 
 
-def trainer_args(trainer: str, layout: str, *, folder: Path, steps: int, cuda: bool) -> list[str]:
+def trainer_args(trainer: str, layout: str, *, folder: Path, steps: int, shape: Shape) -> list[str]:
     """The command-line arguments both trainers get in `folder` (user_folder): the TOML and the same overrides."""
     dump = dump_folder(folder, trainer, layout)
     shutil.rmtree(dump, ignore_errors=True)
-    shape = [] if cuda else ["--training.seq_len=256", "--training.mixed_precision_param=float32"]
     args = ["--job.config_file", "debug_model.toml", f"--training.steps={steps}", "--metrics.log_freq=1",
-            f"--job.dump_folder={dump}", *shape, *LAYOUTS[layout]]  # fmt: skip
+            f"--job.dump_folder={dump}", *shape.args(trainer), *LAYOUTS[layout]]  # fmt: skip
     if trainer == "recipe":
         args.append(f"--data.cache_folder={folder / 'token-cache'}")  # this recipe's key: raw data prepared once
     return args
@@ -84,28 +221,41 @@ def label(layout: str, nproc: int) -> str:
     return LABELS[layout].format(n=nproc)
 
 
-def run(trainer: str, layout: str, *, folder: Path, steps: int, cuda: bool, nproc: int) -> dict[str, Any]:
-    """One run of `trainer` ("recipe" or "torchtitan"): tokens/s per device, peak memory, losses by step."""
-    args = trainer_args(trainer, layout, folder=folder, steps=steps, cuda=cuda)
+def run(trainer: str, layout: str, *, folder: Path, steps: int, shape: Shape, cuda: bool, nproc: int) -> dict[str, Any]:
+    """One run of `trainer` ("recipe" or "torchtitan"): tokens/s per device, MFU (on a GPU), peak memory, losses by
+    step."""
+    args = trainer_args(trainer, layout, folder=folder, steps=steps, shape=shape)
     dump = dump_folder(folder, trainer, layout)
     kernels = folder / f"kernels-{trainer}-{layout}.json"
     entry = ["-m", "benchmarks.count_kernels", trainer, str(kernels)]  # one step's kernels, outside the timed steps
-    proc = harness.run_python(*entry, *args, nproc=nproc, capture=True, cwd=folder)
+    env = shape.env() if trainer == "torchtitan" else {}
+    proc = harness.run_python(*entry, *args, nproc=nproc, capture=True, cwd=folder, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"{trainer} ({layout}) exited with status {proc.returncode}:\n{proc.stderr[-4000:]}")
+    # step: (loss, tokens/s, memory GiB, MFU %)
     if trainer == "recipe":
         rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
-        steps_ = {r["step"]: (r["loss"], r["tps"], r["memory_gib"]) for r in rows if "tps" in r}
+        steps_ = {r["step"]: (r["loss"], r["tps"], r["memory_gib"], r.get("mfu")) for r in rows if "tps" in r}
     else:  # every rank logs; the first line of each step is kept
         steps_ = {}
-        for m in _TITAN_STEP.finditer(_ANSI.sub("", proc.stdout + proc.stderr)):
-            steps_.setdefault(int(m[1]), (float(m[2]), float(m[4].replace(",", "")), float(m[3])))
+        log = _ANSI.sub("", proc.stdout + proc.stderr)
+        for m in _TITAN_STEP.finditer(log):
+            steps_.setdefault(int(m[1]), (float(m[2]), float(m[4].replace(",", "")), float(m[3]), float(m[5])))
+        if shape.model is not None:  # the registered flavor reached torchtitan's Trainer: its model, its size
+            built = _TITAN_MODEL.search(log)
+            expected = (flavor_name(shape.model), family("llama3").num_params(shape.model))
+            if built is None or (built[1], int(built[2].replace(",", ""))) != expected:
+                found = built and (built[1], int(built[2].replace(",", "")))
+                raise SystemExit(f"torchtitan ({layout}) built {found}, not the busy shape {expected}")
     if sorted(steps_) != list(range(1, steps + 1)):
         raise SystemExit(f"{trainer} ({layout}): expected steps 1..{steps} in its log, found {sorted(steps_)}")
     warm = [steps_[s] for s in range(3, steps + 1)]
+    mfus = [mfu for *_, mfu in warm if mfu is not None]
     return {
-        "tps": statistics.median(t for _, t, _ in warm),
-        "memory_gib": max(m for _, _, m in warm),
+        "tps": statistics.median(t for _, t, _, _ in warm),
+        # torchtitan divides by an A100's peak where it finds no GPU it knows: MFU is a GPU's figure only.
+        "mfu": statistics.median(mfus) if cuda and mfus else None,
+        "memory_gib": max(m for _, _, m, _ in warm),
         "losses": [steps_[s][0] for s in range(1, steps + 1)],
         "kernels": json.loads(kernels.read_text()) if kernels.exists() else None,
     }
@@ -114,25 +264,38 @@ def run(trainer: str, layout: str, *, folder: Path, steps: int, cuda: bool, npro
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     cuda = torch.cuda.is_available()
     nproc = args.nproc or (min(2, torch.cuda.device_count()) if cuda else 2)
+    if args.shape == "busy" and not cuda and not args.rehearse:
+        raise SystemExit(
+            "--shape busy is a GPU's run: Llama 3 8B blocks at seq_len 4096 (35 GiB of fp32 state and AdamW moments "
+            "at 6 layers) would take hours on CPU ranks and found no GPU here; add --rehearse for its code paths, tiny"
+        )
+    rounds, steps = (REHEARSAL["rounds"], REHEARSAL["steps"]) if args.rehearse else (args.rounds, args.steps)
+    shape = shape_of(args.shape, cuda=cuda, rehearse=args.rehearse, layers=args.busy_layers)
     layouts = [layout for layout in args.layouts if NEEDS_RANKS.get(layout, 1) <= nproc]
     for layout in sorted(set(args.layouts) - set(layouts)):
         print(f"{layout}: left out, it needs {NEEDS_RANKS[layout]} ranks and this run has {nproc}", flush=True)
+    if not cuda:
+        print("no GPU: float32 on CPU ranks, MFU not measured (n/a)", flush=True)
+    print(f"model: {shape.describe()}, seq_len {shape.seq_len or 'as the TOML has it'}", flush=True)
     with tempfile.TemporaryDirectory(prefix="vs-torchtitan-") as tmp:
         folder = user_folder(Path(tmp))
+        shape.prepare(folder)
         runs: dict[str, dict[str, list]] = {layout: {"recipe": [], "torchtitan": []} for layout in layouts}
-        for round_ in range(args.rounds):
+        for round_ in range(rounds):
             for layout in layouts:
                 order = ["recipe", "torchtitan"] if round_ % 2 == 0 else ["torchtitan", "recipe"]
                 for trainer in order:
                     runs[layout][trainer].append(
-                        run(trainer, layout, folder=folder, steps=args.steps, cuda=cuda, nproc=nproc)
+                        run(trainer, layout, folder=folder, steps=steps, shape=shape, cuda=cuda, nproc=nproc)
                     )
                     print(
                         f"round {round_ + 1} {layout} {trainer}: {runs[layout][trainer][-1]['tps']:,.0f} tokens/s",
                         flush=True,
                     )
     results: dict[str, Any] = {
-        "device": "cuda" if cuda else "cpu", "nproc": nproc, "rounds": args.rounds, "steps": args.steps,
+        "device": "cuda" if cuda else "cpu", "nproc": nproc, "rounds": rounds, "steps": steps,
+        "shape": shape.name, "model": shape.describe(), "seq_len": shape.seq_len, "local_batch": shape.local_batch,
+        "rehearsal": args.rehearse,
     }  # fmt: skip
     for layout, sides in runs.items():
         ratios = [
@@ -141,6 +304,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         results[layout] = {
             **{f"{side}_tps": statistics.median(r["tps"] for r in rs) for side, rs in sides.items()},
             **{f"{side}_memory_gib": statistics.median(r["memory_gib"] for r in rs) for side, rs in sides.items()},
+            **{f"{side}_mfu": _median_or_none([r["mfu"] for r in rs]) for side, rs in sides.items()},
             "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
             **{f"{side}_losses": rs[0]["losses"] for side, rs in sides.items()},
         }  # fmt: skip
@@ -152,6 +316,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 "kernels_more_here": dict((mine - peer).most_common()), "kernels_fewer_here": dict((peer - mine).most_common()),
             }  # fmt: skip
     return results
+
+
+def _median_or_none(values: list[float | None]) -> float | None:
+    return statistics.median(values) if values and None not in values else None
 
 
 def rows(results: dict[str, Any]) -> list[Row]:
@@ -172,6 +340,8 @@ def rows(results: dict[str, Any]) -> list[Row]:
             out.append(
                 row(f"kernels per {step_kind(layout)} step ({what}, step {COUNTED_STEP}), {name}", "ops", "kernels")
             )
+        if r.get("recipe_mfu") is not None and r.get("torchtitan_mfu") is not None:
+            out.append(row(f"MFU, {name}", "%", "mfu"))
         out.append(row(f"peak memory per device, {name}", "GiB", "memory_gib"))
     return out
 
@@ -179,7 +349,9 @@ def rows(results: dict[str, Any]) -> list[Row]:
 def table(results: dict[str, Any]) -> str:
     lines = [
         f"this recipe vs torchtitan 0.2.2 ({results['device']}, {results['nproc']} ranks, {results['rounds']} rounds, "
-        "alternated):"
+        f"alternated; {results.get('model', 'debugmodel')}"
+        f"{', seq_len ' + str(results['seq_len']) if results.get('seq_len') else ''}"
+        f"{'; a rehearsal' if results.get('rehearsal') else ''}):"
     ]
     for layout in LABELS:
         if (r := results.get(layout)) is None:
@@ -188,7 +360,8 @@ def table(results: dict[str, Any]) -> str:
         lines.append(
             f"  {name:<26} tokens/s {r['recipe_tps']:>9,.0f} vs {r['torchtitan_tps']:>9,.0f}  ratio {r['ratio']:.3f}x "
             f"({r['ratio_min']:.3f}-{r['ratio_max']:.3f})  memory {r['recipe_memory_gib']:.2f} vs "
-            f"{r['torchtitan_memory_gib']:.2f} GiB  losses {r['recipe_losses'][-1]:.4f} vs {r['torchtitan_losses'][-1]:.4f}"
+            f"{r['torchtitan_memory_gib']:.2f} GiB  MFU {_percent(r.get('recipe_mfu'))} vs "
+            f"{_percent(r.get('torchtitan_mfu'))}  losses {r['recipe_losses'][-1]:.4f} vs {r['torchtitan_losses'][-1]:.4f}"
         )
         if "recipe_kernels" in r:
             more = ", ".join(f"{op} +{n}" for op, n in r["kernels_more_here"].items())
@@ -200,6 +373,10 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _percent(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}%"
+
+
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="runs of each trainer per layout, alternated")
     parser.add_argument("--steps", type=int, default=8, help="training steps per run (the first two are not timed)")
@@ -207,6 +384,16 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--nproc", type=int, choices=(1, 2), help="ranks per run (default: 2, or 1 on a machine with one GPU)"
     )
+    parser.add_argument(
+        "--shape", choices=("debug", "busy"), default="debug",
+        help="debug: the TOML's 6M-parameter model; busy: Llama 3 8B's block x --busy-layers, seq_len 4096",
+    )  # fmt: skip
+    parser.add_argument("--busy-layers", type=int, default=BUSY_LAYERS, help="blocks of the busy shape")
+    parser.add_argument(
+        "--rehearse", action="store_true",
+        help=f"the same code paths, tiny: seq_len {REHEARSAL['seq_len']}, {REHEARSAL['rounds']} round of "
+        f"{REHEARSAL['steps']} steps, the busy shape at dim 64 x 2 layers (a CPU check of a GPU run)",
+    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,19 +10,29 @@ then gloo, torch's default for CPU tensors), gives it a device module for the ca
 (no-ops, a name, and the process's peak resident memory for its memory line), and has FSDP reduce
 gradients with a plain SUM, which gloo has (`_sum_gradients_with_gloo`). Nothing else of torchtitan
 is touched; with a GPU the module runs torchtitan as it is.
+
+A model shape torchtitan has no flavor for (benchmarks/vs_torchtitan.py `--shape busy`: Llama 3 8B's block with
+fewer layers) reaches it through its own registry: the environment variable FLAVORS_ENV holds JSON
+{flavor: TransformerModelArgs fields}, which `prepare` adds to torchtitan's Llama 3 flavors
+(`torchtitan.models.llama3.llama3_args`, the TrainSpec's model_args) before the Trainer looks its flavor up
+(`--model.flavor=<name>`); torchtitan's files stay as they are.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import resource
 import shutil
 import sys
 import types
 from pathlib import Path
+from typing import Any
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+FLAVORS_ENV = "TORCHTITAN_TRAINER_FLAVORS"
 
 
 def _cpu_device_module() -> types.SimpleNamespace:
@@ -46,8 +56,6 @@ def _cpu_device_module() -> types.SimpleNamespace:
 
 
 def _total_memory() -> int:
-    import os
-
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
@@ -69,8 +77,30 @@ def _sum_gradients_with_gloo() -> None:
     parallelize.disable_fsdp_gradient_division = disable_then_sum
 
 
+def llama3_model_args(fields: dict[str, Any]) -> Any:
+    """torchtitan's TransformerModelArgs of `fields` (JSON: rope_scaling_args as a dict of RoPEScalingArgs)."""
+    from torchtitan.models.llama3.model.args import RoPEScalingArgs, TransformerModelArgs
+
+    fields = dict(fields)
+    if (rope := fields.pop("rope_scaling_args", None)) is not None:
+        fields["rope_scaling_args"] = RoPEScalingArgs(**rope)
+    return TransformerModelArgs(**fields)
+
+
+def register_flavors(flavors: dict[str, dict[str, Any]]) -> None:
+    """Add `flavors` ({name: TransformerModelArgs fields}) to torchtitan's Llama 3 flavors, where its TrainSpec
+    (`get_train_spec("llama3").model_args`) finds them."""
+    from torchtitan.models.llama3 import llama3_args
+
+    for name, fields in flavors.items():
+        llama3_args[name] = llama3_model_args(fields)
+
+
 def prepare() -> None:
-    """Before torchtitan.train is imported, on a machine without a GPU: the CPU device, and SUM reductions."""
+    """Before torchtitan.train is imported: the flavors FLAVORS_ENV names, and on a machine without a GPU the CPU
+    device and SUM reductions."""
+    if flavors := os.environ.get(FLAVORS_ENV):
+        register_flavors(json.loads(flavors))
     import torchtitan.tools.utils as utils
 
     if not torch.cuda.is_available() and utils.device_type != "cpu":
