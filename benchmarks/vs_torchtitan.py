@@ -17,7 +17,8 @@ unchanged through tests/torchtitan_trainer.py (what it needs on CPU is said ther
 
 Shapes (--shape):
 
-    debug  the TOML's debugmodel (6M parameters). On CPU: 2 ranks, float32, seq_len 256, local batch 8. With CUDA
+    debug  the TOML's debugmodel (6M parameters). On CPU: 2 ranks, float32 (`--bf16`: the TOML's bf16, for the
+           kernels of a bf16 step), seq_len 256, local batch 8. With CUDA
            the TOML's own bf16 and seq_len 2048, on 2 GPUs, or on 1 where the machine has one (`--nproc 1`). At this
            size both trainers wait on the host: the rows compare their Python and launch overheads.
     busy   Llama 3.1 8B's block (dim 4096, 32 heads, 8 key/value heads, SwiGLU 14336, vocabulary 128256, RoPE theta
@@ -182,16 +183,17 @@ class Shape:
         )
 
 
-def shape_of(name: str, *, cuda: bool, rehearse: bool, layers: int = BUSY_LAYERS) -> Shape:
+def shape_of(name: str, *, cuda: bool, rehearse: bool, layers: int = BUSY_LAYERS, bf16: bool = False) -> Shape:
     """debug: the TOML's model, and on CPU seq_len 256 in float32 (a GPU: the TOML's bf16, seq_len 2048 and batch 8).
     busy: `busy_model`, seq_len 4096, local batch 1 in bf16. rehearse: the same code paths at seq_len 64, batch 1, the
-    busy model `tiny`."""
+    busy model `tiny`. bf16: the TOML's bf16 parameters on CPU too (slow there; for the kernels of a bf16 step)."""
     model = busy_model(layers, tiny=rehearse) if name == "busy" else None
+    float32 = not (cuda or bf16)
     if rehearse:
-        return Shape(name, model, REHEARSAL["seq_len"], REHEARSAL["local_batch"], float32=not cuda)
+        return Shape(name, model, REHEARSAL["seq_len"], REHEARSAL["local_batch"], float32=float32)
     if name == "busy":
-        return Shape(name, model, BUSY_SEQ_LEN, BUSY_LOCAL_BATCH, float32=not cuda)
-    return Shape(name) if cuda else Shape(name, seq_len=256, float32=True)
+        return Shape(name, model, BUSY_SEQ_LEN, BUSY_LOCAL_BATCH, float32=float32)
+    return Shape(name) if cuda else Shape(name, seq_len=256, float32=float32)
 
 
 def dump_folder(folder: Path, trainer: str, layout: str) -> Path:
@@ -270,7 +272,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "at 6 layers) would take hours on CPU ranks and found no GPU here; add --rehearse for its code paths, tiny"
         )
     rounds, steps = (REHEARSAL["rounds"], REHEARSAL["steps"]) if args.rehearse else (args.rounds, args.steps)
-    shape = shape_of(args.shape, cuda=cuda, rehearse=args.rehearse, layers=args.busy_layers)
+    shape = shape_of(args.shape, cuda=cuda, rehearse=args.rehearse, layers=args.busy_layers, bf16=args.bf16)
     layouts = [layout for layout in args.layouts if NEEDS_RANKS.get(layout, 1) <= nproc]
     for layout in sorted(set(args.layouts) - set(layouts)):
         print(f"{layout}: left out, it needs {NEEDS_RANKS[layout]} ranks and this run has {nproc}", flush=True)
@@ -389,6 +391,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="debug: the TOML's 6M-parameter model; busy: Llama 3 8B's block x --busy-layers, seq_len 4096",
     )  # fmt: skip
     parser.add_argument("--busy-layers", type=int, default=BUSY_LAYERS, help="blocks of the busy shape")
+    parser.add_argument(
+        "--bf16", action="store_true", help="on CPU too, the TOML's bf16 parameters (slow there): a bf16 step's kernels"
+    )
     parser.add_argument(
         "--rehearse", action="store_true",
         help=f"the same code paths, tiny: seq_len {REHEARSAL['seq_len']}, {REHEARSAL['rounds']} round of "
