@@ -169,8 +169,8 @@ class Training(TorchtitanTraining):
     """Steps the spike rule compares with; none is skipped before the window is full (again after a resume: the window is not checkpointed)."""
     z_loss_weight: float = 0.0
     """Add this weight x mean(logsumexp(logits)^2) to the loss (PaLM's z-loss; OLMo uses 1e-5): it keeps the output logits' normaliser near 1. Logged on its own as z_loss; 0 = off."""
-    loss_chunk_tokens: int = 2048
-    """Output projection + cross-entropy on this many tokens at a time, recomputed in backward (loss.py): the peak holds one chunk's logits instead of the micro-batch's. 0 = all at once; a micro-batch of at most this many tokens is one chunk."""
+    loss_chunk_tokens: int = -1
+    """Output projection + cross-entropy on this many tokens at a time, recomputed in backward (loss.py): the peak holds one chunk's logits instead of the micro-batch's. -1 = 2048 where a micro-batch's fp32 logits on a rank exceed 256 MiB, else all at once; 0 = all at once; a micro-batch of at most this many tokens is one chunk."""
     gc_freq: int = 50
     """Python's garbage collector runs every gc_freq steps on every rank at once, instead of whenever it likes (a pause on one rank stalls all)."""
 
@@ -207,8 +207,10 @@ class Training(TorchtitanTraining):
             p.append(
                 f"training.z_loss_weight: must be >= 0 (0 = off; PaLM and OLMo use 1e-4 and 1e-5), got {self.z_loss_weight}"
             )
-        if self.loss_chunk_tokens < 0:
-            p.append(f"training.loss_chunk_tokens: must be >= 0 (0 = no chunks), got {self.loss_chunk_tokens}")
+        if self.loss_chunk_tokens < -1:
+            p.append(
+                f"training.loss_chunk_tokens: must be >= 0 (0 = no chunks) or -1 (chunks where the logits are large), got {self.loss_chunk_tokens}"
+            )
         return p
 
 

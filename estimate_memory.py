@@ -175,7 +175,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from config import JobConfig, Parallelism, Training, global_batch_size, grad_accum_steps, model_args, selective_ac_every
 from errors import ConfigError, warn
+from loss import chunk_tokens_for
 from models import NAMES, ModelFamily, family, with_seq_len
+from parallelisms.fsdp import applies_fsdp
 from parallelisms.parallel_dims import ParallelDims, layout_problems
 from parallelisms.pp import SCHEDULES, rank_stages, stage_layers
 
@@ -259,6 +261,7 @@ def block_costs(
     loss_parallel: bool = True,
     loss_chunk_tokens: int = 0,
     z_loss: bool = False,
+    autocast: bool = False,
 ) -> BlockCosts:
     """The costs of `trace_costs` under `ac` (an AC mode of `checkpoint_every`; "selective-<k>" is traced as full
     AC, which is what the blocks it checkpoints get), `saved` from a trace without AC; cached per shape.
@@ -268,7 +271,20 @@ def block_costs(
     mode = "none" if checkpoint_every(ac) == 0 else "op" if ac == "selective-op" else "full"
     traced = {}
     for m in dict.fromkeys(("none", mode)):
-        key = (family.name, args, batch, seq_len, dtype, m, tp, rmsnorm, loss_parallel, loss_chunk_tokens, z_loss)
+        key = (
+            family.name,
+            args,
+            batch,
+            seq_len,
+            dtype,
+            m,
+            tp,
+            rmsnorm,
+            loss_parallel,
+            loss_chunk_tokens,
+            z_loss,
+            autocast,
+        )
         if key not in _TRACES:
             with _tp_mesh(tp, tp_mesh) as mesh:
                 _TRACES[key] = trace_costs(
@@ -283,6 +299,7 @@ def block_costs(
                     loss_parallel=loss_parallel,
                     loss_chunk_tokens=loss_chunk_tokens,
                     z_loss=z_loss,
+                    autocast=autocast,
                 )
         traced[m] = _TRACES[key]
     return dataclasses.replace(traced[mode], saved=traced["none"].saved)
@@ -364,10 +381,13 @@ def trace_costs(
     loss_parallel: bool = True,
     loss_chunk_tokens: int = 0,
     z_loss: bool = False,
+    autocast: bool = False,
 ) -> BlockCosts:
     """One forward and backward of a one-block model of `family` on fake tensors (no memory, no compute),
     parallelized as a run does it (the family's TP plan over `tp_mesh`, `apply_ac`; the loss.py loss of
-    `loss_chunk_tokens` and `z_loss`, on vocabulary shards with `loss_parallel`), watched op by op.
+    `loss_chunk_tokens` and `z_loss`, on vocabulary shards with `loss_parallel`), watched op by op: in `dtype`
+    parameters as FSDP's mixed precision gives them, or with `autocast` in float32 parameters under autocast to
+    `dtype`, as one rank trains (parallelisms/fsdp.py apply_autocast; its casts are activations then).
 
     Saved bytes are storages an op created that are still alive once forward is over (what autograd, a
     checkpoint or selective AC's cache hold), parameters and buffers not counted. So every term is
@@ -379,12 +399,15 @@ def trace_costs(
     from config import ActivationCheckpoint
     from loss import Loss
     from parallelisms.ac import apply_ac
+    from parallelisms.fsdp import apply_autocast
     from parallelisms.tp import apply_tp, loss_parallel_context
 
     one = dataclasses.replace(args, n_layers=1, max_seq_len=seq_len, attn_mask_type="causal")
     with torch.device("meta"):
-        model = family.model_cls(one).to(dtype)
+        model = family.model_cls(one).to(torch.float32 if autocast else dtype)
     model.init_buffers(torch.device("meta"))  # float32 again, as in training: FSDP's mixed precision casts parameters
+    if autocast:
+        apply_autocast(model, param_dtype=dtype, device_type="cpu")
     if tp_mesh is not None:
         apply_tp(model, tp_mesh, block_plan=family.tp_plan, loss_parallel=loss_parallel, seq_len=seq_len)
     if ac != "none":
@@ -567,7 +590,8 @@ class Job:
     # train.py, like torchtitan, deletes the logits before loss.backward(); a loop that keeps
     # them alive holds T x V/tp more elements in param_dtype through the loss backward.
     logits_kept_in_backward: bool = False
-    # training.loss_chunk_tokens; 0 (torchtitan's loss, the references') = all logits at once.
+    # training.loss_chunk_tokens (-1: chunks where the logits are large, loss.py); 0 (torchtitan's loss, the
+    # references') = all logits at once.
     loss_chunk_tokens: int = 0
     # Not parallelism.disable_loss_parallel: under TP the loss runs on vocabulary shards (its collectives).
     loss_parallel: bool = True
@@ -662,6 +686,25 @@ class Job:
         """T: the tokens one forward of a stage (or of the model, without PP) processes on this rank."""
         return (self.pp_microbatch_size if self.pp > 1 else self.local_batch_size) * self.local_seq_len
 
+    @property
+    def fsdp(self) -> bool:
+        """Whether the run shards with FSDP; a job of one rank does not, and trains a bf16 param_dtype under autocast
+        (parallelisms/fsdp.py applies_fsdp)."""
+        dims = ParallelDims.from_config(self.parallelism, world_size=self.ngpu)
+        return applies_fsdp(dims, param_dtype=self.param_dtype, cpu_offload=self.cpu_offload)
+
+    @property
+    def autocast(self) -> bool:
+        return not self.fsdp and self.param_dtype != "float32"
+
+    @property
+    def chunk_tokens(self) -> int:
+        """The loss's chunk for this job's micro-batches (loss.chunk_tokens_for of loss_chunk_tokens); 0 = whole."""
+        shards = self.tp if self.loss_parallel else 1
+        return chunk_tokens_for(
+            self.loss_chunk_tokens, tokens=self.microbatch_tokens, vocab=self.args.vocab_size // shards
+        )
+
 
 _ACTIONS = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
 
@@ -744,8 +787,9 @@ def job_costs(job: Job, *, tp_mesh: DeviceMesh | None = None) -> BlockCosts:
         rmsnorm=job.rmsnorm,
         tp_mesh=tp_mesh,
         loss_parallel=job.loss_parallel,
-        loss_chunk_tokens=job.loss_chunk_tokens,
+        loss_chunk_tokens=job.chunk_tokens,
         z_loss=job.z_loss_weight > 0,
+        autocast=job.autocast,
     )
     extra = cp_kv_bytes(job)
     return dataclasses.replace(costs, saved=costs.saved + extra["saved"], kept=costs.kept + extra["kept"])
@@ -876,6 +920,14 @@ def _gathered_params(job: Job, params: _RankParams) -> dict[str, float]:
     does not read it, parallelisms/fsdp.py). Under PP the rank's stages stay gathered from their first forward to
     the end of the step."""
     param_bytes = DTYPE_BYTES[job.param_dtype]
+    if not job.fsdp:
+        # One rank, nothing gathered: under autocast each weight's param_dtype copy lives while autograd needs it, the
+        # output projection's through the loss backward (chunked: the chunk term's), a block's through its backward
+        # (saved without AC, counted with the activations then; cast again by the recomputation under AC).
+        if not job.autocast:
+            return dict.fromkeys(("loss", "block", "embedding"), 0.0)
+        root = 0.0 if job.chunk_tokens else param_bytes * params.root
+        return {"loss": root, "block": param_bytes * params.block, "embedding": 0.0}
     if job.pp > 1:
         return dict.fromkeys(("loss", "block", "embedding"), param_bytes * params.total)
     root = param_bytes * params.root
@@ -915,7 +967,7 @@ class _Activations:
 
 def _activations(job: Job, costs: BlockCosts, stages: list[list[int]]) -> _Activations:
     param_bytes, tokens, dim = DTYPE_BYTES[job.param_dtype], job.microbatch_tokens, job.args.dim
-    chunked = 0 < job.loss_chunk_tokens < tokens
+    chunked = job.chunk_tokens > 0
     return _Activations(
         stages=stages,
         no_ac=costs.saved,
@@ -957,11 +1009,11 @@ def _transients(job: Job, costs: BlockCosts) -> _Transients:
     # alive). Plus the logits in param_dtype while the loop still holds them.
     logits = param_bytes * tokens * vocab / tp if job.logits_kept_in_backward else 0.0
     loss = (8 if tp == 1 else 12) * tokens * vocab / tp + logits
-    if 0 < job.loss_chunk_tokens < tokens:
+    if job.chunk_tokens:
         # loss.py: forward keeps no logits; backward recomputes one chunk (bf16 logits, fp32 copy, log-softmax,
         # gradients) while the gradients of the final norm's output and of the output projection accumulate.
         per_logit = param_bytes + 4 + 4 + (8 if tp == 1 else 12)
-        loss = per_logit * job.loss_chunk_tokens * vocab / tp + 4 * tokens * dim + param_bytes * costs.root_params
+        loss = per_logit * job.chunk_tokens * vocab / tp + 4 * tokens * dim + param_bytes * costs.root_params
     return _Transients(
         logits_held=logits,
         loss=loss,
@@ -971,8 +1023,11 @@ def _transients(job: Job, costs: BlockCosts) -> _Transients:
         # unsharded gradient in param_dtype plus its reduce_dtype copy (FSDP's reduce-scatter input; under PP
         # the accumulator's first upcast).
         activation_grads=param_bytes * tokens * (dim + dim / tp) + 2 * costs.widest,
-        reduce_scatter_inputs=(param_bytes + reduce_bytes) * costs.block_params,
-        root_grad=param_bytes * costs.root_params,
+        # Without FSDP (one rank) a gradient is float32 in .grad as soon as backward makes it: under autocast a
+        # block's param_dtype gradients before their casts, and the output projection's from the loss backward on.
+        reduce_scatter_inputs=(param_bytes + reduce_bytes if job.fsdp else param_bytes if job.autocast else 0)
+        * costs.block_params,
+        root_grad=(param_bytes if job.fsdp else 4) * costs.root_params,
         pp_buffers=2 * param_bytes * tokens * dim / tp if job.pp > 1 else 0.0,
         weight_grad_inputs=costs.matmul_inputs,
     )
@@ -994,7 +1049,7 @@ class _Replay:
         transients: _Transients,
     ) -> None:
         self.params, self.state, self.gathered, self.acts, self.transients = params, state, gathered, acts, transients
-        self.pipelined = job.pp > 1
+        self.pipelined, self.fsdp = job.pp > 1, job.fsdp
         self.param_bytes, self.reduce_bytes = DTYPE_BYTES[job.param_dtype], DTYPE_BYTES[job.reduce_dtype]
         self.held: dict[tuple[int, int], float] = {}  # (local stage, micro-batch) -> its activations
         self.backward_done: set[int] = set()  # stages with fp32 accumulators (PP: after their first backward)
@@ -1049,7 +1104,8 @@ class _Replay:
             remaining -= blocks[i]
         if stage == 0 and params.embedding:
             done = len(blocks) * done_each
-            grads = (self.param_bytes + (self.reduce_bytes if first else 0)) * params.embedding
+            # Its unsharded gradient and FSDP's reduce_dtype copy; without FSDP (one rank) its float32 .grad.
+            grads = (self.param_bytes + (self.reduce_bytes if first else 0) if self.fsdp else 4) * params.embedding
             value = self.gathered["embedding"] + base + done + root_grad + acts.token_ids + grads
             self._record("embedding", value, state.earlier_grads + (0.0 if self.pipelined else done), where)
 
@@ -1091,6 +1147,8 @@ def _peak(job: Job, replay: _Replay) -> dict[str, float | str]:
     rs_pool = state.grads if state.on_gpu else 4 * params.largest_unit / job.shard
     ag_pool = DTYPE_BYTES[job.param_dtype] * max(params.largest_unit, 2 * params.block)
     compute = max(value - shards for value, shards, _ in phases.values())
+    if not job.fsdp:  # one rank: no FSDP streams, the gradients are the compute stream's
+        rs_pool, ag_pool, compute = 0.0, 0.0, max(value for value, _, _ in phases.values())
     if job.allocator == "cuda":
         reserved = state.static + rs_pool + ag_pool + (1 + FRAGMENTATION) * compute
     else:
@@ -1213,8 +1271,8 @@ def fake_step_memory(
 
     if not isinstance(model, FSDPModule):
         raise ValueError(
-            "fake_step_memory: the model is not FSDP-wrapped (parallelize_model applies FSDP when dp > 1 "
-            "or param_dtype is not float32); FSDPMemTracker needs FSDP's hooks"
+            "fake_step_memory: the model is not FSDP-wrapped (a job of one rank is not: parallelisms/fsdp.py "
+            "applies_fsdp); FSDPMemTracker needs FSDP's hooks"
         )
     last = model.norm is not None
     meshes = [p.device_mesh for p in model.parameters() if isinstance(p, DTensor)]
@@ -1325,7 +1383,7 @@ def fake_job_memory(job: Job, *, pp_rank: int = 0, device: str = "cpu") -> dict[
             mixed_precision_param=job.param_dtype,
             mixed_precision_reduce=job.reduce_dtype,
             enable_cpu_offload=job.cpu_offload,
-            loss_chunk_tokens=job.loss_chunk_tokens,
+            loss_chunk_tokens=job.chunk_tokens,
         )
         every = checkpoint_every(job.ac)
         ac = ActivationCheckpoint(
@@ -1354,7 +1412,7 @@ def fake_job_memory(job: Job, *, pp_rank: int = 0, device: str = "cpu") -> dict[
             optimizer_factory=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True),
             batch=job.microbatch_tokens // job.seq_len,
             seq_len=job.seq_len,
-            loss_fn=Loss(job.loss_chunk_tokens),
+            loss_fn=Loss(job.chunk_tokens),
             device=torch.device(device),
             param_dtype=getattr(torch, job.param_dtype),
             loss_parallel=job.tp > 1,
@@ -1519,8 +1577,8 @@ def _loss_note(job: Job) -> str:
     tokens, param_bytes = job.microbatch_tokens, DTYPE_BYTES[job.param_dtype]
     per_logit = (12 if job.tp == 1 else 16) + (param_bytes if job.logits_kept_in_backward else 0)
     kept = "logits held through backward" if job.logits_kept_in_backward else "logits freed before backward"
-    if 0 < job.loss_chunk_tokens < tokens:
-        tokens, per_logit = job.loss_chunk_tokens, 8 + param_bytes + (8 if job.tp == 1 else 12)
+    if job.chunk_tokens:
+        tokens, per_logit = job.chunk_tokens, 8 + param_bytes + (8 if job.tp == 1 else 12)
         kept = (
             f"chunked: one chunk of {tokens:,} tokens at a time + the gradients of the final norm's output and the "
             "output"
@@ -1614,7 +1672,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--loss-chunk-tokens",
         type=int,
         default=Training().loss_chunk_tokens,
-        help="training.loss_chunk_tokens (0: the whole micro-batch's logits at once)",
+        help="training.loss_chunk_tokens (0: the whole micro-batch's logits at once; -1: chunks of 2048 where they exceed 256 MiB)",
     )
     pp = Parallelism()
     p.add_argument("--pp", type=int, default=1, help="pipeline_parallel_degree")

@@ -117,7 +117,8 @@ def held_out_loss(checkpoint: Path, config: Path | None, overrides: list[str]) -
         dims = ParallelDims.from_config(cfg.parallelism, world_size=world_size)
         mesh = dims.build_mesh(device.type)
         args = run_model_args(cfg)
-        loss_fn = build_loss_fn(cfg.compile, chunk_tokens=cfg.training.loss_chunk_tokens)
+        vocab_shards = dims.tp if uses_loss_parallel(cfg, dims) else 1
+        loss_fn = build_loss_fn(cfg.compile, chunk_tokens=cfg.training.loss_chunk_tokens, vocab_shards=vocab_shards)
         model, pipeline = build_run_model(cfg, args, dims=dims, mesh=mesh, loss_fn=loss_fn, device=device)
         init_model(model, pipeline, device=device)
         load_weights(checkpoint, model, pipeline, args=args, family_name=cfg.model.name)

@@ -7,12 +7,20 @@ fp32: at 8B with local batch 2 x seq 8192 and a 128,256-token vocabulary that is
 logits plus a 7.8 GiB fp32 log-softmax kept for backward, and backward's temporaries about as much
 again, the largest single item after the blocks' activations.
 
-The chunked loss (training.loss_chunk_tokens > 0) projects and scores `loss_chunk_tokens` tokens at
-a time, each chunk under activation checkpointing: forward keeps only each chunk's summed loss;
-backward recomputes one chunk's logits at a time. The peak holds one chunk's logits instead of all
-of them; the price is the output projection's forward run twice (at 8B about 2% of a step's FLOPs).
-Summing chunk sums in another order than one mean is the only difference: fp32 rounding
-(tests/test_loss.py: 1e-6 relative, loss and gradients, with and without loss parallel).
+The chunked loss projects and scores `chunk` tokens at a time, each chunk under activation
+checkpointing: forward keeps only each chunk's summed loss; backward recomputes one chunk's logits at a
+time. The peak holds one chunk's logits instead of all of them; the price is the output projection's
+forward run twice (at 8B about 2% of a step's FLOPs) and each chunk's kernels. Summing chunk sums in
+another order than one mean is the only difference: fp32 rounding (tests/test_loss.py: 1e-6 relative,
+loss and gradients, with and without loss parallel).
+
+When to chunk (`chunk_tokens_for`, training.loss_chunk_tokens): by default (-1) only where the
+micro-batch's logits are large enough to matter, more than AUTO_CHUNK_FROM_BYTES (256 MiB) of fp32
+logits on a rank (tokens x its share of the vocabulary x 4 bytes), then AUTO_CHUNK_TOKENS (2,048) at a
+time. Below that the whole loss's buffers (about 3 fp32 copies of the logits, measured by make bench's
+loss row) are at most 0.75 GiB, and chunks would only add kernels: torchtitan's debug model on one GPU
+(16,384 tokens x 2,048 entries, 128 MiB) is scored whole, Llama 3's vocabulary at 2 x 8,192 tokens (7.8
+GiB) in 8 chunks. N > 0 chunks N tokens at a time wherever a micro-batch has more; 0 never chunks.
 
 Labels of IGNORE_INDEX (data/chat.py: the prompts of chat data) count for nothing: every loss here
 is summed over the counted labels and divided by the label positions, so train.py's per-step
@@ -79,13 +87,26 @@ class ZLoss:
         return mean
 
 
+AUTO_CHUNK_FROM_BYTES = 256 * 2**20  # fp32 logits per rank above which the default chunks (module docstring)
+AUTO_CHUNK_TOKENS = 2048
+
+
+def chunk_tokens_for(setting: int, *, tokens: int, vocab: int) -> int:
+    """The chunk size for a micro-batch of `tokens` tokens scored over `vocab` vocabulary entries on this rank
+    (its shard under loss parallel), under training.loss_chunk_tokens = `setting`; 0 = the whole micro-batch at
+    once. -1: AUTO_CHUNK_TOKENS where its fp32 logits exceed AUTO_CHUNK_FROM_BYTES (module docstring)."""
+    if setting == -1:
+        setting = AUTO_CHUNK_TOKENS if 4 * tokens * vocab > AUTO_CHUNK_FROM_BYTES else 0
+    return setting if 0 < setting < tokens else 0
+
+
 @dataclass(frozen=True)
 class Loss:
     """The training loss: `loss(model, h, labels)` projects the final norm's output `h` (bs, seqlen, dim)
     with `model.project` and returns the cross-entropy against `labels` (bs, seqlen) summed over the counted labels
     and divided by the label positions (`cross_entropy_loss`): the mean when every label counts."""
 
-    chunk_tokens: int = 0  # training.loss_chunk_tokens; 0 = the whole micro-batch at once
+    chunk_tokens: int = 0  # training.loss_chunk_tokens (chunk_tokens_for); 0 = the whole micro-batch at once
     whole: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_loss
     summed: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = _summed_cross_entropy
     z_loss_weight: float = 0.0  # training.z_loss_weight
@@ -93,35 +114,40 @@ class Loss:
         _summed_cross_entropy_and_z
     )
     z_loss: ZLoss = field(default_factory=ZLoss)  # what the z-loss was, for the metrics
+    vocab_shards: int = 1  # ranks the logits' vocabulary is split over: the TP degree under loss parallel
 
     def __call__(self, model: torch.nn.Module, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        chunk = self.chunk_tokens
+        if chunk == -1:
+            chunk = chunk_tokens_for(chunk, tokens=labels.numel(), vocab=model.args.vocab_size // self.vocab_shards)
         if self.z_loss_weight > 0:
-            ce, z = cross_entropy_and_z_loss(
-                model.project, h, labels, chunk_tokens=self.chunk_tokens, summed=self.summed_with_z
-            )
+            ce, z = cross_entropy_and_z_loss(model.project, h, labels, chunk_tokens=chunk, summed=self.summed_with_z)
             self.z_loss.add(z.detach())
             return ce + self.z_loss_weight * z
-        if self.chunk_tokens <= 0 or labels.numel() <= self.chunk_tokens:
+        if chunk <= 0 or labels.numel() <= chunk:
             return self.whole(model.project(h), labels)
-        return chunked_cross_entropy_loss(model.project, h, labels, chunk_tokens=self.chunk_tokens, summed=self.summed)
+        return chunked_cross_entropy_loss(model.project, h, labels, chunk_tokens=chunk, summed=self.summed)
 
     def cross_entropy_only(self) -> Loss:
         """This loss without its z-loss: what validation scores."""
         return replace(self, z_loss_weight=0.0, z_loss=ZLoss())
 
 
-def build_loss_fn(compile: Compile, *, chunk_tokens: int = 0, z_loss_weight: float = 0.0) -> Loss:
-    """The loss of training.loss_chunk_tokens and training.z_loss_weight; its cross-entropy is compiled
-    when compile.components has "loss" (inductor fuses the fp32 upcast into the log-softmax instead of
-    materialising an fp32 copy of the logits)."""
+def build_loss_fn(
+    compile: Compile, *, chunk_tokens: int = 0, z_loss_weight: float = 0.0, vocab_shards: int = 1
+) -> Loss:
+    """The loss of training.loss_chunk_tokens and training.z_loss_weight, on logits whose vocabulary is split over
+    `vocab_shards` ranks (loss parallel); its cross-entropy is compiled when compile.components has "loss" (inductor
+    fuses the fp32 upcast into the log-softmax instead of materialising an fp32 copy of the logits)."""
     if not (compile.enable and "loss" in compile.components):
-        return Loss(chunk_tokens, z_loss_weight=z_loss_weight)
+        return Loss(chunk_tokens, z_loss_weight=z_loss_weight, vocab_shards=vocab_shards)
     return Loss(
         chunk_tokens,
         whole=torch.compile(cross_entropy_loss, backend=compile.backend),
         summed=torch.compile(_summed_cross_entropy, backend=compile.backend),
         z_loss_weight=z_loss_weight,
         summed_with_z=torch.compile(_summed_cross_entropy_and_z, backend=compile.backend),
+        vocab_shards=vocab_shards,
     )
 
 

@@ -199,7 +199,12 @@ def build(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
     tokenizer, loader = build_data(cfg, dp_rank=dims.dp_rank(mesh), dp_degree=dims.dp, vocab_size=args.vocab_size)
 
     # Model: meta device -> (pipeline stages) -> parallelize -> allocate -> initialize.
-    loss_fn = build_loss_fn(cfg.compile, chunk_tokens=t.loss_chunk_tokens, z_loss_weight=t.z_loss_weight)
+    loss_fn = build_loss_fn(
+        cfg.compile,
+        chunk_tokens=t.loss_chunk_tokens,
+        z_loss_weight=t.z_loss_weight,
+        vocab_shards=dims.tp if uses_loss_parallel(cfg, dims) else 1,
+    )
     model, pipeline = build_run_model(cfg, args, dims=dims, mesh=mesh, loss_fn=loss_fn, device=device)
     if cfg.model.print_after_conversion and rank == 0:
         print(model, flush=True)

@@ -327,7 +327,7 @@ def measure(
         Job(
             flavor="debugmodel",
             model=model_args,
-            ngpu=1,
+            ngpu=2,  # the setups' 2 ranks: bf16 parameters are FSDP's (one rank would train under autocast)
             local_batch_size=batch,
             seq_len=seq_len,
             param_dtype=setup.param_dtype,

@@ -159,7 +159,7 @@ def test_activation_formula_matches_measurement(rows: dict[str, dict], name: str
     # nn.RMSNorm is not the fused CUDA kernel.
     predicted = activation_bytes(
         Job(
-            flavor="debugmodel", model=ARGS, ngpu=1, local_batch_size=BATCH, seq_len=SEQ,
+            flavor="debugmodel", model=ARGS, ngpu=2, local_batch_size=BATCH, seq_len=SEQ,
             param_dtype=setup.param_dtype, ac=setup.ac, rmsnorm="composite",
         )
     )["total"]  # fmt: skip

@@ -32,18 +32,18 @@ Shapes (--shape):
            embedding and output projection are the 8B's 128256 rows on both sides, so the FLOPs and memory are the
            8B shape's and the two trainers alike (the losses start near ln 128256 = 11.8).
            Layers, by memory (2,359,349,248 parameters at 6: 1,050.6M embedding + output, 218.1M a block): the fp32
-           parameters, gradients and AdamW's two moments are 16 bytes a parameter, 35.2 GiB. This recipe (FSDP over
-           one rank) peaks at 36.1 GiB allocated, 45.4 GiB reserved under op SAC (estimate_memory.py's model at 6
-           layers; 52.5 GiB at 8). torchtitan applies no FSDP on one rank and trains its fp32 weights under autocast:
-           it also holds the bf16 copies autocast makes (2 bytes a parameter, 4.4 GiB) and every gradient at once, and
-           its foreach AdamW allocates about 4 more bytes a parameter at the step: some 55-60 GiB at 6 layers, 70 or
-           more at 8, too near an H100's 78 GiB for a run that has one try. So 6.
+           parameters, gradients and AdamW's two moments are 16 bytes a parameter, 35.2 GiB. On one rank both
+           trainers apply no FSDP and train their fp32 weights under autocast; this recipe peaks at 35.2 GiB
+           allocated, 36.7 GiB reserved under op SAC (estimate_memory.py's model at 6 layers; 43.4 GiB at 8).
+           torchtitan also keeps autocast's bf16 copies of every weight until its forward ends (2 bytes a
+           parameter, 4.4 GiB), and its foreach AdamW allocates about 4 more bytes a parameter at the step: some
+           45-50 GiB at 6 layers, 60 or more at 8, too near an H100's 78 GiB for a run that has one try. So 6.
     --rehearse  the same code paths on CPU, tiny: one round of 3 steps at seq_len 64, local batch 1, float32 (on a
            GPU bf16); busy becomes the same family of numbers at dim 64 (4 heads, 2 key/value heads, SwiGLU 256), 2
            blocks, the 8B's vocabulary, through the same config.json and torchtitan registration. MFU is n/a on CPU.
 
-On one GPU (`--nproc 1`, TP 2 left out) this recipe shards over one rank, torchtitan applies no FSDP and trains
-under autocast (above), so the two do not run quite the same thing. A round runs both trainers once per layout,
+On one GPU (`--nproc 1`, TP 2 left out) neither trainer applies FSDP: both train under autocast (above;
+parallelisms/fsdp.py applies_fsdp), the layout's label says "FSDP 1" all the same. A round runs both trainers once per layout,
 which goes first alternating from round to round (a busy machine slows both alike); a run's tokens/s per device
 and MFU are the medians of its steps after the first two (lazy initialization, compilation), its memory the
 peak. A row: the median over rounds of each side, and the median and spread (min - max) of the
@@ -277,7 +277,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     for layout in sorted(set(args.layouts) - set(layouts)):
         print(f"{layout}: left out, it needs {NEEDS_RANKS[layout]} ranks and this run has {nproc}", flush=True)
     if not cuda:
-        print("no GPU: float32 on CPU ranks, MFU not measured (n/a)", flush=True)
+        dtype = "float32" if shape.float32 else "bfloat16 parameters (--bf16)"
+        print(f"no GPU: {dtype} on CPU ranks, MFU not measured (n/a)", flush=True)
     print(f"model: {shape.describe()}, seq_len {shape.seq_len or 'as the TOML has it'}", flush=True)
     with tempfile.TemporaryDirectory(prefix="vs-torchtitan-") as tmp:
         folder = user_folder(Path(tmp))

@@ -1,4 +1,4 @@
-"""Rotary position embedding (RoPE) as every family's attention applies it, in two kernels each way.
+"""Rotary position embedding (RoPE) as every family's attention applies it: q and k together, in few kernels.
 
 Generic on purpose, like models/attention.py: the families differ in their frequencies (theta, Llama 3.1's
 scaling), which each builds into a table with `rope_table`, not in how a head is rotated.
@@ -8,13 +8,15 @@ recipe keeps their `wq`/`wk` rows as they are. Written out, rotate-half costs a 
 add each way. Here each pair is gathered next to its partner once (one copy, in float32) and rotated by one
 complex multiply; the result stays in that interleaved order. q and k leave RoPE permuted alike within
 each head, and attention only takes dot products of q with k, so its output does not change (the
-permutation cancels in q . k; v is not permuted). Backward mirrors it: one complex multiply by the
-conjugate angles, then one copy back to the rotate-half order of the projection's rows.
+permutation cancels in q . k; v is not permuted). q and k are rotated together: the copy that gathers the
+pairs puts q's heads and k's side by side, so one copy and one multiply serve both. Backward mirrors it: one
+complex multiply by the conjugate angles, then one copy each back to the rotate-half order of the
+projections' rows.
 
-Kernels per rotation, forward + backward, in eager mode (the kernel counts of docs/benchmarks.md): float32
-2 + 2, bfloat16 3 + 3 (the copies in and out of float32 are the casts), against 4 + 4 and 6 + 7 written out,
-and torchtitan's complex form on its interleaved rows: 1 + 2 and 3 + 4. Under torch.compile the same rotation
-is written in real arithmetic, which inductor fuses into one kernel each way (tests/test_model.py).
+Kernels for q and k, forward + backward, in eager mode (the kernel counts of docs/benchmarks.md): float32
+2 + 4, bfloat16 4 + 5 (the casts to float32 and back), against 8 + 8 and 12 + 14 written out, and torchtitan's
+complex form on its interleaved rows: 2 + 4 and 6 + 8. Under torch.compile each is written in real arithmetic,
+which inductor fuses into one kernel each way (tests/test_model.py).
 """
 
 from __future__ import annotations
@@ -31,14 +33,16 @@ def rope_table(inv_freq: torch.Tensor, max_seq_len: int) -> torch.Tensor:
     return torch.stack([torch.stack([cos, sin], dim=-1), torch.stack([cos, -sin], dim=-1)])
 
 
-def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """x (bs, seqlen, heads, head_dim), rotate-half order, rotated by the angles of `table[:, :seqlen]`
-    (rope_table's, or its rows at given positions). Returned in the interleaved order
-    (x0, x_{h}), (x1, x_{h+1}), ...: apply it to q and k alike and to nothing else."""
-    table = table[:, : x.shape[1], None]  # (2, seqlen, 1, head_dim // 2, 2): broadcast over bs and heads
+def apply_rope(q: torch.Tensor, k: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (bs, seqlen, heads, head_dim) and k (bs, seqlen, kv_heads, head_dim), rotate-half order, rotated by the
+    angles of `table[:, :seqlen]` (rope_table's, or its rows at given positions). Returned in the interleaved order
+    (x0, x_{h}), (x1, x_{h+1}), ... of each head, both alike (module docstring): q and k together, because only
+    their dot products are the same as rotate-half's. In eager mode both are rotated at once: one copy gathers the
+    pairs of both, one multiply rotates them, and q and k come back as views of one tensor."""
+    table = table[:, : q.shape[1], None]  # (2, seqlen, 1, head_dim // 2, 2): broadcast over bs and heads
     if torch.compiler.is_compiling():
-        return _rotate_fused(x, table[0])
-    return _Rotate.apply(x, table)
+        return _rotate_fused(q, table[0]), _rotate_fused(k, table[0])
+    return _Rotate.apply(q, k, table)
 
 
 def _rotate_fused(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
@@ -55,26 +59,44 @@ def _working_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _working(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`t` in `dtype` and contiguous: at most one copy (a cast when the dtype differs)."""
+    """`t` in `dtype` and contiguous: one copy (a cast when the dtype differs)."""
     return t.contiguous() if t.dtype == dtype else t.to(dtype, memory_format=torch.contiguous_format)
 
 
+def _pairs(x: torch.Tensor) -> torch.Tensor:
+    """x (..., head_dim) in rotate-half order as (..., head_dim // 2, 2) pairs (x_i, x_{i + head_dim/2}): a view."""
+    return x.view(*x.shape[:-1], 2, -1).transpose(-1, -2)
+
+
 class _Rotate(torch.autograd.Function):
-    """The eager rotation (module docstring): autograd's own backward of it would take four kernels, this one two."""
+    """The eager rotation of q and k (module docstring): autograd's own backward of it would take more kernels."""
 
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx, q: torch.Tensor, k: torch.Tensor, table: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         table = table.float()  # float32 already, unless a module.to(dtype) cast the buffer
         ctx.save_for_backward(table[1])
-        work = _working_dtype(x.dtype)
-        pairs = _working(x.view(*x.shape[:-1], 2, -1).transpose(-1, -2), work)  # (..., head_dim // 2, 2)
-        rotated = torch.view_as_complex(pairs) * torch.view_as_complex(table[0])
-        return torch.view_as_real(rotated).flatten(-2).to(x.dtype)
+        ctx.q_heads = q.shape[2]
+        work = _working_dtype(q.dtype)
+        # The pairs of q's and k's heads side by side: one copy (and a cast in bfloat16).
+        pairs = torch.cat([_pairs(q), _pairs(k)], dim=2).to(work)
+        rotated = torch.view_as_real(torch.view_as_complex(pairs) * torch.view_as_complex(table[0])).flatten(-2)
+        rotated = rotated.to(q.dtype)  # bfloat16: a cast; float32: nothing
+        return rotated[:, :, : ctx.q_heads], rotated[:, :, ctx.q_heads :]
 
     @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad_q: torch.Tensor, grad_k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, None]:
         (inverse,) = ctx.saved_tensors
-        dtype = grad.dtype
-        grad = _working(grad, _working_dtype(dtype))  # attention's come contiguous: a cast in bfloat16, else nothing
+        dtype = grad_q.dtype
+        grad = torch.cat([grad_q, grad_k], dim=2).to(_working_dtype(dtype))  # one copy (and a cast in bfloat16)
         g = torch.view_as_complex(grad.view(*grad.shape[:-1], -1, 2)) * torch.view_as_complex(inverse)
-        return _working(torch.view_as_real(g).transpose(-1, -2), dtype).flatten(-2), None
+        g = torch.view_as_real(g)
+        # Back to each projection's rotate-half order, contiguous: one copy each (the cast with it).
+        return (
+            _working(g[:, :, : ctx.q_heads].transpose(-1, -2), dtype).flatten(-2),
+            _working(g[:, :, ctx.q_heads :].transpose(-1, -2), dtype).flatten(-2),
+            None,
+        )

@@ -1,15 +1,43 @@
-"""FSDP2 (`fully_shard`): per-block sharding, mixed precision, CPU offload, HSDP."""
+"""FSDP2 (`fully_shard`): per-block sharding, mixed precision, CPU offload, HSDP; autocast where one rank trains alone."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+if TYPE_CHECKING:
+    from parallelisms.parallel_dims import ParallelDims
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def applies_fsdp(dims: ParallelDims, *, param_dtype: str, cpu_offload: bool) -> bool:
+    """Whether parallelize_model shards the model with FSDP (apply_fsdp) rather than leaving its parameters whole.
+
+    FSDP where there is something to shard over (data-parallel ranks, or CP's), for CPU offload (its policy is
+    FSDP's), and for a compute dtype other than float32 on a job of several ranks without data parallelism (TP or
+    PP alone): FSDP over a mesh of one is what gives their parameters a compute dtype (torchtitan trains those in
+    float32). A job of one rank trains its float32 parameters under autocast instead (apply_autocast), as
+    torchtitan does: FSDP over one rank would copy every parameter into the compute dtype for forward, again for
+    backward, and every gradient out of it, each step, to shard over nobody (benchmarks/vs_torchtitan.py counts it)."""
+    mixed = param_dtype != "float32"
+    return dims.fsdp_enabled or cpu_offload or (mixed and dims.world_size > 1)
+
+
+def apply_autocast(model: nn.Module, *, param_dtype: torch.dtype, device_type: str) -> None:
+    """Mixed precision without FSDP (one rank, `applies_fsdp`): the model's forward, the loss included (it runs inside
+    it, loss.py), under torch.autocast in `param_dtype`. Parameters, gradients and AdamW's state stay float32, and
+    backward runs outside autocast, as autocast wants: each op's backward runs in the dtype its forward ran in.
+
+    Without autocast's cache (cache_enabled=False): with it, every weight's bf16 copy would stay alive until the
+    forward ends, the loss included, which is the peak. Without it a weight is cast where it is used (once per
+    forward in these models; the output projection once per loss chunk) and its copy lives only while autograd
+    keeps it: a block under activation checkpointing casts again in its recomputation and keeps nothing."""
+    model.forward = torch.autocast(device_type, dtype=param_dtype, cache_enabled=False)(model.forward)
 
 
 def reshards_after_forward(policy: str, *, pp_enabled: bool) -> bool:

@@ -18,7 +18,7 @@ from parallelisms.async_tp import apply_async_tp
 from parallelisms.compile import apply_compile, inductor_cache_dir
 from parallelisms.cp import apply_cp, context_parallel
 from parallelisms.float8 import adapt_tp_plan, apply_float8, float8_tp_plan
-from parallelisms.fsdp import DTYPES, apply_fsdp
+from parallelisms.fsdp import DTYPES, applies_fsdp, apply_autocast, apply_fsdp
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.pp import Pipeline, pipeline_model
 from parallelisms.tp import apply_tp
@@ -64,6 +64,8 @@ def parallelize_model(
          2.13: one graph, no graph breaks, fullgraph=True).
       4. FSDP last: it turns modules into FSDP units and shards over the data-parallel mesh
          whatever the steps before produced (TP DTensors become 2-D (dp_shard, tp) DTensors).
+         A job of one rank is not sharded: its forward runs under autocast (parallelisms/fsdp.py
+         applies_fsdp says which, and why).
     What is particular to the model comes from its `family`: how TP splits a block (plans.py tp_plan)
     and which linears selective op AC keeps (plans.py SAC_SAVED_LINEARS).
     Under loss parallel (TP on, parallelism.disable_loss_parallel false) the logits are a
@@ -111,7 +113,7 @@ def parallelize_model(
         }
         apply_compile(model, backend=compile.backend, cache_dir=inductor_cache_dir(recipe, root=inductor_cache_root))
 
-    if dims.fsdp_enabled or training.mixed_precision_param != "float32" or training.enable_cpu_offload:
+    if applies_fsdp(dims, param_dtype=training.mixed_precision_param, cpu_offload=training.enable_cpu_offload):
         apply_fsdp(
             model,
             dims.fsdp_mesh(mesh),
@@ -120,6 +122,10 @@ def parallelize_model(
             cpu_offload=training.enable_cpu_offload,
             reshard_after_forward=parallelism.fsdp_reshard_after_forward,
             pp_enabled=dims.pp_enabled,
+        )
+    elif training.mixed_precision_param != "float32":  # one rank
+        apply_autocast(
+            model, param_dtype=DTYPES[training.mixed_precision_param], device_type=(device or torch.device("cpu")).type
         )
     return model
 

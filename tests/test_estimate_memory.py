@@ -47,9 +47,9 @@ def test_gradient_shards_exist_from_the_reduce_scatter_on() -> None:
     assert one["peak_phase"] == two["peak_phase"] == "loss backward"
     assert one["grads_at_peak"] == 0 and two["grads_at_peak"] == two["grads"] > 3.5 * GiB
     assert two["allocator_peak"] - one["allocator_peak"] == pytest.approx(one["grads"])
-    # Where gradients dominate (1 GPU, short sequences) the block phase peaks at the last block in
+    # Where gradients dominate (2 GPUs, short sequences) the block phase peaks at the last block in
     # backward, holding the shards of all the others; where activations dominate, at the first.
-    short = estimate(Job(flavor="llama3_8b", ngpu=1, seq_len=256, ac="none"))
+    short = estimate(Job(flavor="llama3_8b", ngpu=2, seq_len=256, ac="none"))
     assert short["block_phase_at"] == "block 0" and short["block_phase"] > 31 / 32 * short["grads"]
     assert one["block_phase_at"] == "block 31"
     # The caching allocator keeps the shards' blocks for the next step's reduce-scatters: reserved
@@ -200,7 +200,7 @@ def test_traced_block_terms_by_hand() -> None:
     """The debug model's per-block bytes, as the trace of one block finds them, spelled out (CPU eager,
     composite RMSNorm): the same tensors the old SwiGLU formulas named."""
     T, D, F, H = BATCH * SEQ, ARGS.dim, ARGS.ffn_hidden_dim, ARGS.n_heads
-    debug = dict(flavor="debugmodel", ngpu=1, local_batch_size=BATCH, seq_len=SEQ, rmsnorm="composite")
+    debug = dict(flavor="debugmodel", ngpu=2, local_batch_size=BATCH, seq_len=SEQ, rmsnorm="composite")
     fp32 = activation_bytes(Job(param_dtype="float32", ac="none", **debug))
     norms = 2 * (4 * T * D + 4 * T * D + 4 * T + 4 * T * D)  # fp32 input, x*rstd, rstd, output
     attention = 4 * 4 * T * D + 4 * T * H  # q, k, v, out; logsumexp

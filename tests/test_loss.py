@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from config import Compile
-from loss import build_loss_fn, chunked_cross_entropy_loss, cross_entropy_loss
+from loss import Loss, build_loss_fn, chunk_tokens_for, chunked_cross_entropy_loss, cross_entropy_loss
 from models.llama3 import Transformer
 from tests.instruments import LiveBytes
 from tests.parity_worker import TINY, build_tiny, random_batch
@@ -115,3 +115,27 @@ def test_z_loss_is_the_plain_formula_and_is_reported_on_its_own(chunk_tokens: in
     assert loss_fn.z_loss.take() is None  # taken
     scored = model(inputs, head=lambda h: loss_fn.cross_entropy_only()(model, h, labels))
     assert scored.item() == pytest.approx(ce.item(), rel=1e-6) and loss_fn.z_loss.take() is None
+
+
+def test_by_default_only_large_logits_are_chunked() -> None:
+    """training.loss_chunk_tokens = -1 (the default): chunks of 2,048 tokens only where a micro-batch's fp32 logits on
+    a rank exceed 256 MiB (loss.py); a number chunks wherever the micro-batch has more tokens; 0 never."""
+    # torchtitan's debug model on one GPU (local batch 8 x 2048, vocabulary 2048): 128 MiB, whole.
+    assert chunk_tokens_for(-1, tokens=8 * 2048, vocab=2048) == 0
+    # Llama 3's vocabulary: 2 x 8192 tokens (7.8 GiB) in chunks; 2 x 256 tokens (250 MiB) whole; under loss
+    # parallel over 8 ranks each holds an eighth: 2 x 8192 tokens are 0.98 GiB a rank, still chunked.
+    assert chunk_tokens_for(-1, tokens=2 * 8192, vocab=128256) == 2048
+    assert chunk_tokens_for(-1, tokens=2 * 256, vocab=128256) == 0
+    assert chunk_tokens_for(-1, tokens=2 * 8192, vocab=128256 // 8) == 2048
+    assert chunk_tokens_for(16, tokens=128, vocab=32) == 16 and chunk_tokens_for(128, tokens=128, vocab=32) == 0
+    assert chunk_tokens_for(0, tokens=2 * 8192, vocab=128256) == 0
+
+    calls = []
+
+    def whole(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        calls.append(logits.shape)
+        return cross_entropy_loss(logits, labels)
+
+    model, tokens = build_tiny(), random_batch()
+    Loss(-1, whole=whole)(model, torch.randn(*tokens[:, 1:].shape, TINY.dim), tokens[:, 1:])
+    assert calls == [(*tokens[:, 1:].shape, TINY.vocab_size)]  # the tiny model's logits: one call, whole

@@ -164,14 +164,15 @@ def test_rope_llama3_scaling_matches_transformers() -> None:
     torch.testing.assert_close(ours, hf_inv_freq.float(), rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize(("dtype", "kernels"), [(torch.float32, (2, 2)), (torch.bfloat16, (3, 3))])
-def test_rope_gives_attention_what_hugging_faces_rotate_half_gives_in_two_kernels_each_way(
+@pytest.mark.parametrize(("dtype", "kernels"), [(torch.float32, (2, 4)), (torch.bfloat16, (4, 5))])
+def test_rope_gives_attention_what_hugging_faces_rotate_half_gives_in_few_kernels(
     dtype: torch.dtype, kernels: tuple[int, int]
 ) -> None:
     """models/rope.py returns q and k permuted alike within each head: their dot products, all attention
-    reads of them, and the gradients of the projections equal those of transformers' rotate-half. Forward
-    and backward each launch two kernels in float32 (a copy, a complex multiply) and three in bfloat16
-    (the casts), where rotate-half written out takes four and six."""
+    reads of them, and the gradients of the projections equal those of transformers' rotate-half. q and k
+    together: forward launches two kernels in float32 (one copy of both, a complex multiply) and four in
+    bfloat16 (the casts), backward four and five (a copy back for each), where rotate-half written out takes
+    eight and twelve forward, eight and fourteen backward."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     from estimate_memory import observe_ops
@@ -188,17 +189,17 @@ def test_rope_gives_attention_what_hugging_faces_rotate_half_gives_in_two_kernel
     forward: list[str] = []
     backward: list[str] = []
     with observe_ops(lambda op, *_: op.is_view or forward.append(op.name())):
-        q_rot = apply_rope(q, table)
-    grad = torch.ones_like(q_rot)
+        q_rot, k_rot = apply_rope(q, k, table)
+    grads = torch.ones_like(q_rot), torch.ones_like(k_rot)
     with observe_ops(lambda op, *_: op.is_view or backward.append(op.name())):
-        q_rot.backward(grad)
+        torch.autograd.backward((q_rot, k_rot), grads)
     assert (len(forward), len(backward)) == kernels, (forward, backward)
-    q.grad = None
+    q.grad = k.grad = None
 
     def scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:  # q . k of every head pair attention forms
         return torch.einsum("bshd,btgd->bhgst", q.double(), k.double())
 
-    ours = scores(apply_rope(q, table), apply_rope(k, table))
+    ours = scores(*apply_rope(q, k, table))
     q_ref, k_ref = (t.detach().double().requires_grad_() for t in (q, k))
     hf_q, hf_k = apply_rotary_pos_emb(q_ref, k_ref, cos.double(), sin.double(), unsqueeze_dim=1)
     theirs = scores(hf_q, hf_k)
@@ -228,7 +229,8 @@ def test_compiled_rope_is_the_eager_rotation_in_one_fused_kernel_each_way() -> N
     grad = torch.randn(2, 16, args.n_heads, args.head_dim, dtype=torch.bfloat16)
 
     def q_rotated(x: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
-        return apply_rope(F.linear(x, wq).view(2, 16, args.n_heads, args.head_dim), table)
+        q = F.linear(x, wq).view(2, 16, args.n_heads, args.head_dim)
+        return apply_rope(q, q, table)[0]
 
     eager = q_rotated(x, wq)
     eager.backward(grad)

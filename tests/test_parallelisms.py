@@ -144,6 +144,50 @@ def test_compiled_layouts_use_their_recipe_cache_folder(
         assert any((folder / "fxgraph").rglob("*")), f"no FX graph cached in {folder}"
 
 
+def test_one_rank_trains_under_autocast_not_fsdp() -> None:
+    """parallelisms/fsdp.py applies_fsdp: bf16 parameters on one rank are float32 parameters trained under autocast
+    (torchtitan's one-GPU mixed precision), not FSDP over one rank; every other bf16 layout is FSDP's. The loss is
+    the one autocast gives, and parameters and gradients stay float32."""
+    from config import Compile, Parallelism, Training
+    from loss import Loss
+    from parallelisms.fsdp import applies_fsdp
+    from parallelisms.parallel_dims import ParallelDims
+    from parallelisms.parallelize import parallelize_model
+
+    def dims(world: int, **degrees: int) -> ParallelDims:
+        return ParallelDims.from_config(Parallelism(**degrees), world_size=world)
+
+    assert not applies_fsdp(dims(1), param_dtype="bfloat16", cpu_offload=False)
+    assert not applies_fsdp(dims(1), param_dtype="float32", cpu_offload=False)
+    assert applies_fsdp(dims(1), param_dtype="bfloat16", cpu_offload=True)  # offload is an FSDP policy
+    assert applies_fsdp(dims(2, tensor_parallel_degree=2), param_dtype="bfloat16", cpu_offload=False)
+    assert not applies_fsdp(dims(2, tensor_parallel_degree=2), param_dtype="float32", cpu_offload=False)
+    assert applies_fsdp(dims(2), param_dtype="float32", cpu_offload=False)
+
+    reference, model = build_tiny(), build_tiny()
+    parallelize_model(
+        model,
+        family=LLAMA3,
+        dims=dims(1),
+        mesh=None,
+        training=Training(mixed_precision_param="bfloat16"),
+        parallelism=Parallelism(),
+        ac=ActivationCheckpoint(mode="none"),
+        compile=Compile(),
+    )
+    tokens, loss_fn = random_batch(), Loss()
+    projections = []
+    model.layers["0"].attention.wq.register_forward_hook(lambda m, i, out: projections.append(out.dtype))
+    loss = model(tokens[:, :-1], head=lambda h: loss_fn(model, h, tokens[:, 1:]))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = reference(tokens[:, :-1], head=lambda h: loss_fn(reference, h, tokens[:, 1:]))
+    assert projections == [torch.bfloat16] and loss.dtype == torch.float32
+    torch.testing.assert_close(loss, expected, rtol=0, atol=0)
+    loss.backward()
+    assert not hasattr(model, "unshard")  # no FSDP
+    assert {p.dtype for p in model.parameters()} == {p.grad.dtype for p in model.parameters()} == {torch.float32}
+
+
 def test_tp_refuses_shapes_it_cannot_split() -> None:
     """What TP needs of a shape, every problem in one ConfigError (load_config runs the same rule at start-up)."""
     tied = dataclasses.replace(TINY, tie_word_embeddings=True, n_heads=6, n_kv_heads=3)

@@ -131,7 +131,7 @@ class Attention(nn.Module):
         q = self.q_norm(self.wq(x).view(bs, seqlen, -1, self.head_dim))  # (bs, seqlen, n_heads, head_dim)
         k = self.k_norm(self.wk(x).view(bs, seqlen, -1, self.head_dim))  # (bs, seqlen, n_kv_heads, head_dim)
         v = self.wv(x).view(bs, seqlen, -1, self.head_dim)  # (bs, seqlen, n_kv_heads, head_dim)
-        q, k = apply_rope(q, cos_sin), apply_rope(k, cos_sin)
+        q, k = apply_rope(q, k, cos_sin)
         if kv is not None:  # generation: attend over every cached position (models/kv_cache.py)
             k, v = kv.update(k, v)
         return self.wo(self.sdpa(q, k, v, mask))  # (models/attention.py; context parallel wraps it)
