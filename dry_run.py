@@ -168,10 +168,12 @@ def comm_per_step(
     cp        context parallel: per block of the rank's stages and micro-batch, an all-gather of the window's
               keys and values forward, a reduce-scatter of their gradients backward, and another all-gather
               where AC recomputes the block (not under op SAC, which keeps the gathered tensors).
-    dp_repl.  HSDP: an all-reduce of the gradient shards per micro-batch (of the step, under PP).
+    dp_repl.  HSDP: an all-reduce of the gradient shards once per step, whatever the micro-batches (train.py defers it
+              to the last, parallelisms/fsdp.py all_reduce_replicas_on; pipeline stages sync once anyway).
     tp        the collectives of the family's TP plan as one traced block runs them (estimate_memory.block_costs:
               forward, backward, and what AC recomputes), per block of the rank's stages and micro-batch, plus
-              the embedding's (stage 0) and those of the final norm, output projection and loss (the last stage).
+              the embedding's (stage 0) and those of the final norm, output projection and loss (the last stage),
+              and the all-reduce of the gradients of the weights TP leaves whole (the norms'), per micro-batch.
     pp        each micro-batch's activations forward and their gradients backward across each stage boundary.
     """
     t, par = cfg.training, cfg.parallelism
@@ -204,18 +206,21 @@ def comm_per_step(
         )
     if rep > 1:
         out["dp_replicate"] = (
-            2 * ring(rep) * syncs * reduce_bytes * stage_params / tp / fsdp,
-            "HSDP: gradient shards all-reduced",
+            2 * ring(rep) * reduce_bytes * stage_params / tp / fsdp,
+            "HSDP: gradient shards all-reduced once per step",
         )
     if tp > 1:
         # Rank 0's blocks, the embedding (stage 0, always rank 0's), the head and loss (the last stage's).
-        outside = sum(costs.tp_embedding) + (sum(costs.tp_head) if len(layers) - 1 in ours else 0)
+        last = len(layers) - 1 in ours
+        outside = sum(costs.tp_embedding) + (sum(costs.tp_head) if last else 0)
+        # The gradients of what TP leaves whole (the norms' weights), all-reduced by each backward: 2x a ring's bytes.
+        replicated = blocks * costs.tp_replicated[0] + (costs.tp_replicated[1] if last else 0)
         # A micro-batch of the pipeline is 1/microbatches of the local batch; the costs are per micro-batch.
-        per_local_batch = job.microbatches * (sum(costs.tp_block) * blocks + outside)
+        per_local_batch = job.microbatches * (sum(costs.tp_block) * blocks + outside + 2 * param_bytes * replicated)
         out["tp"] = (
             ring(tp) * per_local_batch * grad_accum,
             "the TP plan's all-gathers and reduce-scatters, "
-            "traced on one block: forward, backward and AC's recomputation",
+            "traced on one block: forward, backward and AC's recomputation; the unsplit weights' gradients all-reduced",
         )
     if cp > 1:
         recomputed = 0 if job.ac == "selective-op" else sum(checkpointed_blocks(len(layers[s]), job.ac) for s in ours)

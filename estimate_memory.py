@@ -242,6 +242,9 @@ class BlockCosts:
     """The same for the embedding (the first pipeline stage's)."""
     tp_head: tuple[int, int]
     """The same for the final norm, the output projection and the loss (the last stage's)."""
+    tp_replicated: tuple[int, int] = (0, 0)
+    """Parameters TP leaves whole on every rank (the norms' weights), of a block and of the root unit: their gradients
+    are all-reduced over the TP ranks by every micro-batch's backward."""
 
 
 _TRACES: dict[tuple, BlockCosts] = {}
@@ -450,6 +453,16 @@ def trace_costs(
         tp_block=(watch.comm["block forward"], watch.comm["block backward"]),
         tp_embedding=(watch.comm["embedding forward"], watch.comm["embedding backward"]),
         tp_head=(watch.comm["head forward"], watch.comm["head backward"]),
+        tp_replicated=(_replicated_numel(block), _replicated_numel(model.norm)) if tp_mesh is not None else (0, 0),
+    )
+
+
+def _replicated_numel(module: nn.Module) -> int:
+    """Parameters of `module` that TP replicates (DTensors placed Replicate() on every mesh dimension)."""
+    return sum(
+        p.numel()
+        for p in module.parameters()
+        if isinstance(p, DTensor) and all(pl.is_replicate() for pl in p.placements)
     )
 
 

@@ -18,7 +18,7 @@ When to chunk (`chunk_tokens_for`, training.loss_chunk_tokens): by default (-1) 
 micro-batch's logits are large enough to matter, more than AUTO_CHUNK_FROM_BYTES (256 MiB) of fp32
 logits on a rank (tokens x its share of the vocabulary x 4 bytes), then AUTO_CHUNK_TOKENS (2,048) at a
 time. Below that the whole loss's buffers (about 3 fp32 copies of the logits, measured by make bench's
-loss row) are at most 0.75 GiB, and chunks would only add kernels: torchtitan's debug model on one GPU
+loss row) stay under 0.75 GiB, and chunks would only add kernels: torchtitan's debug model on one GPU
 (16,384 tokens x 2,048 entries, 128 MiB) is scored whole, Llama 3's vocabulary at 2 x 8,192 tokens (7.8
 GiB) in 8 chunks. N > 0 chunks N tokens at a time wherever a micro-batch has more; 0 never chunks.
 

@@ -14,6 +14,11 @@ recipe's own ParallelDims and apply_fsdp:
     hsdp        replicate x shard            dp_replicate = nodes, dp_shard = ranks per node
     replicate   DDP-like, no sharding        dp_replicate = world, dp_shard = 1
 
+With gradient accumulation (`hsdp_accum4`: the hsdp layout, 4 micro-batches a step) the replicas still all-reduce
+once per step: train.py defers it to the last micro-batch (parallelisms/fsdp.py all_reduce_replicas_on).
+`hsdp_accum4_every` is the same step with that call taken out, FSDP2's default: an all-reduce per micro-batch, 4
+times the bytes over the slowest links (torchtitan 0.2.2's loop does the same).
+
 "replicate" is fully_shard on a (world, 1) HSDP mesh, exactly what ParallelDims builds for
 data_parallel_replicate_degree = world: every rank keeps whole parameters (the all-gathers and
 reduce-scatters run over one-rank groups and move nothing) and each gradient is all-reduced
@@ -47,12 +52,14 @@ layouts, not a prediction of one NIC's load.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import os
 import time
 from collections import defaultdict
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -69,7 +76,8 @@ from tests.instruments import Collective, CollectiveLog, mesh_group_dims, observ
 from train import train_step
 
 PROBLEM = "#3 HSDP across nodes"
-LAYOUTS = ("full_shard", "hsdp", "replicate")
+LAYOUTS = ("full_shard", "hsdp", "replicate", "hsdp_accum4", "hsdp_accum4_every")
+ACCUM = 4  # micro-batches per step of the hsdp_accum4 layouts
 
 
 # ------------------------------------------------------------------ one layout
@@ -77,7 +85,7 @@ LAYOUTS = ("full_shard", "hsdp", "replicate")
 
 def layout_dims(layout: str, *, world_size: int, ranks_per_node: int) -> ParallelDims:
     nodes = world_size // ranks_per_node
-    match layout:
+    match layout.removesuffix("_accum4_every").removesuffix("_accum4"):
         case "full_shard":
             replicate, shard = 1, world_size
         case "hsdp":
@@ -138,9 +146,16 @@ def measure(
     generator = torch.Generator().manual_seed(rank)
     tokens = torch.randint(0, model_args.vocab_size, (batch_size, seq_len + 1), generator=generator).to(device)
 
+    grad_accum = ACCUM if "_accum4" in layout else 1
+    # FSDP2's default, an all-reduce per micro-batch: train.py's deferral taken out.
+    every = mock.patch("train.all_reduce_replicas_on") if layout.endswith("_every") else contextlib.nullcontext()
+
     def step() -> None:
-        microbatches = [(tokens[:, :-1], tokens[:, 1:])]
-        train_step(model, optimizer, microbatches, grad_accum=1, max_norm=1.0, loss_parallel=False, device=device)
+        microbatches = [(tokens[:, :-1], tokens[:, 1:])] * grad_accum
+        with every:
+            train_step(
+                model, optimizer, microbatches, grad_accum=grad_accum, max_norm=1.0, loss_parallel=False, device=device
+            )
 
     step()  # warm-up: lazy init, optimizer state
     log = CollectiveLog(group_dims)
@@ -162,6 +177,7 @@ def measure(
             "param_dtype": str(param_dtype).removeprefix("torch."),
             "reduce_dtype": str(reduce_dtype).removeprefix("torch."),
             "reshard_after_forward": reshard_after_forward,
+            "grad_accum": grad_accum,
             "unit_params": unit_params(model_args),
             "model_args": dataclasses.asdict(model_args),
         },
@@ -242,17 +258,31 @@ def rows(results: dict[str, dict[str, Any]]) -> list[Row]:
     row = functools.partial(
         Row, problem=PROBLEM, metric=metric, unit="MiB", fixed=f"HSDP {nodes} x {per_node}", fixed_value=hsdp
     )
-    return [
+    rows = [
         row(broken=f"FULL_SHARD over {world}", broken_value=full),
         row(broken=f"replication over {world}", broken_value=rep),
     ]
+    if "hsdp_accum4" in results and "hsdp_accum4_every" in results:
+        once, every = (results[k]["cross_node_bytes"] / MiB for k in ("hsdp_accum4", "hsdp_accum4_every"))
+        rows.append(
+            Row(
+                problem=PROBLEM,
+                metric=f"bytes crossing nodes per step, HSDP {nodes} x {per_node}, {ACCUM} micro-batches",
+                unit="MiB",
+                broken="all-reduce per micro-batch",
+                broken_value=every,
+                fixed="once per step",
+                fixed_value=once,
+            )
+        )
+    return rows
 
 
 def table(results: dict[str, dict[str, Any]]) -> str:
     """Bytes per step: sent by rank 0 by op and mesh dim (ring model), job-wide cross-node bytes."""
     base = results.get("full_shard", {}).get("cross_node_bytes")
     head = (
-        f"{'layout':<11} {'rep x shard':>11} | {'all_gather':>10} {'red_scat':>10} {'all_reduce':>10} | "
+        f"{'layout':<17} {'rep x shard':>11} | {'all_gather':>10} {'red_scat':>10} {'all_reduce':>10} | "
         f"{'dp_shard':>10} {'dp_repl':>10} | {'cross-node':>10} {'vs full':>8}"
     )
     lines = [
@@ -267,7 +297,7 @@ def table(results: dict[str, dict[str, Any]]) -> str:
         }
         ratio = f"{r['cross_node_bytes'] / base:.3f}x" if base else "n/a"
         lines.append(
-            f"{name:<11} {r['mesh']['dp_replicate']:>5} x {r['mesh']['dp_shard']:<3} | "
+            f"{name:<17} {r['mesh']['dp_replicate']:>5} x {r['mesh']['dp_shard']:<3} | "
             f"{sent['all_gather']:>10.2f} {sent['reduce_scatter']:>10.2f} {sent['all_reduce']:>10.2f} | "
             f"{by_dim.get('dp_shard', 0) / MiB:>10.2f} {by_dim.get('dp_replicate', 0) / MiB:>10.2f} | "
             f"{r['cross_node_bytes'] / MiB:>10.2f} {ratio:>8}"

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 if TYPE_CHECKING:
     from parallelisms.parallel_dims import ParallelDims
@@ -101,3 +101,21 @@ def apply_fsdp(
     # once more per step for it (counted: 8 all-gathers instead of 7, 10 instead of 8 under
     # "always", tests/test_loss.py). The peak, at the loss, holds these parameters either way.
     fully_shard(model, **kw, reshard_after_forward=False)  # FSDP never reshards the root after forward anyway
+
+
+def all_reduce_replicas_on(model: nn.Module, *, last_microbatch: bool) -> None:
+    """HSDP's gradient all-reduce across replicas once per step, on its last micro-batch (train.py calls this before
+    each backward of a step of several micro-batches).
+
+    FSDP2 reduce-scatters and, under HSDP (`data_parallel_replicate_degree` > 1, the replicas usually on other
+    nodes), all-reduces every unit's gradient shard after every backward; with gradient accumulation that is one
+    all-reduce over the slowest links per micro-batch where one per step is all the step needs. Here each
+    micro-batch but the last still reduce-scatters (the gradients stay sharded, memory does not grow) and FSDP sums
+    the shards in a buffer of their size (`set_requires_all_reduce(False)`); the last adds its own and all-reduces
+    the sum once. Between the shard groups, only the sum changes place: the gradients are those of one all-reduce
+    per micro-batch up to float32 rounding (tests/test_parallelisms.py, parity with one process). FSDP without
+    replicas has no all-reduce and nothing changes; a model without FSDP (one rank) neither. Pipeline stages
+    already sync once per step (torch.distributed.pipelining). A step abandoned half-way (a stop request) leaves
+    the sum behind and ends the run."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_all_reduce(last_microbatch)

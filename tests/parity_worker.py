@@ -123,6 +123,7 @@ class Layout:
     cp: int = 1  # parallelism.context_parallel_degree (load-balanced: each rank holds 2 chunks of SEQ_LEN / 2cp)
     cp_load_balance: bool = True  # parallelism.context_parallel_load_balancer "headtail", else "none"
     chat: bool = False  # chat_labels(): only some labels count, unevenly over rows (block_causal documents too)
+    grad_accum: int = 1  # micro-batches per step: each rank's rows split into this many
 
     @property
     def world_size(self) -> int:
@@ -156,6 +157,8 @@ LAYOUTS: dict[str, Layout] = {
     "pp2_interleaved_zero_bubble": Layout(pp=2, schedule="InterleavedZeroBubble"),
     # 4 ranks
     "hsdp2x2_reshard_always": Layout(dp_replicate=2, dp_shard=2, reshard_after_forward="always"),
+    # HSDP with gradient accumulation: the replicas' all-reduce once per step, on the last micro-batch (train.py).
+    "hsdp2x1_tp2_accum2": Layout(dp_replicate=2, dp_shard=1, tp=2, grad_accum=2),
     "fsdp2_tp2": Layout(dp_shard=2, tp=2),
     "fsdp2_tp2_op_sac": Layout(dp_shard=2, tp=2, ac=OP_SAC),
     "hsdp2x1_tp2": Layout(dp_replicate=2, dp_shard=1, tp=2),
@@ -268,6 +271,7 @@ def train(
     counts: dict[str, Any] | None = None,
     group_dims: dict[tuple[int, ...], str] | None = None,
     cp: ContextParallel | None = None,
+    grad_accum: int = 1,
 ) -> tuple[list[float], list[float]]:
     """`steps` steps of train.py's `train_step` on `tokens` (this rank's slice); (losses, seconds per step).
     counts: filled with what decides GPU speed: the host reads of the last step, the graphs dynamo compiled
@@ -280,7 +284,13 @@ def train(
     gradients, and thus the single-process mean over the global batch.
     """
     optimizer = build_optimizer(Optimizer(lr=LR, eps=ADAM_EPS), model)
-    batch = [Batch(tokens[:, :-1], tokens[:, 1:] if labels is None else labels, segments, divisor)]
+    labels = tokens[:, 1:] if labels is None else labels
+    # The rows as `grad_accum` micro-batches (a divisor of counted labels holds for all of them: the step's).
+    rows = [torch.arange(len(tokens)).tensor_split(grad_accum)[i] for i in range(grad_accum)]
+    batch = [
+        Batch(tokens[r, :-1], labels[r], segments[r] if segments is not None else None, divisor or grad_accum)
+        for r in rows
+    ]
     loss_fn = build_loss_fn(Compile(), chunk_tokens=loss_chunk_tokens, z_loss_weight=z_loss_weight)
     losses, times = [], []
     breaks_before, graphs_before = graph_breaks(), compiled_graphs()
@@ -300,7 +310,7 @@ def train(
                 model,
                 optimizer,
                 batch,
-                grad_accum=1,
+                grad_accum=grad_accum,
                 max_norm=MAX_NORM,
                 loss_fn=loss_fn,
                 loss_parallel=loss_parallel,
@@ -479,6 +489,7 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
         counts=counts,
         group_dims=None if layout.compile else mesh_group_dims(mesh),
         cp=context_parallel(mesh, parallelism),
+        grad_accum=layout.grad_accum,
     )
     family = ref if layout.family == "llama3" else ref[layout.family]
     if layout.chat:

@@ -112,7 +112,7 @@ def predicted_comm(layout: Layout) -> dict[str, float]:
     dims = ParallelDims.from_config(cfg.parallelism, world_size=layout.world_size)
     cfg.training = dataclasses.replace(
         TRAINING,
-        local_batch_size=GLOBAL_BATCH // dims.dp,
+        local_batch_size=GLOBAL_BATCH // dims.dp // layout.grad_accum,
         global_batch_size=GLOBAL_BATCH,
         loss_chunk_tokens=layout.loss_chunk_tokens,
         z_loss_weight=Z_LOSS_WEIGHT if layout.z_loss else 0.0,
@@ -120,7 +120,7 @@ def predicted_comm(layout: Layout) -> dict[str, float]:
     cfg.activation_checkpoint = layout.ac
     cfg.model.name = layout.family
     job = dataclasses.replace(job_of(cfg, dims, cuda=False), model=TINY_SHAPES[layout.family])
-    return {dim: nbytes for dim, (nbytes, _) in comm_per_step(cfg, dims, job, grad_accum=1).items()}
+    return {dim: nbytes for dim, (nbytes, _) in comm_per_step(cfg, dims, job, grad_accum=layout.grad_accum).items()}
 
 
 EAGER = [name for name, layout in LAYOUTS.items() if not layout.compile]
@@ -131,9 +131,9 @@ def test_the_dry_runs_communication_lines_are_what_each_layout_sends(
     name: str, parity: Callable[[int], dict[str, dict]]
 ) -> None:
     """Bytes rank 0 sent in one training step, by mesh dimension (the collectives and sends the dispatcher ran,
-    tests.instruments.CollectiveLog), against the dry run's lines for the same layout and model: within 1%. What the dry
-    run leaves out: the all-reduce of the gradient norm and, under TP, of the gradients of parameters TP does
-    not split (the norms' weights), 2.6 KB of 332 KB on this tiny model and nothing that shows on a real one."""
+    tests.instruments.CollectiveLog), against the dry run's lines for the same layout and model: within 1%, with
+    gradient accumulation too (the replicas' all-reduce once per step, TP's collectives per micro-batch). What the dry
+    run leaves out: the all-reduce of the gradient norm, a few bytes."""
     layout = LAYOUTS[name]
     measured = parity(layout.world_size)[name]["sent_by_dim"]
     predicted = predicted_comm(layout)

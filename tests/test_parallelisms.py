@@ -116,6 +116,16 @@ def test_chunked_loss_adds_no_fsdp_collective(parity: Callable[[int], dict[str, 
     )  # 4 units: embedding, 2 blocks, root; backward re-gathers the 2 blocks
 
 
+def test_hsdp_gradients_cross_replicas_once_per_step(parity: Callable[[int], dict[str, dict]]) -> None:
+    """HSDP with 2 micro-batches per step all-reduces each unit's gradient shard across the replicas once, the bytes
+    of a step of one micro-batch (parallelisms/fsdp.py all_reduce_replicas_on; FSDP2 alone would send twice). Its
+    parity with one process is test_loss_and_parameter_parity's."""
+    one, two = parity(4)["hsdp2x1_tp2"], parity(4)["hsdp2x1_tp2_accum2"]
+    assert one["collective_ops"]["dp_replicate all_reduce"] == two["collective_ops"]["dp_replicate all_reduce"] == 4
+    assert one["sent_by_dim"]["dp_replicate"] == two["sent_by_dim"]["dp_replicate"] > 0
+    assert two["collective_ops"]["tp all_gather"] == 2 * one["collective_ops"]["tp all_gather"]  # TP's: per micro-batch
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_compiled_layouts_use_their_recipe_cache_folder(
     world_size: int, parity: Callable[[int], dict[str, dict]], parity_dir: Path
