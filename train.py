@@ -65,8 +65,8 @@ from optimizer import (
     set_lr,
 )
 from parallelisms.cp import ContextParallel, context_parallel
-from parallelisms.fsdp import all_reduce_replicas_on
 from parallelisms.float8 import precompute_scales_after_each_step
+from parallelisms.fsdp import all_reduce_replicas_on
 from parallelisms.parallel_dims import ParallelDims, layout_checks
 from parallelisms.parallelize import build_run_model, init_model
 from parallelisms.pp import Pipeline
