@@ -12,7 +12,7 @@ Measured here, in one run:
                 --global-batch: milliseconds per step (what the training loop waits for on the host).
   attention     forward + backward of the debug model at seq_len --attn-seq-len on windows of the
                 shipped corpus, causal SDPA vs block_causal (on CPU SDPA with a dense mask; FlexAttention
-                on CUDA): median milliseconds per step.
+                on CUDA), taking turns: median milliseconds of --attn-steps steps.
 """
 
 from __future__ import annotations
@@ -88,8 +88,9 @@ def loader_step(folder: Path, *, seq_len: int, global_batch: int, steps: int = 2
     return {"ms": 1e3 * statistics.median(times), "seq_len": seq_len, "global_batch": global_batch, "ranks": 8}
 
 
-def attention(folder: Path, *, seq_len: int, steps: int = 5) -> dict[str, Any]:
-    """Forward + backward of the debug model on real windows, causal vs block_causal, interleaved."""
+def attention(folder: Path, *, seq_len: int, steps: int) -> dict[str, Any]:
+    """Forward + backward of the debug model on real windows, causal vs block_causal, interleaved: each step runs
+    both, which goes first alternating, so that both see the machine's load alike."""
     corpus = TokenCorpus(folder)
     loader = GlobalBatchLoader(
         corpus, window=seq_len + 1, local_batch_size=2, global_batch_size=2, dp_rank=0, dp_degree=1
@@ -104,7 +105,8 @@ def attention(folder: Path, *, seq_len: int, steps: int = 5) -> dict[str, Any]:
         models[kind].init_weights()
     times: dict[str, list[float]] = {kind: [] for kind in models}
     for step in range(steps + 1):  # the first round warms up
-        for kind, model in models.items():
+        for kind in models if step % 2 == 0 else reversed(models):
+            model = models[kind]
             begin = time.perf_counter()
             logits = model(batch.inputs, segments=batch.segments)
             F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten()).backward()
@@ -122,7 +124,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         results = {
             "preparation": prep,
             "loader": loader_step(folder / "workers-1", seq_len=args.seq_len, global_batch=args.global_batch),
-            "attention": attention(folder / "workers-1", seq_len=args.attn_seq_len),
+            "attention": attention(folder / "workers-1", seq_len=args.attn_seq_len, steps=args.attn_steps),
         }
         shutil.rmtree(folder, ignore_errors=True)
     return results
@@ -166,6 +168,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=8192, help="the loader's seq_len")
     p.add_argument("--global-batch", type=int, default=64, help="the loader's global batch (8 ranks)")
     p.add_argument("--attn-seq-len", type=int, default=1024, help="seq_len of the attention comparison")
+    p.add_argument("--attn-steps", type=int, default=5, help="timed steps of each attention (after one warm-up)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,6 @@ import importlib
 import json
 import platform
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ from typing import Any
 import torch
 
 from benchmarks import harness
-from benchmarks.harness import Row
+from benchmarks.harness import Progress, Row, clock
 from config import REPO
 
 
@@ -71,12 +70,6 @@ PARTS = (
          "compiled decode at batch 1 vs transformers' generate, fraction of peak memory bandwidth"),
 )  # fmt: skip
 BY_NAME = {p.name: p for p in PARTS}
-
-
-def clock(seconds: float) -> str:
-    """3m12s."""
-    m, s = divmod(round(seconds), 60)
-    return f"{m}m{s:02d}s"
 
 
 def environment(rehearse: bool) -> dict[str, Any]:
@@ -184,29 +177,26 @@ def main(argv: list[str] | None = None) -> int:
     print(f"make bench-gpu{' --rehearse' if args.rehearse else ''}: {env['device']}, torch {env['torch']}, "
           f"CUDA {env['cuda']}, {env['date']}; {len(parts)} parts, ~{clock(sum(estimate.values()))}", flush=True)  # fmt: skip
     write(record, args.out)
-    start, failed = time.monotonic(), False
-    for i, part in enumerate(parts, 1):
-        elapsed = time.monotonic() - start
-        rest = sum(estimate[p.name] for p in parts[i - 1 :])
-        head = f"part {i}/{len(parts)} {part.name}"
+    progress, failed = Progress(estimate), False
+    for part in parts:
+        elapsed = progress.elapsed()
         entry: dict[str, Any] = {"estimate_s": estimate[part.name], "seconds": 0.0, "rows": []}
         if not (REPO / "benchmarks" / f"{part.module}.py").is_file():  # a fork removed that part (README's table)
             note = f"skipped: benchmarks/{part.module}.py is not here (removed)"
-            print(f"{head}: {note}", flush=True)
+            progress.say(part.name, note)
             record["parts"][part.name] = entry | {"status": "skipped", "note": note}
             write(record, args.out)
             continue
         if args.minutes is not None and elapsed + estimate[part.name] > 60 * args.minutes:
             left = max(0.0, 60 * args.minutes - elapsed)
             note = f"skipped: its estimate {clock(estimate[part.name])} does not fit in the {clock(left)} left of --minutes {args.minutes:g}"
-            print(f"{head}: {note}", flush=True)
+            progress.say(part.name, note)
             record["parts"][part.name] = entry | {"status": "skipped", "note": note}
             write(record, args.out)
             continue
-        print(f"{head}: starting | elapsed {clock(elapsed)} | estimated rest {clock(rest)}", flush=True)
-        t0 = time.monotonic()
+        progress.start(part.name)
         returncode, rows, note = run_part(part, args.out, rehearse=args.rehearse)
-        seconds = time.monotonic() - t0
+        seconds = progress.finish(part.name)
         status = "ok" if returncode == 0 else "failed"
         failed |= returncode != 0
         record["parts"][part.name] = entry | {
@@ -217,14 +207,14 @@ def main(argv: list[str] | None = None) -> int:
         outcome = (
             f"done in {seconds:.0f}s, {len(rows)} rows" if returncode == 0 else f"FAILED after {seconds:.0f}s: {note}"
         )
-        print(f"{head}: {outcome} (estimate {estimate[part.name]}s)", flush=True)
+        progress.say(part.name, f"{outcome} (estimate {estimate[part.name]}s)")
 
     from benchmarks.run import format_table
 
     rows = [Row.from_json(r) for p in record["parts"].values() for r in p["rows"]]
     print("\n" + format_table(rows), flush=True)
     summary = ", ".join(f"{name} {p['status']}" for name, p in record["parts"].items())
-    print(f"\n{summary}; total {clock(time.monotonic() - start)}", flush=True)
+    print(f"\n{summary}; total {clock(progress.elapsed())}", flush=True)
     print(f"wrote {args.out / 'gpu_run.json'} and {args.out / 'gpu_run.md'}", flush=True)
     return 1 if failed else 0
 

@@ -1,4 +1,5 @@
-"""What the benchmarks share: how each one runs as a command, starts processes, and reports.
+"""What the benchmarks share: how each one runs as a command, starts processes and reports; the progress lines of a
+run of several (`make bench`, `make bench-gpu`).
 
 Every benchmark module `benchmarks/<name>.py` has two entry points:
 
@@ -21,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -145,6 +147,7 @@ def run_python(
     *args: str,
     nproc: int | None = None,
     capture: bool = False,
+    log: Path | None = None,
     timeout: float | None = None,
     env: Mapping[str, str] | None = None,
     cwd: Path = REPO,
@@ -152,13 +155,26 @@ def run_python(
     """`python args...` from the repo root (or `cwd`), or `torchrun --nproc_per_node=nproc args...` when nproc
     is given.
 
-    capture: keep stdout and stderr (text) instead of passing them through. env: added to `repo_env()`.
+    capture: keep stdout and stderr (text) instead of passing them through. log: append them, together, to this
+    file instead (the processes it starts in turn write there too). env: added to `repo_env()`.
     """
     if LAUNCH is not None:
-        return LAUNCH(args, nproc=nproc, capture=capture, timeout=timeout, env=repo_env(env), cwd=cwd)
-    return subprocess.run(
-        _command(args, nproc), cwd=cwd, env=repo_env(env), text=True, capture_output=capture, timeout=timeout
-    )
+        proc = LAUNCH(
+            args, nproc=nproc, capture=capture or log is not None, timeout=timeout, env=repo_env(env), cwd=cwd
+        )
+        if log is not None:
+            with open(log, "a") as f:
+                f.write(proc.stdout + proc.stderr)
+        return proc
+    if log is None:
+        return subprocess.run(
+            _command(args, nproc), cwd=cwd, env=repo_env(env), text=True, capture_output=capture, timeout=timeout
+        )
+    with open(log, "a") as f:
+        return subprocess.run(
+            _command(args, nproc), cwd=cwd, env=repo_env(env), text=True, stdout=f, stderr=subprocess.STDOUT,
+            timeout=timeout,
+        )  # fmt: skip
 
 
 class Launch(Protocol):
@@ -178,3 +194,53 @@ def start_python(*args: str, env: Mapping[str, str] | None = None) -> subprocess
     return subprocess.Popen(
         _command(args, None), cwd=REPO, env=repo_env(env), text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
+
+
+# ------------------------------------------------------------------------------ progress
+
+
+def clock(seconds: float) -> str:
+    """3m12s."""
+    m, s = divmod(round(seconds), 60)
+    return f"{m}m{s:02d}s"
+
+
+class Progress:
+    """The progress lines of a run of parts, each part a benchmark of minutes: `part 2/5 NAME: TEXT`.
+
+    `start` says that a part starts, the time elapsed and an estimate of the rest: the expected seconds of the
+    parts not yet finished, scaled by how the run is going (the seconds the finished parts took over the seconds
+    they were expected to take: a busy machine slows every part alike). `finish` records a part's seconds.
+    A part skipped is neither started nor finished, and leaves the pace alone.
+    """
+
+    def __init__(self, expected: Mapping[str, float]) -> None:
+        self.expected = dict(expected)  # name -> expected wall seconds, in the run's order
+        self.begin = time.monotonic()
+        self.started: dict[str, float] = {}  # name -> when it started
+        self.took: dict[str, float] = {}  # name -> its seconds, once finished
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.begin
+
+    def pace(self) -> float:
+        """The finished parts' seconds over their expected seconds; 1 until one has finished."""
+        planned = sum(self.expected[name] for name in self.took)
+        return sum(self.took.values()) / planned if planned else 1.0
+
+    def rest(self, name: str) -> float:
+        """The estimated seconds of `name` and the parts after it."""
+        names = list(self.expected)
+        return self.pace() * sum(self.expected[n] for n in names[names.index(name) :])
+
+    def say(self, name: str, text: str) -> None:
+        print(f"part {list(self.expected).index(name) + 1}/{len(self.expected)} {name}: {text}", flush=True)
+
+    def start(self, name: str) -> None:
+        self.say(name, f"starting | elapsed {clock(self.elapsed())} | estimated rest {clock(self.rest(name))}")
+        self.started[name] = time.monotonic()
+
+    def finish(self, name: str) -> float:
+        """Its seconds since `start`, counted in the pace from now on."""
+        self.took[name] = time.monotonic() - self.started[name]
+        return self.took[name]

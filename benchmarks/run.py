@@ -1,17 +1,20 @@
 """`make bench`: what each fix buys, every number measured in this run; one table and one chart.
 
-    python -m benchmarks.run                      # every benchmark (CPU: ~14 minutes on 2 cores before the
-                                                  # generation benchmark, which alone took about 7 more)
+    python -m benchmarks.run                      # every benchmark (on 2 CPU cores: docs/benchmarks.md#make-bench)
     python -m benchmarks.run --only memory comm_volume
     python -m benchmarks.run --train-rows         # also tokens/s of FSDP vs + compile vs + op SAC
     python -m benchmarks.run --plot-only          # the table and chart again from <out>/bench.json
 
-Each benchmark runs in a process of its own (`python -m benchmarks.<name> --out <out>/<name>.json`;
-the multi-process ones start torchrun themselves) and its module's `rows()` turns that JSON into
-`Row`s: a problem of docs/failures.md, a metric, its value on the broken setup and on the fix.
+Each benchmark runs in a process of its own (`python -m benchmarks.<name> --out <out>/<name>.json`
+and the FLAGS below; the multi-process ones start torchrun themselves) and its module's `rows()` turns
+that JSON into `Row`s: a problem of docs/failures.md, a metric, its value on the broken setup and on the fix.
 This script prints them as one table and writes `<out>/bench.json` (the rows and every
 benchmark's results) and `<out>/bench.png`: one panel per problem, showing the headline metric
 (the first one its rows() returns) for each setup of those rows, broken and fixed in two colors.
+
+While it measures it prints one line as each part starts (`part 3/13 comm_volume: starting | elapsed 0m36s |
+estimated rest 9m40s`) and one as it ends, nothing else: a part's own output goes to `<out>/<name>.log`, and
+the end of that log is shown when the part fails.
 
 On a machine with CUDA the train rows run by default, on the largest flavor that fits one GPU;
 on CPU they use the debug model and are off unless asked for.
@@ -69,10 +72,33 @@ BENCHMARKS = {
 }
 
 
-def run_benchmark(name: str, out: Path) -> dict[str, Any]:
-    """`python -m benchmarks.<name>` (its output passes through); the results it wrote."""
+# Each part's expected wall seconds on 2 idle CPU cores (a Python loop of 10^7 additions in about 0.7 s): the
+# progress lines' estimate of the rest, scaled by how the run is going. "train" is --train-rows' part on CPU.
+SECONDS = {
+    "recompute": 25, "metadata": 15, "comm_volume": 24, "compile_cache": 72, "async_tp_fusion": 36, "memory": 33,
+    "context_parallel": 52, "data_pipeline": 33, "float8": 12, "gpu_costs": 25, "generation": 57,
+    "vs_torchtitan": 300, "checkpoint_checksums": 22, "train": 150,
+}  # fmt: skip
+# make bench's settings where they are not the benchmark's own defaults, so that the whole run stays within 12
+# minutes on 2 cores (docs/benchmarks.md#make-bench): fewer tokens, rounds, steps or megabytes than a run of the
+# benchmark alone. Every row stays, and each timed comparison still alternates its sides within the run.
+FLAGS = {
+    # Most of this part is the 126M model's no-cache decode: a forward over the whole sequence per new token.
+    "generation": ["--new-tokens", "32", "--rounds", "3"],
+    # A round is 8 launches of 2 ranks (4 layouts x 2 trainers, which go first in turn); steps 3 and 4 are timed.
+    "vs_torchtitan": ["--rounds", "2", "--steps", "4"],
+    # The corpus tokenized with 1 and with 2 workers; the timed steps of causal vs block-causal attention.
+    "data_pipeline": ["--mb", "20", "--attn-steps", "3"],
+    # The plain state dict saved and loaded with and without checksums.
+    "checkpoint_checksums": ["--gib", "0.5"],
+}
+
+
+def run_benchmark(name: str, out: Path, *, log: Path | None = None) -> dict[str, Any]:
+    """`python -m benchmarks.<name>` with make bench's FLAGS (its output appended to `log`, or passed through); the
+    results it wrote."""
     path = out / f"{name}.json"
-    proc = harness.run_python("-m", f"benchmarks.{name}", "--out", str(path))
+    proc = harness.run_python("-m", f"benchmarks.{name}", "--out", str(path), *FLAGS.get(name, []), log=log)
     if proc.returncode != 0:
         raise SystemExit(f"benchmarks.{name} exited with status {proc.returncode}")
     return harness.read_results(path)
@@ -81,11 +107,12 @@ def run_benchmark(name: str, out: Path) -> dict[str, Any]:
 # --------------------------------------------------------------------- train rows
 
 
-def run_train(out: Path, *, cuda: bool, rehearse: bool = False) -> dict[str, Any]:
+def run_train(out: Path, *, cuda: bool, rehearse: bool = False, log: Path | None = None) -> dict[str, Any]:
     """tokens/s, MFU and peak memory of FSDP vs + compile vs + op SAC, 20 steps each through train.py.
 
     rehearse: the same runs at a tiny shape, 3 steps each, on one process and without compile (`make bench-gpu
     --rehearse`, benchmarks/gpu_run.py: compiling on CPU would cost ~30 s per variant and measure nothing).
+    log: where train.py's output goes (appended), instead of passing through.
     """
     steps, warm = (3, 1) if rehearse else (20, 5)
     if rehearse:
@@ -124,6 +151,7 @@ def run_train(out: Path, *, cuda: bool, rehearse: bool = False) -> dict[str, Any
             *common,
             *extra,
             nproc=nproc,
+            log=log,
         )
         if proc.returncode != 0:
             raise SystemExit(f"train.py ({name}) exited with status {proc.returncode}")
@@ -291,6 +319,21 @@ def plot(rows: list[Row], path: Path) -> None:
 # --------------------------------------------------------------------------- main
 
 
+def run_part(name: str, out: Path, *, cuda: bool, log: Path) -> tuple[dict[str, Any], list[Row]]:
+    """One part of `make bench` (a benchmark, or "train": the train rows), its output in `log`: results and rows."""
+    if name == "train":
+        results = run_train(out, cuda=cuda, log=log)
+        return results, train_rows(results)
+    results = run_benchmark(name, out, log=log)
+    return results, BENCHMARKS[name].rows(results)
+
+
+def tail(log: Path, lines: int = 40) -> str:
+    """The last `lines` lines of a part's log: a failing part's error, shown without the minutes of its output."""
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=REPO / "outputs" / "bench")
@@ -312,16 +355,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot_only:
         rows = [Row.from_json(r) for r in json.loads(bench_json.read_text())["rows"]]
     else:
-        rows, raw = [], {}
-        for name in args.only or BENCHMARKS:
-            print(f"== {name}", flush=True)
-            raw[name] = run_benchmark(name, args.out)
-            rows += BENCHMARKS[name].rows(raw[name])
         cuda = torch.cuda.is_available()
+        names = list(args.only or BENCHMARKS)
         if args.train_rows if args.train_rows is not None else cuda:
-            print("== train", flush=True)
-            raw["train"] = run_train(args.out, cuda=cuda)
-            rows += train_rows(raw["train"])
+            names.append("train")
+        progress = harness.Progress({name: SECONDS[name] for name in names})
+        print(f"make bench: {len(names)} parts, about {harness.clock(sum(progress.expected.values()))} on 2 idle CPU "
+              f"cores; each part's output goes to {args.out}/<part>.log", flush=True)  # fmt: skip
+        rows, raw = [], {}
+        for name in names:
+            log = args.out / f"{name}.log"
+            log.unlink(missing_ok=True)  # each of the part's processes appends to it
+            progress.start(name)
+            try:
+                raw[name], part = run_part(name, args.out, cuda=cuda, log=log)
+            except SystemExit:
+                progress.say(name, f"FAILED after {progress.finish(name):.0f}s; the end of {log}:")
+                print(tail(log), file=sys.stderr, flush=True)
+                raise
+            progress.say(name, f"done in {progress.finish(name):.0f}s, {len(part)} rows (estimate {SECONDS[name]}s)")
+            rows += part
         bench_json.write_text(json.dumps({"rows": [r.to_json() for r in rows], "raw": raw}, indent=1) + "\n")
 
     print("\n" + format_table(rows))

@@ -10,7 +10,8 @@ from benchmarks import data_pipeline
 
 def test_data_pipeline_benchmark(tmp_path: Path) -> None:
     out = tmp_path / "data_pipeline.json"
-    args = ["--out", str(out), "--mb", "3", "--seq-len", "512", "--global-batch", "16", "--attn-seq-len", "128"]
+    args = ["--out", str(out), "--mb", "3", "--seq-len", "512", "--global-batch", "16", "--attn-seq-len", "128",
+            "--attn-steps", "2"]  # fmt: skip
     assert data_pipeline.main(args) == 0
     results = json.loads(out.read_text())["results"]
     prep = results["preparation"]
