@@ -14,8 +14,9 @@ complex multiply by the conjugate angles, then one copy each back to the rotate-
 projections' rows.
 
 Kernels for q and k, forward + backward, in eager mode (the kernel counts of docs/benchmarks.md): float32
-2 + 4, bfloat16 4 + 5 (the casts to float32 and back), against 8 + 8 and 12 + 14 written out, and torchtitan's
-complex form on its interleaved rows: 2 + 4 and 6 + 8. Under torch.compile each is written in real arithmetic,
+3 + 4, bfloat16 5 + 5 (the casts to float32 and back), against 8 + 8 and 12 + 14 written out, and torchtitan's
+complex form on its interleaved rows: 2 + 4 and 6 + 8. q and k come out in storages of their own (a multiply,
+or a cast, each), so that a k attention does not keep is freed. Under torch.compile each is written in real arithmetic,
 which inductor fuses into one kernel each way (tests/test_model.py).
 """
 
@@ -38,7 +39,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, table: torch.Tensor) -> tuple[t
     angles of `table[:, :seqlen]` (rope_table's, or its rows at given positions). Returned in the interleaved order
     (x0, x_{h}), (x1, x_{h+1}), ... of each head, both alike (module docstring): q and k together, because only
     their dot products are the same as rotate-half's. In eager mode both are rotated at once: one copy gathers the
-    pairs of both, one multiply rotates them, and q and k come back as views of one tensor."""
+    pairs of both, and q and k come back in storages of their own (_Rotate)."""
     table = table[:, : q.shape[1], None]  # (2, seqlen, 1, head_dim // 2, 2): broadcast over bs and heads
     if torch.compiler.is_compiling():
         return _rotate_fused(q, table[0]), _rotate_fused(k, table[0])
@@ -80,10 +81,16 @@ class _Rotate(torch.autograd.Function):
         ctx.q_heads = q.shape[2]
         work = _working_dtype(q.dtype)
         # The pairs of q's and k's heads side by side: one copy (and a cast in bfloat16).
-        pairs = torch.cat([_pairs(q), _pairs(k)], dim=2).to(work)
-        rotated = torch.view_as_real(torch.view_as_complex(pairs) * torch.view_as_complex(table[0])).flatten(-2)
-        rotated = rotated.to(q.dtype)  # bfloat16: a cast; float32: nothing
-        return rotated[:, :, : ctx.q_heads], rotated[:, :, ctx.q_heads :]
+        pairs = torch.view_as_complex(torch.cat([_pairs(q), _pairs(k)], dim=2).to(work))
+        angles = torch.view_as_complex(table[0])
+        # q and k come back in storages of their own: attention keeps q for backward, and a k sharing q's storage
+        # would stay alive with it where attention keeps only k's repeated or gathered copy (grouped-query
+        # attention, context parallel). In float32 one multiply each; in bfloat16 one multiply, then a cast each.
+        if q.dtype == work:
+            q_pairs, k_pairs = pairs[:, :, : ctx.q_heads], pairs[:, :, ctx.q_heads :]
+            return torch.view_as_real(q_pairs * angles).flatten(-2), torch.view_as_real(k_pairs * angles).flatten(-2)
+        rotated = torch.view_as_real(pairs * angles).flatten(-2)
+        return rotated[:, :, : ctx.q_heads].to(q.dtype), rotated[:, :, ctx.q_heads :].to(q.dtype)
 
     @staticmethod
     def backward(

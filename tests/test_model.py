@@ -164,15 +164,15 @@ def test_rope_llama3_scaling_matches_transformers() -> None:
     torch.testing.assert_close(ours, hf_inv_freq.float(), rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize(("dtype", "kernels"), [(torch.float32, (2, 4)), (torch.bfloat16, (4, 5))])
+@pytest.mark.parametrize(("dtype", "kernels"), [(torch.float32, (3, 4)), (torch.bfloat16, (5, 5))])
 def test_rope_gives_attention_what_hugging_faces_rotate_half_gives_in_few_kernels(
     dtype: torch.dtype, kernels: tuple[int, int]
 ) -> None:
     """models/rope.py returns q and k permuted alike within each head: their dot products, all attention
     reads of them, and the gradients of the projections equal those of transformers' rotate-half. q and k
-    together: forward launches two kernels in float32 (one copy of both, a complex multiply) and four in
-    bfloat16 (the casts), backward four and five (a copy back for each), where rotate-half written out takes
-    eight and twelve forward, eight and fourteen backward."""
+    together: forward launches three kernels in float32 (one copy of both, a complex multiply each) and five in
+    bfloat16 (one multiply, the casts), backward four and five (a copy back for each), where rotate-half written
+    out takes eight and twelve forward, eight and fourteen backward. q and k own their storages."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     from estimate_memory import observe_ops
@@ -194,6 +194,7 @@ def test_rope_gives_attention_what_hugging_faces_rotate_half_gives_in_few_kernel
     with observe_ops(lambda op, *_: op.is_view or backward.append(op.name())):
         torch.autograd.backward((q_rot, k_rot), grads)
     assert (len(forward), len(backward)) == kernels, (forward, backward)
+    assert q_rot.untyped_storage().data_ptr() != k_rot.untyped_storage().data_ptr()
     q.grad = k.grad = None
 
     def scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:  # q . k of every head pair attention forms
