@@ -117,14 +117,13 @@ class Loss:
     vocab_shards: int = 1  # ranks the logits' vocabulary is split over: the TP degree under loss parallel
 
     def __call__(self, model: torch.nn.Module, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        chunk = self.chunk_tokens
-        if chunk == -1:
-            chunk = chunk_tokens_for(chunk, tokens=labels.numel(), vocab=model.args.vocab_size // self.vocab_shards)
+        vocab = model.args.vocab_size // self.vocab_shards
+        chunk = chunk_tokens_for(self.chunk_tokens, tokens=labels.numel(), vocab=vocab)  # 0: the whole micro-batch
         if self.z_loss_weight > 0:
             ce, z = cross_entropy_and_z_loss(model.project, h, labels, chunk_tokens=chunk, summed=self.summed_with_z)
             self.z_loss.add(z.detach())
             return ce + self.z_loss_weight * z
-        if chunk <= 0 or labels.numel() <= chunk:
+        if chunk == 0:
             return self.whole(model.project(h), labels)
         return chunked_cross_entropy_loss(model.project, h, labels, chunk_tokens=chunk, summed=self.summed)
 

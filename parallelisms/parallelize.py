@@ -64,8 +64,8 @@ def parallelize_model(
          2.13: one graph, no graph breaks, fullgraph=True).
       4. FSDP last: it turns modules into FSDP units and shards over the data-parallel mesh
          whatever the steps before produced (TP DTensors become 2-D (dp_shard, tp) DTensors).
-         A job of one rank is not sharded: its forward runs under autocast (parallelisms/fsdp.py
-         applies_fsdp says which, and why).
+         A job of one rank is not sharded; with bf16 parameters its forward runs under autocast
+         (parallelisms/fsdp.py applies_fsdp says which, and why).
     What is particular to the model comes from its `family`: how TP splits a block (plans.py tp_plan)
     and which linears selective op AC keeps (plans.py SAC_SAVED_LINEARS).
     Under loss parallel (TP on, parallelism.disable_loss_parallel false) the logits are a
