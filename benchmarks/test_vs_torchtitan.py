@@ -118,7 +118,7 @@ def test_a_rehearsal_of_the_busy_shape(tmp_path: Path) -> None:
     shape, tiny, reaches both trainers' processes (torchtitan's through FLAVORS_ENV: `run` checks the flavor and size
     its Trainer logs), one round of 3 steps at seq_len 64; MFU is a GPU's figure, n/a here. On one rank neither
     trainer applies FSDP (parallelisms/fsdp.py applies_fsdp): both train under autocast, and this recipe's step
-    dispatches no more ops than torchtitan's and peaks no higher (within the noise of resident memory on CPU)."""
+    dispatches no more ops than torchtitan's."""
     out = tmp_path / "vs_torchtitan.json"
     argv = ["--shape", "busy", "--nproc", "1", "--layouts", "fsdp2", "--rounds", "3", "--rehearse", "--bf16"]
     assert vs_torchtitan.main([*argv, "--out", str(out)]) == 0
@@ -132,6 +132,6 @@ def test_a_rehearsal_of_the_busy_shape(tmp_path: Path) -> None:
     units = [r.unit for r in vs_torchtitan.rows(results)]
     assert units == ["tok/s", "ops", "GiB"]
     assert fsdp["recipe_kernels"] <= fsdp["torchtitan_kernels"], (fsdp["kernels_more_here"], fsdp["kernels_fewer_here"])
-    # On CPU both figures are the process's peak resident memory (ru_maxrss), at this size mostly the interpreter and
-    # its libraries, and move by a few percent from run to run; a GPU run compares the allocators' peaks.
-    assert fsdp["recipe_memory_gib"] <= 1.05 * fsdp["torchtitan_memory_gib"]
+    # Memory is not compared here: on CPU both figures are the process's peak resident memory (ru_maxrss), at this
+    # size mostly the interpreter and its libraries, and torchtitan's moved from 0.78 to 0.88 GiB between runs; a GPU
+    # run compares the allocators' peaks (make bench-gpu).
