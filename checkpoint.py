@@ -464,6 +464,8 @@ class CheckpointManager:
         self.last_saved = -1  # the step of the last save begun (async ones may still be running)
         self._staging: Future | None = None
         self._stager = None
+        # async_with_pinned_mem's StagingOptions (pinned, shared, async, non-blocking), torchtitan 0.2.2's.
+        self.staging_options = (True, True, True, True)
         self._resume_checked: tuple[tuple[int, Path] | None] | None = None  # _resume_from's answer, once found
         self.torchtitan: TorchtitanState | None = None  # what torchtitan's checkpoint said, when one was loaded
         if cfg.async_mode == "async_with_pinned_mem" and not torch.cuda.is_available():
@@ -720,11 +722,11 @@ class CheckpointManager:
             future.add_done_callback(lambda _: stager.close())
             return future
         # async_with_pinned_mem, as torchtitan 0.2.2 does it: stage into pinned shared memory with a
-        # background copy, upload from another process. Untested here (it needs CUDA).
+        # background copy, upload from another process (CUDA only; make bench-gpu's cuda_paths checks it).
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
         if self._stager is None:
-            self._stager = DefaultStager(StagingOptions(True, True, True, True))
+            self._stager = DefaultStager(StagingOptions(*self.staging_options))
         response = dcp.async_save(
             state,
             storage_writer=ChecksumWriter(partial),
@@ -740,6 +742,8 @@ class CheckpointManager:
         if self._staging is not None:
             self._staging.result()
             self._staging = None
+            if self._stager is not None and not stager_reusable(self._stager):
+                self._stager = None  # the next save pins new buffers rather than fail
 
     def poll(self) -> None:
         """Publish a finished async save; one `Future.done()` per call, so it is cheap to call every step."""
@@ -790,6 +794,14 @@ class CheckpointManager:
 
 def _holds_part(metadata: Metadata, name: str) -> bool:
     return any(key == name or key.startswith(f"{name}.") for key in metadata.state_dict_metadata)
+
+
+def stager_reusable(stager: Any) -> bool:
+    """Whether a DefaultStager can stage another save. PyTorch 2.11's closes itself at the end of each stage (its
+    copier table emptied), so the next save with it fails with `KeyError: <class 'type'>` (pytorch/pytorch#183413,
+    torchtitan#3476; fixed in later releases, where a stager is reused and keeps its pinned buffers)."""
+    inner = getattr(stager, "_state_dict_stager", None)  # private: DefaultStager's StateDictStager
+    return inner is None or bool(getattr(inner, "_deepcopy_dispatch", True))
 
 
 class SaveStep:

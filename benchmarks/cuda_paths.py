@@ -310,8 +310,6 @@ def _save_mode(mode: str, trained: tuple[Any, Any], fresh: tuple[Any, Any], fold
     try:
         manager = CheckpointManager(cfg, dump_folder=str(dump), model=model, optimizer=optimizer, stateful={})
     except ConfigError as error:  # async_with_pinned_mem without CUDA: its branch, pinned and shared memory off
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
         counterpart = (
             f"{error}; rehearsed instead: CheckpointManager's {mode} branch (staged in a background thread, uploaded "
             "by DCP's checkpoint process) with a stager that pins no memory and shares none"
@@ -320,8 +318,7 @@ def _save_mode(mode: str, trained: tuple[Any, Any], fresh: tuple[Any, Any], fold
         plain = dataclasses.replace(cfg, async_mode="async")
         manager = CheckpointManager(plain, dump_folder=str(dump), model=model, optimizer=optimizer, stateful={})
         manager.cfg = cfg
-        # StagingOptions(pinned, shared, async, non-blocking): the pinned branch's stager, on CPU.
-        manager._stager = DefaultStager(StagingOptions(False, False, True, False))
+        manager.staging_options = (False, False, True, False)  # (pinned, shared, async, non-blocking): on CPU
     held: list[dict[str, float]] = []
     expected: dict[str, torch.Tensor] = {}
     for step in (1, 2):  # step 1: the first save (the pinned saver starts its process); step 2 is timed

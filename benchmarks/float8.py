@@ -14,8 +14,8 @@ parameters, built by the recipe's own parallelize_model, in three setups:
 `--setups bf16 float8 float8_rowwise --compile --steps 3`: step time and tokens/s of tensorwise and
 rowwise against bf16 (float8's speed needs compile: eager, its casts are separate kernels).
 
-Bytes are read off the tensors FSDP hands to `torch.distributed.all_gather_single` (its all-gather
-of each unit's flat buffer): the block weights travel as 1-byte float8 instead of 2-byte bf16,
+Bytes are read off the tensors FSDP hands to its all-gather (`ALL_GATHERS`: the call that gathers
+each unit's flat buffer): the block weights travel as 1-byte float8 instead of 2-byte bf16,
 the embedding, norms and (filtered) output projection stay bf16. Without a float8-capable GPU the
 linears run with `emulate = true` (torchao's casts, high-precision matmuls): the bytes are the
 real ones, the step time is not a float8 speed (emulation is slower); on a GPU of compute
@@ -50,21 +50,31 @@ PROBLEM = "float8"
 SETUPS = ("bf16", "float8", "float8_all_gather", "float8_rowwise")
 
 
+# FSDP2's all-gather: torch 2.13 calls `all_gather_single`, torch 2.11 (and earlier) `all_gather_into_tensor`; neither
+# calls the other, so counting both counts each gather once on either.
+ALL_GATHERS = ("all_gather_single", "all_gather_into_tensor")
+
+
 @contextmanager
 def all_gather_bytes(counts: dict[str, int]) -> Iterator[None]:
-    """Sum the output bytes of every `dist.all_gather_single` call (FSDP's all-gathers) into counts["bytes"]."""
-    original = dist.all_gather_single
+    """Sum the output bytes of every FSDP all-gather (`ALL_GATHERS`) into counts["bytes"], their number in "calls"."""
+    saved = {name: getattr(dist, name) for name in ALL_GATHERS if hasattr(dist, name)}
 
-    def counting(output: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        counts["bytes"] += output.numel() * output.element_size()
-        counts["calls"] += 1
-        return original(output, *args, **kwargs)
+    def counting(original: Any) -> Any:
+        def call(output: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            counts["bytes"] += output.numel() * output.element_size()
+            counts["calls"] += 1
+            return original(output, *args, **kwargs)
 
-    dist.all_gather_single = counting
+        return call
+
     try:
+        for name, original in saved.items():
+            setattr(dist, name, counting(original))
         yield
     finally:
-        dist.all_gather_single = original
+        for name, original in saved.items():
+            setattr(dist, name, original)
 
 
 def measure(setup: str, *, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
@@ -182,8 +192,10 @@ def rows(results: dict[str, Any]) -> list[Row]:
 
 def table(results: dict[str, Any]) -> str:
     lines = [
-        f"one FSDP({results['world']}) step of {results['flavor']} ({results['n_layers']} blocks), bf16 params, "
-        f"on {results['device']}" + (" (float8 emulated: step times are not float8 speed)" if results["device"] != "cuda" else ""),
+        f"one step of {results['flavor']} ({results['n_layers']} blocks), "
+        + (f"FSDP over {results['world']} ranks, bf16 params" if results["world"] > 1
+           else "one rank: bf16 under autocast, no FSDP and no all-gather (parallelisms/fsdp.py)")
+        + f", on {results['device']}" + (" (float8 emulated: step times are not float8 speed)" if results["device"] != "cuda" else ""),
         f"{'setup':<20} {'all-gather MiB':>14} {'calls':>6} {'step ms':>8} {'warm-up loss':>12}",
     ]  # fmt: skip
     for name, r in results["setups"].items():

@@ -46,25 +46,27 @@ class Part:
     what: str  # one line for --help
 
 
-# The Llama 3 8B block shape for float8: 4 blocks (~35 GB of FSDP(1) state and activations at 4096 tokens) on one
+# The Llama 3 8B block shape for float8: 4 blocks (~35 GB of one rank's state and activations at 4096 tokens) on one
 # 80 GB GPU.
 FLOAT8_GPU = ["--world", "1", "--flavor", "llama3_8b", "--n-layers", "4", "--seq-len", "4096", "--batch-size", "1",
               "--setups", "bf16", "float8", "float8_rowwise", "--compile", "--steps", "3"]  # fmt: skip
 FLOAT8_REHEARSE = ["--world", "1", "--n-layers", "1", "--seq-len", "32", "--batch-size", "1"]
 
+# Each part's GPU estimate is its wall time on one H100 (2026-11-27, docs/benchmarks.md), rounded up; cuda_paths'
+# includes the pinned async save that failed there on torch 2.11.
 PARTS = (
-    # 2 rounds x 2 layouts x 2 trainers, each compiling: about 8 runs of 25-60 s (2 rounds give the ratio's spread).
-    Part("vs_torchtitan", "vs_torchtitan", 360, 150,
+    # 2 rounds x 2 layouts x 2 trainers, each compiling: 8 runs of about 30 s (2 rounds give the ratio's spread).
+    Part("vs_torchtitan", "vs_torchtitan", 240, 150,
          lambda r: ["--shape", "busy", "--nproc", "1", "--layouts", "fsdp2_compile_op_sac", "fsdp2_compile_full_ac",
                     "--rounds", "2", *(["--rehearse"] if r else [])],
          "tokens/s of the recipe vs torchtitan, busy shape, compile + op SAC and + full AC"),
-    Part("train_rows", "train_rows", 180, 45, lambda r: ["--rehearse"] if r else [],
+    Part("train_rows", "train_rows", 100, 45, lambda r: ["--rehearse"] if r else [],
          "make bench's train rows (llama3_1b) and estimate_memory against the measured peak"),
-    Part("cuda_paths", "cuda_paths", 60, 30, lambda r: ["--rehearse"] if r else [],
+    Part("cuda_paths", "cuda_paths", 100, 30, lambda r: ["--rehearse"] if r else [],
          "FlexAttention vs SDPA, async save with pinned memory, profiler trace + memory snapshot"),
-    Part("float8", "float8", 120, 25, lambda r: FLOAT8_REHEARSE if r else FLOAT8_GPU,
+    Part("float8", "float8", 100, 25, lambda r: FLOAT8_REHEARSE if r else FLOAT8_GPU,
          "tensorwise and rowwise float8 against bf16 tokens/s, Llama 3 8B blocks"),
-    Part("decode", "generation", 90, 50,
+    Part("decode", "generation", 95, 50,
          lambda r: ["--shapes", "tiny", "--new-tokens", "3", "--rounds", "1"] if r
          else ["--shapes", "1b", "--dtype", "bfloat16", "--new-tokens", "64", "--rounds", "3"],
          "compiled decode at batch 1 vs transformers' generate, fraction of peak memory bandwidth"),

@@ -148,6 +148,7 @@ def run_train(out: Path, *, cuda: bool, rehearse: bool = False, log: Path | None
             "--validation.enable=false",
             "--checkpoint.enable=false",  # a 1B run's last-step save would write 12 GiB and time nothing
             f"--job.dump_folder={dump}",
+            "--job.save_config_file=config.toml",  # what the run trained with, for the estimator (train_rows)
             *common,
             *extra,
             nproc=nproc,
@@ -167,6 +168,7 @@ def run_train(out: Path, *, cuda: bool, rehearse: bool = False, log: Path | None
             "nproc": nproc,
             "param_dtype": common[0].rsplit("=", 1)[1],
             "ac": "selective-op" if "--activation_checkpoint.mode=selective" in extra else "none",
+            "config": str(dump / "config.toml"),
         }
     return {"device": "cuda" if cuda else "cpu", "variants": results}
 

@@ -80,3 +80,31 @@ def test_a_wrong_mask_fails_the_value_check() -> None:
     assert (causal - reference).abs().max() > 10 * cuda_paths.TOLERANCE["bfloat16"]
     whole = cuda_paths.reference_attention(q, k, v, torch.zeros_like(segments))  # one document: plain causal
     torch.testing.assert_close(whole, causal)
+
+
+def test_a_stager_that_closes_itself_after_each_save_is_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PyTorch 2.11's DefaultStager closes itself at the end of each stage (pytorch/pytorch#183413): on the H100 the
+    second async_with_pinned_mem save failed with `KeyError: <class 'type'>`. Here DefaultStager does the same, and
+    both pinned-branch saves of the check still load back equal, since CheckpointManager stages the next save with a
+    new stager."""
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    from checkpoint import stager_reusable
+
+    stage = DefaultStager._stage
+    closed = []
+
+    def stage_then_close(self: DefaultStager, *args: object, **kwargs: object) -> object:
+        try:
+            return stage(self, *args, **kwargs)
+        finally:
+            self._state_dict_stager.close()
+            closed.append(stager_reusable(self))
+
+    monkeypatch.setattr(DefaultStager, "_stage", stage_then_close)
+    result = cuda_paths.check_async_save(cuda_paths.SHAPES["rehearsal"], torch.device("cpu"), tmp_path)
+    pinned = result["modes"]["async_with_pinned_mem"]
+    assert closed == [False] * 4, closed  # 2 saves of each mode, each staged by a stager that then closed
+    assert pinned["status"] == "passed" and pinned["unequal"] == 0 and pinned["resumed_step"] == 2, pinned

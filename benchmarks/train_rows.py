@@ -26,26 +26,20 @@ import torch
 
 from benchmarks import harness, run
 from benchmarks.harness import Row
-from estimate_memory import Job, estimate_rank
+from config import load_config
+from estimate_memory import estimate_rank, job_of
+from parallelisms.parallel_dims import ParallelDims
 
 GiB = 2**30
 PROBLEM = "memory estimate"
 
 
 def estimate_gib(train: dict[str, Any], *, cuda: bool) -> float:
-    """estimate_memory's reserved GiB per rank for one run_train variant (its flavor, shape and AC)."""
-    job = Job(
-        flavor=train["flavor"],
-        ngpu=train["nproc"],
-        seq_len=train["seq_len"],
-        local_batch_size=train["local_batch_size"],
-        param_dtype=train["param_dtype"],
-        ac=train["ac"],
-        rmsnorm="fused" if cuda else "composite",
-        overhead_gib=2.0 if cuda else 0.5,
-        allocator="cuda" if cuda else "cpu",
-    )
-    return float(estimate_rank(job)["reserved"]) / GiB
+    """estimate_memory's reserved GiB per rank for one run_train variant: the job of the config it trained with (the
+    config.toml it saved), so that every key the estimator reads (the loss's chunks, AC, dtypes) is the run's."""
+    cfg = load_config(["--config", train["config"]], inputs=False)
+    dims = ParallelDims.from_config(cfg.parallelism, world_size=train["nproc"])
+    return float(estimate_rank(job_of(cfg, dims, cuda=cuda))["reserved"]) / GiB
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
