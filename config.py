@@ -393,6 +393,8 @@ class Parallelism(TorchtitanParallelism):
     """Ranks a replica is sharded over with FSDP; -1 = whatever the other degrees leave."""
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """Free gathered parameters after forward: always (least memory), never (no re-gather in backward, ZeRO-2-like), default (always, except the last unit)."""
+    fsdp_defer_reduce_scatter: bool = False
+    """With gradient accumulation, keep each micro-batch's gradients unsharded in float32 and reduce-scatter (and all-reduce across replicas) once per step: 1 / micro-batches the reduce-scatter bytes, for the memory of the unsharded gradients (estimate_memory.py and doctor.py print it). Off: reduce-scatter per micro-batch, all-reduce once per step."""
     tensor_parallel_degree: int = 1
     """Ranks each layer's matrices are split over (tensor + sequence parallel)."""
     disable_loss_parallel: bool = False

@@ -327,7 +327,19 @@ def _memory(cfg: JobConfig, dims: ParallelDims, machine: Machine, *, tp_mesh: De
         job = job_of(cfg, dims, cuda=machine.cuda)
     except ConfigError:  # a shape TP or PP cannot split: the run refuses it at start-up, with its own message
         return []
-    need = estimate(job, tp_mesh=tp_mesh)["total"] / GiB
+    e = estimate(job, tp_mesh=tp_mesh)
+    need = e["total"] / GiB
+    findings = []
+    if job.accumulates_unsharded and job.pp == 1:  # what the setting costs, said whether or not it fits
+        findings.append(
+            Finding(
+                "note",
+                "parallelism.fsdp_defer_reduce_scatter",
+                f"{job.grad_accum} micro-batches reduce-scatter once per step, for {e['accumulators'] / GiB:.1f} GiB "
+                f"per rank of unsharded {job.reduce_dtype} gradients held through the step (about {need:.1f} GiB in "
+                "all); set it to false to reduce-scatter per micro-batch in the memory of the shards",
+            )
+        )
     if machine.cuda:
         have, what = machine.device_memory_gib, f"one GPU's {machine.device_memory_gib:.0f} GiB"
     else:  # the ranks of this host share its memory
@@ -335,8 +347,8 @@ def _memory(cfg: JobConfig, dims: ParallelDims, machine: Machine, *, tp_mesh: De
         have = machine.device_memory_gib / ranks
         what = f"{have:.1f} GiB ({machine.device_memory_gib:.1f} GiB of host memory shared by {ranks} rank(s))"
     if need <= have:
-        return []
-    return [
+        return findings
+    return findings + [
         Finding(
             "error",
             "memory",

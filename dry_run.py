@@ -164,12 +164,13 @@ def comm_per_step(
               it again (not with parallelism.fsdp_reshard_after_forward = "never"; under PP the stage stays
               gathered for the whole step) but for the root unit, final norm and output, which FSDP2 keeps
               gathered from its forward to its backward, and the embedding, whose backward does not read it,
-              and reduce-scatters every gradient in reduce_dtype.
+              and reduce-scatters every gradient in reduce_dtype (once per step under PP or with
+              parallelism.fsdp_defer_reduce_scatter).
     cp        context parallel: per block of the rank's stages and micro-batch, an all-gather of the window's
               keys and values forward, a reduce-scatter of their gradients backward, and another all-gather
               where AC recomputes the block (not under op SAC, which keeps the gathered tensors).
     dp_repl.  HSDP: an all-reduce of the gradient shards once per step, whatever the micro-batches (train.py defers it
-              to the last, parallelisms/fsdp.py all_reduce_replicas_on; pipeline stages sync once anyway).
+              to the last, parallelisms/fsdp.py sync_gradients_on; pipeline stages sync once anyway).
     tp        the collectives of the family's TP plan as one traced block runs them (estimate_memory.block_costs:
               forward, backward, and what AC recomputes), per block of the rank's stages and micro-batch, plus
               the embedding's (stage 0) and those of the final norm, output projection and loss (the last stage),
@@ -192,7 +193,7 @@ def comm_per_step(
     costs = job_costs(job, tp_mesh=tp_mesh)
     resharded = reshards_after_forward(par.fsdp_reshard_after_forward, pp_enabled=pp > 1)
     gathers = 2 * grad_accum if resharded else (1 if pp > 1 else grad_accum)
-    syncs = 1 if pp > 1 else grad_accum
+    syncs = 1 if pp > 1 or par.fsdp_defer_reduce_scatter else grad_accum
     out: dict[str, tuple[float, str]] = {}
     if fsdp > 1:
         gathered = gathers * stage_params / tp

@@ -614,6 +614,9 @@ class Job:
     # Micro-batches per optimizer step: training.global_batch_size / (local_batch_size x dp). From the
     # second on, the gradient shards of the earlier ones are alive through forward and backward.
     grad_accum: int = 1
+    # parallelism.fsdp_defer_reduce_scatter: with grad_accum > 1 (and FSDP, no PP), every unit's gradient stays
+    # unsharded in reduce_dtype from the first micro-batch's backward to the step's last (parallelisms/fsdp.py).
+    defer_reduce_scatter: bool = False
     # [parallelism] pipeline_parallel_degree, _schedule, _microbatch_size, _layers_per_stage,
     # _first_stage_less_layers, _last_stage_less_layers (torchtitan v0.2.2's meanings, parallelisms/pp.py).
     pp: int = 1
@@ -707,6 +710,12 @@ class Job:
         return applies_fsdp(dims, param_dtype=self.param_dtype, cpu_offload=self.cpu_offload)
 
     @property
+    def accumulates_unsharded(self) -> bool:
+        """Whether gradients are summed unsharded in reduce_dtype across micro-batches: pipeline stages always,
+        FSDP with parallelism.fsdp_defer_reduce_scatter and several micro-batches."""
+        return self.pp > 1 or (self.defer_reduce_scatter and self.fsdp and self.grad_accum > 1)
+
+    @property
     def autocast(self) -> bool:
         return not self.fsdp and self.param_dtype != "float32"
 
@@ -743,6 +752,7 @@ def job_of(cfg: JobConfig, dims: ParallelDims, *, cuda: bool) -> Job:
         ac=f"selective-{ac.selective_ac_option}" if ac.mode == "selective" else ac.mode,
         cpu_offload=training.enable_cpu_offload and cuda,
         loss_chunk_tokens=training.loss_chunk_tokens,
+        defer_reduce_scatter=par.fsdp_defer_reduce_scatter,
         loss_parallel=not par.disable_loss_parallel,
         z_loss_weight=training.z_loss_weight,
         pp=dims.pp,
@@ -921,7 +931,10 @@ def _sharded_state(job: Job, params: _RankParams) -> _ShardedState:
         on_gpu=on_gpu,
         static=master + adam if on_gpu else 0.0,
         block_grads=4 * params.block / job.shard if on_gpu else 0.0,
-        earlier_grads=grads if on_gpu and job.grad_accum > 1 else 0.0,
+        # (deferred reduce-scatters make no shards before the step's last micro-batch)
+        earlier_grads=grads
+        if on_gpu and job.grad_accum > 1 and not (job.accumulates_unsharded and job.pp == 1)
+        else 0.0,
     )
 
 
@@ -1063,9 +1076,11 @@ class _Replay:
     ) -> None:
         self.params, self.state, self.gathered, self.acts, self.transients = params, state, gathered, acts, transients
         self.pipelined, self.fsdp = job.pp > 1, job.fsdp
+        # Gradients summed unsharded from a stage's first backward on (PP, or FSDP deferring its reduce-scatters).
+        self.accumulates = job.accumulates_unsharded
         self.param_bytes, self.reduce_bytes = DTYPE_BYTES[job.param_dtype], DTYPE_BYTES[job.reduce_dtype]
         self.held: dict[tuple[int, int], float] = {}  # (local stage, micro-batch) -> its activations
-        self.backward_done: set[int] = set()  # stages with fp32 accumulators (PP: after their first backward)
+        self.backward_done: set[int] = set()  # stages with reduce_dtype accumulators (after their first backward)
         self.phases: dict[str, tuple[float, float, str]] = {}  # phase -> (bytes, shards among them, where)
         self.most_held = 0
 
@@ -1094,7 +1109,7 @@ class _Replay:
         others = sum(self.held.values()) - self.held[key]
         first = stage not in self.backward_done
         accumulated = sum(params.of_stage(k) for k in self.backward_done)
-        accumulators = self.reduce_bytes * accumulated if self.pipelined else 0.0
+        accumulators = self.reduce_bytes * accumulated if self.accumulates else 0.0
         base = state.earlier_grads + accumulators + others + transients.pp_buffers
         where = f"stage {stage}, micro-batch {key[1]}" if self.pipelined else ""
         last = stage == params.last_stage
@@ -1105,14 +1120,16 @@ class _Replay:
         remaining = sum(blocks) + acts.token_ids
         root_grad = transients.root_grad if last else 0.0
         # Per block processed: its gradient joins the shards (no PP) or, in a stage's first backward, the
-        # accumulators (PP); later backwards add into accumulators that exist.
-        done_each = (self.reduce_bytes * params.block if first else 0.0) if self.pipelined else state.block_grads
-        unsharded = transients.reduce_scatter_inputs if first or not self.pipelined else self.param_bytes * params.block
+        # accumulators (PP, deferred reduce-scatters); later backwards add into accumulators that exist.
+        done_each = (self.reduce_bytes * params.block if first else 0.0) if self.accumulates else state.block_grads
+        unsharded = (
+            transients.reduce_scatter_inputs if first or not self.accumulates else self.param_bytes * params.block
+        )
         for j, i in enumerate(reversed(range(len(blocks)))):
             transient = acts.no_ac - blocks[i] + transients.activation_grads + unsharded  # recompute + gradients
             done = j * done_each
             value = self.gathered["block"] + base + done + root_grad + remaining + transient
-            shards = state.earlier_grads + (0.0 if self.pipelined else done)
+            shards = state.earlier_grads + (0.0 if self.accumulates else done)
             self._record("block", value, shards, f"{where}, block {params.stages[stage][i]}".removeprefix(", "))
             remaining -= blocks[i]
         if stage == 0 and params.embedding:
@@ -1120,7 +1137,7 @@ class _Replay:
             # Its unsharded gradient and FSDP's reduce_dtype copy; without FSDP (one rank) its float32 .grad.
             grads = (self.param_bytes + (self.reduce_bytes if first else 0) if self.fsdp else 4) * params.embedding
             value = self.gathered["embedding"] + base + done + root_grad + acts.token_ids + grads
-            self._record("embedding", value, state.earlier_grads + (0.0 if self.pipelined else done), where)
+            self._record("embedding", value, state.earlier_grads + (0.0 if self.accumulates else done), where)
 
     def worst(self) -> tuple[str, float, float, str]:
         """The phase with the most bytes alive at its worst moment: its name, the bytes, the shards in them, where."""
@@ -1145,6 +1162,8 @@ def estimate_rank(job: Job, pp_rank: int = 0, *, tp_mesh: DeviceMesh | None = No
     if job.pp > 1:
         n_local, n_mb = len(params.local), job.microbatches
         replay.run(rank_ops(job.pp_schedule, pp_rank=pp_rank, pp=job.pp, n_local=n_local, n_mb=n_mb))
+    elif job.accumulates_unsharded:  # the second micro-batch runs with every gradient accumulated unsharded
+        replay.run([("F", 0, 0), ("B", 0, 0), ("F", 0, 1), ("B", 0, 1)])
     else:
         replay.run([("F", 0, 0), ("B", 0, 0)])
     return _report(job, pp_rank, replay)
@@ -1206,7 +1225,7 @@ def _report(job: Job, pp_rank: int, replay: _Replay) -> dict[str, float | int | 
         "loss_buffers": acts.log_softmax + transients.loss,
         "logits_held": transients.logits_held,
         "root_grad": transients.root_grad,
-        "accumulators": reduce_bytes * params.total if job.pp > 1 else 0.0,
+        "accumulators": reduce_bytes * params.total if job.accumulates_unsharded else 0.0,
         "pp_buffers": transients.pp_buffers,
         "block_backward": recompute + transients.activation_grads + transients.reduce_scatter_inputs,
         "recompute": recompute,
@@ -1557,6 +1576,11 @@ def _state_rows(job: Job, e: dict[str, Any]) -> list[str]:
         units = f"norm+output unit {e['output_unit'] / GiB:.2f}, + 2 blocks x {e['block_unit'] / GiB:.2f}"
         gathered = f"{units} in backward"
         unsharded = _row("root unit's gradient", e["root_grad"], "unsharded, param_dtype, loss backward to the end")
+    deferred = []
+    if job.accumulates_unsharded and job.pp == 1:  # parallelism.fsdp_defer_reduce_scatter
+        grads = "reduce-scattered in the step's last micro-batch"
+        what = "unsharded, reduce_dtype, first backward to the step's last (fsdp_defer_reduce_scatter)"
+        deferred = [_row("gradient accumulators", e["accumulators"], what)]
     return [
         _row("sharded fp32 params", e["params"], "4 B per parameter of the rank / (shard x tp)"),
         _row("AdamW state (2 x fp32)", e["adam"]),
@@ -1564,6 +1588,7 @@ def _state_rows(job: Job, e: dict[str, Any]) -> list[str]:
         _row("  -> on the GPU", e["state_on_gpu"], f"host: {e['state_on_host'] / GiB:.2f} GiB" * job.cpu_offload),
         _row("gathered params in flight", max(e["gathered_loss_phase"], e["gathered_block_phase"]), gathered),
         unsharded,
+        *deferred,
     ]
 
 
@@ -1673,6 +1698,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1,
         help="micro-batches per optimizer step (global batch / (local batch x dp))",
     )
+    p.add_argument(
+        "--defer-reduce-scatter",
+        action="store_true",
+        help="parallelism.fsdp_defer_reduce_scatter: with --grad-accum > 1, gradients unsharded until the step's last",
+    )
     p.add_argument("--param-dtype", default="bfloat16", choices=sorted(DTYPE_BYTES))
     p.add_argument("--reduce-dtype", default="float32", choices=sorted(DTYPE_BYTES))
     p.add_argument("--ac", default="selective-op", help=f"one of {', '.join(AC_MODES)} (or selective-<k>)")
@@ -1774,6 +1804,7 @@ def main(argv: list[str] | None = None) -> int:
             reduce_dtype=args.reduce_dtype,
             ac=args.ac,
             cpu_offload=args.cpu_offload,
+            defer_reduce_scatter=args.defer_reduce_scatter,
             rmsnorm=args.rmsnorm,
             logits_kept_in_backward=args.keep_logits,
             loss_chunk_tokens=args.loss_chunk_tokens,

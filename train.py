@@ -66,7 +66,7 @@ from optimizer import (
 )
 from parallelisms.cp import ContextParallel, context_parallel
 from parallelisms.float8 import precompute_scales_after_each_step
-from parallelisms.fsdp import all_reduce_replicas_on
+from parallelisms.fsdp import sync_gradients_on
 from parallelisms.parallel_dims import ParallelDims, layout_checks
 from parallelisms.parallelize import build_run_model, init_model
 from parallelisms.pp import Pipeline
@@ -498,8 +498,8 @@ def train_step(
             if pipeline is not None:
                 loss = pipeline.step(inputs.to(device), labels, segments, scale=1 / divisor)
             else:
-                if grad_accum > 1:  # HSDP: gradients cross replicas once per step (parallelisms/fsdp.py)
-                    all_reduce_replicas_on(model, last_microbatch=index == grad_accum - 1)
+                if grad_accum > 1:  # gradients cross replicas once per step (parallelisms/fsdp.py)
+                    sync_gradients_on(model, last_microbatch=index == grad_accum - 1)
                 # The loss applies the output projection itself, inside the model's forward (loss.py).
                 head = functools.partial(loss_fn, model, labels=labels)
                 loss = model(inputs.to(device), segments=segments, head=head) / divisor

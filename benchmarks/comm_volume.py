@@ -15,9 +15,11 @@ recipe's own ParallelDims and apply_fsdp:
     replicate   DDP-like, no sharding        dp_replicate = world, dp_shard = 1
 
 With gradient accumulation (`hsdp_accum4`: the hsdp layout, 4 micro-batches a step) the replicas still all-reduce
-once per step: train.py defers it to the last micro-batch (parallelisms/fsdp.py all_reduce_replicas_on).
+once per step: train.py defers it to the last micro-batch (parallelisms/fsdp.py sync_gradients_on).
 `hsdp_accum4_every` is the same step with that call taken out, FSDP2's default: an all-reduce per micro-batch, 4
-times the bytes over the slowest links (torchtitan 0.2.2's loop does the same).
+times the bytes over the slowest links (torchtitan 0.2.2's loop does the same). `hsdp_accum4_defer` also defers
+the reduce-scatters inside a node to the last micro-batch (parallelism.fsdp_defer_reduce_scatter): the bytes of
+one micro-batch in every collective but the all-gathers, for unsharded gradients held through the step.
 
 "replicate" is fully_shard on a (world, 1) HSDP mesh, exactly what ParallelDims builds for
 data_parallel_replicate_degree = world: every rank keeps whole parameters (the all-gathers and
@@ -76,7 +78,7 @@ from tests.instruments import Collective, CollectiveLog, mesh_group_dims, observ
 from train import train_step
 
 PROBLEM = "#3 HSDP across nodes"
-LAYOUTS = ("full_shard", "hsdp", "replicate", "hsdp_accum4", "hsdp_accum4_every")
+LAYOUTS = ("full_shard", "hsdp", "replicate", "hsdp_accum4", "hsdp_accum4_every", "hsdp_accum4_defer")
 ACCUM = 4  # micro-batches per step of the hsdp_accum4 layouts
 
 
@@ -85,7 +87,7 @@ ACCUM = 4  # micro-batches per step of the hsdp_accum4 layouts
 
 def layout_dims(layout: str, *, world_size: int, ranks_per_node: int) -> ParallelDims:
     nodes = world_size // ranks_per_node
-    match layout.removesuffix("_accum4_every").removesuffix("_accum4"):
+    match layout.removesuffix("_every").removesuffix("_defer").removesuffix("_accum4"):
         case "full_shard":
             replicate, shard = 1, world_size
         case "hsdp":
@@ -138,7 +140,12 @@ def measure(
     with torch.device("meta"):
         model = Transformer(model_args)
     apply_fsdp(
-        model, dp_mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype, reshard_after_forward=reshard_after_forward
+        model,
+        dp_mesh,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+        reshard_after_forward=reshard_after_forward,
+        defer_reduce_scatter=layout.endswith("_defer"),  # parallelism.fsdp_defer_reduce_scatter
     )
     model.to_empty(device=device)
     model.init_weights()
@@ -148,7 +155,7 @@ def measure(
 
     grad_accum = ACCUM if "_accum4" in layout else 1
     # FSDP2's default, an all-reduce per micro-batch: train.py's deferral taken out.
-    every = mock.patch("train.all_reduce_replicas_on") if layout.endswith("_every") else contextlib.nullcontext()
+    every = mock.patch("train.sync_gradients_on") if layout.endswith("_every") else contextlib.nullcontext()
 
     def step() -> None:
         microbatches = [(tokens[:, :-1], tokens[:, 1:])] * grad_accum
@@ -275,7 +282,25 @@ def rows(results: dict[str, dict[str, Any]]) -> list[Row]:
                 fixed_value=once,
             )
         )
+    if "hsdp_accum4" in results and "hsdp_accum4_defer" in results:
+        per_mb, once = (_sent(results[k], "reduce_scatter") / MiB for k in ("hsdp_accum4", "hsdp_accum4_defer"))
+        rows.append(
+            Row(
+                problem=PROBLEM,
+                metric=f"reduce-scatter bytes per step inside a node, HSDP {nodes} x {per_node}, {ACCUM} micro-batches",
+                unit="MiB",
+                broken="per micro-batch",
+                broken_value=per_mb,
+                fixed="fsdp_defer_reduce_scatter",
+                fixed_value=once,
+            )
+        )
     return rows
+
+
+def _sent(result: dict[str, Any], op: str) -> float:
+    """Rank 0's bytes sent per step by one kind of collective."""
+    return result["rank0"]["by_op"].get(op, {}).get("sent_bytes", 0)
 
 
 def table(results: dict[str, dict[str, Any]]) -> str:

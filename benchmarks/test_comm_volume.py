@@ -146,7 +146,7 @@ def test_cross_node_ordering_and_ratio(results: dict[str, dict[str, Any]]) -> No
     expected = 2 * p_bytes / (1.5 * (a["all_gather"]["payload"] + a["reduce_scatter"]["payload"]))
     assert hsdp / full == pytest.approx(expected, rel=1e-3)
     assert rep / hsdp == pytest.approx(1.5, rel=1e-6)  # 3P vs 2P
-    vs_full_shard, vs_replication, _ = comm_volume.rows(results)
+    vs_full_shard, vs_replication, _, _ = comm_volume.rows(results)
     assert vs_full_shard.broken_value == full / MiB and vs_replication.broken_value == rep / MiB
     assert vs_full_shard.fixed_value == vs_replication.fixed_value == hsdp / MiB
 
@@ -155,7 +155,7 @@ def test_hsdp_gradients_cross_nodes_once_per_step_whatever_the_micro_batches(
     results: dict[str, dict[str, Any]],
 ) -> None:
     """4 micro-batches a step: the gathers and reduce-scatters inside a node run per micro-batch, the all-reduce
-    across nodes once per step (train.py, parallelisms/fsdp.py all_reduce_replicas_on): the bytes of one micro-batch.
+    across nodes once per step (train.py, parallelisms/fsdp.py sync_gradients_on): the bytes of one micro-batch.
     FSDP2's default, measured with that call taken out, sends them 4 times."""
     one, four, every = (results[k] for k in ("hsdp", "hsdp_accum4", "hsdp_accum4_every"))
     assert (one["grad_accum"], four["grad_accum"], every["grad_accum"]) == (1, comm_volume.ACCUM, comm_volume.ACCUM)
@@ -163,5 +163,17 @@ def test_hsdp_gradients_cross_nodes_once_per_step_whatever_the_micro_batches(
         assert _op(four, op)["calls"] == _op(every, op)["calls"] == comm_volume.ACCUM * _op(one, op)["calls"], op
     assert four["cross_node_bytes"] == one["cross_node_bytes"] > 0
     assert every["cross_node_bytes"] == comm_volume.ACCUM * one["cross_node_bytes"]
-    row = comm_volume.rows(results)[-1]
+    row = comm_volume.rows(results)[-2]
     assert (row.broken_value, row.fixed_value) == (every["cross_node_bytes"] / MiB, four["cross_node_bytes"] / MiB)
+
+
+def test_deferred_reduce_scatters_send_one_micro_batchs_bytes(results: dict[str, dict[str, Any]]) -> None:
+    """parallelism.fsdp_defer_reduce_scatter at 4 micro-batches: the reduce-scatters and the all-reduce of one
+    micro-batch's step, the all-gathers of four."""
+    one, four, deferred = (results[k] for k in ("hsdp", "hsdp_accum4", "hsdp_accum4_defer"))
+    for op in ("reduce_scatter", "all_reduce"):
+        assert _op(deferred, op) == _op(one, op), op
+    assert _op(deferred, "all_gather") == _op(four, "all_gather")
+    assert deferred["cross_node_bytes"] == one["cross_node_bytes"] > 0
+    row = comm_volume.rows(results)[-1]
+    assert row.broken_value == _op(four, "reduce_scatter")["sent_bytes"] / MiB == 4 * row.fixed_value

@@ -57,6 +57,7 @@ def apply_fsdp(
     cpu_offload: bool = False,
     reshard_after_forward: Literal["default", "always", "never"] = "default",
     pp_enabled: bool = False,
+    defer_reduce_scatter: bool = False,
 ) -> None:
     """Shard the embedding and each block as separate units, then the root (norm + output).
 
@@ -76,6 +77,9 @@ def apply_fsdp(
     Under pipeline parallel (pp_enabled, `model` is one stage) "default" means "never": a stage runs
     several micro-batches' forwards before their backwards, and resharding would gather its
     parameters again for each of them (torchtitan's rule).
+
+    defer_reduce_scatter (parallelism.fsdp_defer_reduce_scatter): what sync_gradients_on does with gradient
+    accumulation, kept on the model.
     """
     reshard = reshards_after_forward(reshard_after_forward, pp_enabled=pp_enabled)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
@@ -101,21 +105,30 @@ def apply_fsdp(
     # once more per step for it (counted: 8 all-gathers instead of 7, 10 instead of 8 under
     # "always", tests/test_loss.py). The peak, at the loss, holds these parameters either way.
     fully_shard(model, **kw, reshard_after_forward=False)  # FSDP never reshards the root after forward anyway
+    model.defer_reduce_scatter = defer_reduce_scatter  # read by sync_gradients_on
 
 
-def all_reduce_replicas_on(model: nn.Module, *, last_microbatch: bool) -> None:
-    """HSDP's gradient all-reduce across replicas once per step, on its last micro-batch (train.py calls this before
-    each backward of a step of several micro-batches).
+def sync_gradients_on(model: nn.Module, *, last_microbatch: bool) -> None:
+    """Gradients cross replicas once per step, on its last micro-batch (train.py calls this before each backward of
+    a step of several micro-batches).
 
     FSDP2 reduce-scatters and, under HSDP (`data_parallel_replicate_degree` > 1, the replicas usually on other
     nodes), all-reduces every unit's gradient shard after every backward; with gradient accumulation that is one
-    all-reduce over the slowest links per micro-batch where one per step is all the step needs. Here each
+    all-reduce over the slowest links per micro-batch where one per step is all the step needs. By default each
     micro-batch but the last still reduce-scatters (the gradients stay sharded, memory does not grow) and FSDP sums
     the shards in a buffer of their size (`set_requires_all_reduce(False)`); the last adds its own and all-reduces
-    the sum once. Between the shard groups, only the sum changes place: the gradients are those of one all-reduce
-    per micro-batch up to float32 rounding (tests/test_parallelisms.py, parity with one process). FSDP without
-    replicas has no all-reduce and nothing changes; a model without FSDP (one rank) neither. Pipeline stages
-    already sync once per step (torch.distributed.pipelining). A step abandoned half-way (a stop request) leaves
-    the sum behind and ends the run."""
-    if isinstance(model, FSDPModule):
+    the sum once. With `parallelism.fsdp_defer_reduce_scatter` (apply_fsdp keeps it on the model) the micro-batches
+    but the last do not reduce-scatter either (`set_requires_gradient_sync(False)`): each unit's gradient stays
+    unsharded, summed in reduce_dtype (FSDP2 upcasts it), and the last reduce-scatters and all-reduces the sum once:
+    1 / micro-batches the reduce-scatter bytes, for a reduce_dtype copy of the rank's whole parameters held through
+    the step (estimate_memory.py's "gradient accumulators"). Either way only the sum changes place: the gradients
+    are those of one reduction per micro-batch up to float32 rounding (tests/test_parallelisms.py, parity with one
+    process). A model without FSDP (one rank) has nothing to defer. Pipeline stages already sync once per step
+    (torch.distributed.pipelining). A step abandoned half-way (a stop request) leaves the sum behind and ends the
+    run."""
+    if not isinstance(model, FSDPModule):
+        return
+    if getattr(model, "defer_reduce_scatter", False):
+        model.set_requires_gradient_sync(last_microbatch)
+    else:
         model.set_requires_all_reduce(last_microbatch)

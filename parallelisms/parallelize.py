@@ -122,6 +122,7 @@ def parallelize_model(
             cpu_offload=training.enable_cpu_offload,
             reshard_after_forward=parallelism.fsdp_reshard_after_forward,
             pp_enabled=dims.pp_enabled,
+            defer_reduce_scatter=parallelism.fsdp_defer_reduce_scatter,
         )
     elif training.mixed_precision_param != "float32":  # one rank
         apply_autocast(

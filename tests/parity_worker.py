@@ -124,6 +124,7 @@ class Layout:
     cp_load_balance: bool = True  # parallelism.context_parallel_load_balancer "headtail", else "none"
     chat: bool = False  # chat_labels(): only some labels count, unevenly over rows (block_causal documents too)
     grad_accum: int = 1  # micro-batches per step: each rank's rows split into this many
+    defer_reduce_scatter: bool = False  # parallelism.fsdp_defer_reduce_scatter
 
     @property
     def world_size(self) -> int:
@@ -137,6 +138,8 @@ LAYOUTS: dict[str, Layout] = {
     # 2 ranks
     "fsdp2": Layout(dp_shard=2),
     "fsdp2_full_ac_reshard_never": Layout(dp_shard=2, ac=FULL, reshard_after_forward="never"),
+    # parallelism.fsdp_defer_reduce_scatter: unsharded gradients summed over the step's micro-batches, reduced once.
+    "fsdp2_accum2_defer_rs": Layout(dp_shard=2, grad_accum=2, defer_reduce_scatter=True),
     "tp2": Layout(tp=2),
     "tp2_no_loss_parallel": Layout(tp=2, loss_parallel=False),
     "tp2_op_sac": Layout(tp=2, ac=OP_SAC),
@@ -436,6 +439,7 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
         tensor_parallel_degree=layout.tp,
         disable_loss_parallel=not layout.loss_parallel,
         fsdp_reshard_after_forward=layout.reshard_after_forward,  # type: ignore[arg-type]
+        fsdp_defer_reduce_scatter=layout.defer_reduce_scatter,
         pipeline_parallel_degree=layout.pp,
         pipeline_parallel_schedule=layout.schedule,
         context_parallel_degree=layout.cp,

@@ -354,3 +354,15 @@ def test_startup_check_warns_on_rank_0_only_and_raises_errors(
     assert capsys.readouterr().err.startswith("warning: training.mixed_precision_reduce: ")
     with pytest.raises(ConfigError, match=r"^memory: the job needs about"):
         doctor.check_startup(recipe(model__flavor="llama3_70b", training__seq_len=256), world_size=1, device=cpu)
+
+
+def test_deferred_reduce_scatters_say_what_they_hold(llama3_stand_ins: tuple[Path, Path]) -> None:
+    """parallelism.fsdp_defer_reduce_scatter on Llama 3 8B, 8 GPUs, 8 micro-batches: a note with the float32
+    gradients it holds (estimate_memory's accumulators: 4 B x 8.03B parameters = 29.9 GiB), and nothing without
+    accumulation."""
+    argv = [*llama3_8b(llama3_stand_ins), "--parallelism.fsdp_defer_reduce_scatter", "--training.global_batch_size=64"]
+    findings = check(load_config(argv), world_size=8, machine=GPUS, device_memory_gib=80.0)
+    assert keys(findings) == [("note", "parallelism.fsdp_defer_reduce_scatter")], findings
+    assert "8 micro-batches reduce-scatter once per step, for 29.9 GiB per rank" in findings[0].message
+    single = load_config([*argv[:-1], "--training.global_batch_size=8"])
+    assert check(single, world_size=8, machine=GPUS, device_memory_gib=80.0) == []

@@ -105,6 +105,7 @@ def predicted_comm(layout: Layout) -> dict[str, float]:
         tensor_parallel_degree=layout.tp,
         disable_loss_parallel=not layout.loss_parallel,
         fsdp_reshard_after_forward=layout.reshard_after_forward,  # type: ignore[arg-type]
+        fsdp_defer_reduce_scatter=layout.defer_reduce_scatter,
         pipeline_parallel_degree=layout.pp,
         pipeline_parallel_schedule=layout.schedule,
         context_parallel_degree=layout.cp,

@@ -13,7 +13,7 @@ import pytest
 
 import estimate_memory
 from errors import ConfigError
-from estimate_memory import GiB, Job, activation_bytes, estimate, estimate_rank
+from estimate_memory import GiB, Job, activation_bytes, breakdown, estimate, estimate_rank
 from models import with_seq_len
 from models.llama3 import FLAVORS
 from tests.launch import python
@@ -55,6 +55,22 @@ def test_gradient_shards_exist_from_the_reduce_scatter_on() -> None:
     # The caching allocator keeps the shards' blocks for the next step's reduce-scatters: reserved
     # counts them either way.
     assert one["reserved"] - one["allocator_peak"] > one["grads"]
+
+
+def test_deferred_reduce_scatters_hold_unsharded_gradients_through_the_step() -> None:
+    """parallelism.fsdp_defer_reduce_scatter: from the second micro-batch on, every gradient of the rank unsharded in
+    reduce_dtype (FSDP2's accumulators) instead of the shards; with one micro-batch, or without FSDP, nothing
+    changes. The breakdown and the doctor print the term."""
+    base = dict(flavor="llama3_8b", ngpu=8, local_batch_size=1, seq_len=8192, grad_accum=4)
+    shards, deferred = estimate(Job(**base)), estimate(Job(defer_reduce_scatter=True, **base))
+    params = deferred["params"]  # float32 shards: 4 B x parameters / 8
+    assert deferred["accumulators"] == pytest.approx(8 * params) and shards["accumulators"] == 0
+    assert deferred["grads_at_peak"] == 0 and shards["grads_at_peak"] == shards["grads"]
+    grown = deferred["allocator_peak"] - shards["allocator_peak"]
+    assert grown == pytest.approx(deferred["accumulators"] - shards["grads"], rel=0.05), grown / GiB
+    single = dict(base, grad_accum=1)
+    assert estimate(Job(defer_reduce_scatter=True, **single))["total"] == estimate(Job(**single))["total"]
+    assert "gradient accumulators" in breakdown(Job(defer_reduce_scatter=True, **base))
 
 
 @pytest.mark.parametrize(

@@ -118,12 +118,22 @@ def test_chunked_loss_adds_no_fsdp_collective(parity: Callable[[int], dict[str, 
 
 def test_hsdp_gradients_cross_replicas_once_per_step(parity: Callable[[int], dict[str, dict]]) -> None:
     """HSDP with 2 micro-batches per step all-reduces each unit's gradient shard across the replicas once, the bytes
-    of a step of one micro-batch (parallelisms/fsdp.py all_reduce_replicas_on; FSDP2 alone would send twice). Its
+    of a step of one micro-batch (parallelisms/fsdp.py sync_gradients_on; FSDP2 alone would send twice). Its
     parity with one process is test_loss_and_parameter_parity's."""
     one, two = parity(4)["hsdp2x1_tp2"], parity(4)["hsdp2x1_tp2_accum2"]
     assert one["collective_ops"]["dp_replicate all_reduce"] == two["collective_ops"]["dp_replicate all_reduce"] == 4
     assert one["sent_by_dim"]["dp_replicate"] == two["sent_by_dim"]["dp_replicate"] > 0
     assert two["collective_ops"]["tp all_gather"] == 2 * one["collective_ops"]["tp all_gather"]  # TP's: per micro-batch
+
+
+def test_deferred_reduce_scatters_run_once_per_step(parity: Callable[[int], dict[str, dict]]) -> None:
+    """parallelism.fsdp_defer_reduce_scatter with 2 micro-batches per step: as many reduce-scatters as a step of one
+    micro-batch (fsdp2's), the all-gathers still per micro-batch; the losses and weights are one process's
+    (test_loss_and_parameter_parity)."""
+    deferred, single = parity(2)["fsdp2_accum2_defer_rs"], parity(2)["fsdp2"]
+    ops = deferred["collective_ops"]
+    assert ops["dp_shard reduce_scatter"] == single["collective_ops"]["dp_shard reduce_scatter"] > 0, ops
+    assert ops["dp_shard all_gather"] == 2 * single["collective_ops"]["dp_shard all_gather"], ops
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
