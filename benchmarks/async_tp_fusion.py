@@ -20,6 +20,13 @@ What stands in for the CUDA machine async TP needs, none of it in the recipe's c
 - inductor generates no kernels (`fallback_by_default`: lowering runs after the pass; the graphs counted are the
   same), so a compile takes seconds.
 What only a GPU shows is the overlap itself and its speed (docs/benchmarks.md, "GPU").
+
+In backward, each reduce-scatter is of the input gradient that several column-wise linears share (q, k and v; w1
+and w3), a sum of matmuls the pass cannot split; parallelisms/async_tp.py's SummedMatmuls, which the recipe's async
+TP runs before it, makes each one matmul. torchtitan 0.2.2's Llama block is counted beside (its model, its TP plan,
+its per-block compile, its switch): its backward keeps those reduce-scatters plain. (On torch 2.13 its compiled TP
+step then fails in a DTensor redistribution outside the block, after both graphs were compiled and counted; the
+table says so.)
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from tests.parity_worker import TINY_SHAPES
 LAYOUTS = [("llama3", "op, gathers kept")] + [(f, ac) for f in TINY_SHAPES for ac in ("none", "op", "full")]
 COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
 FUSED = ("fused_all_gather_matmul", "fused_matmul_reduce_scatter")
+TORCHTITAN = "torchtitan 0.2.2 llama3"  # the peer's block, counted beside (count_torchtitan)
 
 
 def _op_name(node: torch.fx.Node) -> str:
@@ -114,6 +122,53 @@ def count_layout(family: str, ac_mode: str) -> dict[str, Any]:
     }
 
 
+def count_torchtitan(ac_mode: str = "none") -> dict[str, Any]:
+    """The same count for torchtitan 0.2.2's Llama 3 block (its model, its TP plan `apply_tp`, its per-block
+    `apply_compile`, its async-TP switch), at the tiny Llama shape, without AC: its blocks' collectives as inductor's
+    pass leaves them."""
+    import torch._inductor.config as inductor_config
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchtitan.config.job_config import Compile as TorchtitanCompile
+    from torchtitan.models.llama3.infra.parallelize import apply_compile, apply_tp
+    from torchtitan.models.llama3.model.args import TransformerModelArgs
+    from torchtitan.models.llama3.model.model import Transformer
+
+    from tests.parity_worker import TINY, random_batch
+
+    torch._dynamo.reset()
+    before: list[dict[str, int]] = []
+    after: list[dict[str, int]] = []
+    args = TransformerModelArgs(
+        dim=TINY.dim, n_layers=1, n_heads=TINY.n_heads, n_kv_heads=TINY.n_kv_heads, vocab_size=TINY.vocab_size,
+        max_seq_len=TINY.max_seq_len,
+    )  # fmt: skip
+    with inductor_config.patch(
+        post_grad_custom_pre_pass=lambda g: before.append(_count(g)),
+        post_grad_custom_post_pass=lambda g: after.append(_count(g)),
+    ):
+        model = Transformer(args)
+        with torch.no_grad():  # as torchtitan's trainer initializes
+            model.init_weights()
+        # Logits gathered (no loss parallel): the head is outside the blocks counted.
+        apply_tp(model, init_device_mesh("cpu", (2,)), loss_parallel=False, enable_float8_tensorwise_tp=False)
+        apply_compile(model, TorchtitanCompile(enable=True))
+        inductor_config._micro_pipeline_tp = True  # torchtitan's maybe_enable_async_tp, without its job config
+        tokens = random_batch()
+        error = None
+        try:
+            model(tokens[:, :-1]).float().mean().backward()
+        except Exception as e:  # what happens to torchtitan is the result; the graphs compiled so far are counted
+            error = traceback.format_exception_only(e)[-1].strip()[:300]
+    graphs = ["forward", "backward"]
+    return {
+        "family": TORCHTITAN,
+        "ac": ac_mode,
+        "before": dict(zip(graphs, before, strict=False)),
+        "after": dict(zip(graphs, after, strict=False)),
+        **({"error": error} if error else {}),
+    }
+
+
 def _switch_on_async_tp(tp_mesh: Any, **_: Any) -> None:
     """parallelisms.async_tp.apply_async_tp without its CUDA checks and its CUDA-only symmetric memory (the test mode
     stands in): the inductor switch."""
@@ -152,6 +207,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             for family, ac_mode in LAYOUTS:
                 inductor_config._micro_pipeline_tp = False
                 layouts.append(count_layout(family, ac_mode))
+            inductor_config._micro_pipeline_tp = False
+            layouts.append(count_torchtitan())
     finally:
         dist.destroy_process_group()
         shutil.rmtree(cache, ignore_errors=True)
@@ -165,17 +222,19 @@ def _cell(counts: dict[str, int]) -> str:
 
 
 def table(results: dict[str, Any]) -> str:
+    width = max(8, *(len(r["family"]) for r in results["layouts"]))
     lines = [
         f"Async TP: collectives of one compiled block (TP {results['tp']}), before -> after inductor's micro-pipeline"
         " TP pass",
-        f"{'family':<8} {'AC':<16} {'forward':<34} {'backward':<34}",
+        f"{'family':<{width}} {'AC':<16} {'forward':<34} {'backward':<34}",
     ]
     for r in results["layouts"]:
+        graphs = [g for g in ("forward", "backward") if g in r.get("before", {})]
+        if graphs:
+            cells = [f"{_cell(r['before'][g])} -> {_cell(r['after'][g])}" for g in graphs]
+            lines.append(f"{r['family']:<{width}} {r['ac']:<16} " + " ".join(f"{c:<34}" for c in cells))
         if "error" in r:
-            lines.append(f"{r['family']:<8} {r['ac']:<16} fails: {r['error'][:100]}")
-            continue
-        cells = [f"{_cell(r['before'][g])} -> {_cell(r['after'][g])}" for g in ("forward", "backward")]
-        lines.append(f"{r['family']:<8} {r['ac']:<16} {cells[0]:<34} {cells[1]:<34}")
+            lines.append(f"{r['family']:<{width}} {r['ac']:<16} {'then ' if graphs else ''}fails: {r['error'][:100]}")
     return "\n".join(lines)
 
 
@@ -186,13 +245,19 @@ def unfused(counts: dict[str, int]) -> int:
 
 def rows(results: dict[str, Any]) -> list[Row]:
     """Forward collectives left unfused in a Llama 3 block under op SAC: gathers kept (as plain TP keeps them) vs
-    recomputed (what the recipe does under async TP)."""
+    recomputed (what the recipe does under async TP); backward collectives left unfused in a Llama 3 block without AC,
+    torchtitan 0.2.2's vs this recipe's (SummedMatmuls)."""
     by = {(r["family"], r["ac"]): r for r in results["layouts"]}
     kept, recomputed = by[("llama3", "op, gathers kept")], by[("llama3", "op")]
-    return [
+    out = [
         Row("#4 async TP", "unfused TP collectives, op SAC forward", "", "all-gathers kept",
             unfused(kept["after"]["forward"]), "recomputed", unfused(recomputed["after"]["forward"])),
     ]  # fmt: skip
+    peer = by.get((TORCHTITAN, "none"), {}).get("after", {})
+    if "backward" in peer:
+        out.append(Row("#4 async TP", "unfused TP collectives, a block's backward", "", "torchtitan 0.2.2",
+                       unfused(peer["backward"]), "this recipe", unfused(by[("llama3", "none")]["after"]["backward"])))  # fmt: skip
+    return out
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -75,7 +75,7 @@ BENCHMARKS = {
 # Each part's expected wall seconds on 2 idle CPU cores (a Python loop of 10^7 additions in about 0.7 s): the
 # progress lines' estimate of the rest, scaled by how the run is going. "train" is --train-rows' part on CPU.
 SECONDS = {
-    "recompute": 25, "metadata": 15, "comm_volume": 24, "compile_cache": 72, "async_tp_fusion": 36, "memory": 33,
+    "recompute": 25, "metadata": 15, "comm_volume": 28, "compile_cache": 72, "async_tp_fusion": 40, "memory": 33,
     "context_parallel": 52, "data_pipeline": 33, "float8": 12, "gpu_costs": 25, "generation": 57,
     "vs_torchtitan": 300, "checkpoint_checksums": 22, "train": 150,
 }  # fmt: skip

@@ -17,8 +17,10 @@ PLAN = {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
 FUSED = {"fused_all_gather_matmul": 2, "fused_matmul_reduce_scatter": 2}
 # Backward: the gradient's all-gathers feed the row-wise linears' matmuls and fuse; each reduce-scatter is of the
 # input's gradient of several column-wise linears (wq + wk + wv; w1 + w3), a sum of matmuls, which the pass does not
-# match by design (it fuses a reduce-scatter with the one matmul that produces its input).
-BACKWARD = {"fused_all_gather_matmul": 2, "reduce_scatter_tensor": 2}
+# match by design (it fuses a reduce-scatter with the one matmul that produces its input): plain in torchtitan's
+# block, fused in the recipe's once SummedMatmuls (parallelisms/async_tp.py) made each sum one matmul.
+PLAIN_BACKWARD = {"fused_all_gather_matmul": 2, "reduce_scatter_tensor": 2}
+BACKWARD = FUSED
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +37,7 @@ def test_every_forward_collective_of_the_tp_plan_is_fused(
     family: str, ac: str, layouts: dict[tuple[str, str], dict[str, Any]]
 ) -> None:
     """No AC, op SAC (async TP's policy) and full AC, every family: the pass sees the plan's collectives and fuses
-    each one in forward; in backward all but the two reduce-scatters of a sum of matmuls."""
+    each one, forward and backward (the reduce-scatters of a sum of matmuls once SummedMatmuls made it one)."""
     result = layouts[(family, ac)]
     assert "error" not in result, result  # full AC with TP compiles (parallelisms/ac.py, compile_inside_checkpoint)
     # A family's statistic all-reduces (tests/parity_worker.py, TP_STATISTICS) have no matmul beside them to fuse with.
@@ -55,5 +57,17 @@ def test_an_all_gather_op_sac_keeps_is_not_fused(layouts: dict[tuple[str, str], 
     kept = layouts[("llama3", "op, gathers kept")]
     assert kept["after"]["forward"] == {"all_gather_into_tensor": 2, "fused_matmul_reduce_scatter": 2}
     assert kept["after"]["backward"] == BACKWARD
-    (row,) = async_tp_fusion.rows({"tp": 2, "layouts": list(layouts.values())})
+    row, _ = async_tp_fusion.rows({"tp": 2, "layouts": list(layouts.values())})
+    assert (row.broken_value, row.fixed_value) == (2, 0)
+
+
+def test_torchtitans_block_keeps_its_backward_reduce_scatters_plain(
+    layouts: dict[tuple[str, str], dict[str, Any]],
+) -> None:
+    """torchtitan 0.2.2's Llama block, its own TP plan and compile, counted the same way: the forward fuses as this
+    recipe's does, the backward leaves both reduce-scatters plain; this recipe's leaves none."""
+    peer = layouts[(async_tp_fusion.TORCHTITAN, "none")]
+    assert peer["before"]["forward"] == PLAN and peer["after"]["forward"] == FUSED
+    assert peer["after"]["backward"] == PLAIN_BACKWARD
+    _, row = async_tp_fusion.rows({"tp": 2, "layouts": list(layouts.values())})
     assert (row.broken_value, row.fixed_value) == (2, 0)

@@ -52,8 +52,7 @@ def parallelize_model(
          casts, FSDP's float8 all-gather hooks into their weights.
       1. TP: it replaces parameters by DTensors sharded over "tp" and installs the
          input/output redistributions; every later step must see those final parameters.
-         Async TP only sets the compiler pass that overlaps TP's collectives, so it must be on
-         before compile.
+         Async TP only sets the compiler passes that overlap TP's collectives: on before compile.
       1b. CP wraps each attention core (parallelisms/cp.py) before AC and compile see the block, so
          its all-gather of keys and values is part of the checkpointed and compiled region.
       2. AC before compile: compile then traces the checkpointed block, so the recomputation
