@@ -96,12 +96,16 @@ class SummedMatmuls(CustomGraphPass):
     adds are of the gradients and the weights' local shards; the matmul reads them once, as the separate ones did.
     """
 
+    def __init__(self) -> None:
+        self.rewrites = 0  # sums rewritten so far (tests/parity_worker.py reads it)
+
     def __call__(self, graph: torch.fx.Graph) -> None:
         for node in list(graph.nodes):
             if node.target is aten.add.Tensor and node.graph is graph and _feeds_reduce_scatter(node):
                 leaves = _matmul_leaves(node)
                 if leaves is not None and len(leaves) > 1:
                     _rewrite(graph, node, leaves)
+                    self.rewrites += 1
         graph.eliminate_dead_code()
 
     def uuid(self) -> bytes:  # inductor's FX graph cache keys on this file's text

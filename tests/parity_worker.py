@@ -42,6 +42,7 @@ from models.llama3 import FLAVORS, ModelArgs
 from models.olmo2 import FAMILY as OLMO2
 from models.qwen3 import FAMILY as QWEN3
 from optimizer import build_optimizer
+from parallelisms.async_tp import SummedMatmuls
 from parallelisms.cp import ContextParallel, context_parallel
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import build_model, init_model
@@ -125,6 +126,8 @@ class Layout:
     chat: bool = False  # chat_labels(): only some labels count, unevenly over rows (block_causal documents too)
     grad_accum: int = 1  # micro-batches per step: each rank's rows split into this many
     defer_reduce_scatter: bool = False  # parallelism.fsdp_defer_reduce_scatter
+    # Async TP's own pass (parallelisms/async_tp.py SummedMatmuls) in the compile, without micro-pipeline TP (CUDA)
+    summed_matmuls: bool = False
 
     @property
     def world_size(self) -> int:
@@ -145,7 +148,7 @@ LAYOUTS: dict[str, Layout] = {
     "tp2_op_sac": Layout(tp=2, ac=OP_SAC),
     # Full AC around a compiled TP block (the big recipes' combination): PyTorch 2.13 cannot compile the checkpoint
     # with the block, so it stays eager around it (parallelisms/ac.py, compile_inside_checkpoint).
-    "tp2_compile_full_ac": Layout(tp=2, ac=FULL, compile=True),
+    "tp2_compile_full_ac": Layout(tp=2, ac=FULL, compile=True, summed_matmuls=True),
     "tp2_block_causal": Layout(tp=2, block_causal=True),
     "fsdp2_chunked_loss": Layout(dp_shard=2, loss_chunk_tokens=16),
     "tp2_chunked_loss": Layout(tp=2, loss_chunk_tokens=16),
@@ -479,22 +482,27 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
     labels = chat_labels(ref["tokens"]) if layout.chat else None
     collectives: Counter[str] = Counter()
     counts: dict[str, Any] = {}
-    losses, times = train(
-        model,
-        ref["tokens"][rows],
-        labels=labels[rows] if labels is not None else None,
-        divisor=loss_divisor(labels, per_rank, dims.dp) if labels is not None else None,
-        segments=segments,
-        loss_parallel=dims.tp_enabled and layout.loss_parallel,
-        loss_chunk_tokens=layout.loss_chunk_tokens,
-        z_loss_weight=z_loss_weight,
-        collectives=collectives,
-        pipeline=pipeline,
-        counts=counts,
-        group_dims=None if layout.compile else mesh_group_dims(mesh),
-        cp=context_parallel(mesh, parallelism),
-        grad_accum=layout.grad_accum,
-    )
+    passes: dict[str, list] = {}
+    if layout.summed_matmuls:
+        passes["post_grad_custom_pre_pass"] = [SummedMatmuls()]
+    with torch._inductor.config.patch(**passes):
+        losses, times = train(
+            model,
+            ref["tokens"][rows],
+            labels=labels[rows] if labels is not None else None,
+            divisor=loss_divisor(labels, per_rank, dims.dp) if labels is not None else None,
+            segments=segments,
+            loss_parallel=dims.tp_enabled and layout.loss_parallel,
+            loss_chunk_tokens=layout.loss_chunk_tokens,
+            z_loss_weight=z_loss_weight,
+            collectives=collectives,
+            pipeline=pipeline,
+            counts=counts,
+            group_dims=None if layout.compile else mesh_group_dims(mesh),
+            cp=context_parallel(mesh, parallelism),
+            grad_accum=layout.grad_accum,
+        )
+    counts["summed_matmuls"] = sum(p.rewrites for p in passes.get("post_grad_custom_pre_pass", []))
     family = ref if layout.family == "llama3" else ref[layout.family]
     if layout.chat:
         expected = ref["chat"]

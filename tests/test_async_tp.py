@@ -4,6 +4,8 @@ checked against the CUDA + NCCL machine a dry run plans for. It cannot run here:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from parallelisms.async_tp import async_tp_problems
 from tests.launch import python, torchrun, two_at_a_time
 
@@ -78,3 +80,10 @@ def test_summed_matmuls_before_a_reduce_scatter_become_one_matmul() -> None:
         if started:
             dist.destroy_process_group()
     assert graphs == [["cat", "cat", "mm"], ["add", "add", "mm", "mm", "mm"]], graphs
+
+
+def test_summed_matmuls_keep_a_compiled_tp_layout_at_parity(parity: Callable[[int], dict[str, dict]]) -> None:
+    """The pass on real TP 2 (gloo): tests/parity_worker.py compiles tp2_compile_full_ac with SummedMatmuls (the
+    micro-pipeline pass needs CUDA), which rewrites the backward's two summed input gradients, and the layout keeps
+    one process's losses and weights (test_loss_and_parameter_parity)."""
+    assert parity(2)["tp2_compile_full_ac"]["summed_matmuls"] == 2
