@@ -22,12 +22,12 @@ To remove async TP from a fork: delete this file, its call in parallelize_model,
 
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes, get_hash_for_files
 from torch.distributed.device_mesh import DeviceMesh
 
 from errors import ConfigError
@@ -73,10 +73,13 @@ def apply_async_tp(tp_mesh: DeviceMesh, *, compile_enabled: bool, planning: bool
 def switch_on_micro_pipeline_tp() -> None:
     """Inductor's micro-pipeline TP pass, read when it compiles (benchmarks/async_tp_fusion.py counts what it fuses),
     with SummedMatmuls before it (after any post-grad pass already set, which a benchmark may use to count)."""
+    from torch._inductor.custom_graph_pass import get_custom_graph_passes
+
     torch._inductor.config._micro_pipeline_tp = True
+    summed_matmuls = _summed_matmuls_class()
     passes = get_custom_graph_passes(torch._inductor.config.post_grad_custom_pre_pass)
-    if not any(isinstance(p, SummedMatmuls) for p in passes):
-        torch._inductor.config.post_grad_custom_pre_pass = [*passes, SummedMatmuls()]
+    if not any(isinstance(p, summed_matmuls) for p in passes):
+        torch._inductor.config.post_grad_custom_pre_pass = [*passes, summed_matmuls()]
 
 
 aten = torch.ops.aten
@@ -86,30 +89,45 @@ _REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
 _PASS_THROUGH = (aten.split.Tensor, operator.getitem, aten.cat.default, aten.reshape.default, aten.view.default)
 
 
-class SummedMatmuls(CustomGraphPass):
-    """Inductor post-grad pass: a sum of matmuls whose result is reduce-scattered becomes one matmul over the
-    concatenated operands, which micro-pipeline TP then splits and overlaps with the reduce-scatter.
+@functools.cache
+def _summed_matmuls_class() -> type:
+    """SummedMatmuls, defined on first use: its base class imports inductor, and with it dynamo, which starting
+    train.py does not pay for (tests/test_pp.py)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-    Matched: a tree of aten.add.Tensor (each add used once) whose leaves are aten.mm nodes, or reshapes of them
-    to one shape, each used once: A_i (M, K_i) @ B_i (K_i, N). Written: cat(A_i, dim 1) @ cat(B_i, dim 0), the same
-    sum in one reduction over K = sum K_i (the order of the float additions changes, nothing else). The copies it
-    adds are of the gradients and the weights' local shards; the matmul reads them once, as the separate ones did.
-    """
+    class SummedMatmuls(CustomGraphPass):
+        """Inductor post-grad pass: a sum of matmuls whose result is reduce-scattered becomes one matmul over the
+        concatenated operands, which micro-pipeline TP then splits and overlaps with the reduce-scatter.
 
-    def __init__(self) -> None:
-        self.rewrites = 0  # sums rewritten so far (tests/parity_worker.py reads it)
+        Matched: a tree of aten.add.Tensor (each add used once) whose leaves are aten.mm nodes, or reshapes of them
+        to one shape, each used once: A_i (M, K_i) @ B_i (K_i, N). Written: cat(A_i, dim 1) @ cat(B_i, dim 0), the
+        same sum in one reduction over K = sum K_i (the order of the float additions changes, nothing else). The
+        copies it adds are of the gradients and the weights' local shards; the matmul reads them once, as the
+        separate ones did.
+        """
 
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        for node in list(graph.nodes):
-            if node.target is aten.add.Tensor and node.graph is graph and _feeds_reduce_scatter(node):
-                leaves = _matmul_leaves(node)
-                if leaves is not None and len(leaves) > 1:
-                    _rewrite(graph, node, leaves)
-                    self.rewrites += 1
-        graph.eliminate_dead_code()
+        def __init__(self) -> None:
+            self.rewrites = 0  # sums rewritten so far (tests/parity_worker.py reads it)
 
-    def uuid(self) -> bytes:  # inductor's FX graph cache keys on this file's text
-        return get_hash_for_files((__file__,))
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            for node in list(graph.nodes):
+                if node.target is aten.add.Tensor and node.graph is graph and _feeds_reduce_scatter(node):
+                    leaves = _matmul_leaves(node)
+                    if leaves is not None and len(leaves) > 1:
+                        _rewrite(graph, node, leaves)
+                        self.rewrites += 1
+            graph.eliminate_dead_code()
+
+        def uuid(self) -> bytes:  # inductor's FX graph cache keys on this file's text
+            return get_hash_for_files((__file__,))
+
+    return SummedMatmuls
+
+
+def __getattr__(name: str) -> Any:  # `from parallelisms.async_tp import SummedMatmuls` defines it
+    if name == "SummedMatmuls":
+        return _summed_matmuls_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _feeds_reduce_scatter(node: torch.fx.Node, depth: int = 4) -> bool:
