@@ -330,7 +330,7 @@ def _memory(cfg: JobConfig, dims: ParallelDims, machine: Machine, *, tp_mesh: De
     e = estimate(job, tp_mesh=tp_mesh)
     need = e["total"] / GiB
     findings = []
-    if job.accumulates_unsharded and job.pp == 1:  # what the setting costs, said whether or not it fits
+    if job.defers_reduce_scatter:  # what the setting costs, said whether or not it fits
         findings.append(
             Finding(
                 "note",

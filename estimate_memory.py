@@ -710,10 +710,15 @@ class Job:
         return applies_fsdp(dims, param_dtype=self.param_dtype, cpu_offload=self.cpu_offload)
 
     @property
+    def defers_reduce_scatter(self) -> bool:
+        """parallelism.fsdp_defer_reduce_scatter where it changes something: FSDP, several micro-batches, no PP."""
+        return self.defer_reduce_scatter and self.fsdp and self.grad_accum > 1 and self.pp == 1
+
+    @property
     def accumulates_unsharded(self) -> bool:
         """Whether gradients are summed unsharded in reduce_dtype across micro-batches: pipeline stages always,
-        FSDP with parallelism.fsdp_defer_reduce_scatter and several micro-batches."""
-        return self.pp > 1 or (self.defer_reduce_scatter and self.fsdp and self.grad_accum > 1)
+        FSDP when it defers its reduce-scatters."""
+        return self.pp > 1 or self.defers_reduce_scatter
 
     @property
     def autocast(self) -> bool:
@@ -932,9 +937,7 @@ def _sharded_state(job: Job, params: _RankParams) -> _ShardedState:
         static=master + adam if on_gpu else 0.0,
         block_grads=4 * params.block / job.shard if on_gpu else 0.0,
         # (deferred reduce-scatters make no shards before the step's last micro-batch)
-        earlier_grads=grads
-        if on_gpu and job.grad_accum > 1 and not (job.accumulates_unsharded and job.pp == 1)
-        else 0.0,
+        earlier_grads=grads if on_gpu and job.grad_accum > 1 and not job.defers_reduce_scatter else 0.0,
     )
 
 
@@ -1577,7 +1580,7 @@ def _state_rows(job: Job, e: dict[str, Any]) -> list[str]:
         gathered = f"{units} in backward"
         unsharded = _row("root unit's gradient", e["root_grad"], "unsharded, param_dtype, loss backward to the end")
     deferred = []
-    if job.accumulates_unsharded and job.pp == 1:  # parallelism.fsdp_defer_reduce_scatter
+    if job.defers_reduce_scatter:
         grads = "reduce-scattered in the step's last micro-batch"
         what = "unsharded, reduce_dtype, first backward to the step's last (fsdp_defer_reduce_scatter)"
         deferred = [_row("gradient accumulators", e["accumulators"], what)]

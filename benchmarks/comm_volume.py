@@ -269,32 +269,16 @@ def rows(results: dict[str, dict[str, Any]]) -> list[Row]:
         row(broken=f"FULL_SHARD over {world}", broken_value=full),
         row(broken=f"replication over {world}", broken_value=rep),
     ]
+    accumulated = functools.partial(Row, problem=PROBLEM, unit="MiB")
+    where = f"HSDP {nodes} x {per_node}, {ACCUM} micro-batches"
     if "hsdp_accum4" in results and "hsdp_accum4_every" in results:
         once, every = (results[k]["cross_node_bytes"] / MiB for k in ("hsdp_accum4", "hsdp_accum4_every"))
-        rows.append(
-            Row(
-                problem=PROBLEM,
-                metric=f"bytes crossing nodes per step, HSDP {nodes} x {per_node}, {ACCUM} micro-batches",
-                unit="MiB",
-                broken="all-reduce per micro-batch",
-                broken_value=every,
-                fixed="once per step",
-                fixed_value=once,
-            )
-        )
+        rows.append(accumulated(metric=f"bytes crossing nodes per step, {where}", broken="all-reduce per micro-batch",
+                                broken_value=every, fixed="once per step", fixed_value=once))  # fmt: skip
     if "hsdp_accum4" in results and "hsdp_accum4_defer" in results:
         per_mb, once = (_sent(results[k], "reduce_scatter") / MiB for k in ("hsdp_accum4", "hsdp_accum4_defer"))
-        rows.append(
-            Row(
-                problem=PROBLEM,
-                metric=f"reduce-scatter bytes per step inside a node, HSDP {nodes} x {per_node}, {ACCUM} micro-batches",
-                unit="MiB",
-                broken="per micro-batch",
-                broken_value=per_mb,
-                fixed="fsdp_defer_reduce_scatter",
-                fixed_value=once,
-            )
-        )
+        rows.append(accumulated(metric=f"reduce-scatter bytes per step inside a node, {where}", broken="per micro-batch",
+                                broken_value=per_mb, fixed="fsdp_defer_reduce_scatter", fixed_value=once))  # fmt: skip
     return rows
 
 
@@ -316,10 +300,8 @@ def table(results: dict[str, dict[str, Any]]) -> str:
         "-" * len(head),
     ]
     for name, r in results.items():
-        by_op, by_dim = r["rank0"]["by_op"], r["rank0"]["sent_bytes_by_dim"]
-        sent = {
-            op: by_op.get(op, {}).get("sent_bytes", 0) / MiB for op in ("all_gather", "reduce_scatter", "all_reduce")
-        }
+        by_dim = r["rank0"]["sent_bytes_by_dim"]
+        sent = {op: _sent(r, op) / MiB for op in ("all_gather", "reduce_scatter", "all_reduce")}
         ratio = f"{r['cross_node_bytes'] / base:.3f}x" if base else "n/a"
         lines.append(
             f"{name:<17} {r['mesh']['dp_replicate']:>5} x {r['mesh']['dp_shard']:<3} | "
