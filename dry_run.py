@@ -25,7 +25,10 @@ Async TP (a CUDA-only compiler pass) is checked against a CUDA + NCCL machine an
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import time
+from collections import Counter
 from typing import Any
 
 import torch
@@ -35,6 +38,7 @@ from torch.distributed.tensor import DTensor
 
 import doctor
 from config import (
+    ActivationCheckpoint,
     JobConfig,
     dry_run_world,
     global_batch_size,
@@ -45,7 +49,7 @@ from config import (
 from estimate_memory import GiB, Job, checkpointed_blocks, cp_kv_bytes, estimate, job_costs, job_of
 from loss import Loss
 from models import family
-from parallelisms.fsdp import DTYPES, reshards_after_forward
+from parallelisms.fsdp import DTYPES, applies_fsdp, reshards_after_forward
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import build_run_model
 from parallelisms.pp import check_microbatches, rank_stages, stage_layers
@@ -139,6 +143,14 @@ def plan_lines(
     lines += ["", "communication per step and rank (ring algorithms: bytes each rank sends):"]
     for name, (nbytes, what) in comm_per_step(cfg, dims, job, grad_accum=grad_accum, tp_mesh=tp_mesh).items():
         lines.append(f"  {name:<13} {nbytes / GiB:9.2f} GiB   {what}")
+    floor, excesses = comm_floor(cfg, dims, job, grad_accum=grad_accum, tp_mesh=tp_mesh)
+    over = [
+        f"{cause} {gib:+.2f}" for cause, added in excesses.items() if abs(gib := sum(added.values()) / GiB) >= 0.005
+    ]
+    lines.append(
+        f"  the floor of this layout {sum(floor.values()) / GiB:.2f} GiB (docs/planning.md)"
+        + (f"; over it, in GiB: {', '.join(over)}" if over else "")
+    )
     return lines
 
 
@@ -156,6 +168,37 @@ def memory_lines(job: Job, *, pp: bool, tp_mesh: DeviceMesh | None) -> list[str]
 def comm_per_step(
     cfg: JobConfig, dims: ParallelDims, job: Job, *, grad_accum: int, tp_mesh: DeviceMesh | None = None
 ) -> dict[str, tuple[float, str]]:
+    """Bytes each rank sends per optimizer step over each mesh dimension (`comm_by_kind`'s, summed), and by what."""
+    return {
+        dim: (sum(kinds.values()), what)
+        for dim, (kinds, what) in _comm(cfg, dims, job, grad_accum=grad_accum, tp_mesh=tp_mesh).items()
+    }
+
+
+def comm_by_kind(
+    cfg: JobConfig,
+    dims: ParallelDims,
+    job: Job,
+    *,
+    grad_accum: int,
+    tp_mesh: DeviceMesh | None = None,
+    norm_values: int | None = None,
+) -> dict[str, float]:
+    """Bytes each rank sends per step, by "<mesh dimension> <collective>" (all_gather, reduce_scatter, all_reduce,
+    send), as tests.instruments.CollectiveLog names what it measures. `norm_values`: see `_comm`."""
+    per_dim = _comm(cfg, dims, job, grad_accum=grad_accum, tp_mesh=tp_mesh, norm_values=norm_values)
+    return {f"{dim} {kind}": nbytes for dim, (kinds, _) in per_dim.items() for kind, nbytes in kinds.items() if nbytes}
+
+
+def _comm(
+    cfg: JobConfig,
+    dims: ParallelDims,
+    job: Job,
+    *,
+    grad_accum: int,
+    tp_mesh: DeviceMesh | None = None,
+    norm_values: int | None = None,
+) -> dict[str, tuple[Counter[str], str]]:
     """Bytes each rank sends per optimizer step over each mesh dimension, by ring algorithms: an all-gather or
     reduce-scatter of N bytes (the full tensor) costs each of g ranks (g - 1) / g x N, an all-reduce twice that.
 
@@ -176,6 +219,11 @@ def comm_per_step(
               the embedding's (stage 0) and those of the final norm, output projection and loss (the last stage),
               and the all-reduce of the gradients of the weights TP leaves whole (the norms'), per micro-batch.
     pp        each micro-batch's activations forward and their gradients backward across each stage boundary.
+
+    The gradient norm (optimizer.clip_grad_norm_) all-reduces one float32 per parameter tensor of the rank over each
+    dimension that shards parameters (FSDP's, TP's), and one over the pipeline stages; `norm_values` replaces the
+    tensors' count (comm_floor's one value). Parameters are counted on one TP rank (estimate_memory.block_costs),
+    exactly for rank 0's stages.
     """
     t, par = cfg.training, cfg.parallelism
     args = job.args
@@ -184,58 +232,157 @@ def comm_per_step(
     pp, tp, rep, cp = dims.pp, dims.tp, dims.dp_replicate, dims.cp
     fsdp = dims.dp_shard * cp  # the ranks FSDP shards over; its line is named after their mesh dimension(s)
     fsdp_dim = "dp_shard" if cp == 1 else "cp" if dims.dp_shard == 1 else "dp_shard_cp"
-    stage_params = family(cfg.model.name).num_params(args) / pp  # an average stage
     local_tokens = t.local_batch_size * t.seq_len // cp
     # Rank 0's (virtual) stages and their blocks: without PP, one stage of all blocks.
     layers = stage_layers(args, par) if pp > 1 else [list(range(args.n_layers))]
     ours = rank_stages(0, pp=pp, stages=len(layers)) if pp > 1 else [0]
-    blocks = sum(len(layers[s]) for s in ours)
-    costs = job_costs(job, tp_mesh=tp_mesh)
+    blocks, first, last = sum(len(layers[s]) for s in ours), 0 in ours, len(layers) - 1 in ours
+    costs = job_costs(job, tp_mesh=tp_mesh)  # parameters counted on one TP rank
+    held = blocks * costs.block_params + first * costs.embedding_params + last * costs.root_params
+    tensors = _param_tensors(family(cfg.model.name), args)
+    held_tensors = blocks * tensors[0] + first * tensors[1] + last * tensors[2]
     resharded = reshards_after_forward(par.fsdp_reshard_after_forward, pp_enabled=pp > 1)
     gathers = 2 * grad_accum if resharded else (1 if pp > 1 else grad_accum)
     syncs = 1 if pp > 1 or par.fsdp_defer_reduce_scatter else grad_accum
-    out: dict[str, tuple[float, str]] = {}
+    # The gradient norm: DTensor all-reduces the norms of the parameter tensors (`norm_values` of them, by default
+    # as many as the rank holds) over each dimension that shards them, and pipeline stages add theirs up.
+    norm = 2 * 4 * (norm_values or held_tensors)
+    out: dict[str, tuple[Counter[str], str]] = {}
     if fsdp > 1:
-        gathered = gathers * stage_params / tp
+        gathered = gathers * held
         if resharded:  # backward gathers neither the embedding nor (without PP) the root unit, still gathered
             gathered -= grad_accum * (costs.embedding_params + (costs.root_params if pp == 1 else 0))
-        nbytes = ring(fsdp) * (gathered * param_bytes + syncs * reduce_bytes * stage_params / tp)
         out[fsdp_dim] = (
-            nbytes,
+            Counter(
+                all_gather=ring(fsdp) * gathered * param_bytes,
+                reduce_scatter=ring(fsdp) * syncs * reduce_bytes * held,
+                all_reduce=ring(fsdp) * norm,
+            ),
             f"FSDP: {gathers} all-gather(s) of the stage in {t.mixed_precision_param}, "
             f"{syncs} reduce-scatter(s) of its gradients in {t.mixed_precision_reduce}",
         )
     if rep > 1:
         out["dp_replicate"] = (
-            2 * ring(rep) * reduce_bytes * stage_params / tp / fsdp,
+            Counter(all_reduce=2 * ring(rep) * reduce_bytes * held / fsdp),
             "HSDP: gradient shards all-reduced once per step",
         )
     if tp > 1:
         # Rank 0's blocks, the embedding (stage 0, always rank 0's), the head and loss (the last stage's).
-        last = len(layers) - 1 in ours
-        outside = sum(costs.tp_embedding) + (sum(costs.tp_head) if last else 0)
-        # The gradients of what TP leaves whole (the norms' weights), all-reduced by each backward: 2x a ring's bytes.
-        replicated = blocks * costs.tp_replicated[0] + (costs.tp_replicated[1] if last else 0)
+        traced = Counter({k: blocks * v for k, v in costs.tp_block.items()}) + Counter(costs.tp_embedding)
+        traced += Counter(costs.tp_head) if last else Counter()
         # A micro-batch of the pipeline is 1/microbatches of the local batch; the costs are per micro-batch.
-        per_local_batch = job.microbatches * (sum(costs.tp_block) * blocks + outside + 2 * param_bytes * replicated)
+        kinds = Counter({k: ring(tp) * job.microbatches * v * grad_accum for k, v in traced.items()})
+        # The gradients of what TP leaves whole (the norms' weights) are partial sums over the TP ranks: FSDP
+        # all-reduces them with each reduce-scatter, else optimizer.clip_grad_norm_ once a step.
+        replicated = blocks * costs.tp_replicated[0] + (costs.tp_replicated[1] if last else 0)
+        fsdp_applied = applies_fsdp(dims, param_dtype=t.mixed_precision_param, cpu_offload=t.enable_cpu_offload)
+        kinds["all_reduce"] += ring(tp) * ((syncs if fsdp_applied else 1) * 2 * param_bytes * replicated + norm)
         out["tp"] = (
-            ring(tp) * per_local_batch * grad_accum,
-            "the TP plan's all-gathers and reduce-scatters, "
-            "traced on one block: forward, backward and AC's recomputation; the unsplit weights' gradients all-reduced",
+            kinds,
+            "the TP plan's all-gathers and reduce-scatters, traced on one block: forward, backward and AC's "
+            "recomputation; the unsplit weights' gradients and the gradient norm all-reduced",
         )
     if cp > 1:
         recomputed = 0 if job.ac == "selective-op" else sum(checkpointed_blocks(len(layers[s]), job.ac) for s in ours)
-        passes = 2 * blocks + recomputed  # forward's all-gathers, backward's reduce-scatters, AC's re-gathers
-        kv = ring(cp) * passes * cp_kv_bytes(job)["gathered"] * job.microbatches * grad_accum
+        # Forward's all-gathers and AC's re-gathers; backward's reduce-scatters.
+        kv = ring(cp) * cp_kv_bytes(job)["gathered"] * job.microbatches * grad_accum
+        kinds = Counter(all_gather=(blocks + recomputed) * kv, reduce_scatter=blocks * kv)
         what = "keys and values all-gathered per block (and gradients reduce-scattered), forward, backward, AC"
         shared = out.get("cp")  # FSDP's line when it shards over the CP ranks alone
-        out["cp"] = (shared[0] + kv, f"{shared[1]}; {what}") if shared else (kv, what)
+        out["cp"] = (shared[0] + kinds, f"{shared[1]}; {what}") if shared else (kinds, what)
     if pp > 1:  # rank 0's stages: each but the last sends activations, each but the first gradients
         crossings = sum(s != len(layers) - 1 for s in ours) + sum(s != 0 for s in ours)
         boundary = local_tokens / tp * args.dim * param_bytes
         out["pp"] = (
-            crossings * boundary * grad_accum,
+            Counter(send=crossings * boundary * grad_accum, all_reduce=ring(pp) * 2 * 4),  # the stages' norms
             f"sends of every micro-batch's hidden states: {crossings} per "
             "micro-batch (activations forward, their gradients backward)",
         )
     return out
+
+
+def _param_tensors(fam: Any, args: Any) -> tuple[int, int, int]:
+    """Parameter tensors of one block, of the embedding and of the root unit (final norm and output), on meta."""
+    with torch.device("meta"):
+        model = fam.model_cls(dataclasses.replace(args, n_layers=1))
+    count = lambda *modules: sum(len(list(m.parameters())) for m in modules if m is not None)  # noqa: E731
+    return count(model.layers["0"]), count(model.tok_embeddings), count(model.norm, model.output)
+
+
+# What makes a step send more than its floor, in the order `comm_floor` undoes it: each trades bytes for memory (or for
+# simplicity), and what undoing it removes is its excess, explained by its line here.
+EXCESSES = {
+    "micro-batches": "each micro-batch gathers the parameters again (FSDP frees them after every backward) and "
+    "reduce-scatters its gradients, the TP-whole weights' all-reduced with them (one reduce-scatter a step with "
+    "parallelism.fsdp_defer_reduce_scatter, for unsharded gradients held through the step)",
+    "reshard after forward": "backward gathers each unit again but the root unit and the embedding "
+    "(parallelism.fsdp_reshard_after_forward: parameters freed from forward to backward)",
+    "activation checkpointing": "the recomputed forward's collectives run again (full AC; op SAC keeps CP's gathered "
+    "keys and values)",
+    "no loss parallel": "the logits gathered over the TP ranks before the loss (parallelism.disable_loss_parallel) "
+    "instead of per-token statistics all-reduced on vocabulary shards",
+    "gradient norm per tensor": "the gradient norm all-reduces one float32 norm per parameter tensor "
+    "(torch.nn.utils.get_total_norm on DTensors) rather than one sum of squares",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """What `_comm` reads of a step, beyond the mesh: its config, Job, micro-batches and gradient-norm values."""
+
+    cfg: JobConfig
+    job: Job
+    grad_accum: int
+    norm_values: int | None = None
+
+
+def comm_floor(
+    cfg: JobConfig, dims: ParallelDims, job: Job, *, grad_accum: int, tp_mesh: DeviceMesh | None = None
+) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """The least a step of this layout sends, by `comm_by_kind`'s keys, and what each cause of EXCESSES adds to it.
+
+    The floor is the step of the same layout and tokens as one micro-batch, without activation checkpointing, its
+    parameters gathered once (kept from forward to backward), the loss on vocabulary shards under TP and one value
+    all-reduced for the gradient norm: every parameter gathered and every gradient reduced once, every activation
+    that crosses a TP, CP or pipeline boundary sent once forward and once backward (the formulas per kind:
+    docs/planning.md, "The communication floor"). The causes are undone one after the other in EXCESSES'
+    order; the floor plus every excess is the step's `comm_by_kind`."""
+    step = _Step(cfg, job, grad_accum)
+    now = _by_kind(step, dims, tp_mesh)
+    excesses: dict[str, dict[str, float]] = {}
+    for cause in EXCESSES:
+        step = _undone(cause, step)
+        floor = _by_kind(step, dims, tp_mesh)
+        added = {key: now.get(key, 0.0) - floor.get(key, 0.0) for key in now | floor}
+        if added := {key: nbytes for key, nbytes in added.items() if abs(nbytes) >= 0.5}:
+            excesses[cause] = added
+        now = floor
+    return now, excesses
+
+
+def _by_kind(step: _Step, dims: ParallelDims, tp_mesh: DeviceMesh | None) -> dict[str, float]:
+    return comm_by_kind(
+        step.cfg, dims, step.job, grad_accum=step.grad_accum, tp_mesh=tp_mesh, norm_values=step.norm_values
+    )
+
+
+def _undone(cause: str, step: _Step) -> _Step:
+    """`step` with `cause` (a key of EXCESSES) undone."""
+    cfg = copy.copy(step.cfg)
+    match cause:
+        case "micro-batches":
+            rows = cfg.training.local_batch_size * step.grad_accum
+            cfg.training = dataclasses.replace(cfg.training, local_batch_size=rows)
+            return _Step(cfg, dataclasses.replace(step.job, local_batch_size=rows, grad_accum=1), 1)
+        case "reshard after forward":
+            cfg.parallelism = dataclasses.replace(cfg.parallelism, fsdp_reshard_after_forward="never")
+            return dataclasses.replace(step, cfg=cfg)
+        case "activation checkpointing":
+            cfg.activation_checkpoint = ActivationCheckpoint(mode="none")
+            return dataclasses.replace(step, cfg=cfg, job=dataclasses.replace(step.job, ac="none"))
+        case "no loss parallel":
+            cfg.parallelism = dataclasses.replace(cfg.parallelism, disable_loss_parallel=False)
+            return dataclasses.replace(step, cfg=cfg, job=dataclasses.replace(step.job, loss_parallel=True))
+        case "gradient norm per tensor":
+            return dataclasses.replace(step, norm_values=1)
+    raise ValueError(f"cause: expected one of {', '.join(EXCESSES)}, got {cause!r}")

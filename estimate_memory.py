@@ -157,7 +157,7 @@ import functools
 import sys
 import time
 import types
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -236,11 +236,12 @@ class BlockCosts:
     """Bytes of the distinct activations a block's linears read: what its weight gradients need."""
     final_norm: int
     """Bytes the final norm saves, its output excluded (the loss keeps the gathered output)."""
-    tp_block: tuple[int, int]
-    """Bytes of the TP collectives of one block (full tensors), forward and backward (recomputation included)."""
-    tp_embedding: tuple[int, int]
+    tp_block: dict[str, int]
+    """Bytes of the TP collectives of one block (full tensors; an all-reduce's twice), forward and backward
+    (recomputation included), by kind: all_gather, reduce_scatter, all_reduce."""
+    tp_embedding: dict[str, int]
     """The same for the embedding (the first pipeline stage's)."""
-    tp_head: tuple[int, int]
+    tp_head: dict[str, int]
     """The same for the final norm, the output projection and the loss (the last stage's)."""
     tp_replicated: tuple[int, int] = (0, 0)
     """Parameters TP leaves whole on every rank (the norms' weights), of a block and of the root unit: their gradients
@@ -450,9 +451,9 @@ def trace_costs(
         widest=max(watch.linear_outputs, default=0),
         matmul_inputs=sum(watch.linear_inputs.values()),
         final_norm=final_norm,
-        tp_block=(watch.comm["block forward"], watch.comm["block backward"]),
-        tp_embedding=(watch.comm["embedding forward"], watch.comm["embedding backward"]),
-        tp_head=(watch.comm["head forward"], watch.comm["head backward"]),
+        tp_block=dict(watch.comm["block"]),
+        tp_embedding=dict(watch.comm["embedding"]),
+        tp_head=dict(watch.comm["head"]),
         tp_replicated=(_replicated_numel(block), _replicated_numel(model.norm)) if tp_mesh is not None else (0, 0),
     )
 
@@ -482,9 +483,13 @@ class _Watch:
     """The bookkeeping of trace_costs: which storages each part of the model created and which survive, the
     linears' inputs and outputs, and the bytes of the collectives, by phase of the step."""
 
-    # Functional collectives (DTensor's), and which tensor is the full one: its bytes count (an all-reduce's
-    # twice: a ring all-reduce sends as much as a reduce-scatter plus an all-gather).
-    _COLLECTIVES = {"all_gather_into_tensor": ("out", 1), "reduce_scatter_tensor": ("in", 1), "all_reduce": ("in", 2)}
+    # Functional collectives (DTensor's): their kind, which tensor is the full one (its bytes count) and how often (an
+    # all-reduce's twice: a ring all-reduce sends as much as a reduce-scatter plus an all-gather).
+    _COLLECTIVES = {
+        "all_gather_into_tensor": ("all_gather", "out", 1),
+        "reduce_scatter_tensor": ("reduce_scatter", "in", 1),
+        "all_reduce": ("all_reduce", "in", 2),
+    }
 
     def __init__(self, model: nn.Module, block: nn.Module, *, tp: int):
         self.phase = "forward"  # forward, block forward, after, backward, block backward
@@ -494,7 +499,7 @@ class _Watch:
         self.windows: dict[nn.Module, dict] = {}  # module -> its forward's input, output and the storages it made
         self.linear_outputs: list[int] = []
         self.linear_inputs: dict[int, int] = {}
-        self.comm: Counter[str] = Counter()
+        self.comm: dict[str, Counter[str]] = defaultdict(Counter)  # part -> kind -> bytes
         self._open: list[nn.Module] = []
         self.block = block
         watched = [block, model.norm, *(m for m in block.modules() if isinstance(m, nn.RMSNorm))]
@@ -550,10 +555,10 @@ class _Watch:
             return
         name = op._opname if op.namespace == "_c10d_functional" else ""
         if name in self._COLLECTIVES:
-            which, times = self._COLLECTIVES[name]
+            kind, which, times = self._COLLECTIVES[name]
             tensor = out if which == "out" else args[0]
-            phase = self.phase if self.phase.startswith("block") else f"{self.part} {self.phase}"
-            self.comm[phase] += times * tensor.numel() * tensor.element_size()
+            part = "block" if self.phase.startswith("block") else self.part
+            self.comm[part][kind] += times * tensor.numel() * tensor.element_size()
         if self.phase.endswith("backward"):
             return
         for t in torch.utils._pytree.tree_leaves(out):

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from config import LRScheduler, Optimizer, Training
 from errors import ConfigError, warn
@@ -239,6 +239,14 @@ def lr_factor(step: int, cfg: LRScheduler, *, training_steps: int) -> float:
     return cfg.min_lr_factor + (1.0 - cfg.min_lr_factor) * decayed
 
 
+def reduce_partial_grads(parameters: Iterable[torch.Tensor]) -> None:
+    """Replace every DTensor gradient that holds partial sums by its sum (one all-reduce each)."""
+    for p in parameters:
+        grad = p.grad
+        if isinstance(grad, DTensor) and any(pl.is_partial() for pl in grad.placements):
+            p.grad = grad.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in grad.placements])
+
+
 def clip_grad_norm_(
     parameters: Iterable[torch.Tensor], max_norm: float, *, pp_group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
@@ -247,8 +255,13 @@ def clip_grad_norm_(
     With sharded (DTensor) gradients the per-shard norms are partial results; `full_tensor()`
     reduces them across ranks, so every rank clips by the same, true global norm. Pipeline stages
     hold different parameters: their squared norms add up over `pp_group`.
+
+    Without FSDP, the gradients of the weights TP leaves whole (the norms') come out of backward as partial sums
+    over the TP ranks, which DTensor all-reduces wherever they are read: once for the norm and again in the
+    optimizer. They are summed once, here, in place (`reduce_partial_grads`).
     """
     parameters = [p for p in parameters if p.grad is not None]
+    reduce_partial_grads(parameters)
     total_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters], foreach=True)
     if isinstance(total_norm, DTensor):
         total_norm = total_norm.full_tensor()

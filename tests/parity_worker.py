@@ -327,9 +327,11 @@ def train(
         if last and counts is not None:
             counts["host_reads"] = dict(reads)
             # Bytes this rank sent in the step, by mesh dimension, and its collectives (what the dry run predicts).
-            counts["sent_by_dim"], counts["collective_ops"] = Counter(), Counter()
+            # Also by collective kind: "dim op" -> bytes (the floor table of docs/benchmarks.md).
+            counts["sent_by_dim"], counts["sent_by_op"], counts["collective_ops"] = Counter(), Counter(), Counter()
             for c in log.records:
                 counts["sent_by_dim"][c.dim] += c.sent_per_rank
+                counts["sent_by_op"][f"{c.dim} {c.op}"] += c.sent_per_rank
                 counts["collective_ops"][f"{c.dim} {c.op}"] += 1
             counts["graphs_recompiled"] = compiled_graphs() - graphs_before - counts["graphs_compiled"]
             counts["graph_breaks"] = graph_breaks() - breaks_before

@@ -10,9 +10,9 @@ from collections.abc import Callable
 
 import pytest
 
-from config import JobConfig, Parallelism
-from dry_run import comm_per_step
-from estimate_memory import job_of
+from config import REPO, JobConfig, Parallelism
+from dry_run import EXCESSES, comm_by_kind, comm_floor, comm_per_step
+from estimate_memory import Job, job_of
 from models.llama3 import FLAVORS
 from parallelisms.parallel_dims import ParallelDims
 from tests.launch import python, two_at_a_time
@@ -96,8 +96,8 @@ def test_dry_run_of_the_second_family_with_its_inputs_elsewhere() -> None:
 # ------------------------------------------------- communication, predicted and measured
 
 
-def predicted_comm(layout: Layout) -> dict[str, float]:
-    """dry_run.comm_per_step for a parity layout (tests/parity_worker.py): the tiny model, its batch, one step."""
+def layout_plan(layout: Layout) -> tuple[JobConfig, ParallelDims, Job]:
+    """A parity layout (tests/parity_worker.py) as the dry run sees a job: the tiny model, its batch, one step."""
     cfg = JobConfig()
     cfg.parallelism = Parallelism(
         data_parallel_replicate_degree=layout.dp_replicate,
@@ -120,7 +120,12 @@ def predicted_comm(layout: Layout) -> dict[str, float]:
     )
     cfg.activation_checkpoint = layout.ac
     cfg.model.name = layout.family
-    job = dataclasses.replace(job_of(cfg, dims, cuda=False), model=TINY_SHAPES[layout.family])
+    return cfg, dims, dataclasses.replace(job_of(cfg, dims, cuda=False), model=TINY_SHAPES[layout.family])
+
+
+def predicted_comm(layout: Layout) -> dict[str, float]:
+    """dry_run.comm_per_step for a parity layout, by mesh dimension."""
+    cfg, dims, job = layout_plan(layout)
     return {dim: nbytes for dim, (nbytes, _) in comm_per_step(cfg, dims, job, grad_accum=layout.grad_accum).items()}
 
 
@@ -128,16 +133,80 @@ EAGER = [name for name, layout in LAYOUTS.items() if not layout.compile]
 
 
 @pytest.mark.parametrize("name", EAGER)
-def test_the_dry_runs_communication_lines_are_what_each_layout_sends(
+def test_the_dry_runs_communication_is_what_each_layout_sends(
     name: str, parity: Callable[[int], dict[str, dict]]
 ) -> None:
-    """Bytes rank 0 sent in one training step, by mesh dimension (the collectives and sends the dispatcher ran,
-    tests.instruments.CollectiveLog), against the dry run's lines for the same layout and model: within 1%, with
-    gradient accumulation too (the replicas' all-reduce once per step, TP's collectives per micro-batch). What the dry
-    run leaves out: the all-reduce of the gradient norm, a few bytes."""
+    """Bytes rank 0 sent in one training step, by mesh dimension and collective (what the dispatcher ran,
+    tests.instruments.CollectiveLog), against the dry run's for the same layout and model (dry_run.comm_by_kind,
+    whose sums per dimension are its printed lines): within 1%, the gradient norm's all-reduces included, with
+    gradient accumulation too (the replicas' all-reduce once per step, TP's collectives per micro-batch)."""
     layout = LAYOUTS[name]
-    measured = parity(layout.world_size)[name]["sent_by_dim"]
-    predicted = predicted_comm(layout)
+    measured = {key: nbytes for key, nbytes in parity(layout.world_size)[name]["sent_by_op"].items() if nbytes}
+    cfg, dims, job = layout_plan(layout)
+    predicted = comm_by_kind(cfg, dims, job, grad_accum=layout.grad_accum)
     assert measured.keys() == predicted.keys(), (measured, predicted)
-    for dim, nbytes in predicted.items():
-        assert abs(measured[dim] - nbytes) <= 0.01 * nbytes, (dim, measured, predicted)
+    for key, nbytes in predicted.items():
+        assert abs(measured[key] - nbytes) <= 0.01 * nbytes, (key, measured, predicted)
+    per_dim = predicted_comm(layout)
+    for dim, nbytes in per_dim.items():
+        assert nbytes == pytest.approx(sum(v for k, v in predicted.items() if k.split()[0] == dim)), dim
+
+
+# ------------------------------------------------------------------- the floor table
+
+SHORT = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR", "send": "send"}
+
+
+def floor_table(results: dict[str, dict]) -> str:
+    """docs/benchmarks.md's floor table: per eager parity layout and mesh dimension, the bytes rank 0 sent in a step by
+    collective (measured) / the floor (dry_run.comm_floor), and each excess over the floor with its cause."""
+    lines = [
+        "| layout | dimension | all-gather | reduce-scatter | all-reduce | send | over the floor (EXCESSES) |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
+    for name in EAGER:
+        layout = LAYOUTS[name]
+        cfg, dims, job = layout_plan(layout)
+        floor, excesses = comm_floor(cfg, dims, job, grad_accum=layout.grad_accum)
+        sent = results[name]["sent_by_op"]
+        for dim in dict.fromkeys(key.split()[0] for key in [*floor, *sent] if sent.get(key) or floor.get(key)):
+            cells = [
+                f"{sent.get(f'{dim} {kind}', 0):,} / {round(floor.get(f'{dim} {kind}', 0)):,}"
+                if sent.get(f"{dim} {kind}") or floor.get(f"{dim} {kind}")
+                else ""
+                for kind in SHORT
+            ]
+            over = "; ".join(
+                f"{cause}: "
+                + ", ".join(
+                    f"{SHORT[key.split()[1]]} {nbytes:+,.0f}"
+                    for key, nbytes in added.items()
+                    if key.startswith(f"{dim} ")
+                )
+                for cause, added in excesses.items()
+                if any(key.startswith(f"{dim} ") for key in added)
+            )
+            lines.append(f"| {name} | {dim} | {' | '.join(cells)} | {over} |")
+    return "\n".join(lines)
+
+
+def test_the_floor_table_in_the_docs_is_what_the_layouts_send(parity: Callable[[int], dict[str, dict]]) -> None:
+    """Every eager parity layout's bytes by collective beside its floor, and every excess with its cause (one line each
+    in dry_run.EXCESSES, listed under the table): the table in docs/benchmarks.md is this one, and no layout sends
+    less than its floor."""
+    results = parity(2) | parity(4)
+    for name in EAGER:
+        layout = LAYOUTS[name]
+        cfg, dims, job = layout_plan(layout)
+        floor, excesses = comm_floor(cfg, dims, job, grad_accum=layout.grad_accum)
+        sent = sum(results[name]["sent_by_op"].values())
+        assert sum(floor.values()) <= sent, (name, floor, sent)
+        assert sum(floor.values()) + sum(sum(added.values()) for added in excesses.values()) == pytest.approx(
+            sum(comm_by_kind(cfg, dims, job, grad_accum=layout.grad_accum).values())
+        )
+    doc = (REPO / "docs" / "benchmarks.md").read_text()
+    section = doc.split("\n### The communication floor", 1)[1].split("\n### ", 1)[0]
+    expected = floor_table(results)
+    assert expected in section, f"docs/benchmarks.md, The communication floor: the table is now\n{expected}"
+    for cause, why in EXCESSES.items():
+        assert f"- {cause}: {why}" in " ".join(section.split()), cause
