@@ -620,7 +620,7 @@ class CheckpointManager:
         reader), converting to the parameters' dtype as it copies."""
         from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-        from models.hf import check_hf_weights
+        from models.hf import check_hf_weights, hf_to_ours
 
         key = "checkpoint.initial_load_path" if self.cfg.initial_load_path else "model.hf_assets_path"
         fam, args = self.family, self.model_args
@@ -630,7 +630,7 @@ class CheckpointManager:
         except ConfigError as e:
             raise ConfigError(*(f"{key}: {problem}" for problem in e.problems)) from None
         state = get_model_state_dict(self.model)
-        hf_state = {hf: state[ours] for hf, ours in fam.hf.hf_to_ours(args).items()}
+        hf_state = {hf: state[ours] for hf, ours in hf_to_ours(fam, args).items()}
         dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(str(folder)), process_group=self.process_group)
         set_model_state_dict(self.model, state)
         self._refuse_nonfinite(folder, key=key)
@@ -870,14 +870,14 @@ def export_hf_folder(
     the token ids and whose tokenizer files and generation_config.json are copied (those names are returned).
     """
     # Imported here: Hugging Face interop, which a run without HF folders never needs.
-    from models.hf import DEFAULT_MAX_SHARD_BYTES, hf_config, plan_shards, write_hf_folder
+    from models.hf import DEFAULT_MAX_SHARD_BYTES, hf_config, hf_to_ours, plan_shards, write_hf_folder
 
     metadata = verify(checkpoint)  # read without running anything from the folder
     verify_contents(checkpoint, alone=True)  # rank 0 alone when a run exports its last step
     shapes = parameter_shapes(family, args)
     check_holds(checkpoint, metadata, {MODEL_PREFIX + n: torch.empty(s, device="meta") for n, s in shapes.items()})
     stored = metadata.state_dict_metadata
-    ours_to_hf = {ours: hf for hf, ours in family.hf.hf_to_ours(args).items()}
+    ours_to_hf = {ours: hf for hf, ours in hf_to_ours(family, args).items()}
     stored_dtype = {n: stored[MODEL_PREFIX + n].properties.dtype for n in shapes}
     out_dtype = {ours_to_hf[n]: dtype or stored_dtype[n] for n in shapes}
     sizes = {ours_to_hf[n]: shapes[n].numel() * out_dtype[ours_to_hf[n]].itemsize for n in shapes}

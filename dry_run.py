@@ -46,7 +46,7 @@ from config import (
     model_label,
     run_model_args,
 )
-from estimate_memory import GiB, Job, checkpointed_blocks, cp_kv_bytes, estimate, job_costs, job_of
+from estimate_memory import BlockCosts, GiB, Job, checkpointed_blocks, cp_kv_bytes, estimate, job_costs, job_of
 from loss import Loss
 from models import family
 from parallelisms.fsdp import DTYPES, applies_fsdp, reshards_after_forward
@@ -219,11 +219,8 @@ def _comm(
               the embedding's (stage 0) and those of the final norm, output projection and loss (the last stage),
               and the all-reduce of the gradients of the weights TP leaves whole (the norms'), per micro-batch.
     pp        each micro-batch's activations forward and their gradients backward across each stage boundary.
-
-    The gradient norm (optimizer.clip_grad_norm_) all-reduces one float32 per parameter tensor of the rank over each
-    dimension that shards parameters (FSDP's, TP's), and one over the pipeline stages; `norm_values` replaces the
-    tensors' count (comm_floor's one value). Parameters are counted on one TP rank (estimate_memory.block_costs),
-    exactly for rank 0's stages.
+    norm      the gradient norm's all-reduces: one float32 per parameter tensor of the rank (`norm_values`: so many
+              instead) over each dimension that shards parameters, one over the pipeline stages.
     """
     t, par = cfg.training, cfg.parallelism
     args = job.args
@@ -244,9 +241,7 @@ def _comm(
     resharded = reshards_after_forward(par.fsdp_reshard_after_forward, pp_enabled=pp > 1)
     gathers = 2 * grad_accum if resharded else (1 if pp > 1 else grad_accum)
     syncs = 1 if pp > 1 or par.fsdp_defer_reduce_scatter else grad_accum
-    # The gradient norm: DTensor all-reduces the norms of the parameter tensors (`norm_values` of them, by default
-    # as many as the rank holds) over each dimension that shards them, and pipeline stages add theirs up.
-    norm = 2 * 4 * (norm_values or held_tensors)
+    norm = 2 * 4 * (norm_values or held_tensors)  # DTensor all-reduces the norm of each parameter tensor
     out: dict[str, tuple[Counter[str], str]] = {}
     if fsdp > 1:
         gathered = gathers * held
@@ -267,15 +262,11 @@ def _comm(
             "HSDP: gradient shards all-reduced once per step",
         )
     if tp > 1:
-        # Rank 0's blocks, the embedding (stage 0, always rank 0's), the head and loss (the last stage's).
-        traced = Counter({k: blocks * v for k, v in costs.tp_block.items()}) + Counter(costs.tp_embedding)
-        traced += Counter(costs.tp_head) if last else Counter()
-        # A micro-batch of the pipeline is 1/microbatches of the local batch; the costs are per micro-batch.
-        kinds = Counter({k: ring(tp) * job.microbatches * v * grad_accum for k, v in traced.items()})
         # The gradients of what TP leaves whole (the norms' weights) are partial sums over the TP ranks: FSDP
         # all-reduces them with each reduce-scatter, else optimizer.clip_grad_norm_ once a step.
-        replicated = blocks * costs.tp_replicated[0] + (costs.tp_replicated[1] if last else 0)
         fsdp_applied = applies_fsdp(dims, param_dtype=t.mixed_precision_param, cpu_offload=t.enable_cpu_offload)
+        kinds = _tp_kinds(costs, job, blocks=blocks, last=last, grad_accum=grad_accum)
+        replicated = blocks * costs.tp_replicated[0] + (costs.tp_replicated[1] if last else 0)
         kinds["all_reduce"] += ring(tp) * ((syncs if fsdp_applied else 1) * 2 * param_bytes * replicated + norm)
         out["tp"] = (
             kinds,
@@ -299,6 +290,14 @@ def _comm(
             "micro-batch (activations forward, their gradients backward)",
         )
     return out
+
+
+def _tp_kinds(costs: BlockCosts, job: Job, *, blocks: int, last: bool, grad_accum: int) -> Counter[str]:
+    """The traced TP collectives of a step, by kind: rank 0's blocks, the embedding (stage 0, always rank 0's), the
+    head and loss (the last stage's), per micro-batch (of the pipeline: 1/microbatches of the local batch)."""
+    traced = Counter({k: blocks * v for k, v in costs.tp_block.items()}) + Counter(costs.tp_embedding)
+    traced += Counter(costs.tp_head) if last else Counter()
+    return Counter({k: (job.tp - 1) / job.tp * job.microbatches * v * grad_accum for k, v in traced.items()})
 
 
 def _param_tensors(fam: Any, args: Any) -> tuple[int, int, int]:

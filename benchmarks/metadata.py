@@ -220,7 +220,7 @@ def own_transformer_case(shape: HFShape, tokens: torch.Tensor) -> dict[str, Any]
         n_heads=shape.num_attention_heads,
         n_kv_heads=shape.num_key_value_heads,
         vocab_size=shape.vocab_size,
-        ffn_hidden_dim_override=shape.intermediate_size,
+        hidden_dim_override=shape.intermediate_size,
         max_seq_len=shape.seq_len,
     )
     torch.manual_seed(0)

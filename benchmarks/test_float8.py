@@ -27,7 +27,7 @@ def test_float8_all_gather_moves_one_byte_per_block_weight(results: dict[str, An
     # With the float8 all-gather every block matmul weight is gathered as 1 byte instead of 2, twice per step
     # (forward, and again in backward after the reshard); embedding, norms and output stay bf16.
     a = FLAVORS["debugmodel"]
-    per_block = a.dim * a.head_dim * (2 * a.n_heads + 2 * a.kv_heads) + 3 * a.dim * a.ffn_hidden_dim
+    per_block = a.dim * a.head_dim * (2 * a.n_heads + 2 * a.kv_heads) + 3 * a.dim * a.hidden_dim
     saved = s["bf16"]["all_gather_bytes"] - s["float8_all_gather"]["all_gather_bytes"]
     assert saved == 2 * results["n_layers"] * per_block
     # Rowwise float8 (torchao's rowwise recipe) keeps FSDP's all-gather in bf16.

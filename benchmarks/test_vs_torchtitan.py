@@ -108,7 +108,7 @@ def test_the_busy_shape_is_one_model_in_both_trainers(
     # the rehearsal's dim 64 block: 61,568.
     expected = 2 * 128256 * 64 + 2 * 61_568 + 64 if rehearse else 2 * 128256 * 4096 + 6 * 218_112_000 + 4096
     assert n_ours == n_theirs == family("llama3").num_params(shape.model) == expected, (n_ours, n_theirs)
-    assert (ours.vocab_size, theirs.vocab_size, ours.ffn_hidden_dim) == (128256, 128256, 256 if rehearse else 14336)
+    assert (ours.vocab_size, theirs.vocab_size, ours.hidden_dim) == (128256, 128256, 256 if rehearse else 14336)
     assert theirs.rope_theta == ours.rope_theta == 500000 and ours.rope_scaling.factor == 8.0
     assert not ours.tie_word_embeddings and (ours.n_heads, ours.n_kv_heads) == ((4, 2) if rehearse else (32, 8))
 

@@ -118,7 +118,7 @@ def torchtitan_flavor(args: Any) -> dict[str, Any]:
     """The fields of torchtitan 0.2.2's TransformerModelArgs for this recipe's Llama 3 `args` (JSON), the same
     model: torchtitan sizes the SwiGLU from ffn_dim_multiplier and multiple_of as models/llama3 does, and always
     scales RoPE the Llama 3.1 way (RoPEScalingArgs); it has no tied embeddings and no size override."""
-    if args.tie_word_embeddings or args.ffn_hidden_dim_override is not None or args.rope_scaling is None:
+    if args.tie_word_embeddings or args.hidden_dim_override is not None or args.rope_scaling is None:
         raise ValueError(f"torchtitan's Llama 3 cannot build {args}")
     s = args.rope_scaling
     return {
@@ -179,7 +179,7 @@ class Shape:
         m = self.model
         return (
             f"Llama 3 8B block x {m.n_layers} (dim {m.dim}, {m.n_heads} heads, {m.kv_heads} kv heads, ffn "
-            f"{m.ffn_hidden_dim}, vocab {m.vocab_size})"
+            f"{m.hidden_dim}, vocab {m.vocab_size})"
         )
 
 

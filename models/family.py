@@ -32,7 +32,7 @@ class ModelFamily:
     num_flops_per_token: Callable[[Any, int], int]
     """num_flops_per_token(args, seq_len): training FLOPs per token, the MFU numerator."""
     hf: ModuleType
-    """The family's hf.py: model_args_from_hf_config, hf_config, hf_to_ours, PUBLISHED, MODEL_TYPE."""
+    """The family's hf.py: model_args_from_hf_config, hf_config, TOP_LEVEL, PER_LAYER, PUBLISHED, MODEL_TYPE."""
     torchtitan_interleaved: Callable[[Any], dict[str, int]]
     """The weights torchtitan 0.2.2's model of this family holds in RoPE's interleaved layout, as {name inside a
     block: heads}: within each head their rows are ours permuted (checkpoint_torchtitan.py); {} when none."""

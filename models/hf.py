@@ -3,8 +3,8 @@ sharded `model-0000k-of-0000n.safetensors` with `model.safetensors.index.json` (
 next to them are read by data/tokenizers.py, not here).
 
 What differs between families (config.json's fields, weight names) is the family's hf.py, reached
-as `fam.hf`: MODEL_TYPE, model_args_from_hf_config, hf_config, hf_to_ours, PUBLISHED,
-IGNORED_WEIGHT_SUFFIXES. This file reads and writes, checks names and shapes, and picks the family
+as `fam.hf`: MODEL_TYPE, model_args_from_hf_config, hf_config, TOP_LEVEL and PER_LAYER (weight names),
+PUBLISHED, IGNORED_WEIGHT_SUFFIXES. This file reads and writes, checks names and shapes, and picks the family
 of a folder from its model_type.
 """
 
@@ -23,6 +23,19 @@ from errors import ConfigError
 from models import NAMES, ModelFamily, family, parameter_shapes
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30  # what transformers' save_pretrained uses
+
+
+# ------------------------------------------------------------------------- names
+
+
+def hf_to_ours(fam: ModelFamily, args: Any) -> dict[str, str]:
+    """HF weight name -> our parameter name, for every weight a model of `args` has: the family's TOP_LEVEL names
+    (lm_head.weight only when the output is not tied to the embedding) and its PER_LAYER names in each layer."""
+    tied = args.tie_word_embeddings
+    names = {hf: ours for hf, ours in fam.hf.TOP_LEVEL.items() if not (tied and hf == "lm_head.weight")}
+    for i in range(args.n_layers):
+        names |= {f"model.layers.{i}.{hf}.weight": f"layers.{i}.{ours}.weight" for hf, ours in fam.hf.PER_LAYER.items()}
+    return names
 
 
 # ------------------------------------------------------------------------- config
@@ -106,7 +119,7 @@ def check_hf_weights(path: str | Path, fam: ModelFamily, args: Any) -> None:
     from safetensors import safe_open
 
     folder = Path(path)
-    names, shapes = fam.hf.hf_to_ours(args), parameter_shapes(fam, args)
+    names, shapes = hf_to_ours(fam, args), parameter_shapes(fam, args)
     seen: set[str] = set()
     for file in _weight_files(folder):
         with safe_open(str(file), framework="pt") as f:
@@ -132,7 +145,7 @@ def read_hf_weights(path: str | Path, fam: ModelFamily, args: Any) -> Iterator[t
     from safetensors import safe_open
 
     check_hf_weights(path, fam, args)
-    names = fam.hf.hf_to_ours(args)
+    names = hf_to_ours(fam, args)
     for file in _weight_files(Path(path)):
         with safe_open(str(file), framework="pt") as f:
             for hf_name in f.keys():  # noqa: SIM118 (safe_open is no dict)
@@ -241,7 +254,7 @@ def to_hf(
     state = model.state_dict()
     if any(isinstance(t, DTensor) for t in state.values()):
         raise ValueError("to_hf: the model is sharded (DTensor); save a checkpoint and use scripts/convert_hf.py to-hf")
-    ours_to_hf = {ours: hf for hf, ours in fam.hf.hf_to_ours(args).items()}
+    ours_to_hf = {ours: hf for hf, ours in hf_to_ours(fam, args).items()}
     if set(state) != set(ours_to_hf):
         raise ValueError(f"to_hf: the model's weights do not match args ({sorted(set(state) ^ set(ours_to_hf))[:3]})")
     hf_state = {ours_to_hf[name]: t if dtype is None else t.to(dtype) for name, t in state.items()}

@@ -32,7 +32,7 @@ def test_dry_run_of_405b_on_512_ranks() -> None:
     args = FLAVORS["llama3_405b"]
     # Rank 0: stages 0 and 8 (embedding + blocks 0-6 and 63-70), sharded over FSDP 8 x TP 8; the norm
     # weights are not split by TP. Counted on the parallelized meta model, derived here by hand.
-    matmuls = args.dim * args.head_dim * (2 * args.n_heads + 2 * args.kv_heads) + 3 * args.dim * args.ffn_hidden_dim
+    matmuls = args.dim * args.head_dim * (2 * args.n_heads + 2 * args.kv_heads) + 3 * args.dim * args.hidden_dim
     expected = args.vocab_size * args.dim // 64 + 15 * (matmuls // 64 + 2 * args.dim // 8)
     assert f"parameters on rank 0: {expected:,} " in out, out
     assert "pipeline: Interleaved1F1B, 16 stages (2 per rank), 32 micro-batches" in out

@@ -215,7 +215,7 @@ def test_cli(capsys: pytest.CaptureFixture[str]) -> None:
 def test_traced_block_terms_by_hand() -> None:
     """The debug model's per-block bytes, as the trace of one block finds them, spelled out (CPU eager,
     composite RMSNorm): the same tensors the old SwiGLU formulas named."""
-    T, D, F, H = BATCH * SEQ, ARGS.dim, ARGS.ffn_hidden_dim, ARGS.n_heads
+    T, D, F, H = BATCH * SEQ, ARGS.dim, ARGS.hidden_dim, ARGS.n_heads
     debug = dict(flavor="debugmodel", ngpu=2, local_batch_size=BATCH, seq_len=SEQ, rmsnorm="composite")
     fp32 = activation_bytes(Job(param_dtype="float32", ac="none", **debug))
     norms = 2 * (4 * T * D + 4 * T * D + 4 * T + 4 * T * D)  # fp32 input, x*rstd, rstd, output

@@ -24,7 +24,7 @@ from data.loader import GlobalBatchLoader
 from data.tokenizers import build_tokenizer
 from errors import ConfigError
 from models import with_seq_len
-from models.hf import from_hf, hf_config, model_args_from_hf, to_hf
+from models.hf import from_hf, hf_config, hf_to_ours, model_args_from_hf, to_hf
 from models.llama3 import FAMILY as LLAMA3
 from models.llama3 import FLAVORS, Transformer, num_params
 from models.llama3.model import RopeScaling
@@ -75,13 +75,13 @@ def test_hf_parity_logits_and_gradients(hf_case: tuple[str, Path]) -> None:
     ref = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
     ours, args = from_hf(folder)
     assert args.tie_word_embeddings == ref.config.tie_word_embeddings
-    assert args.ffn_hidden_dim == ref.config.intermediate_size and args.kv_heads == ref.config.num_key_value_heads
+    assert args.hidden_dim == ref.config.intermediate_size and args.kv_heads == ref.config.num_key_value_heads
     tokens, labels = batch(args.vocab_size)
 
     ref_logits, ref_grads = logits_and_grads(ref, lambda t: ref(t).logits, tokens, labels)
     our_logits, our_grads = logits_and_grads(ours, ours, tokens, labels)
     logit_diff = (ref_logits - our_logits).abs().max().item()
-    to_ours = LLAMA3.hf.hf_to_ours(args)
+    to_ours = hf_to_ours(LLAMA3, args)
     assert {to_ours[n] for n in ref_grads} == set(our_grads)  # tied: one shared matrix on both sides
     grad_diff = max((ref_grads[n] - our_grads[to_ours[n]]).abs().max().item() for n in ref_grads)
     norm_diff = abs(total_norm(ref_grads) - total_norm(our_grads))
@@ -119,8 +119,8 @@ def test_torchtitan_parity(hf_case: tuple[str, Path]) -> None:
         max_seq_len=SEQ,
         # torchtitan sizes the MLP only by Llama's rule: multiple_of = the width and a multiplier that
         # lands the rule at or just below it make the rule round up to exactly that width.
-        multiple_of=args.ffn_hidden_dim,
-        ffn_dim_multiplier=args.ffn_hidden_dim / int(8 * args.dim / 3),
+        multiple_of=args.hidden_dim,
+        ffn_dim_multiplier=args.hidden_dim / int(8 * args.dim / 3),
         # torchtitan 0.2.2 always applies llama3 scaling; factor 1 makes it the identity.
         rope_scaling_args=RoPEScalingArgs(scaling_factor=1.0)
         if s is None
@@ -144,7 +144,7 @@ def test_torchtitan_parity(hf_case: tuple[str, Path]) -> None:
     tt_grads = adapter.to_hf(tt_grads)  # back to HF layout (un-permuted), comparable with ours
     if args.tie_word_embeddings:  # a tied matrix's gradient is the sum over its two uses
         tt_grads["model.embed_tokens.weight"] = tt_grads["model.embed_tokens.weight"] + tt_grads.pop("lm_head.weight")
-    to_ours = LLAMA3.hf.hf_to_ours(args)
+    to_ours = hf_to_ours(LLAMA3, args)
     assert {to_ours[n] for n in tt_grads} == set(our_grads)
     logit_diff = (tt_logits - our_logits).abs().max().item()
     grad_diff = max((tt_grads[n] - our_grads[to_ours[n]]).abs().max().item() for n in tt_grads)

@@ -35,7 +35,7 @@ def test_published_shapes_and_parameter_counts(flavor: str) -> None:
         ref["heads"],
         ref["kv"],
     )
-    assert args.ffn_hidden_dim == ref["hidden"]
+    assert args.hidden_dim == ref["hidden"]
     assert args.vocab_size == 128256 and args.rope_theta == 500000.0
     assert args.tie_word_embeddings == ref["tied"]
     assert args.rope_scaling is not None

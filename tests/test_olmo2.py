@@ -24,7 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, Olmo2Config, Olmo2For
 
 from errors import ConfigError
 from models import family, with_seq_len
-from models.hf import from_hf, model_args_from_hf, to_hf
+from models.hf import from_hf, hf_to_ours, model_args_from_hf, to_hf
 from models.olmo2 import FAMILY, FLAVORS, Transformer, num_flops_per_token, num_params
 from models.olmo2.hf import PUBLISHED, hf_config
 from tests.tiny_hf import batch, logits_and_grads, tiny_hf_model, unit_scale_init_, write_config
@@ -60,7 +60,7 @@ def test_hf_parity_logits_and_gradients(name: str, tmp_path: Path) -> None:
     ref_logits, ref_grads = logits_and_grads(ref, lambda t: ref(t).logits, tokens, labels)
     our_logits, our_grads = logits_and_grads(ours, ours, tokens, labels)
     assert ref_logits.abs().max() > 1  # O(1) logits: the tolerance below is meaningful
-    to_ours = FAMILY.hf.hf_to_ours(args)
+    to_ours = hf_to_ours(FAMILY, args)
     assert {to_ours[n] for n in ref_grads} == set(our_grads)  # tied: one shared matrix on both sides
     logit_diff = (ref_logits - our_logits).abs().max().item()
     grad_diff = max((ref_grads[n] - our_grads[to_ours[n]]).abs().max().item() for n in ref_grads)

@@ -285,7 +285,7 @@ def _one_step_counts(ac: ActivationCheckpoint) -> StepCounts:
 
 def test_recomputation_is_counted_not_assumed() -> None:
     layers, tokens = TINY.n_layers, random_batch()[:, :-1].numel()
-    dim, hidden, kv_dim = TINY.dim, TINY.ffn_hidden_dim, TINY.kv_heads * TINY.head_dim
+    dim, hidden, kv_dim = TINY.dim, TINY.hidden_dim, TINY.kv_heads * TINY.head_dim
     sdpa = aten._scaled_dot_product_flash_attention_for_cpu.default  # the attention kernel on CPU, fp32
     mm = aten.mm.default
 

@@ -1,10 +1,12 @@
 """The shape of the code a newcomer reads: no import cycle among the repo's modules (imports inside
-functions count; those only type checkers see do not), and no function of the recipe longer than a
-screenful or two."""
+functions count; those only type checkers see do not), no function of the recipe longer than a
+screenful or two, and no family's marked copy of another's code drifted from its source."""
 
 from __future__ import annotations
 
 import ast
+import re
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -115,3 +117,79 @@ def test_no_function_of_the_recipe_is_longer_than_about_100_lines() -> None:
                 if (lines := node.end_lineno - first + 1) > LONGEST_FUNCTION:
                     long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({lines} lines)")
     assert long == []
+
+
+# ------------------------------------------------------------------ copies that cannot drift
+
+# A family copies code from another on purpose (a fork deletes any one folder of models/ and the rest still runs).
+# A copy says so on the line above it, transformers' way: `# Copied from models.llama3.model.FeedForward`, optionally
+# `with OLD->NEW; OLD2->NEW2` for the words it changes. Where the source file is gone (a fork deleted its folder),
+# the copy is its own code from then on.
+COPIED = re.compile(r"^# Copied from (models(?:\.\w+)+)\.(\w+)(?: with (.+))?$", re.M)
+
+
+def _definition(tree: ast.Module, *, name: str | None = None, line: int | None = None) -> ast.AST | None:
+    """The top-level def or class of `tree` named `name`, or starting (decorators included) on `line`."""
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.ClassDef):
+            start = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            if node.name == name or start == line:
+                return node
+    return None
+
+
+def copy_problems(root: Path) -> tuple[list[str], int]:
+    """(one line per marked copy under root/models that differs from its source, with the first differing line;
+    how many marked copies were checked)."""
+    problems, checked = [], 0
+    for path in sorted((root / "models").rglob("*.py")):
+        text = path.read_text()
+        tree = ast.parse(text)
+        for match in COPIED.finditer(text):
+            module, name, renames = match.groups()
+            where = f"{path.relative_to(root)}:{text[: match.start()].count(chr(10)) + 2}"
+            source = root / (module.replace(".", "/") + ".py")
+            if not source.is_file():
+                continue
+            source_text = source.read_text()
+            original = _definition(ast.parse(source_text), name=name)
+            copy = _definition(tree, line=text[: match.start()].count("\n") + 2)
+            if original is None or copy is None:
+                problems.append(
+                    f"{where}: no definition {'of ' + module + '.' + name if original is None else 'below'}"
+                )
+                continue
+            expected = ast.get_source_segment(source_text, original, padded=True) or ""
+            for pair in renames.split("; ") if renames else []:
+                old, new = pair.split("->")
+                expected = expected.replace(old, new)
+            found = ast.get_source_segment(text, copy, padded=True) or ""
+            checked += 1
+            if found != expected:
+                first = next(
+                    (a, b)
+                    for a, b in zip([*found.splitlines(), ""], [*expected.splitlines(), ""], strict=False)
+                    if a != b
+                )
+                problems.append(f"{where}: {copy.name} differs from {module}.{name}: {first[0]!r} vs {first[1]!r}")
+    return problems, checked
+
+
+def test_marked_copies_match_their_sources(tmp_path: Path) -> None:
+    """Every `# Copied from` in models/ matches its source, and a changed copy is caught."""
+    problems, checked = copy_problems(REPO)
+    assert not problems, "\n".join(
+        ["change the copy to match its source, or drop its marker where it is meant to differ:", *problems]
+    )
+    assert checked >= 5, checked
+    # The check fails on a changed copy: one line of Qwen3's SwiGLU edited in a copy of models/.
+    shutil.copytree(REPO / "models", tmp_path / "models", ignore=shutil.ignore_patterns("__pycache__"))
+    qwen3 = tmp_path / "models" / "qwen3" / "model.py"
+    qwen3.write_text(
+        qwen3.read_text().replace("self.w2(F.silu(self.w1(x)) * self.w3(x))", "self.w2(F.gelu(self.w1(x)))")
+    )
+    problems, _ = copy_problems(tmp_path)
+    assert len(problems) == 1 and "FeedForward differs from models.llama3.model.FeedForward" in problems[0], problems
+    # A deleted source (a fork removed models/llama3): its copies are their own code.
+    shutil.rmtree(tmp_path / "models" / "llama3")
+    assert copy_problems(tmp_path)[0] == []

@@ -40,12 +40,14 @@ PUBLISHED = {
     "llama3_70b": "meta-llama/Llama-3.1-70B",
     "llama3_405b": "meta-llama/Llama-3.1-405B",
 }
-_TOP_LEVEL = {
+# Our parameter names of Hugging Face's weights (models.hf.hf_to_ours): at the top level, and in each layer
+# (model.layers.<i>.<name>.weight -> layers.<i>.<ours>.weight).
+TOP_LEVEL = {
     "model.embed_tokens.weight": "tok_embeddings.weight",
     "model.norm.weight": "norm.weight",
     "lm_head.weight": "output.weight",
 }
-_PER_LAYER = {
+PER_LAYER = {
     "self_attn.q_proj": "attention.wq",
     "self_attn.k_proj": "attention.wk",
     "self_attn.v_proj": "attention.wv",
@@ -137,9 +139,9 @@ def _with_ffn_width(args: ModelArgs, width: int) -> ModelArgs:
         candidate = dataclasses.replace(
             args, multiple_of=flavor.multiple_of, ffn_dim_multiplier=flavor.ffn_dim_multiplier
         )
-        if candidate.ffn_hidden_dim == width:
+        if candidate.hidden_dim == width:
             return candidate
-    return dataclasses.replace(args, ffn_hidden_dim_override=width)
+    return dataclasses.replace(args, hidden_dim_override=width)
 
 
 def hf_config(args: ModelArgs, *, dtype: torch.dtype) -> dict[str, Any]:
@@ -149,7 +151,7 @@ def hf_config(args: ModelArgs, *, dtype: torch.dtype) -> dict[str, Any]:
         "architectures": ["LlamaForCausalLM"],
         "model_type": MODEL_TYPE,
         "hidden_size": args.dim,
-        "intermediate_size": args.ffn_hidden_dim,
+        "intermediate_size": args.hidden_dim,
         "num_hidden_layers": args.n_layers,
         "num_attention_heads": args.n_heads,
         "num_key_value_heads": args.kv_heads,
@@ -178,12 +180,3 @@ def hf_config(args: ModelArgs, *, dtype: torch.dtype) -> dict[str, Any]:
             "original_max_position_embeddings": s.original_max_position_embeddings,
         }
     return config
-
-
-def hf_to_ours(args: ModelArgs) -> dict[str, str]:
-    """HF weight name -> our parameter name, for every weight a model of `args` has."""
-    names = {hf: ours for hf, ours in _TOP_LEVEL.items() if not (args.tie_word_embeddings and hf == "lm_head.weight")}
-    for i in range(args.n_layers):
-        for hf, ours in _PER_LAYER.items():
-            names[f"model.layers.{i}.{hf}.weight"] = f"layers.{i}.{ours}.weight"
-    return names

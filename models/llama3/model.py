@@ -61,7 +61,7 @@ class ModelArgs:
     tie_word_embeddings: bool = False
     # An explicit SwiGLU width for checkpoints whose width Llama's rule below cannot produce
     # (e.g. a Hugging Face config's intermediate_size); None: use the rule.
-    ffn_hidden_dim_override: int | None = None
+    hidden_dim_override: int | None = None
     attn_mask_type: str = "causal"  # or "block_causal": attention stays inside each packed document
 
     @property
@@ -73,9 +73,9 @@ class ModelArgs:
         return self.n_kv_heads or self.n_heads
 
     @property
-    def ffn_hidden_dim(self) -> int:
-        if self.ffn_hidden_dim_override is not None:
-            return self.ffn_hidden_dim_override
+    def hidden_dim(self) -> int:
+        if self.hidden_dim_override is not None:
+            return self.hidden_dim_override
         # Llama's SwiGLU sizing: 2/3 of 4*dim, scaled, rounded up to `multiple_of`.
         hidden = int(2 * (4 * self.dim) / 3)
         if self.ffn_dim_multiplier is not None:
@@ -208,7 +208,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: ModelArgs):
         super().__init__()
         self.attention = Attention(args)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        self.feed_forward = FeedForward(args.dim, args.hidden_dim)
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         # Output projections get a smaller init the deeper the layer (GPT-2/torchtitan style),
@@ -316,7 +316,7 @@ class Transformer(nn.Module):
 
 def _matmul_params_per_layer(args: ModelArgs) -> int:
     attention = args.dim * args.head_dim * (2 * args.n_heads + 2 * args.kv_heads)  # wq, wk, wv, wo
-    return attention + 3 * args.dim * args.ffn_hidden_dim  # + w1, w2, w3
+    return attention + 3 * args.dim * args.hidden_dim  # + w1, w2, w3
 
 
 def num_params(args: ModelArgs, *, exclude_embedding: bool = False) -> int:

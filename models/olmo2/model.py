@@ -299,6 +299,7 @@ class Transformer(nn.Module):
 # ------------------------------------------------------------------ size and FLOPs
 
 
+# Copied from models.llama3.model._matmul_params_per_layer
 def _matmul_params_per_layer(args: ModelArgs) -> int:
     attention = args.dim * args.head_dim * (2 * args.n_heads + 2 * args.kv_heads)  # wq, wk, wv, wo
     return attention + 3 * args.dim * args.hidden_dim  # + w1, w2, w3

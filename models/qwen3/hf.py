@@ -42,12 +42,14 @@ PUBLISHED = {
     "qwen3_14b": "Qwen/Qwen3-14B-Base",
     "qwen3_32b": "Qwen/Qwen3-32B",
 }
-_TOP_LEVEL = {
+# Our parameter names of Hugging Face's weights (models.hf.hf_to_ours): at the top level, and in each layer
+# (model.layers.<i>.<name>.weight -> layers.<i>.<ours>.weight).
+TOP_LEVEL = {
     "model.embed_tokens.weight": "tok_embeddings.weight",
     "model.norm.weight": "norm.weight",
     "lm_head.weight": "output.weight",
 }
-_PER_LAYER = {
+PER_LAYER = {
     "self_attn.q_proj": "attention.wq",
     "self_attn.k_proj": "attention.wk",
     "self_attn.v_proj": "attention.wv",
@@ -170,12 +172,3 @@ def hf_config(args: ModelArgs, *, dtype: torch.dtype) -> dict[str, Any]:
         "torch_dtype": str(dtype).removeprefix("torch."),
         "use_cache": True,
     }
-
-
-def hf_to_ours(args: ModelArgs) -> dict[str, str]:
-    """HF weight name -> our parameter name, for every weight a model of `args` has."""
-    names = {hf: ours for hf, ours in _TOP_LEVEL.items() if not (args.tie_word_embeddings and hf == "lm_head.weight")}
-    for i in range(args.n_layers):
-        for hf, ours in _PER_LAYER.items():
-            names[f"model.layers.{i}.{hf}.weight"] = f"layers.{i}.{ours}.weight"
-    return names

@@ -144,6 +144,7 @@ class Attention(nn.Module):
         self.k_norm.reset_parameters()
 
 
+# Copied from models.llama3.model.FeedForward
 class FeedForward(nn.Module):
     """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
 
@@ -162,6 +163,7 @@ class FeedForward(nn.Module):
             nn.init.trunc_normal_(linear.weight, mean=0.0, std=init_std)
 
 
+# Copied from models.llama3.model.TransformerBlock
 class TransformerBlock(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h))."""
 
@@ -188,6 +190,7 @@ class TransformerBlock(nn.Module):
         self.feed_forward.init_weights(self.init_std)
 
 
+# Copied from models.llama3.model.Transformer with Tied models (1B/3B)->Tied sizes (0.6B to 4B)
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -218,13 +221,16 @@ class Transformer(nn.Module):
             (context parallel, parallelisms/cp.py: its wrapper of `Attention.sdpa` gathers the whole
             window's keys and values); `segments` then covers the whole window. None: 0..seqlen-1.
         head: what to apply to the final norm's output (bs, seqlen, dim) instead of `project`; the
-            training loss passes itself to project and score a chunk of tokens at a time (loss.py),
-            inside this forward so FSDP gathers the projection once per step.
+            training loss passes itself, to project and score a chunk of tokens at a time (loss.py).
+            It runs inside this forward on purpose: FSDP gathers the projection's parameters for
+            the root's forward, and a projection called after it costs one more all-gather and
+            one more reduce-scatter per step (counted in tests/test_loss.py).
         cache: generation's key/value cache (models/kv_cache.py), owned by the generator and passed with
             each forward, `positions` then being the cache positions of `tokens`; training never passes one.
         """
         rope = self.rope_cos_sin if positions is None else self.rope_cos_sin[:, positions]
-        # A pipeline stage (parallelisms/pp.py) may lack the embedding or the final norm and output.
+        # A pipeline stage (parallelisms/pp.py) may lack the embedding (it gets the previous stage's
+        # hidden states) or the final norm and output (it returns its last block's hidden states).
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (bs, seqlen, dim)
         segments = segments.to(tokens.device) if segments is not None else None
         if cache is not None:  # generation (generate.py); training passes none
@@ -271,6 +277,7 @@ class Transformer(nn.Module):
 # ------------------------------------------------------------------ size and FLOPs
 
 
+# Copied from models.llama3.model._matmul_params_per_layer
 def _matmul_params_per_layer(args: ModelArgs) -> int:
     attention = args.dim * args.head_dim * (2 * args.n_heads + 2 * args.kv_heads)  # wq, wk, wv, wo
     return attention + 3 * args.dim * args.hidden_dim  # + w1, w2, w3
