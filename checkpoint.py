@@ -69,7 +69,7 @@ from torch.distributed.tensor import DTensor
 from checkpoint_torchtitan import TorchtitanState, is_torchtitan, load_torchtitan
 from checksums import ALGORITHM, CONTENT, MANIFEST, ChecksumWriter, first_damaged, read_manifest
 from config import Checkpoint
-from errors import ConfigError, warn, writable_folder
+from errors import ConfigError, DiskFull, warn, writable_folder
 from models import ModelFamily, parameter_shapes
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -932,7 +932,7 @@ class _OutOfSpace:
                 shutil.rmtree(self.partial, ignore_errors=True)
             else:
                 self.partial.unlink(missing_ok=True)
-        raise ConfigError(
+        raise DiskFull(
             f"checkpoint.folder: no space left on the device while writing {self.partial} (removed); free space or "
             "point job.dump_folder elsewhere, then rerun to resume from the last checkpoint"
         ) from None

@@ -39,8 +39,9 @@ from typing import Literal
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from config import JobConfig, float8_settings, global_batch_size, input_problems, load_config, model_args
+from config import JobConfig, float8_settings, global_batch_size, load_config, model_args
 from data.corpus import corpus_size
+from data.inputs import input_problems
 from data.tokenizers import build_tokenizer
 from errors import ConfigError, is_rank0, warn
 from parallelisms.parallel_dims import ParallelDims, layout_checks
@@ -440,7 +441,7 @@ def main(argv: list[str]) -> int:
     if not world.isdigit() and "--world-size" not in options:
         problems.append(f"WORLD_SIZE: {world!r} is not a number of ranks; pass --world-size N")
     try:
-        cfg = load_config(rest, inputs=False, extra_checks=layout_checks(int(world)) if world.isdigit() else None)
+        cfg = load_config(rest, extra_checks=layout_checks(int(world)) if world.isdigit() else None)
     except ConfigError as e:
         problems += e.problems
     if problems:

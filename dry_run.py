@@ -42,10 +42,10 @@ from config import (
     JobConfig,
     dry_run_world,
     global_batch_size,
-    input_problems,
     model_label,
     run_model_args,
 )
+from data.inputs import input_problems
 from estimate_memory import BlockCosts, GiB, Job, checkpointed_blocks, cp_kv_bytes, estimate, job_costs, job_of
 from loss import Loss
 from models import family

@@ -1,8 +1,10 @@
-"""The user-facing error type and the one warning channel. Imports nothing from this repo.
+"""The user-facing errors and the one warning channel. Imports nothing from this repo.
 
-`ConfigError` is every mistake in the user's input (config, data, tokenizer, checkpoint,
-launch): one line per problem, naming the key or file and the fix, all problems together.
-The commands print it once (rank 0, `report`) and exit with status 2. What a run may have written before
+`RecipeError` is a run that cannot go on, told in one line per problem, each naming the key or file and
+the fix; the commands print it once (rank 0, `report`) and exit with status 2. Its kinds are named for
+what failed: `ConfigError`, every mistake in the user's input (config, data, tokenizer, checkpoint,
+launch), all problems of one round together; `TrainingStopped`, a run that stopped itself (more
+non-finite steps than it tolerates); `DiskFull`, no space left where the run writes. What a run may have written before
 it (its dump folder and lock, a tokenization cache of raw data) is whole: nothing half-written
 that a rerun would trust (checkpoints publish only when complete, caches only with a manifest).
 
@@ -21,12 +23,24 @@ import tempfile
 from pathlib import Path
 
 
-class ConfigError(ValueError):
-    """A problem with the user's input; `problems` holds one line per mistake."""
+class RecipeError(Exception):
+    """A run that cannot go on; `problems` holds one line per problem."""
 
     def __init__(self, *problems: str):
         self.problems = list(problems)
         super().__init__("\n".join(self.problems))
+
+
+class ConfigError(RecipeError, ValueError):
+    """A problem with the user's input."""
+
+
+class TrainingStopped(RecipeError):
+    """Training stopped itself: its loss or gradients went non-finite more often than it tolerates."""
+
+
+class DiskFull(RecipeError):
+    """No space left on the device where the run writes (checkpoints, metrics, caches)."""
 
 
 _warned: set[str] = set()
@@ -37,8 +51,8 @@ def is_rank0() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def report(error: ConfigError) -> int:
-    """Print a ConfigError's lines once (`error: ...` on stderr, from global rank 0) and return the exit status, 2."""
+def report(error: RecipeError) -> int:
+    """Print a RecipeError's lines once (`error: ...` on stderr, from global rank 0) and return the exit status, 2."""
     if is_rank0():
         for problem in error.problems:
             print(f"error: {problem}", file=sys.stderr, flush=True)

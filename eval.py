@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from errors import ConfigError, is_rank0, report
+from errors import ConfigError, RecipeError, is_rank0, report
 
 
 def main(argv: list[str]) -> int:
@@ -100,16 +100,16 @@ def held_out_loss(checkpoint: Path, config: Path | None, overrides: list[str]) -
     """(loss, tokens, seconds, data path) of `[validation]` on the checkpoint's weights, with the config's layout."""
     from config import load_config, run_model_args, validation_path
     from data.tokenizers import build_tokenizer
+    from distributed import init_distributed
     from loss import build_loss_fn
     from parallelisms.cp import context_parallel
-    from parallelisms.parallel_dims import ParallelDims, layout_checks
+    from parallelisms.parallel_dims import ParallelDims, layout_checks, uses_loss_parallel
     from parallelisms.parallelize import build_run_model, init_model
-    from train import init_distributed, uses_loss_parallel
     from validation import Validator
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     argv = [*config_args(checkpoint, config), *overrides, "--validation.enable=true", "--checkpoint.enable=false"]
-    cfg = load_config(argv, inputs=False, extra_checks=layout_checks(world))
+    cfg = load_config(argv, extra_checks=layout_checks(world))
     if validation_path(cfg.validation) is None:
         raise ConfigError("validation.dataset_path: name the held-out data to evaluate on (a file or prepared folder)")
     device, _, world_size = init_distributed(cfg.comm, dump_folder=cfg.job.dump_folder)
@@ -157,5 +157,5 @@ def load_weights(checkpoint: Path, model: torch.nn.Module, pipeline: Any, *, arg
 if __name__ == "__main__":
     try:
         sys.exit(main(sys.argv[1:]))
-    except ConfigError as e:
+    except RecipeError as e:
         sys.exit(report(e))

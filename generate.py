@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from data.tokenizers import Tokenizer, build_tokenizer
-from errors import ConfigError, is_rank0, report
+from errors import ConfigError, RecipeError, is_rank0, report
 from models.kv_cache import KVCache
 
 CACHE_LENGTH_MULTIPLE = 128
@@ -163,7 +163,7 @@ def load_model(
                 f"--config: no config.toml beside {path} (train.py writes one when it checkpoints); pass the TOML it "
                 "was trained with, --config FILE"
             )
-        cfg = load_config(["--config", str(config)], inputs=False)
+        cfg = load_config(["--config", str(config)])
         fam, args, tokenizer_path = family(cfg.model.name), model_args(cfg.model), cfg.model.tokenizer_path
     with torch.device("meta"):
         model = fam.model_cls(args)
@@ -346,5 +346,5 @@ def _until_stop(tokens: list[int], stop: set[int]) -> list[int]:
 if __name__ == "__main__":
     try:
         sys.exit(main(sys.argv[1:]))
-    except ConfigError as e:
+    except RecipeError as e:
         sys.exit(report(e))

@@ -45,7 +45,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import checkpoint
@@ -207,14 +206,3 @@ def cross_entropy_and_z_loss(
 
 def _local(value: torch.Tensor) -> torch.Tensor:
     return value.full_tensor() if isinstance(value, DTensor) else value
-
-
-def mean_over_loss_ranks(value: torch.Tensor, *, pp_degree: int = 1) -> torch.Tensor:
-    """The run's mean of a per-rank loss (a float32 device tensor; one all-reduce, no host read).
-
-    Data-parallel ranks hold different losses; TP and CP ranks of a group hold equal ones. Under
-    pipeline parallel only the ranks of the last stage hold a loss (the others 0), one rank in
-    `pp_degree`: their mean is the sum over the world divided by world / pp_degree."""
-    total = value.detach().float().reshape(()).clone()
-    dist.all_reduce(total)  # SUM: gloo has no AVG
-    return total * pp_degree / dist.get_world_size()

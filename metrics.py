@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from config import Metrics
+from distributed import mean_over_loss_ranks
 from errors import ConfigError
-from loss import mean_over_loss_ranks
 
 # Dense (no sparsity) bf16 tensor-core peak, FLOP/s, by a substring of the device name.
 # Order matters: the first match wins ("H100 NVL" before "H100").

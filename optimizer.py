@@ -31,8 +31,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from config import LRScheduler, Optimizer, Training
-from errors import ConfigError, warn
-from loss import mean_over_loss_ranks
+from distributed import mean_over_loss_ranks
+from errors import TrainingStopped, warn
 
 
 def build_optimizer(
@@ -175,9 +175,9 @@ class SkipStepAdamW(torch.optim.AdamW):
     def too_many_nonfinite(self) -> bool:
         return self.nonfinite > self.tolerate_nonfinite
 
-    def nonfinite_error(self, *, last_checkpoint: str) -> ConfigError:
+    def nonfinite_error(self, *, last_checkpoint: str) -> TrainingStopped:
         step, loss, grad_norm = self.last_nonfinite or (0, math.nan, math.nan)
-        return ConfigError(
+        return TrainingStopped(
             f"training.skip_nonfinite_steps: step {step} had loss {loss:g} and gradient norm {grad_norm:g} "
             f"({self.nonfinite} such steps, {self.tolerate_nonfinite} tolerated); its update was skipped and the run "
             f"stops. Last checkpoint: {last_checkpoint}. Lower optimizer.lr (or check the data) and rerun to resume "
@@ -187,7 +187,7 @@ class SkipStepAdamW(torch.optim.AdamW):
 
 class StopOnNonfinite:
     """After each step: more non-finite steps than training.skip_nonfinite_steps stop the run (a
-    ConfigError), after publishing a save that finished (skipped updates leave its weights finite)."""
+    TrainingStopped), after publishing a save that finished (skipped updates leave its weights finite)."""
 
     def __init__(self, optimizer: SkipStepAdamW, checkpoint: Any):
         self.optimizer, self.checkpoint = optimizer, checkpoint

@@ -15,9 +15,8 @@ import gc
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -34,13 +33,11 @@ import doctor
 from checkpoint import CheckpointManager, SaveStep, prepare_dump_folder
 from checkpoint_torchtitan import schedule_disagreement
 from config import (
-    Comm,
     Debug,
     JobConfig,
     float8_settings,
     global_batch_size,
     help_text,
-    input_problems,
     load_config,
     model_args,
     model_label,
@@ -48,10 +45,12 @@ from config import (
     to_toml,
 )
 from data.corpus import open_corpus
+from data.inputs import input_problems
 from data.loader import Batch, GlobalBatchLoader
 from data.mixture import open_mixture
 from data.tokenizers import build_tokenizer
-from errors import ConfigError, is_rank0, report, writable_folder
+from distributed import CollectiveTimeout, collective_on_rank0, init_distributed
+from errors import ConfigError, RecipeError, is_rank0, report, writable_folder
 from loss import Loss, build_loss_fn
 from metrics import LogStep, MetricsLogger, StepResult
 from models import family
@@ -67,7 +66,7 @@ from optimizer import (
 from parallelisms.cp import ContextParallel, context_parallel
 from parallelisms.float8 import precompute_scales_after_each_step
 from parallelisms.fsdp import sync_gradients_on
-from parallelisms.parallel_dims import ParallelDims, layout_checks
+from parallelisms.parallel_dims import ParallelDims, layout_checks, uses_loss_parallel
 from parallelisms.parallelize import build_run_model, init_model
 from parallelisms.pp import Pipeline
 from parallelisms.tp import loss_parallel_context
@@ -87,7 +86,7 @@ def main(argv: list[str]) -> int:
     world = os.environ.get("WORLD_SIZE", "1")
     cfg = load_config(
         [a for a in argv if a != "--print-config"],
-        inputs=not print_config,
+        input_checks=None if print_config else input_problems,
         extra_checks=None if print_config or not world.isdigit() else layout_checks(int(world)),
     )
     if print_config:
@@ -516,42 +515,6 @@ def train_step(
 # ------------------------------------------------------------------- builders
 
 
-def uses_loss_parallel(cfg: JobConfig, dims: ParallelDims) -> bool:
-    """Whether the loss runs on vocabulary-sharded logits: under TP, unless parallelism.disable_loss_parallel."""
-    return dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
-
-
-def init_distributed(cfg: Comm, *, dump_folder: str) -> tuple[torch.device, int, int]:
-    """NCCL on CUDA, gloo on CPU; a one-process group when not launched by torchrun."""
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-        backend = "nccl"
-        # NCCL's flight recorder: the last trace_buf_size collectives of each rank, dumped when one
-        # times out (what every rank was doing when the job hung). Set before the group exists.
-        if cfg.trace_buf_size > 0:
-            os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(cfg.trace_buf_size))
-            os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-            prefix = Path(dump_folder) / cfg.save_traces_folder / cfg.save_traces_file_prefix
-            prefix.parent.mkdir(parents=True, exist_ok=True)
-            os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(prefix))
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-    timeout = timedelta(seconds=cfg.init_timeout_seconds)
-    if "RANK" in os.environ:  # torchrun
-        dist.init_process_group(backend, device_id=device if backend == "nccl" else None, timeout=timeout)
-    else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    return device, dist.get_rank(), dist.get_world_size()
-
-
-def set_collective_timeout(seconds: int, *, groups: list[dist.ProcessGroup | None]) -> None:
-    """From now on a collective that waits longer than `seconds` fails the job instead of hanging it."""
-    # Private (PyTorch 2.13, as torchtitan uses it): no public API changes a live group's timeout.
-    for group in groups:
-        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
-
-
 def set_determinism(cfg: Debug) -> None:
     """The same seed on every rank: ranks differ by the data they read, not by their RNG."""
     torch.manual_seed(cfg.seed)
@@ -645,36 +608,6 @@ class GarbageCollection:
         gc.enable()
 
 
-class CollectiveTimeout:
-    """After the first step every rank is past start-up: from then on a collective that waits longer than
-    comm.train_timeout_seconds fails the job instead of hanging it (start-up has comm.init_timeout_seconds)."""
-
-    def __init__(self, cfg: Comm, groups: list[dist.ProcessGroup | None]):
-        self.seconds, self.groups, self.done = cfg.train_timeout_seconds, groups, False
-
-    def __call__(self, step: int, result: object) -> bool:
-        if not self.done:
-            set_collective_timeout(self.seconds, groups=self.groups)
-            self.done = True
-        return False
-
-
-def collective_on_rank0(fn: Callable[[], T], *, rank: int) -> T | None:
-    """A collective: every rank calls it, rank 0 runs `fn`, and a ConfigError there stops every rank.
-    Rank 0 gets the result, the others None."""
-    problems: list[list[str] | None] = [None]
-    result = None
-    if rank == 0:
-        try:
-            result = fn()
-        except ConfigError as e:
-            problems[0] = e.problems
-    dist.broadcast_object_list(problems, src=0)
-    if problems[0]:
-        raise ConfigError(*problems[0])
-    return result
-
-
 def config_summary(cfg: JobConfig) -> str:
     """The resolved config plus the numbers derived from it (--print-config)."""
     t, par = cfg.training, cfg.parallelism
@@ -713,7 +646,7 @@ def config_summary(cfg: JobConfig) -> str:
 if __name__ == "__main__":
     try:
         sys.exit(main(sys.argv[1:]))
-    except ConfigError as e:
+    except RecipeError as e:
         sys.exit(report(e))
     except RuntimeError as e:  # NCCL's DistBackendError is one too
         if "timed out" not in str(e).lower():

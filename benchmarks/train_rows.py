@@ -37,7 +37,7 @@ PROBLEM = "memory estimate"
 def estimate_gib(train: dict[str, Any], *, cuda: bool) -> float:
     """estimate_memory's reserved GiB per rank for one run_train variant: the job of the config it trained with (the
     config.toml it saved), so that every key the estimator reads (the loss's chunks, AC, dtypes) is the run's."""
-    cfg = load_config(["--config", train["config"]], inputs=False)
+    cfg = load_config(["--config", train["config"]])
     dims = ParallelDims.from_config(cfg.parallelism, world_size=train["nproc"])
     return float(estimate_rank(job_of(cfg, dims, cuda=cuda))["reserved"]) / GiB
 

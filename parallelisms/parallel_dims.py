@@ -193,3 +193,8 @@ def layout_problems(
 def layout_checks(world_size: int) -> Callable[[JobConfig], list[str]]:
     """config.load_config's extra_checks for a run on world_size ranks: the layout's rules, in the config's round."""
     return lambda cfg: layout_problems(**cfg.layout_settings(), world_size=world_size)
+
+
+def uses_loss_parallel(cfg: JobConfig, dims: ParallelDims) -> bool:
+    """Whether the loss runs on vocabulary-sharded logits: under TP, unless parallelism.disable_loss_parallel."""
+    return dims.tp_enabled and not cfg.parallelism.disable_loss_parallel

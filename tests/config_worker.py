@@ -19,13 +19,15 @@ from pathlib import Path
 import torch.distributed as dist
 
 from config import load_config
-from train import build, init_distributed, layout_checks, train
+from data.inputs import input_problems
+from distributed import init_distributed
+from train import build, layout_checks, train
 
 
 def main(argv: list[str]) -> int:
     runs = json.loads(Path(argv[0]).read_text())
     world = int(os.environ["WORLD_SIZE"])
-    cfgs = [load_config(args, inputs=True, extra_checks=layout_checks(world)) for args in runs]
+    cfgs = [load_config(args, input_checks=input_problems, extra_checks=layout_checks(world)) for args in runs]
     device, rank, world_size = init_distributed(cfgs[0].comm, dump_folder=cfgs[0].job.dump_folder)
     try:
         for cfg in cfgs:

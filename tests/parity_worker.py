@@ -36,7 +36,8 @@ import models
 from config import ActivationCheckpoint, Compile, Optimizer, Parallelism, Training
 from data.chat import IGNORE_INDEX
 from data.loader import Batch
-from loss import build_loss_fn, mean_over_loss_ranks
+from distributed import mean_over_loss_ranks
+from loss import build_loss_fn
 from models import with_seq_len
 from models.llama3 import FLAVORS, ModelArgs
 from models.olmo2 import FAMILY as OLMO2

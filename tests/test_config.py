@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from config import REPO, SECTIONS, JobConfig, field_docs, help_text, input_problems, keys, load_config, script, to_toml
+from config import REPO, SECTIONS, JobConfig, field_docs, help_text, keys, load_config, script, to_toml
+from data.inputs import input_problems
 from errors import ConfigError
 from parallelisms.parallel_dims import layout_checks
 from tests.conftest import SHIPPED, Launch
@@ -76,8 +77,9 @@ def test_resolved_config_round_trips_through_toml(tmp_path: Path, monkeypatch: p
 
 
 def problems(argv: list[str]) -> list[str]:
+    """What training's load_config refuses (the input files' checks included)."""
     with pytest.raises(ConfigError) as info:
-        load_config(argv)
+        load_config(argv, input_checks=input_problems)
     return info.value.problems
 
 
@@ -137,7 +139,7 @@ def test_missing_files_are_named_for_training_and_noted_when_planning() -> None:
         "files, *.safetensors)"
     )
     # Planning (--print-config, doctor.py, a dry run) loads the same config; the files are its notes.
-    assert input_problems(load_config(argv, inputs=False)) == found
+    assert input_problems(load_config(argv)) == found
     assert "file missing.toml not found" in problems(["--config", "missing.toml"])[0]
     # Advice names the script so that it runs from anywhere; torchtitan's c4_test is torchtitan's folder.
     (problem,) = problems(["--data.path=data/nope"])
@@ -148,10 +150,10 @@ def test_missing_files_are_named_for_training_and_noted_when_planning() -> None:
 
 def test_settings_that_passed_silently_or_failed_badly() -> None:
     # torchtitan's dataset key given on the command line beats data.path from the TOML (with a warning).
-    cfg = load_config(["--config", "configs/debug.toml", "--training.dataset=c4"], inputs=False)
+    cfg = load_config(["--config", "configs/debug.toml", "--training.dataset=c4"])
     assert (cfg.data.path, cfg.data.format, cfg.data.name) == ("allenai/c4", "hub", "en")
     with pytest.raises(ConfigError) as info:
-        load_config(["--data.path=a.jsonl", "--training.dataset=c4"], inputs=False)
+        load_config(["--data.path=a.jsonl", "--training.dataset=c4"])
     assert info.value.problems == ["data.path: 'a.jsonl' and training.dataset both name the training data; keep one"]
     # A flag without a value is a boolean's; anything else says so.
     assert problems(["--training.steps"]) == ["training.steps: needs a value (--training.steps=VALUE, int)"]
@@ -175,7 +177,7 @@ def test_a_mixture_names_the_training_data_instead_of_data_path(
 ) -> None:
     # Given on the command line, it replaces the TOML's data.path (with a warning), resolved like other inputs.
     monkeypatch.chdir(tmp_path)
-    cfg = load_config(["--config", "configs/debug.toml", "--data.mixture=assets/corpus,/nope/code"], inputs=False)
+    cfg = load_config(["--config", "configs/debug.toml", "--data.mixture=assets/corpus,/nope/code"])
     assert (cfg.data.path, cfg.data.mixture) == (None, [str(REPO / "assets/corpus"), "/nope/code"])
     assert "data.path: overridden by data.mixture from the command line" in capsys.readouterr().err
     assert input_problems(cfg) == [
@@ -185,18 +187,18 @@ def test_a_mixture_names_the_training_data_instead_of_data_path(
         )
     ]
     with pytest.raises(ConfigError) as info:
-        load_config(["--data.path=a", "--data.mixture=b,c", "--data.mixture_weights=1,2,3"], inputs=False)
+        load_config(["--data.path=a", "--data.mixture=b,c", "--data.mixture_weights=1,2,3"])
     assert info.value.problems == [
         "data.path: 'a' and data.mixture both name the training data; keep one",
         "data.mixture_weights: 3 weights for 2 data.mixture folders; give one weight per folder (or none for equal shares)",
     ]
     with pytest.raises(ConfigError) as info:
-        load_config(["--data.mixture=b,c", "--data.mixture_weights=1,0"], inputs=False)
+        load_config(["--data.mixture=b,c", "--data.mixture_weights=1,0"])
     assert info.value.problems == [
         "data.mixture_weights: every weight must be > 0, got [1.0, 0.0]; leave a folder out instead"
     ]
     with pytest.raises(ConfigError) as info:
-        load_config(["--data.mixture_weights=1,2"], inputs=False)
+        load_config(["--data.mixture_weights=1,2"])
     assert info.value.problems == [
         "data.mixture_weights: weighs the folders of data.mixture, which is empty; set data.mixture or remove the key"
     ]

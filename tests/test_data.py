@@ -19,6 +19,7 @@ import torch
 
 from config import Data, load_config
 from data.corpus import MAX_RAW_BYTES, TokenCorpus, open_corpus
+from data.inputs import input_problems
 from data.loader import GlobalBatchLoader, permute
 from data.mixture import BLOCK, MixedCorpus, Mixture, open_mixture
 from data.prepare import prepare, shard_name, tokenize
@@ -670,11 +671,11 @@ def test_a_dataset_name_that_is_not_cached_is_one_line_at_start_up(
     (datasets_cache / "someuser___other").mkdir(parents=True)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setenv("HF_DATASETS_CACHE", str(datasets_cache))
-    cfg = load_config(["--config", "configs/debug.toml", "--data.path=someuser/tiny"])
+    cfg = load_config(["--config", "configs/debug.toml", "--data.path=someuser/tiny"], input_checks=input_problems)
     with pytest.raises(ConfigError, match=r"^data.path: someuser/tiny is neither a local path nor a dataset in the"):
         open_corpus(cfg.data, build_tokenizer("assets/tokenizer"), "assets/tokenizer")
     with pytest.raises(ConfigError) as refused:
-        load_config(["--config", "configs/debug.toml", "--data.path=nobody/tiny"])
+        load_config(["--config", "configs/debug.toml", "--data.path=nobody/tiny"], input_checks=input_problems)
     (line,) = refused.value.problems
     assert line.endswith(
         "; if it names a Hugging Face dataset, download it with `hf download nobody/tiny --repo-type dataset "

@@ -31,6 +31,7 @@ from checkpoint import CheckpointManager, DumpFolderLock, prepare_dump_folder, v
 from config import Checkpoint, Comm, Data, LRScheduler, Optimizer, Training, load_config
 from data.corpus import TokenCorpus, open_corpus
 from data.tokenizers import build_tokenizer
+from distributed import init_distributed, set_collective_timeout
 from errors import ConfigError
 from metrics import StepResult
 from optimizer import SkipStepAdamW, SpikeWindow, build_optimizer, lr_factor
@@ -38,7 +39,7 @@ from tests.conftest import TINY, losses
 from tests.launch import REPO, free_port, python, torchrun, two_at_a_time
 from tests.parity_worker import GLOBAL_BATCH, SEQ_LEN, build_tiny, random_batch
 from tests.parity_worker import TINY as TINY_ARGS
-from train import init_distributed, set_collective_timeout, train_step
+from train import train_step
 
 CKPT = ["--checkpoint.enable", "--checkpoint.interval=2"]
 

@@ -1,6 +1,7 @@
 """The shape of the code a newcomer reads: no import cycle among the repo's modules (imports inside
 functions count; those only type checkers see do not), no function of the recipe longer than a
-screenful or two, and no family's marked copy of another's code drifted from its source."""
+screenful or two, no import from a lower layer to a higher one, and no family's marked copy of another's code
+drifted from its source."""
 
 from __future__ import annotations
 
@@ -104,6 +105,39 @@ def test_no_import_cycle_among_the_repos_modules() -> None:
 def test_the_cycle_finder_finds_a_cycle() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+# The recipe's layers, lowest first: a module imports from its own layer or below, never above. (The layer of a
+# package holds all its modules.) tests/, benchmarks/ and scripts/ sit above them all.
+LAYERS = (
+    ("errors",),
+    ("models",),
+    ("config", "config_torchtitan"),
+    ("parallelisms", "data", "loss", "optimizer", "distributed", "metrics", "profiling", "stop", "checksums"),
+    ("checkpoint", "checkpoint_torchtitan", "validation", "estimate_memory"),
+    ("doctor", "dry_run"),
+    ("train", "eval", "generate", "lm_eval_adapter"),
+)
+
+
+def layer(module: str) -> int:
+    top = module.split(".")[0]
+    if top in RECIPE_ONLY or top == "scripts":
+        return len(LAYERS)
+    found = [rank for rank, names in enumerate(LAYERS) if top in names]
+    assert found, f"{module}: give its top-level name a layer in tests/test_structure.py LAYERS"
+    return found[0]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{a} -> {b}" for a, imported in graph.items() for b in imported if layer(b) > layer(a))
+
+
+def test_no_import_runs_from_a_lower_layer_to_a_higher_one() -> None:
+    graph = import_graph()
+    assert upward_imports(graph) == []
+    assert "data.sources" not in graph["config"] and "train" not in graph["eval"]  # the seams of 2026-11-27
+    assert upward_imports({"config": {"data.sources"}, "data.sources": {"errors"}}) == ["config -> data.sources"]
 
 
 def test_no_function_of_the_recipe_is_longer_than_about_100_lines() -> None:

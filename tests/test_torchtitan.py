@@ -20,6 +20,7 @@ import torch
 
 import models
 from config import SECTIONS, JobConfig, LRScheduler, keys, load_config, section_of
+from data.inputs import input_problems
 from errors import ConfigError
 from models.llama3 import FLAVORS as LLAMA3_FLAVORS
 from tests.launch import REPO, python, two_at_a_time
@@ -217,8 +218,9 @@ def test_lr_schedule_is_torchtitans_step_for_step(schedule: LRScheduler) -> None
 
 
 def problems(argv: list[str]) -> list[str]:
+    """What training's load_config refuses (the input files' checks included)."""
     with pytest.raises(ConfigError) as info:
-        load_config(argv)
+        load_config(argv, input_checks=input_problems)
     return info.value.problems
 
 

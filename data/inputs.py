@@ -1,0 +1,111 @@
+"""The input files a run reads and this machine lacks (data, held-out data, tokenizer, Hugging Face folder, initial
+checkpoint), each as one line naming the key and how to get the file. train.py refuses to start without them
+(load_config's input_checks); --print-config, doctor.py and the dry run plan jobs for machines that have them
+and print these as notes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from config import DATASETS, JobConfig, Model, Validation, script, validation_path
+from data.sources import is_hub_name
+from models import NAMES, family
+
+
+def input_problems(cfg: JobConfig) -> list[str]:
+    """The input files a run reads and this machine lacks: data, held-out data, tokenizer, Hugging Face
+    folder, initial checkpoint. Training refuses to start without them (load_config); --print-config,
+    doctor.py and the dry run plan jobs for machines that have them, and print these as notes."""
+    m, ck, p = cfg.model, cfg.checkpoint, []
+    if m.hf_assets_path is not None and not Path(m.hf_assets_path).is_dir():
+        p.append(
+            f"model.hf_assets_path: {m.hf_assets_path} not found; point it at a Hugging Face folder (config.json, "
+            "tokenizer files, *.safetensors)"
+        )
+    # A dataset name ("owner/name") may be in the local Hugging Face cache: opening it tells (data/sources.py).
+    if cfg.data.path is not None and cfg.data.format != "hub" and not _local_or_named(cfg.data.path):
+        p.append(_missing_data(cfg))
+    p += [
+        f"data.mixture: {path} not found; prepare a corpus into it with `python {script('prepare_data.py')} --source "
+        f"SOURCE --tokenizer {m.tokenizer_path or ''} --output {path} --workers N`"
+        for path in cfg.data.mixture
+        if not _local_or_named(path)
+    ]
+    p += _missing_validation(cfg.validation)
+    tokenizer_missing = m.tokenizer_path != "byte" and not Path(m.tokenizer_path or "").exists()
+    if tokenizer_missing and m.tokenizer_path != m.hf_assets_path:  # a missing hf_assets_path is named above
+        p.append(_missing_tokenizer(m))
+    if ck.initial_load_path is not None and not Path(ck.initial_load_path).is_dir():
+        p.append(
+            f"checkpoint.initial_load_path: {ck.initial_load_path} is not a folder; point it at a checkpoint step folder (contains .metadata) or a Hugging Face folder (initial_load_in_hf)"
+        )
+    return p
+
+
+def _missing_validation(v: Validation) -> list[str]:
+    if not v.enable:
+        return []
+    path = validation_path(v)
+    if path is None:
+        hub = DATASETS.get(v.dataset)
+        source = f"--source {hub[0]} --format hub --name {hub[1]} --split {hub[2]}" if hub else "--source SOURCE"
+        return [
+            f"validation.dataset: {v.dataset!r} is not local; prepare it with `python {script('prepare_data.py')} "
+            f"{source} --tokenizer TOKENIZER --output OUT` and set validation.dataset_path = OUT"
+        ]
+    if not _local_or_named(path):
+        return [
+            f"validation.dataset_path: {path} not found; point it at a prepared folder or raw json/jsonl/parquet/txt files"
+        ]
+    return []
+
+
+def _local_or_named(path: str) -> bool:
+    """A local path, or a dataset name ("owner/name") the local Hugging Face cache may hold, which data/sources.py
+    looks up when it opens the data. A cheap look, without importing `datasets`: a folder of that owner in the
+    datasets cache, or the name's snapshot folder in the hub cache (data/fineweb-edu is a missing local folder)."""
+    if Path(path).exists():
+        return True
+    if not is_hub_name(path):
+        return False
+    home = Path(os.environ.get("HF_HOME", "~/.cache/huggingface")).expanduser()
+    datasets_cache = Path(os.environ.get("HF_DATASETS_CACHE", home / "datasets")).expanduser()
+    hub_cache = Path(os.environ.get("HF_HUB_CACHE", home / "hub")).expanduser()
+    owner, name = path.split("/")
+    return (hub_cache / f"datasets--{owner}--{name}").is_dir() or any(datasets_cache.glob(f"{owner}___*"))
+
+
+def _missing_data(cfg: JobConfig) -> str:
+    path = cfg.data.path
+    if cfg.training.dataset == "c4_test" and path == DATASETS["c4_test"][0]:
+        return (
+            f"data.path: {path} not found: training.dataset = 'c4_test' is torchtitan's test corpus, read from "
+            "./tests/assets/c4_test in a torchtitan checkout; run from that folder, or set training.dataset_path "
+            "(or data.path) to your data"
+        )
+    if Path(path).suffix:
+        return f"data.path: {path} not found; point it at a json/jsonl/parquet/txt file or folder, or a prepared folder"
+    named = ""
+    if is_hub_name(path):  # or the name of a Hugging Face dataset this machine has no copy of
+        named = (
+            f"; if it names a Hugging Face dataset, download it with `hf download {path} --repo-type dataset "
+            f"--local-dir data/hf/{path.split('/')[1]}` and set data.path to that folder"
+        )
+    return (
+        f"data.path: {path} not found; prepare a corpus into it with `python {script('prepare_data.py')} --source "
+        f"SOURCE --tokenizer {cfg.model.tokenizer_path or ''} --output {path} --workers N` (a recipe's header names "
+        f"its SOURCE){named}"
+    )
+
+
+def _missing_tokenizer(m: Model) -> str:
+    published = family(m.name).hf.PUBLISHED if m.name in NAMES else {}
+    # A folder named after a published repo (assets/hf/Llama-3.1-8B) comes from it; else the flavor's repo.
+    folder = Path(m.tokenizer_path or "")
+    by_name = [repo for repo in published.values() if repo.split("/")[1] == folder.name]
+    repo = by_name[0] if by_name else published.get(m.flavor)
+    fetch = f"; download it with `hf download {repo} --include 'tokenizer*' --local-dir {folder}`" if repo else ""
+    return f"model.tokenizer_path: {folder} not found{fetch}" + (
+        "" if fetch else '; point it at a tokenizer.json or tokenizer folder, or use "byte"'
+    )
