@@ -26,6 +26,13 @@ after `chunk_bytes` of text), so every task reads all of it.
 
 JSON lines travel as raw bytes and are parsed by the worker that tokenizes them (`texts`); a column's
 values travel as they are (a chat row is a list of messages): `texts` alone decides what a document is.
+
+The libraries parse: `json.loads` each JSON line, `json.JSONDecoder.raw_decode` each element of a JSON
+array, `gzip` and pyarrow (parquet, Arrow) their files. Kept here is what none of them does: start at a
+byte offset (the first line at or after a range's start, a paragraph begun before it), count the bytes a
+task reads (`_Counted`), and step over a JSON array's brackets and commas without holding the file
+(`datasets` reads an array whole, and a text file's paragraphs from its start, split at "\n\n" only;
+pyarrow's JSON reader takes JSON lines alone and gives typed columns, not the raw lines a chunk carries).
 """
 
 from __future__ import annotations
@@ -621,22 +628,38 @@ def _streamed_records(source: Source, piece: Piece, stream: Any) -> Iterator[byt
 
 
 def _array_rows(source: Source, file: Path, stream: Any, block: int = 2**20) -> Iterator[Any]:
-    """The elements of a JSON array, decoded one at a time from a stream read in blocks (`json.load` holds the
-    whole file); a value is taken only when text follows it or the file has ended (a number may go on)."""
+    """The elements of a JSON array, each decoded by `json.JSONDecoder.raw_decode` from a stream read in blocks
+    (`json.load`, and `datasets` too, hold the whole file); only the brackets and commas between elements are
+    read here. A value is taken only when text follows it or the file has ended (a number may go on)."""
     text = io.TextIOWrapper(stream, encoding="utf-8")
     decoder = json.JSONDecoder()
     buffer, at, done, eof = "", 0, 0, False  # done: characters dropped from the buffer's front
 
-    def next_character() -> str:  # the next non-blank character ("" at the end), `at` left on it
+    def read(size: int) -> None:  # the buffer from `at` on, and up to `size` more characters
         nonlocal buffer, at, done, eof
+        more = text.read(size)
+        eof = not more
+        done, buffer, at = done + at, buffer[at:] + more, 0
+
+    def next_character() -> str:  # the next non-blank character ("" at the end), `at` left on it
+        nonlocal at
+        while (at := _JSON_BLANK.match(buffer, at).end()) == len(buffer) and not eof:
+            read(block)
+        return buffer[at : at + 1]
+
+    def value() -> Any:  # the value at the next non-blank character, `at` left after it
+        nonlocal at
+        next_character()
         while True:
-            while at < len(buffer) and buffer[at] in " \t\r\n":
-                at += 1
-            if at < len(buffer) or eof:
-                return buffer[at : at + 1]
-            more = text.read(block)
-            eof = not more
-            done, buffer, at = done + at, buffer[at:] + more, 0
+            try:
+                found, end = decoder.raw_decode(buffer, at)
+                if end < len(buffer) or eof:
+                    at = end
+                    return found
+            except json.JSONDecodeError:
+                if eof:
+                    raise refuse("a value that does not parse") from None
+            read(max(block, len(buffer)))  # doubling: a long value is not parsed again and again
 
     def refuse(what: str) -> ConfigError:
         return ConfigError(f"{source.key}: {file} is not valid JSON ({what} at character {done + at})")
@@ -644,33 +667,20 @@ def _array_rows(source: Source, file: Path, stream: Any, block: int = 2**20) -> 
     if next_character() != "[":
         raise refuse("expected '['")
     at += 1
+    separator = ","
     if next_character() == "]":
+        at, separator = at + 1, "]"
+    while separator == ",":
+        yield value()
+        separator = next_character()
+        if separator not in (",", "]"):
+            raise refuse("expected ',' or ']'")
         at += 1
-    else:
-        while True:
-            next_character()
-            while True:
-                try:
-                    value, end = decoder.raw_decode(buffer, at)
-                    if end < len(buffer) or eof:
-                        break
-                except json.JSONDecodeError:
-                    if eof:
-                        raise refuse("a value that does not parse") from None
-                more = text.read(max(block, len(buffer)))  # doubling: a long value is not parsed again and again
-                eof = not more
-                done, buffer, at = done + at, buffer[at:] + more, 0
-            yield value
-            at = end
-            separator = next_character()
-            at += 1
-            if separator == "]":
-                break
-            if separator != ",":
-                at -= 1
-                raise refuse("expected ',' or ']'")
     if next_character() != "":
         raise refuse("text after the array")
+
+
+_JSON_BLANK = re.compile(r"[ \t\n\r]*")  # what JSON allows between values (json.decoder's WHITESPACE)
 
 
 def _json_records(source: Source, piece: Piece, stream: Any) -> Iterator[bytes]:
