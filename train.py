@@ -15,7 +15,7 @@ import gc
 import os
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -127,12 +127,9 @@ class Run:
     cfg: JobConfig
     model: torch.nn.Module
     pipeline: Pipeline | None  # pipeline parallel: this rank's stages and their schedule
+    forward_backward: ForwardBackward  # one micro-batch through the model or the pipeline, CP and loss parallel
     optimizer: SkipStepAdamW
     loader: GlobalBatchLoader
-    loss_fn: Loss
-    device: torch.device
-    loss_parallel: bool  # TP's logits stay sharded over the vocabulary
-    cp: ContextParallel | None  # context parallel: each rank's part of every window
     checkpoint: CheckpointManager
     stop: stop.StopAfterStep
     state: TrainState
@@ -151,18 +148,12 @@ def train(run: Run) -> int:
             set_lr(run.optimizer, lr)
             run.checkpoint.wait_for_staging()  # an async save's copy of the weights is complete
             result = train_step(
-                run.model,
-                run.optimizer,
+                step,
                 run.loader.next_step(),
-                step=step,
-                grad_accum=run.loader.grad_accum,
+                run.forward_backward,
+                run.optimizer,
                 max_norm=t.max_norm,
-                loss_fn=run.loss_fn,
-                loss_parallel=run.loss_parallel,
-                device=run.device,
-                pipeline=run.pipeline,
                 stop_request=run.stop.request,
-                cp=run.cp,
             )
             if result is None:  # a stop request between micro-batches: step `step` is abandoned, not applied
                 run.loader.abandon_step()
@@ -234,18 +225,21 @@ def build(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
         request.done(f"{reason}: stopped during start-up, before step {start_step + 1}; nothing new to save")
         return None
 
-    loss_parallel = uses_loss_parallel(cfg, dims)
-    cp = context_parallel(mesh, cfg.parallelism)
+    forward_backward = ForwardBackward(
+        model,
+        loss_fn,
+        device=device,
+        loss_parallel=uses_loss_parallel(cfg, dims),
+        cp=context_parallel(mesh, cfg.parallelism),
+        pipeline=pipeline,
+    )
     run = Run(
         cfg=cfg,
         model=model,
         pipeline=pipeline,
+        forward_backward=forward_backward,
         optimizer=optimizer,
         loader=loader,
-        loss_fn=loss_fn,
-        device=device,
-        loss_parallel=loss_parallel,
-        cp=cp,
         checkpoint=checkpoint,
         stop=stop.StopAfterStep(request, checkpoint),
         state=state,
@@ -281,7 +275,7 @@ def after_step_work(
         start_step=run.start_step,
         tokens_per_step=loader.global_batch_size * seq_len,
         flops_per_token=family(cfg.model.name).num_flops_per_token(args, seq_len),
-        device=run.device,
+        device=run.forward_backward.device,
         pp_degree=dims.pp,
         z_loss_weight=t.z_loss_weight,
         lr=lambda: run.optimizer.param_groups[0]["lr"],
@@ -304,10 +298,10 @@ def after_step_work(
             tokenizer_path=cfg.model.tokenizer_path,
             dp_rank=loader.dp_rank,
             dp_degree=dims.dp,
-            device=run.device,
-            loss_fn=run.loss_fn.cross_entropy_only(),
-            loss_parallel=run.loss_parallel,
-            cp=run.cp,
+            device=run.forward_backward.device,
+            loss_fn=run.forward_backward.loss_fn.cross_entropy_only(),
+            loss_parallel=run.forward_backward.loss_parallel,
+            cp=run.forward_backward.cp,
         )
         work.append(
             ValidateStep(
@@ -454,62 +448,103 @@ def print_banner(
 # ------------------------------------------------------------------ one step
 
 
+class ForwardBackward:
+    """One micro-batch of a training step, forward, loss and backward, as build() chose it for the run's layout:
+    through the model, or through the pipeline schedule's stages (parallelisms/pp.py, which holds the loss
+    function; the loss is on the ranks of the last stage, 0 elsewhere). Context parallel shards each micro-batch
+    (each rank computes its part of every window's tokens; `segments` stays whole) and loss parallel keeps the
+    logits sharded over the vocabulary, both inside. It owns what the step reads of its micro-batches after them:
+    the gradient norm of the parameters they trained and their z-loss."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        loss_fn: Loss,
+        *,
+        device: torch.device,
+        loss_parallel: bool,
+        cp: ContextParallel | None,
+        pipeline: Pipeline | None,
+    ):
+        self.model, self.loss_fn, self.device = model, loss_fn, device
+        self.loss_parallel, self.cp, self.pipeline = loss_parallel, cp, pipeline
+        self.run = self._through_pipeline if pipeline is not None else self._through_model
+
+    def __call__(self, batch: Batch, *, last: bool) -> torch.Tensor:
+        """The micro-batch's loss over its loss divisor (detached); its gradients added to the parameters'."""
+        inputs, labels, segments, divisor = batch
+        if self.cp is not None:
+            inputs, labels = self.cp.shard(inputs), self.cp.shard(labels)
+        segments = segments.to(self.device) if segments is not None else None
+        with loss_parallel_context(self.loss_parallel):  # cross-entropy on vocabulary shards, backward included
+            loss = self.run(inputs.to(self.device), labels.to(self.device), segments, divisor=divisor, last=last)
+        return (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+
+    def _through_model(
+        self, inputs: torch.Tensor, labels: torch.Tensor, segments: torch.Tensor | None, *, divisor: float, last: bool
+    ) -> torch.Tensor:
+        sync_gradients_on(self.model, last_microbatch=last)  # gradients cross replicas once per step
+        # The loss applies the output projection itself, inside the model's forward (loss.py).
+        head = functools.partial(self.loss_fn, self.model, labels=labels)
+        loss = self.model(inputs, segments=segments, head=head) / divisor
+        loss.backward()
+        return loss
+
+    def _through_pipeline(
+        self, inputs: torch.Tensor, labels: torch.Tensor, segments: torch.Tensor | None, *, divisor: float, last: bool
+    ) -> torch.Tensor:
+        assert self.pipeline is not None
+        return self.pipeline.step(inputs, labels, segments, scale=1 / divisor)  # its stages sync once per step
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """The global gradient norm, the gradients clipped to `max_norm` (pipeline stages add their norms up)."""
+        pp_group = self.pipeline.pp_group if self.pipeline is not None else None
+        return clip_grad_norm_(self.model.parameters(), max_norm, pp_group=pp_group)
+
+    def z_loss(self) -> torch.Tensor | None:
+        """The mean z-loss of the micro-batches since the last call (0 on pipeline stages before the last, which
+        score nothing), None without z-loss."""
+        z_loss = self.loss_fn.z_loss.take()
+        if self.loss_fn.z_loss_weight > 0 and z_loss is None:
+            z_loss = torch.zeros((), device=self.device)
+        return z_loss
+
+
 def train_step(
-    model: torch.nn.Module,
+    step: int,
+    microbatches: Iterable[Batch],
+    forward_backward: ForwardBackward,
     optimizer: SkipStepAdamW,
-    microbatches: Iterable[Batch | tuple[torch.Tensor, torch.Tensor]],
     *,
-    step: int = 0,
-    grad_accum: int,
     max_norm: float,
-    loss_fn: Loss | None = None,
-    loss_parallel: bool,
-    device: torch.device,
-    pipeline: Pipeline | None = None,
-    stop_request: stop.StopRequest | None = None,
-    cp: ContextParallel | None = None,
+    stop_request: stop.StopRequest | None,
 ) -> StepResult | None:
-    """Training step `step`: one optimizer step over `grad_accum` micro-batches, unless the optimizer finds
-    it bad (optimizer.py: non-finite, or a spike). Returns device tensors: no host sync.
-    With `pipeline` (parallelisms/pp.py) each micro-batch runs through its schedule, which holds the loss
-    function, and the loss is on the ranks of the last stage (0 elsewhere). With `stop_request`, the ranks
-    ask it between micro-batches: on a stop request the step is abandoned (None; weights and optimizer
-    state as they were, gradients dropped). With `cp` (parallelisms/cp.py) each rank computes its part of
-    every window's tokens; `segments` stays whole."""
-    loss_fn = loss_fn or Loss()  # the whole micro-batch's logits at once, eager
-    loss_fn.z_loss.take()  # (what an abandoned step left)
+    """Training step `step`: one optimizer step over the micro-batches, unless the optimizer finds it bad
+    (optimizer.py: non-finite, or a spike). Returns device tensors: no host sync. Each batch carries its loss
+    divisor, so that the accumulated gradient is the mean over the global batch's counted labels. With
+    `stop_request`, the ranks ask it between micro-batches: on a stop request the step is abandoned (None;
+    weights and optimizer state as they were, gradients dropped)."""
+    forward_backward.z_loss()  # what an abandoned step left
     optimizer.zero_grad(set_to_none=True)
-    total_loss = torch.zeros((), device=device)
-    for index, batch in enumerate(microbatches):
+    total_loss = torch.zeros((), device=forward_backward.device)
+    for index, (batch, last) in enumerate(with_last(microbatches)):
         if index and stop_request is not None and stop_request.requested():
             optimizer.zero_grad(set_to_none=True)
             return None
-        inputs, labels, segments, divisor = Batch(*batch)
-        # The accumulated gradient is the mean over the global batch's counted labels (every label: / grad_accum).
-        divisor = divisor or grad_accum
-        if cp is not None:
-            inputs, labels = cp.shard(inputs), cp.shard(labels)
-        # Under loss parallel the logits stay sharded over the vocabulary (TP ranks) and
-        # cross-entropy runs on the shards; the context must cover backward too.
-        with loss_parallel_context(loss_parallel):
-            segments = segments.to(device) if segments is not None else None
-            labels = labels.to(device)
-            if pipeline is not None:
-                loss = pipeline.step(inputs.to(device), labels, segments, scale=1 / divisor)
-            else:
-                if grad_accum > 1:  # gradients cross replicas once per step (parallelisms/fsdp.py)
-                    sync_gradients_on(model, last_microbatch=index == grad_accum - 1)
-                # The loss applies the output projection itself, inside the model's forward (loss.py).
-                head = functools.partial(loss_fn, model, labels=labels)
-                loss = model(inputs.to(device), segments=segments, head=head) / divisor
-                loss.backward()
-        total_loss += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
-    grad_norm = clip_grad_norm_(model.parameters(), max_norm, pp_group=pipeline.pp_group if pipeline else None)
+        total_loss += forward_backward(batch, last=last)
+    grad_norm = forward_backward.clip_grad_norm(max_norm)
     optimizer.step_unless_bad(step, loss=total_loss, grad_norm=grad_norm)
-    z_loss = loss_fn.z_loss.take()
-    if loss_fn.z_loss_weight > 0 and z_loss is None:  # pipeline stages before the last score nothing
-        z_loss = torch.zeros((), device=device)
-    return StepResult(total_loss, grad_norm, z_loss=z_loss)
+    return StepResult(total_loss, grad_norm, z_loss=forward_backward.z_loss())
+
+
+def with_last(items: Iterable[T]) -> Iterator[tuple[T, bool]]:
+    """Each item, and whether it is the last."""
+    iterator = iter(items)
+    for item in iterator:
+        for after in iterator:
+            yield item, False
+            item = after
+        yield item, True
 
 
 # ------------------------------------------------------------------- builders

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from config import Data, Validation, validation_path
 from data.chat import IGNORE_INDEX
 from data.corpus import open_corpus
-from data.loader import Batch, GlobalBatchLoader
+from data.loader import GlobalBatchLoader
 from data.tokenizers import Tokenizer
 from loss import Loss
 from parallelisms.cp import ContextParallel
@@ -87,7 +87,7 @@ class Validator:
             # Rows of this rank's micro-batch that lie inside the held-out data (all but in a last, partial batch).
             rows = min(max(self.sequences - step * self.global_batch - self.first_row, 0), self.local_batch_size)
             (batch,) = self.loader.next_step()
-            inputs, labels, segments, _ = Batch(*batch)
+            inputs, labels, segments, _ = batch
             if self.cp is not None:
                 inputs, labels = self.cp.shard(inputs), self.cp.shard(labels)
             # The losses are sums over the counted labels divided by the label positions (loss.py): times the

@@ -69,13 +69,15 @@ import torch.distributed as dist
 from benchmarks import harness
 from benchmarks.harness import MiB, Row
 from config import Optimizer
+from data.loader import Batch
+from loss import Loss
 from models import with_seq_len
 from models.llama3 import FLAVORS, ModelArgs, Transformer
 from optimizer import build_optimizer
 from parallelisms.fsdp import DTYPES, apply_fsdp
 from parallelisms.parallel_dims import ParallelDims
 from tests.instruments import Collective, CollectiveLog, mesh_group_dims, observe_ops
-from train import train_step
+from train import ForwardBackward, train_step
 
 PROBLEM = "#3 HSDP across nodes"
 LAYOUTS = ("full_shard", "hsdp", "replicate", "hsdp_accum4", "hsdp_accum4_every", "hsdp_accum4_defer")
@@ -158,11 +160,10 @@ def measure(
     every = mock.patch("train.sync_gradients_on") if layout.endswith("_every") else contextlib.nullcontext()
 
     def step() -> None:
-        microbatches = [(tokens[:, :-1], tokens[:, 1:])] * grad_accum
+        microbatches = [Batch(tokens[:, :-1], tokens[:, 1:], None, grad_accum)] * grad_accum
+        forward_backward = ForwardBackward(model, Loss(), device=device, loss_parallel=False, cp=None, pipeline=None)
         with every:
-            train_step(
-                model, optimizer, microbatches, grad_accum=grad_accum, max_norm=1.0, loss_parallel=False, device=device
-            )
+            train_step(1, microbatches, forward_backward, optimizer, max_norm=1.0, stop_request=None)
 
     step()  # warm-up: lazy init, optimizer state
     log = CollectiveLog(group_dims)

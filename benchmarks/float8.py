@@ -37,6 +37,8 @@ import torch.distributed as dist
 from benchmarks import harness
 from benchmarks.harness import MiB, Row
 from config import ActivationCheckpoint, Compile, Float8Linear, Optimizer, Parallelism, Training
+from data.loader import Batch
+from loss import Loss
 from models import with_seq_len
 from models.llama3 import FAMILY as LLAMA3
 from models.llama3 import FLAVORS, Transformer
@@ -44,7 +46,7 @@ from optimizer import build_optimizer
 from parallelisms.float8 import float8_problems
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import parallelize_model
-from train import train_step
+from train import ForwardBackward, train_step
 
 PROBLEM = "float8"
 SETUPS = ("bf16", "float8", "float8_all_gather", "float8_rowwise")
@@ -118,8 +120,9 @@ def measure(setup: str, *, args: argparse.Namespace, device: torch.device) -> di
     tokens = torch.randint(0, model_args.vocab_size, (args.batch_size, args.seq_len + 1), generator=generator)
 
     def step() -> float:
-        batch = [(tokens[:, :-1], tokens[:, 1:])]
-        result = train_step(model, optimizer, batch, grad_accum=1, max_norm=1.0, loss_parallel=False, device=device)
+        batch = [Batch(tokens[:, :-1], tokens[:, 1:], None, 1)]
+        forward_backward = ForwardBackward(model, Loss(), device=device, loss_parallel=False, cp=None, pipeline=None)
+        result = train_step(1, batch, forward_backward, optimizer, max_norm=1.0, stop_request=None)
         return result.loss.item()
 
     first_loss = step()  # warm-up: lazy init, optimizer state

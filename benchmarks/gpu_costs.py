@@ -25,14 +25,15 @@ import torch.distributed as dist
 from benchmarks import harness
 from benchmarks.harness import Row
 from config import ActivationCheckpoint, Compile, Optimizer, Parallelism, Training
-from loss import build_loss_fn
+from data.loader import Batch
+from loss import Loss, build_loss_fn
 from models import family
 from models.llama3 import FLAVORS
 from optimizer import build_optimizer
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import build_model, init_model
 from tests.instruments import count_host_reads
-from train import train_step
+from train import ForwardBackward, train_step
 
 PROBLEM = "GPU costs"
 
@@ -51,7 +52,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         model_args = dataclasses.replace(FLAVORS["debugmodel"], n_layers=args.n_layers)
         training = Training(seq_len=args.seq_len, local_batch_size=args.batch_size, mixed_precision_param="float32")
         tokens = torch.randint(0, model_args.vocab_size, (args.batch_size, args.seq_len + 1)).to(device)
-        batch = [(tokens[:, :-1], tokens[:, 1:])]
+        batch = [Batch(tokens[:, :-1], tokens[:, 1:], None, 1)]
 
         def build(compile_: bool, ac: ActivationCheckpoint) -> torch.nn.Module:
             model, _ = build_model(
@@ -71,7 +72,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             return model
 
         def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-            train_step(model, optimizer, batch, grad_accum=1, max_norm=1.0, loss_parallel=False, device=device)
+            forward_backward = ForwardBackward(
+                model, Loss(), device=device, loss_parallel=False, cp=None, pipeline=None
+            )
+            train_step(1, batch, forward_backward, optimizer, max_norm=1.0, stop_request=None)
 
         reads = {}
         model = build(False, ActivationCheckpoint())

@@ -39,11 +39,11 @@ from errors import ConfigError, is_rank0
 class Batch(NamedTuple):
     inputs: torch.Tensor  # (bs, seq_len) int64
     labels: torch.Tensor  # (bs, seq_len) int64: the inputs shifted by one; IGNORE_INDEX where the loss skips
-    segments: torch.Tensor | None = None  # (bs, seq_len) int32: index of each input token's document in its window
+    segments: torch.Tensor | None  # (bs, seq_len) int32: index of each input token's document in its window
     # What this micro-batch's loss (summed over counted labels / label positions) is divided by, so that the
     # step's gradient is the mean over the counted labels of the whole global batch: the gradient
-    # accumulation steps when every label counts. None: train_step's grad_accum.
-    loss_divisor: float | None = None
+    # accumulation steps when every label counts.
+    loss_divisor: float
 
 
 class Sample(NamedTuple):

@@ -37,7 +37,7 @@ from config import ActivationCheckpoint, Compile, Optimizer, Parallelism, Traini
 from data.chat import IGNORE_INDEX
 from data.loader import Batch
 from distributed import mean_over_loss_ranks
-from loss import build_loss_fn
+from loss import Loss, build_loss_fn
 from models import with_seq_len
 from models.llama3 import FLAVORS, ModelArgs
 from models.olmo2 import FAMILY as OLMO2
@@ -49,7 +49,7 @@ from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import build_model, init_model
 from parallelisms.pp import Pipeline
 from tests.instruments import CollectiveLog, count_host_reads, mesh_group_dims, observe_ops
-from train import train_step
+from train import ForwardBackward, train_step
 
 TINY: ModelArgs = with_seq_len(
     dataclasses.replace(FLAVORS["debugmodel"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128), 32
@@ -249,6 +249,16 @@ def random_segments(*, seed: int = 2) -> torch.Tensor:
     return torch.cumsum(starts.int(), dim=1).int()
 
 
+def one_process(model: nn.Module) -> ForwardBackward:
+    """train.py's forward-backward of one CPU process: no TP, CP or pipeline, the whole logits at once."""
+    return ForwardBackward(model, Loss(), device=torch.device("cpu"), loss_parallel=False, cp=None, pipeline=None)
+
+
+def micro_batches(tokens: torch.Tensor, count: int = 1) -> list[Batch]:
+    """(rows, seq_len + 1) tokens as `count` micro-batches of rows, every label counted (loss divisor `count`)."""
+    return [Batch(t[:, :-1], t[:, 1:], None, count) for t in tokens.tensor_split(count)]
+
+
 def chat_labels(tokens: torch.Tensor) -> torch.Tensor:
     """Labels of `tokens` as chat data has them: IGNORE_INDEX but where an "assistant" token counts, a share
     per row of 80%, 50%, 20% and 5%, so that data-parallel ranks and micro-batches hold unequal counts."""
@@ -299,6 +309,10 @@ def train(
         for r in rows
     ]
     loss_fn = build_loss_fn(Compile(), chunk_tokens=loss_chunk_tokens, z_loss_weight=z_loss_weight)
+    device = torch.device("cpu")
+    forward_backward = ForwardBackward(
+        model, loss_fn, device=device, loss_parallel=loss_parallel, cp=cp, pipeline=pipeline
+    )
     losses, times = [], []
     breaks_before, graphs_before = graph_breaks(), compiled_graphs()
     for step in range(steps):
@@ -313,18 +327,7 @@ def train(
             count_host_reads(torch.device("cpu")) as reads,
             observe_ops(log) if last and group_dims is not None else contextlib.nullcontext(),
         ):
-            loss = train_step(
-                model,
-                optimizer,
-                batch,
-                grad_accum=grad_accum,
-                max_norm=MAX_NORM,
-                loss_fn=loss_fn,
-                loss_parallel=loss_parallel,
-                device=torch.device("cpu"),
-                pipeline=pipeline,
-                cp=cp,
-            ).loss
+            loss = train_step(step + 1, batch, forward_backward, optimizer, max_norm=MAX_NORM, stop_request=None).loss
         if last and counts is not None:
             counts["host_reads"] = dict(reads)
             # Bytes this rank sent in the step, by mesh dimension, and its collectives (what the dry run predicts).

@@ -37,7 +37,7 @@ from metrics import StepResult
 from optimizer import SkipStepAdamW, SpikeWindow, build_optimizer, lr_factor
 from tests.conftest import TINY, losses
 from tests.launch import REPO, free_port, python, torchrun, two_at_a_time
-from tests.parity_worker import GLOBAL_BATCH, SEQ_LEN, build_tiny, random_batch
+from tests.parity_worker import GLOBAL_BATCH, SEQ_LEN, build_tiny, micro_batches, one_process, random_batch
 from tests.parity_worker import TINY as TINY_ARGS
 from train import train_step
 
@@ -84,16 +84,15 @@ def tmpfs(path: Path, *, size: str, read_only: bool = False) -> Iterator[Path]:
 def test_a_nonfinite_step_changes_neither_weights_nor_optimizer_state(implementation: str) -> None:
     model = build_tiny()
     optimizer = build_optimizer(Optimizer(implementation=implementation), model)
-    tokens = random_batch()
-    batch = [(tokens[:, :-1], tokens[:, 1:])]
-    step = dict(grad_accum=1, max_norm=1.0, loss_parallel=False, device=torch.device("cpu"))
-    train_step(model, optimizer, batch, **step)
+    batch, forward_backward = micro_batches(random_batch()), one_process(model)
+    step = dict(max_norm=1.0, stop_request=None)
+    train_step(1, batch, forward_backward, optimizer, **step)
     assert optimizer.skipped.item() == 0
     with torch.no_grad():
         model.layers["0"].attention.wq.weight[0, 0] = float("nan")  # what a corrupted shard would do
     before = {k: v.clone() for k, v in model.state_dict().items()}
     state = {k: {n: t.clone() for n, t in s.items()} for k, s in optimizer.state.items()}
-    result = train_step(model, optimizer, batch, **step)
+    result = train_step(2, batch, forward_backward, optimizer, **step)
     assert optimizer.skipped.item() == 1 and not torch.isfinite(result.loss)  # 1: non-finite
     for name, value in model.state_dict().items():
         assert torch.allclose(value, before[name], rtol=0, atol=0, equal_nan=True), name
@@ -109,8 +108,7 @@ def test_a_loss_spike_is_skipped_and_the_run_goes_on_as_if_it_had_never_come(cap
     pattern = (
         torch.arange(SEQ_LEN + 1) + torch.arange(GLOBAL_BATCH)[:, None] * 7
     ) % TINY_ARGS.vocab_size  # next = this + 1
-    ordinary, garbage = [(pattern[:, :-1], pattern[:, 1:])], [(lambda t: (t[:, :-1], t[:, 1:]))(random_batch())]
-    step = dict(grad_accum=1, max_norm=1.0, loss_parallel=False, device=torch.device("cpu"))
+    ordinary, garbage = micro_batches(pattern), micro_batches(random_batch())
 
     def run(
         *, guard: bool, spike_at: int | None, steps: int = 36, resume_at: int | None = None
@@ -130,7 +128,7 @@ def test_a_loss_spike_is_skipped_and_the_run_goes_on_as_if_it_had_never_come(cap
                 optimizer.window.load_state_dict(saved)
             if i != spike_at or guard:  # the reference run never takes the spike's step
                 batch = garbage if i == spike_at else ordinary
-                result = train_step(model, optimizer, batch, step=i + 1, **step)
+                result = train_step(i + 1, batch, one_process(model), optimizer, max_norm=1.0, stop_request=None)
                 results.append((result, optimizer.skipped.item()))
         return model, optimizer, results
 
@@ -184,14 +182,13 @@ class _StopAt:
 def test_a_step_abandoned_between_micro_batches_changes_neither_weights_nor_optimizer_state() -> None:
     model = build_tiny()
     optimizer = build_optimizer(Optimizer(), model)
-    tokens = random_batch()
-    micro = [(tokens[i : i + 1, :-1], tokens[i : i + 1, 1:]) for i in range(len(tokens))]
-    step = dict(grad_accum=len(micro), max_norm=1.0, loss_parallel=False, device=torch.device("cpu"))
-    train_step(model, optimizer, micro, **step)  # optimizer state exists
+    tokens, forward_backward = random_batch(), one_process(model)
+    micro = micro_batches(tokens, len(tokens))
+    train_step(1, micro, forward_backward, optimizer, max_norm=1.0, stop_request=None)  # optimizer state exists
     before = {k: v.clone() for k, v in model.state_dict().items()}
     state = {k: {n: t.clone() for n, t in s.items()} for k, s in optimizer.state.items()}
     stop = _StopAt(2)  # asked before micro-batches 2, 3, ...: agreed before the third
-    assert train_step(model, optimizer, iter(micro), **step, stop_request=stop) is None
+    assert train_step(2, iter(micro), forward_backward, optimizer, max_norm=1.0, stop_request=stop) is None
     assert stop.asked == 2 and all(p.grad is None for p in model.parameters())
     for name, value in model.state_dict().items():
         assert torch.equal(value, before[name]), name

@@ -39,6 +39,8 @@ from tests.parity_worker import (
     TP_STATISTICS,
     build_tiny,
     max_param_diff,
+    micro_batches,
+    one_process,
     random_batch,
     train,
 )
@@ -89,15 +91,12 @@ def test_a_step_reads_nothing_back_and_compiled_steps_neither_recompile_nor_brea
 def test_the_host_read_counter_sees_the_reads_a_gpu_would_wait_for() -> None:
     """The counter of the test above can fail: for-each AdamW has no skip-step input, so SkipStepAdamW
     reads the skip flag (optimizer.py says so); fused AdamW reads nothing."""
-    model, tokens = build_tiny(), random_batch()
-    batch = [(tokens[:, :-1], tokens[:, 1:])]
+    model, batch = build_tiny(), micro_batches(random_batch())
     found = {}
     for implementation in ("fused", "foreach"):
         optimizer = build_optimizer(Optimizer(implementation=implementation), model)
         with count_host_reads(torch.device("cpu")) as reads:
-            train_step(
-                model, optimizer, batch, grad_accum=1, max_norm=1.0, loss_parallel=False, device=torch.device("cpu")
-            )
+            train_step(1, batch, one_process(model), optimizer, max_norm=1.0, stop_request=None)
         found[implementation] = dict(reads)
     line = next(
         i
