@@ -466,8 +466,11 @@ class ForwardBackward:
         cp: ContextParallel | None,
         pipeline: Pipeline | None,
     ):
+        # One line each: a fork that removes context parallel or pipelines deletes its line (README, "Removing a part").
         self.model, self.loss_fn, self.device = model, loss_fn, device
-        self.loss_parallel, self.cp, self.pipeline = loss_parallel, cp, pipeline
+        self.loss_parallel = loss_parallel
+        self.cp = cp
+        self.pipeline = pipeline
         self.run = self._through_pipeline if pipeline is not None else self._through_model
 
     def __call__(self, batch: Batch, *, last: bool) -> torch.Tensor:
