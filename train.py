@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 import doctor
 from checkpoint import CheckpointManager, SaveStep, prepare_dump_folder
-from checkpoint_torchtitan import schedule_disagreement
+from checkpoint.torchtitan import schedule_disagreement
 from config import (
     Debug,
     JobConfig,
@@ -597,7 +597,7 @@ class TrainState:
         self.step, self.resumed_settings, self.rng = int(state["step"]), state["settings"], state["rng"]
 
     def load_torchtitan(self, state: Any) -> None:
-        """torchtitan's checkpoint (checkpoint_torchtitan.py): its step and optimizer settings; no RNG state."""
+        """torchtitan's checkpoint (checkpoint/torchtitan.py): its step and optimizer settings; no RNG state."""
         self.step, self.resumed_settings, self.rng = state.step, state.settings, {}
 
     def restore_rng(self) -> None:

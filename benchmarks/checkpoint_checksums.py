@@ -3,7 +3,7 @@
     python -m benchmarks.checkpoint_checksums --out outputs/bench/checkpoint_checksums.json    # one process
 
 Measured here, in one run, the two sides alternating (--repeats times each, medians):
-  save     dcp.save of a state dict through DCP's FileSystemWriter (what checkpoint.py wrote before) against
+  save     dcp.save of a state dict through DCP's FileSystemWriter (what checkpoint/ wrote before) against
            checksums.ChecksumWriter (hashing each file as it is written, checksums.json beside .metadata);
            both fsync their files, as CheckpointManager's saves do.
   load     dcp.load of it against checkpoint.verify_contents (every file re-hashed, one process) + dcp.load.
@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from benchmarks import harness
 from benchmarks.harness import Row
 from checkpoint import verify_contents
-from checksums import ChecksumWriter
+from checkpoint.checksums import ChecksumWriter
 from models.llama3 import FLAVORS, Transformer
 
 PROBLEM = "checkpoint checksums"

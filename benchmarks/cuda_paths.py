@@ -13,7 +13,7 @@ Checks (`--only`, comma-separated; all by default):
               sqrt(d) + mask) v in plain torch ops, its mask built here from the segments): passes when
               max |x - ref| <= tolerance * max(1, max |ref|), tolerance 1e-4 (float32), 3e-2 (bfloat16). Also the
               max |flex - SDPA|, and the ms of a forward + backward of each.
-  async_save  checkpoint.py's CheckpointManager, checkpoint.async_mode "async" against "async_with_pinned_mem" (one
+  async_save  checkpoint/manager.py's CheckpointManager, checkpoint.async_mode "async" against "async_with_pinned_mem" (one
               process, a one-rank gloo group as train.py opens without torchrun): the seconds the training loop is
               held by a save (save() returning, plus wait_for_staging() before the next optimizer step), and
               after the save finished, the weights and AdamW state a fresh model loads back are those of the saved

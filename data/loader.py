@@ -194,7 +194,7 @@ class GlobalBatchLoader:
         return {"sample_index": self.sample_index, **self._identity()}
 
     def load_torchtitan(self, state: Any) -> None:
-        """Resumed from torchtitan's checkpoint (checkpoint_torchtitan.py) of step `state.step`: its loader's position
+        """Resumed from torchtitan's checkpoint (checkpoint/torchtitan.py) of step `state.step`: its loader's position
         is in its own pipeline's terms, so this one continues where a run of these settings is after that step."""
         self.sample_index = state.step * self.global_batch_size
         if is_rank0():

@@ -35,7 +35,7 @@ class ModelFamily:
     """The family's hf.py: model_args_from_hf_config, hf_config, TOP_LEVEL, PER_LAYER, PUBLISHED, MODEL_TYPE."""
     torchtitan_interleaved: Callable[[Any], dict[str, int]]
     """The weights torchtitan 0.2.2's model of this family holds in RoPE's interleaved layout, as {name inside a
-    block: heads}: within each head their rows are ours permuted (checkpoint_torchtitan.py); {} when none."""
+    block: heads}: within each head their rows are ours permuted (checkpoint/torchtitan.py); {} when none."""
     training_chat_templates: Mapping[str, str] = field(default_factory=dict)
     """Chat templates the family's published tokenizers ship (tokenizer_config.json's chat_template, the exact text)
     -> a training variant of each: the same rendering, with {% generation %} marks around what the assistant says

@@ -32,7 +32,7 @@ import torch.distributed.checkpoint as dcp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from checkpoint import HF_SIDE_FILES, export_hf_folder  # noqa: E402
-from checksums import ChecksumWriter  # noqa: E402
+from checkpoint.checksums import ChecksumWriter  # noqa: E402
 from errors import ConfigError, report  # noqa: E402
 from models import NAMES, family  # noqa: E402
 from models.hf import DEFAULT_MAX_SHARD_BYTES, family_of_hf_config, model_args_from_hf, read_hf_weights  # noqa: E402
@@ -51,7 +51,7 @@ def hf_to_dcp(hf_folder: Path, out: Path, *, dtype: torch.dtype | None) -> None:
     # train.py's initial_load_path and resume read it, resharding onto any FSDP/TP layout.
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    # One process, no group; every file checksummed as it is written, as train.py's saves are (checksums.py).
+    # One process, no group; every file checksummed as it is written, as train.py's saves are (checkpoint/checksums.py).
     dcp.save({"model_and_optimizer": {"model": state}}, storage_writer=ChecksumWriter(partial))
     os.replace(partial, out)
     print(f"wrote {out}: {len(state)} tensors, {sum(t.numel() for t in state.values()):,} parameters")

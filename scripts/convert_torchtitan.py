@@ -8,7 +8,7 @@ its optimizer state, step, schedule and (where torchtitan reads the same token s
     # then torchtitan resumes: --job.dump_folder tt --checkpoint.enable (its checkpoint.folder, "checkpoint")
 
 CONFIG and the overrides are the run's own (train.py's command line): they name the model, whose RoPE layout
-torchtitan's differs from (checkpoint_torchtitan.py), and the data, whose position torchtitan's loader continues
+torchtitan's differs from (checkpoint/torchtitan.py), and the data, whose position torchtitan's loader continues
 from when it reads the same stream: one prepared corpus, unshuffled, not chat. --dp: the data-parallel degree
 torchtitan resumes on (its loader keeps one position per rank and refuses another degree); each rank's batch is
 the global batch / dp. Otherwise no data position is written, and torchtitan resumes with
@@ -37,8 +37,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from checkpoint import MODEL_PREFIX, is_model_only, verify, verify_contents  # noqa: E402
-from checkpoint_torchtitan import is_torchtitan, torchtitan_loader_state, torchtitan_state_dict  # noqa: E402
-from checksums import ChecksumWriter  # noqa: E402
+from checkpoint.checksums import ChecksumWriter  # noqa: E402
+from checkpoint.torchtitan import is_torchtitan, torchtitan_loader_state, torchtitan_state_dict  # noqa: E402
 from config import JobConfig, LRScheduler, load_config, model_args  # noqa: E402
 from data.corpus import TokenCorpus, open_corpus  # noqa: E402
 from data.tokenizers import build_tokenizer  # noqa: E402

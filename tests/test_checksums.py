@@ -17,7 +17,8 @@ import xxhash
 
 import checkpoint
 from checkpoint import CheckpointManager, check_folder, verify_contents
-from checksums import CONTENT, MANIFEST, ChecksumWriter, first_damaged, read_manifest
+from checkpoint.__main__ import main as verify_command
+from checkpoint.checksums import CONTENT, MANIFEST, ChecksumWriter, first_damaged, read_manifest
 from config import Checkpoint
 from errors import ConfigError
 from tests.conftest import TINY
@@ -102,13 +103,13 @@ def test_a_flipped_bit_in_any_file_is_found_and_reported(tmp_path: Path, capsys:
         (problem,) = [p for _, p in check_folder(copy.parent)]
         assert problem is not None and str(copy / name) in problem
     # The command: per step OK or damaged, exit 2 when any is damaged.
-    assert checkpoint.main(["verify", str(whole)]) == 0
+    assert verify_command(["verify", str(whole)]) == 0
     assert capsys.readouterr().out == f"{whole}: OK\n"
-    assert checkpoint.main(["verify", str(whole), str(tmp_path / "nowhere")]) == 2  # a typo is not damage
+    assert verify_command(["verify", str(whole), str(tmp_path / "nowhere")]) == 2  # a typo is not damage
     assert capsys.readouterr().out == f"{whole}: OK\n{tmp_path / 'nowhere'}: not found\n"
     damaged = tmp_path / "copy-__0_1.distcp"
     shutil.copytree(whole, damaged / "step-1")
-    assert checkpoint.main(["verify", str(damaged)]) == 2
+    assert verify_command(["verify", str(damaged)]) == 2
     assert capsys.readouterr().out.splitlines() == [
         f"{damaged / 'step-1'}: OK",
         f"{damaged / 'step-3'}: damaged: {damaged / 'step-3' / '__0_1.distcp'} is damaged (its bytes are not what "

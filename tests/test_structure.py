@@ -113,8 +113,8 @@ LAYERS = (
     ("errors",),
     ("models",),
     ("config", "config_torchtitan"),
-    ("parallelisms", "data", "loss", "optimizer", "distributed", "metrics", "profiling", "stop", "checksums"),
-    ("checkpoint", "checkpoint_torchtitan", "validation", "estimate_memory"),
+    ("parallelisms", "data", "loss", "optimizer", "distributed", "metrics", "profiling", "stop"),
+    ("checkpoint", "validation", "estimate_memory"),
     ("doctor", "dry_run"),
     ("train", "eval", "generate", "lm_eval_adapter"),
 )

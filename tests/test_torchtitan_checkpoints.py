@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from checkpoint_torchtitan import interleaved_weights, to_interleaved, to_rotate_half, torchtitan_loader_state
+from checkpoint.torchtitan import interleaved_weights, to_interleaved, to_rotate_half, torchtitan_loader_state
 from models import family
 from tests.launch import REPO, python, torchrun, two_at_a_time
 from tests.torchtitan_trainer import user_folder
@@ -159,7 +159,7 @@ def test_what_torchtitans_checkpoint_says_is_read_and_what_disagrees_is_one_line
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     from checkpoint import verify
-    from checkpoint_torchtitan import FLAT, is_torchtitan, load_torchtitan, schedule_disagreement, torchtitan_state_dict
+    from checkpoint.torchtitan import FLAT, is_torchtitan, load_torchtitan, schedule_disagreement, torchtitan_state_dict
     from errors import ConfigError
 
     fam = family("llama3")

@@ -55,7 +55,7 @@ def test_throughput_and_eta_leave_out_validations_and_saves(
     the steps alone (step 1's validation once made step 10's ETA 22m30s)."""
     from types import SimpleNamespace
 
-    import checkpoint
+    import checkpoint.manager
     import metrics
     from config import Metrics
     from validation import ValidateStep
@@ -63,7 +63,7 @@ def test_throughput_and_eta_leave_out_validations_and_saves(
     clock = SimpleNamespace(now=0.0)
     fake_time = SimpleNamespace(perf_counter=lambda: clock.now)
     monkeypatch.setattr(metrics, "time", fake_time)
-    monkeypatch.setattr(checkpoint, "time", fake_time)
+    monkeypatch.setattr(checkpoint.manager, "time", fake_time)
     monkeypatch.setattr(metrics.dist, "get_world_size", lambda: 1)
     monkeypatch.setattr(metrics, "mean_over_loss_ranks", lambda value, pp_degree: value)
 

@@ -146,7 +146,7 @@ def rope_cos_sin(args: ModelArgs, device: torch.device | None = None) -> torch.T
 def torchtitan_interleaved(args: ModelArgs) -> dict[str, int]:
     """torchtitan's Llama 3 rotates interleaved pairs (x0, x1), (x2, x3)... of a head (complex numbers, Meta's
     layout), this model pairs x_i with x_{i + head_dim/2}: the rows of wq and wk that make each head's q and k
-    come in another order within the head (checkpoint_torchtitan.py permutes them)."""
+    come in another order within the head (checkpoint/torchtitan.py permutes them)."""
     return {"attention.wq.weight": args.n_heads, "attention.wk.weight": args.kv_heads}
 
 

@@ -1,5 +1,5 @@
 """torchtitan 0.2.2's DCP checkpoints, read and written: a torchtitan run continues here with its optimizer state,
-step and schedule (no flag: checkpoint.py recognises the layout), and a run of this recipe continues in
+step and schedule (no flag: checkpoint/manager.py recognises the layout), and a run of this recipe continues in
 torchtitan's trainer (scripts/convert_torchtitan.py).
 
 torchtitan's CheckpointManager saves {"model": ModelWrapper, "optimizer", "lr_scheduler", "dataloader",

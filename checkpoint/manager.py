@@ -1,0 +1,494 @@
+"""CheckpointManager: save (blocking or async), resume, prune, and the model and optimizer as DCP states
+(checkpoint/__init__.py)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
+
+from checkpoint.checksums import ChecksumWriter
+from checkpoint.folder import OutOfSpace, complete_checkpoints, log, rank, refuse_all_damaged, set_aside
+from checkpoint.hf_export import export_hf_folder
+from checkpoint.torchtitan import TorchtitanState, is_torchtitan, load_torchtitan
+from checkpoint.verify import check_holds, nonfinite_parameters, verify, verify_contents
+from config import Checkpoint
+from errors import ConfigError
+from models import ModelFamily
+
+# ---------------------------------------------------------------------- manager
+
+
+class ModelAndOptimizer(Stateful):
+    """Model and optimizer state in the form DCP reshards: FQN-keyed, DTensors kept sharded.
+
+    optimizer None: the model alone (seed checkpoints, model-only last saves, loading without it).
+    model_dtype: the dtype the model weights are saved in (a model-only last save's export_dtype).
+    """
+
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, model_dtype: torch.dtype | None = None
+    ):
+        self.model, self.optimizer, self.model_dtype = model, optimizer, model_dtype
+
+    def state_dict(self) -> dict[str, Any]:
+        model = get_model_state_dict(self.model)
+        if self.model_dtype is not None:
+            model = {name: tensor.to(self.model_dtype) for name, tensor in model.items()}
+        state = {"model": model}
+        if self.optimizer is not None:
+            state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
+        return torch.utils._pytree.tree_map_only(torch.Tensor, _plain, state)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, state["model"])
+        if self.optimizer is not None:
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A tensor subclass that wraps one plain tensor (torchao's float8 FSDP weights:
+    WeightWithDynamicFloat8CastTensor) as that tensor, same storage: checkpoints hold plain tensors
+    that any run reads, float8 or not, with or without torchao."""
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    if type(local) in (torch.Tensor, nn.Parameter) or not hasattr(local, "__tensor_flatten__"):
+        return t
+    inner_names, _ = local.__tensor_flatten__()
+    inner = getattr(local, inner_names[0])
+    if not isinstance(t, DTensor):
+        return inner
+    return DTensor.from_local(inner, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+
+
+def is_model_only(metadata: Metadata) -> bool:
+    """Whether a checkpoint holds model weights and nothing else (a seed, or a model-only last save)."""
+    return not any(
+        fqn.startswith(("model_and_optimizer.optimizer", "train_state")) for fqn in metadata.state_dict_metadata
+    )
+
+
+class CheckpointManager:
+    def __init__(
+        self,
+        cfg: Checkpoint,
+        *,
+        dump_folder: str,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        stateful: dict[str, Stateful],
+        process_group: dist.ProcessGroup | None = None,
+        family: ModelFamily | None = None,
+        model_args: Any = None,
+        hf_assets_path: str | None = None,
+        tokenizer_path: str | None = None,
+        optional: tuple[str, ...] = (),
+    ):
+        """`stateful`: everything else to save and restore (loader, train state); the keys in `optional` may
+        be missing from checkpoints of earlier versions (they then keep their fresh state).
+        family, model_args: the model's family and its shape as published (Hugging Face names and
+        config.json; default model.args); only Hugging Face loading and export need them.
+        hf_assets_path: the Hugging Face folder initial_load_in_hf reads when initial_load_path is unset.
+        last_save_in_hf copies the tokenizer files of hf_assets_path, else of a tokenizer_path folder."""
+        self.cfg = cfg
+        self.folder = Path(dump_folder) / cfg.folder
+        self.model, self.optimizer = model, optimizer
+        self.family, self.model_args = family, model_args or model.args
+        self.stateful, self.optional = stateful, optional
+        self.hf_assets_path = hf_assets_path
+        self.side_files = hf_assets_path or (
+            tokenizer_path if tokenizer_path and Path(tokenizer_path).is_dir() else None
+        )
+        # DCP's collectives go over a gloo group so an async save in a background thread
+        # never competes with NCCL training collectives; on CPU this is the default group.
+        self.process_group = process_group
+        self._pending: tuple[Future, int] | None = None
+        self._started = 0.0  # when the last save began
+        self.last_saved = -1  # the step of the last save begun (async ones may still be running)
+        self._staging: Future | None = None
+        self._stager = None
+        # async_with_pinned_mem's StagingOptions (pinned, shared, async, non-blocking), torchtitan 0.2.2's.
+        self.staging_options = (True, True, True, True)
+        self._resume_checked: tuple[tuple[int, Path] | None] | None = None  # _resume_from's answer, once found
+        self.torchtitan: TorchtitanState | None = None  # what torchtitan's checkpoint said, when one was loaded
+        if cfg.async_mode == "async_with_pinned_mem" and not torch.cuda.is_available():
+            raise ConfigError(
+                "checkpoint.async_mode: async_with_pinned_mem stages checkpoints through pinned (page-locked) memory, "
+                'which needs CUDA; use "async" on this machine'
+            )
+
+    # ---------------------------------------------------------------- loading
+
+    def _resume_from(self) -> tuple[int, Path] | None:
+        """The checkpoint a run of this folder continues from: checkpoint.load_step's, else the newest whole one
+        (a collective: the ranks check its files together, once; damaged newer ones are set aside)."""
+        if self._resume_checked is None:
+            self._resume_checked = (self._find_resume(),)
+        return self._resume_checked[0]
+
+    def _find_resume(self) -> tuple[int, Path] | None:
+        found = complete_checkpoints(self.folder) if self.cfg.enable else []
+        if self.cfg.load_step == -1:
+            while found:
+                try:
+                    verify_contents(found[-1][1], key="checkpoint.folder", fix="", group=self.process_group)
+                    return found[-1]
+                except ConfigError as e:
+                    step, path = found.pop()
+                    if rank() == 0:  # after the collective: the other ranks are done with its files
+                        set_aside(path, step, problem=e.problems[0].removeprefix("checkpoint.folder: "))
+            if self.cfg.enable:
+                refuse_all_damaged(self.folder)
+            return None
+        if not self.cfg.enable:
+            raise ConfigError(
+                f"checkpoint.load_step: {self.cfg.load_step} resumes from a checkpoint, but checkpoint.enable is "
+                "false; set it to true (or load_step = -1)"
+            )
+        if match := [(step, path) for step, path in found if step == self.cfg.load_step]:
+            verify_contents(match[0][1], key="checkpoint.load_step", group=self.process_group)
+            return match[0]
+        steps = f"it has steps {', '.join(str(step) for step, _ in found)}" if found else "it has no checkpoint"
+        raise ConfigError(
+            f"checkpoint.load_step: {self.folder} has no step-{self.cfg.load_step} ({steps}); pick one of those, "
+            "or -1 for the newest (a fresh run when there is none)"
+        )
+
+    def resume_step(self) -> int:
+        """The step `load` resumes from: load_step's or the newest published checkpoint's, else 0."""
+        found = self._resume_from()
+        return found[0] if found and "train_state" not in self.cfg.exclude_from_loading else 0
+
+    def load(self) -> int:
+        """Resume from this run's checkpoint, else initialize the weights from initial_load_path (DCP,
+        or Hugging Face safetensors with initial_load_in_hf). Returns the step to continue from (0: a fresh run)."""
+        if found := self._resume_from():
+            step, path = found
+            metadata = verify(path, key="checkpoint.folder")
+            excluded = set(self.cfg.exclude_from_loading)
+            weights_only = {"optimizer", "train_state", "dataloader"} <= excluded  # asked for the model alone
+            if is_model_only(metadata) and step > 0 and not weights_only:
+                raise ConfigError(
+                    f"checkpoint.folder: {path} holds the model weights only (checkpoint.last_save_model_only), not the "
+                    "optimizer and data position a resume needs; start a new run from it (another job.dump_folder, "
+                    f"checkpoint.initial_load_path = {path}), or set checkpoint.load_step to an earlier step"
+                )
+            model_only = is_model_only(metadata) or weights_only
+            if is_torchtitan(metadata):
+                return self._resume_torchtitan(path, metadata, excluded=excluded, model_only=model_only)
+            parts = {} if model_only else {k: v for k, v in self.stateful.items() if k not in excluded}
+            optimizer = None if model_only or "optimizer" in excluded else self.optimizer
+            self._load(
+                path,
+                metadata,
+                ModelAndOptimizer(self.model, optimizer),
+                parts,
+                key="checkpoint.folder",
+                load_model="model" not in excluded,
+            )
+            log(f"resumed from {path}" + (f" (not restored: {', '.join(sorted(excluded))})" if excluded else ""))
+            return step if "train_state" not in excluded and not model_only else 0
+        if self.cfg.initial_load_in_hf:
+            folder = Path(self.cfg.initial_load_path or self.hf_assets_path or "")
+            self._load_hf(folder)
+            log(f"initialized model weights from the Hugging Face folder {folder}")
+        elif self.cfg.initial_load_path is not None:
+            path = Path(self.cfg.initial_load_path)
+            metadata = verify(path, key="checkpoint.initial_load_path")
+            verify_contents(path, key="checkpoint.initial_load_path", group=self.process_group)
+            if is_torchtitan(metadata):
+                self._load_torchtitan(path, metadata, None, key="checkpoint.initial_load_path")
+            else:
+                self._load(path, metadata, ModelAndOptimizer(self.model, None), {}, key="checkpoint.initial_load_path")
+            log(f"initialized model weights from {path}" + (" (torchtitan's checkpoint)" if self.torchtitan else ""))
+        return 0
+
+    def _load(
+        self,
+        path: Path,
+        metadata: Metadata,
+        weights: ModelAndOptimizer,
+        parts: dict[str, Stateful],
+        *,
+        key: str,
+        load_model: bool = True,
+    ) -> None:
+        for name in [name for name in parts if name in self.optional and not _holds_part(metadata, name)]:
+            del parts[name]  # saved by a recipe that did not have it yet: it starts afresh
+            log(f"{path} holds no {name} (saved before it was checkpointed): it starts afresh")
+        model_state = get_model_state_dict(self.model)
+        check_holds(path, metadata, {f"model_and_optimizer.model.{k}": v for k, v in model_state.items()}, key=key)
+        state: dict[str, Any] = {**parts}
+        if load_model or weights.optimizer is not None:
+            state["model_and_optimizer"] = weights if load_model else _OptimizerOnly(weights)
+        try:
+            dcp.load(state, checkpoint_id=str(path), process_group=self.process_group)
+        except ConfigError:  # a Stateful refusing what it was given (e.g. the loader: other data)
+            raise
+        except Exception as e:  # DCP gathers every rank's read errors into one exception on all ranks
+            first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            raise ConfigError(
+                f"{key}: {path} could not be read ({first[:300]}); delete it or point elsewhere"
+            ) from None
+        self._refuse_nonfinite(path, key=key)
+
+    def _resume_torchtitan(self, path: Path, metadata: Metadata, *, excluded: set[str], model_only: bool) -> int:
+        """Resume from torchtitan's checkpoint (checkpoint/torchtitan.py): weights, AdamW state and step; each
+        stateful part with a `load_torchtitan(state)` takes what it can (the step, the data position), the others
+        start afresh."""
+        optimizer = None if model_only or "optimizer" in excluded else self.optimizer
+        state = self._load_torchtitan(path, metadata, optimizer, key="checkpoint.folder")
+        parts = {} if model_only else {n: p for n, p in self.stateful.items() if n not in excluded}
+        taken = [name for name, part in parts.items() if hasattr(part, "load_torchtitan")]
+        for name in taken:
+            self.stateful[name].load_torchtitan(state)
+        fresh = sorted(set(self.stateful) - set(taken))
+        log(f"resumed from torchtitan's checkpoint {path}" + (f" (afresh: {', '.join(fresh)})" if fresh else ""))
+        return state.step if "train_state" not in excluded and not model_only else 0
+
+    def _load_torchtitan(
+        self, path: Path, metadata: Metadata, optimizer: torch.optim.Optimizer | None, *, key: str
+    ) -> TorchtitanState:
+        assert self.family is not None, "CheckpointManager(family=...) reads torchtitan's checkpoints"
+        check_holds(path, metadata, get_model_state_dict(self.model), key=key)  # torchtitan's weights: top level
+        self.torchtitan = load_torchtitan(
+            path, metadata, self.model, optimizer, family=self.family, args=self.model_args, key=key,
+            group=self.process_group,
+        )  # fmt: skip
+        self._refuse_nonfinite(path, key=key)
+        return self.torchtitan
+
+    def _load_hf(self, folder: Path) -> None:
+        """Every rank reads its own shard of each weight from the safetensors files (DCP's Hugging Face
+        reader), converting to the parameters' dtype as it copies."""
+        from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+        from models.hf import check_hf_weights, hf_to_ours
+
+        key = "checkpoint.initial_load_path" if self.cfg.initial_load_path else "model.hf_assets_path"
+        fam, args = self.family, self.model_args
+        assert fam is not None, "CheckpointManager(family=...) reads Hugging Face folders"
+        try:
+            check_hf_weights(folder, fam, args)
+        except ConfigError as e:
+            raise ConfigError(*(f"{key}: {problem}" for problem in e.problems)) from None
+        state = get_model_state_dict(self.model)
+        hf_state = {hf: state[ours] for hf, ours in hf_to_ours(fam, args).items()}
+        dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(str(folder)), process_group=self.process_group)
+        set_model_state_dict(self.model, state)
+        self._refuse_nonfinite(folder, key=key)
+
+    def _refuse_nonfinite(self, path: Path, *, key: str) -> None:
+        if bad := nonfinite_parameters(self.model):
+            raise ConfigError(
+                f"{key}: {path} holds non-finite weights ({len(bad)} tensors, e.g. {bad[0]}); resume from an "
+                "earlier checkpoint (delete this one) or start from initial_load_path"
+            )
+
+    # ----------------------------------------------------------------- saving
+
+    def should_save(self, step: int, *, last: bool) -> bool:
+        first = step == 1 and self.cfg.enable_first_step_checkpoint
+        return self.cfg.enable and (step % self.cfg.interval == 0 or last or first)
+
+    def save(self, step: int, *, last: bool = False, model_only: bool = False, wait: bool = False) -> None:
+        """Write step-<step>; async when configured (published by `poll` once done, or by the next save).
+
+        last: the run's final save: the model alone in export_dtype with last_save_model_only, then
+        exported to Hugging Face with last_save_in_hf (both block). model_only: seed checkpoints.
+        """
+        self._finish_pending()
+        if bad := nonfinite_parameters(self.model):
+            raise ConfigError(
+                f"training: the weights hold non-finite values at step {step} ({len(bad)} tensors, e.g. {bad[0]}); "
+                f"not saving them. The last saved checkpoint is {self.latest()}; lower optimizer.lr and resume from it"
+            )
+        self._started = time.perf_counter()
+        self.last_saved = step
+        partial = self.folder / f"step-{step}.partial"
+        if rank() == 0:  # before DCP's first collective, so before any rank writes into it
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True, exist_ok=True)
+        model_only = model_only or (last and self.cfg.last_save_model_only)
+        dtype = getattr(torch, self.cfg.export_dtype) if last and self.cfg.last_save_model_only else None
+        state: dict[str, Any] = {
+            "model_and_optimizer": ModelAndOptimizer(
+                self.model, None if model_only else self.optimizer, model_dtype=dtype
+            )
+        }
+        if not model_only:
+            state.update(self.stateful)
+        with self._out_of_space(step):
+            if self.cfg.async_mode != "disabled" and not (wait or last):
+                self._pending = (self._async_save(state, partial), step)
+            else:
+                dcp.save(state, storage_writer=ChecksumWriter(partial), process_group=self.process_group)
+                self._publish(step)
+        if last and self.cfg.last_save_in_hf and rank() == 0:
+            self.export_hf(step)
+
+    def export_hf(self, step: int) -> Path:
+        """step-<step> as a Hugging Face folder, <folder>/step-<step>-hf (export_dtype), tokenizer files included.
+
+        Rank 0 alone, one output shard in memory at a time; the other ranks do not wait for it.
+        """
+        target = self.folder / f"step-{step}-hf"
+        partial = target.with_name(target.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        begin = time.perf_counter()
+        with OutOfSpace(partial):
+            assert self.family is not None, "CheckpointManager(family=...) exports Hugging Face folders"
+            export_hf_folder(
+                self.folder / f"step-{step}",
+                partial,
+                family=self.family,
+                args=self.model_args,
+                dtype=getattr(torch, self.cfg.export_dtype),
+                side_files_from=self.side_files,
+            )
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(partial, target)
+        log(f"exported step {step} to the Hugging Face folder {target} ({time.perf_counter() - begin:.1f} s)")
+        return target
+
+    def _async_save(self, state: dict[str, Any], partial: Path) -> Future:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        if self.cfg.async_mode == "async":
+            # The stager DCP uses when given no writer; given ChecksumWriter (a FileSystemWriter, thus a
+            # BlockingAsyncStager) it would stage with that instead. Hashing happens in the upload thread.
+            stager = DefaultStager(StagingOptions(False, False, False, False))
+            future = dcp.async_save(
+                state, storage_writer=ChecksumWriter(partial), process_group=self.process_group, async_stager=stager
+            )
+            future.add_done_callback(lambda _: stager.close())
+            return future
+        # async_with_pinned_mem, as torchtitan 0.2.2 does it: stage into pinned shared memory with a
+        # background copy, upload from another process (CUDA only; make bench-gpu's cuda_paths checks it).
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        if self._stager is None:
+            self._stager = DefaultStager(StagingOptions(*self.staging_options))
+        response = dcp.async_save(
+            state,
+            storage_writer=ChecksumWriter(partial),
+            process_group=self.process_group,
+            async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+            async_stager=self._stager,
+        )
+        self._staging = response.staging_completion
+        return response.upload_completion
+
+    def wait_for_staging(self) -> None:
+        """Before the optimizer changes the weights: the pinned copy of the last save must be complete."""
+        if self._staging is not None:
+            self._staging.result()
+            self._staging = None
+            if self._stager is not None and not stager_reusable(self._stager):
+                self._stager = None  # the next save pins new buffers rather than fail
+
+    def poll(self) -> None:
+        """Publish a finished async save; one `Future.done()` per call, so it is cheap to call every step."""
+        if self._pending is not None and self._pending[0].done():
+            self._finish_pending()
+
+    def _finish_pending(self) -> None:
+        if self._pending is None:
+            return
+        future, step = self._pending
+        self._pending = None
+        self.wait_for_staging()
+        with self._out_of_space(step):
+            future.result()
+        # The future completes after .metadata is written, so rank 0 publishes without waiting for the others.
+        self._publish(step, barrier=False)
+
+    def _publish(self, step: int, *, barrier: bool = True) -> None:
+        # DCP writes .metadata after gathering every rank's write results, so once rank 0 is
+        # here the checkpoint is complete; only then does it get its resumable name.
+        if rank() == 0:
+            final = self.folder / f"step-{step}"
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(self.folder / f"step-{step}.partial", final)
+            self._prune()
+            size = sum(f.stat().st_size for f in final.iterdir())
+            log(f"saved checkpoint {final} ({size / 2**20:,.1f} MiB, {time.perf_counter() - self._started:.2f} s)")
+        if barrier and dist.is_initialized():
+            dist.barrier(group=self.process_group)
+
+    def _prune(self) -> None:
+        if self.cfg.keep_latest_k > 0:
+            trained = [(step, path) for step, path in complete_checkpoints(self.folder) if step > 0]  # keep seeds
+            for _, path in trained[: -self.cfg.keep_latest_k]:
+                shutil.rmtree(path, ignore_errors=True)
+
+    def _out_of_space(self, step: int) -> Any:
+        return OutOfSpace(self.folder / f"step-{step}.partial")
+
+    def latest(self) -> str:
+        found = complete_checkpoints(self.folder)
+        return str(found[-1][1]) if found else "none (checkpoint.enable is off or nothing was saved yet)"
+
+    def close(self) -> None:
+        self._finish_pending()
+
+
+def _holds_part(metadata: Metadata, name: str) -> bool:
+    return any(key == name or key.startswith(f"{name}.") for key in metadata.state_dict_metadata)
+
+
+def stager_reusable(stager: Any) -> bool:
+    """Whether a DefaultStager can stage another save. PyTorch 2.11's closes itself at the end of each stage (its
+    copier table emptied), so the next save with it fails with `KeyError: <class 'type'>` (pytorch/pytorch#183413,
+    torchtitan#3476; fixed in later releases, where a stager is reused and keeps its pinned buffers)."""
+    inner = getattr(stager, "_state_dict_stager", None)  # private: DefaultStager's StateDictStager
+    return inner is None or bool(getattr(inner, "_deepcopy_dispatch", True))
+
+
+class SaveStep:
+    """After each step: publish a finished async save; save every checkpoint.interval steps and after the last, the
+    time the save holds the loop left out of the training throughput and ETA (`throughput.pause`, metrics.py)."""
+
+    def __init__(self, checkpoint: CheckpointManager, *, total_steps: int, throughput: Any = None):
+        self.checkpoint, self.total_steps, self.throughput = checkpoint, total_steps, throughput
+
+    def __call__(self, step: int, result: Any) -> bool:
+        self.checkpoint.poll()
+        last = step == self.total_steps
+        if self.checkpoint.should_save(step, last=last):
+            begin = time.perf_counter()
+            self.checkpoint.save(step, last=last)
+            if self.throughput is not None:
+                self.throughput.pause(time.perf_counter() - begin)
+        return False
+
+
+class _OptimizerOnly(Stateful):
+    """exclude_from_loading = ["model"]: the optimizer state is restored, the weights are not."""
+
+    def __init__(self, weights: ModelAndOptimizer):
+        self.weights = weights
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.weights.state_dict()["optimizer"]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.weights.model, self.weights.optimizer, state["optimizer"])
