@@ -393,7 +393,7 @@ class Parallelism(TorchtitanParallelism):
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """Free gathered parameters after forward: always (least memory), never (no re-gather in backward, ZeRO-2-like), default (always, except the last unit)."""
     fsdp_defer_reduce_scatter: bool = False
-    """With gradient accumulation, keep each micro-batch's gradients unsharded in float32 and reduce-scatter (and all-reduce across replicas) once per step: 1 / micro-batches the reduce-scatter bytes, for the memory of the unsharded gradients (estimate_memory.py and doctor.py print it). Off: reduce-scatter per micro-batch, all-reduce once per step."""
+    """With gradient accumulation, keep each micro-batch's gradients unsharded in float32 and reduce-scatter (and all-reduce across replicas) once per step: 1 / micro-batches the reduce-scatter bytes, for the memory of the unsharded gradients (planning/estimate_memory.py and planning/doctor.py print it). Off: reduce-scatter per micro-batch, all-reduce once per step."""
     tensor_parallel_degree: int = 1
     """Ranks each layer's matrices are split over (tensor + sequence parallel)."""
     disable_loss_parallel: bool = False
@@ -654,7 +654,7 @@ class Comm:
     save_traces_file_prefix: str = "rank_"
     """File name prefix of the flight recorder dumps."""
     mode: Literal["default", "fake_backend", "local_tensor"] = "default"
-    """fake_backend: a dry run of rank 0 of a WORLD_SIZE-rank job on this machine, on a fake process group and no real tensors (dry_run.py); local_tensor is refused."""
+    """fake_backend: a dry run of rank 0 of a WORLD_SIZE-rank job on this machine, on a fake process group and no real tensors (planning/dry_run.py); local_tensor is refused."""
 
     def problems(self) -> list[str]:
         p = [
@@ -1019,8 +1019,8 @@ def load_config(
 
     Two kinds of rules this module does not import join the same round. input_checks: the input files the run
     reads (training passes data.inputs.input_problems), not for a dry run (comm.mode = fake_backend), which
-    plans a job for other machines; --print-config and doctor.py print them as notes instead. extra_checks: run
-    once the model and its sequence length are valid (they may build the model's shape): train.py and doctor.py
+    plans a job for other machines; --print-config and planning/doctor.py print them as notes instead. extra_checks: run
+    once the model and its sequence length are valid (they may build the model's shape): train.py and planning/doctor.py
     pass the parallel layout's for the ranks of the run (parallel degrees, what TP, CP and PP need of the
     model): parallelisms.parallel_dims.layout_checks(world_size).
     """
@@ -1244,7 +1244,7 @@ def _missing_parts(cfg: JobConfig) -> list[str]:
         for asks, module, key in (
             ("quantize.linear.float8" in cfg.model.converters, "parallelisms.float8", "model.converters"),
             (cfg.validation.enable, "validation", "validation.enable"),
-            (cfg.comm.mode == "fake_backend", "dry_run", "comm.mode"),
+            (cfg.comm.mode == "fake_backend", "planning.dry_run", "comm.mode"),
         )
         if asks and not _importable(module)
     ]

@@ -204,10 +204,10 @@ class QuantizeGroupedMM:
 
 @dataclass
 class MemoryEstimation:
-    """torchtitan's memory estimation; python estimate_memory.py and doctor.py estimate memory here."""
+    """torchtitan's memory estimation; python -m planning.estimate_memory and planning/doctor.py estimate memory here."""
 
     enable: bool = unsupported(
-        "torchtitan's memory estimation (python estimate_memory.py and the doctor do it here)", False
+        "torchtitan's memory estimation (python -m planning.estimate_memory and the doctor do it here)", False
     )
     """torchtitan's option; refused unless false."""
     disable_fake_mode: bool = False

@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-import doctor
 from checkpoint import CheckpointManager, SaveStep, prepare_dump_folder
 from checkpoint.torchtitan import schedule_disagreement
 from config import (
@@ -70,6 +69,7 @@ from parallelisms.parallel_dims import ParallelDims, layout_checks, uses_loss_pa
 from parallelisms.parallelize import build_run_model, init_model
 from parallelisms.pp import Pipeline
 from parallelisms.tp import loss_parallel_context
+from planning import doctor
 from profiling import ProfileStep, profile_loop
 from validation import ValidateStep, Validator
 
@@ -92,8 +92,8 @@ def main(argv: list[str]) -> int:
     if print_config:
         print(config_summary(cfg))
         return 0
-    if cfg.comm.mode == "fake_backend":  # a dry run of rank 0 of $WORLD_SIZE ranks (dry_run.py)
-        import dry_run
+    if cfg.comm.mode == "fake_backend":  # a dry run of rank 0 of $WORLD_SIZE ranks (planning/dry_run.py)
+        from planning import dry_run
 
         return dry_run.run(cfg)
 
@@ -179,7 +179,7 @@ def build(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
     checkpoint was written, the run is finished, or a stop came during start-up)."""
     t = cfg.training
     set_determinism(cfg.debug)
-    # Parallel layout and the pitfalls of this job on this machine (doctor.py, optional), before any compute.
+    # Parallel layout and the pitfalls of this job on this machine (planning/doctor.py, optional), before any compute.
     dims = ParallelDims.from_config(cfg.parallelism, world_size=world_size)
     mesh = dims.build_mesh(device.type)
     doctor.check_startup(cfg, world_size=world_size, device=device, mesh=mesh)

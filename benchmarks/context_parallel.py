@@ -1,5 +1,5 @@
 """Context parallel on CPU ranks: the activations each rank saves for backward at a long sequence, and the keys
-and values it all-gathers, with CP 1, 2 and 4; against estimate_memory.py's prediction of both.
+and values it all-gathers, with CP 1, 2 and 4; against planning/estimate_memory.py's prediction of both.
 
     python -m benchmarks.context_parallel --out outputs/bench/context_parallel.json   # starts torchrun per CP degree
 
@@ -37,13 +37,13 @@ from benchmarks import harness
 from benchmarks.harness import MiB, Row
 from benchmarks.memory import ActivationCensus
 from config import ActivationCheckpoint, Compile, Parallelism, Training
-from estimate_memory import Job, activation_bytes, cp_kv_bytes
 from loss import build_loss_fn
 from models import family, with_seq_len
 from models.llama3 import FLAVORS
 from parallelisms.cp import context_parallel
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import build_model, init_model
+from planning.estimate_memory import Job, activation_bytes, cp_kv_bytes
 from tests.instruments import observe_ops
 
 PROBLEM = "context parallel"

@@ -52,7 +52,7 @@ def count_step(
 
 
 def _dispatched(step_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
-    from estimate_memory import observe_ops
+    from planning.estimate_memory import observe_ops
 
     kernels: Counter[str] = Counter()
     views = 0

@@ -24,7 +24,7 @@ Columns, bytes per rank:
                             seen by any FSDP unit's forward pre-hook (which runs after FSDP's
                             all-gather), here one block plus the root unit (norm + output, gathered
                             for the whole step); bf16 halves it. In backward FSDP also prefetches
-                            the next unit (estimate_memory.py models that overlap).
+                            the next unit (planning/estimate_memory.py models that overlap).
   device total              what a GPU would hold: the sum, minus state that CPU offload keeps
                             in host memory.
 
@@ -41,7 +41,7 @@ block (the innermost hooks win), which drop what autograd saves inside the block
     block's forward, and those still alive once forward is over are counted (under full AC the
     only survivors are block outputs, already counted as the next block's input);
   * what is recomputed in backward is not counted: it exists only while that one block runs
-    backward (estimate_memory.py adds one block's worth to the peak).
+    backward (planning/estimate_memory.py adds one block's worth to the peak).
 The bf16 logits and the loss are held by the caller, not saved: they are reported apart
 (`logits_bytes`) and not in the column. Counts are exact for eager mode; torch.compile changes
 what is saved.
@@ -74,7 +74,6 @@ from torch.distributed.tensor import DTensor
 from benchmarks import harness
 from benchmarks.harness import MiB, Row
 from config import ActivationCheckpoint, Compile, Parallelism, Training
-from estimate_memory import Job, activation_bytes
 from loss import chunked_cross_entropy_loss, cross_entropy_loss
 from models import with_seq_len
 from models.llama3 import FAMILY as LLAMA3
@@ -82,6 +81,7 @@ from models.llama3 import FLAVORS, ModelArgs, Transformer
 from parallelisms.ac import CheckpointedModule
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import parallelize_model
+from planning.estimate_memory import Job, activation_bytes
 from tests.instruments import LiveBytes, observe_ops
 
 PROBLEM = "#5 memory"

@@ -1,5 +1,5 @@
 """Memory (docs/failures.md #5): what FSDP, bf16 params, AC and CPU offload save, measured per rank,
-and the estimator's activation formulas (estimate_memory.py) checked against those measurements.
+and the estimator's activation formulas (planning/estimate_memory.py) checked against those measurements.
 
 One torchrun launch (2 gloo ranks) runs every setup of benchmarks/memory.py; the tests read its JSON.
 """
@@ -13,9 +13,9 @@ import pytest
 from benchmarks import memory
 from benchmarks.harness import MiB, read_results, run_python
 from benchmarks.memory import SETUPS
-from estimate_memory import Job, activation_bytes
 from models import with_seq_len
 from models.llama3 import FLAVORS, Transformer
+from planning.estimate_memory import Job, activation_bytes
 
 # A quarter of make bench's sequence: the bf16 setups run emulated bf16 matmuls on CPUs without bf16 instructions (128
 # tokens took 20 s more, the same checks passing). The loss phase at a quarter of its hidden size: its matmuls are most

@@ -27,8 +27,8 @@ import torch
 from benchmarks import harness, run
 from benchmarks.harness import Row
 from config import load_config
-from estimate_memory import estimate_rank, job_of
 from parallelisms.parallel_dims import ParallelDims
+from planning.estimate_memory import estimate_rank, job_of
 
 GiB = 2**30
 PROBLEM = "memory estimate"

@@ -34,7 +34,7 @@ Shapes (--shape):
            Layers, by memory (2,359,349,248 parameters at 6: 1,050.6M embedding + output, 218.1M a block): the fp32
            parameters, gradients and AdamW's two moments are 16 bytes a parameter, 35.2 GiB. On one rank both
            trainers apply no FSDP and train their fp32 weights under autocast; this recipe peaks at 35.2 GiB
-           allocated, 36.7 GiB reserved under op SAC (estimate_memory.py's model at 6 layers; 43.4 GiB at 8).
+           allocated, 36.7 GiB reserved under op SAC (planning/estimate_memory.py's model at 6 layers; 43.4 GiB at 8).
            torchtitan also keeps autocast's bf16 copies of every weight until its forward ends (2 bytes a
            parameter, 4.4 GiB), and its foreach AdamW allocates about 4 more bytes a parameter at the step: some
            45-50 GiB at 6 layers, 60 or more at 8, too near an H100's 78 GiB for a run that has one try. So 6.

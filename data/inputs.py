@@ -1,6 +1,6 @@
 """The input files a run reads and this machine lacks (data, held-out data, tokenizer, Hugging Face folder, initial
 checkpoint), each as one line naming the key and how to get the file. train.py refuses to start without them
-(load_config's input_checks); --print-config, doctor.py and the dry run plan jobs for machines that have them
+(load_config's input_checks); --print-config, planning/doctor.py and the dry run plan jobs for machines that have them
 and print these as notes."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from models import NAMES, family
 def input_problems(cfg: JobConfig) -> list[str]:
     """The input files a run reads and this machine lacks: data, held-out data, tokenizer, Hugging Face
     folder, initial checkpoint. Training refuses to start without them (load_config); --print-config,
-    doctor.py and the dry run plan jobs for machines that have them, and print these as notes."""
+    planning/doctor.py and the dry run plan jobs for machines that have them, and print these as notes."""
     m, ck, p = cfg.model, cfg.checkpoint, []
     if m.hf_assets_path is not None and not Path(m.hf_assets_path).is_dir():
         p.append(

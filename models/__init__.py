@@ -10,7 +10,7 @@ A family folder (models/llama3/, models/qwen3/, models/olmo2/) holds:
     __init__.py  FAMILY, the ModelFamily below built from those three
 
 and nothing outside it names a module inside a block. What the generic code (train.py,
-parallelisms/, checkpoint/, loss.py, estimate_memory.py, dry_run.py, doctor.py) may rely on is
+parallelisms/, checkpoint/, loss.py, planning/estimate_memory.py, planning/dry_run.py, planning/doctor.py) may rely on is
 the decoder skeleton every family's model has:
 
     model.args                  its ModelArgs; the generic code reads dim, n_layers, n_heads,

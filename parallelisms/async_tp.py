@@ -48,7 +48,7 @@ def async_tp_problems(*, compile_enabled: bool, tp_degree: int, device_type: str
 def apply_async_tp(tp_mesh: DeviceMesh, *, compile_enabled: bool, planning: bool = False) -> None:
     """Switch on micro-pipeline TP for `tp_mesh`, or raise a one-line ConfigError saying what is missing.
 
-    planning: a dry run (dry_run.py) on a fake process group: check the job against the CUDA + NCCL machine it
+    planning: a dry run (planning/dry_run.py) on a fake process group: check the job against the CUDA + NCCL machine it
     plans for, and switch nothing on."""
     device_type, backend = (
         ("cuda", "nccl") if planning else (tp_mesh.device_type, dist.get_backend(tp_mesh.get_group()))

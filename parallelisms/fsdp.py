@@ -121,7 +121,7 @@ def sync_gradients_on(model: nn.Module, *, last_microbatch: bool) -> None:
     but the last do not reduce-scatter either (`set_requires_gradient_sync(False)`): each unit's gradient stays
     unsharded, summed in reduce_dtype (FSDP2 upcasts it), and the last reduce-scatters and all-reduces the sum once:
     1 / micro-batches the reduce-scatter bytes, for a reduce_dtype copy of the rank's whole parameters held through
-    the step (estimate_memory.py's "gradient accumulators"). Either way only the sum changes place: the gradients
+    the step (planning/estimate_memory.py's "gradient accumulators"). Either way only the sum changes place: the gradients
     are those of one reduction per micro-batch up to float32 rounding (tests/test_parallelisms.py, parity with one
     process). A model without FSDP (one rank) has nothing to defer. Pipeline stages already sync once per step
     (torch.distributed.pipelining). A step abandoned half-way (a stop request) leaves the sum behind and ends the

@@ -71,7 +71,7 @@ def parallelize_model(
     vocabulary-sharded DTensor: compute the loss AND call backward inside
     `parallelisms.tp.loss_parallel_context(True)`.
 
-    planning: a dry run (dry_run.py) on a fake process group: each step checks what it can and lays out the
+    planning: a dry run (planning/dry_run.py) on a fake process group: each step checks what it can and lays out the
     parameters; nothing that needs the real machine is switched on.
     inductor_cache_root: parent folder of the per-recipe inductor caches (see
     `parallelisms.compile.inductor_cache_dir`); None = TORCHINDUCTOR_CACHE_DIR or inductor's default.
@@ -146,7 +146,7 @@ def build_model(
     planning: bool = False,
 ) -> tuple[torch.nn.Module, Pipeline | None]:
     """The model on the meta device, parallelized: shapes and shardings, no storage yet (`init_model`).
-    planning: for a dry run (dry_run.py; parallelize_model's argument).
+    planning: for a dry run (planning/dry_run.py; parallelize_model's argument).
 
     With pipeline parallel this rank holds some stages, each parallelized on its own; the module returned
     is then those stages as one (the whole model's parameter names), and the Pipeline runs them."""

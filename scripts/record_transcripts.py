@@ -18,8 +18,8 @@ The command runs through bash from the repo root, with this Python's folder firs
 `python`, `torchrun` and `.venv/bin/python` are the venv's) and its stdout and stderr together;
 a pipe (`| grep ...`) picks lines. Words before the colon:
 
-    cheap   it runs in seconds without training (a dry run, --print-config, doctor.py,
-            estimate_memory.py, a refused start); tests/test_docs.py reruns every cheap block
+    cheap   it runs in seconds without training (a dry run, --print-config, planning/doctor.py,
+            planning/estimate_memory.py, a refused start); tests/test_docs.py reruns every cheap block
     echo    the block starts with `$ command`
 
 What differs from run to run is compared as `#`, never written so: times (`2.1 s`, `1298 ms`,

@@ -1,7 +1,7 @@
 """Counters of what really ran (module calls, aten ops, collectives, host reads, live bytes), which the tests
 and `make bench` use to count recomputation, communication and memory instead of assuming them. Nothing
 in the training code imports this module; `observe_ops`, which the estimator's trace uses too, lives in
-estimate_memory.py."""
+planning/estimate_memory.py."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 
-from estimate_memory import observe_ops
+from planning.estimate_memory import observe_ops
 
 __all__ = [
     "Collective", "CollectiveLog", "LiveBytes", "count_calls", "count_host_reads", "count_ops", "mesh_group_dims",

@@ -138,7 +138,7 @@ def test_missing_files_are_named_for_training_and_noted_when_planning() -> None:
         "model.hf_assets_path: /nonexistent not found; point it at a Hugging Face folder (config.json, tokenizer "
         "files, *.safetensors)"
     )
-    # Planning (--print-config, doctor.py, a dry run) loads the same config; the files are its notes.
+    # Planning (--print-config, planning/doctor.py, a dry run) loads the same config; the files are its notes.
     assert input_problems(load_config(argv)) == found
     assert "file missing.toml not found" in problems(["--config", "missing.toml"])[0]
     # Advice names the script so that it runs from anywhere; torchtitan's c4_test is torchtitan's folder.

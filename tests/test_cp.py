@@ -92,7 +92,7 @@ def test_the_cuda_block_mask_of_a_ranks_queries_is_the_cpu_mask() -> None:
 
 
 def test_the_estimators_cli_plans_cp_and_refuses_a_fake_step_under_it(capsys: pytest.CaptureFixture[str]) -> None:
-    import estimate_memory
+    from planning import estimate_memory
 
     argv = ["--flavor", "debugmodel", "--ngpu", "4", "--cp", "2", "--seq-len", "1024", "--allocator", "cpu"]
     assert estimate_memory.main(argv) == 0

@@ -59,7 +59,7 @@ def test_measured_numbers_live_in_benchmarks_md(page: Path) -> None:
 
 
 def test_the_recorded_transcripts_are_what_their_commands_print() -> None:
-    """Every block marked cheap (dry runs, --print-config, doctor.py, estimate_memory.py, a refused start), rerun by
+    """Every block marked cheap (dry runs, --print-config, planning/doctor.py, planning/estimate_memory.py, a refused start), rerun by
     scripts/record_transcripts.py in one process; its output names each block that differs and shows the diff.
     `python scripts/record_transcripts.py` rewrites them."""
     proc = subprocess.run(

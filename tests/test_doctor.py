@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import torch
 
-import doctor
 from config import JobConfig, load_config, resolve
-from doctor import Finding, Machine, check_recipe
 from errors import ConfigError
+from planning import doctor
+from planning.doctor import Finding, Machine, check_recipe
 from tests.conftest import Launch
 from tests.launch import REPO
 

@@ -1,5 +1,5 @@
-"""The dry run (dry_run.py, `[comm] mode = "fake_backend"`): rank 0's plan of a big job on this machine, on a fake
-process group and the meta device, without its GPUs or its input files. (A fork that removes dry_run.py removes
+"""The dry run (planning/dry_run.py, `[comm] mode = "fake_backend"`): rank 0's plan of a big job on this machine, on a fake
+process group and the meta device, without its GPUs or its input files. (A fork that removes planning/dry_run.py removes
 this file.)"""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from collections.abc import Callable
 import pytest
 
 from config import REPO, JobConfig, Parallelism
-from dry_run import EXCESSES, comm_by_kind, comm_floor, comm_per_step
-from estimate_memory import Job, job_of
 from models.llama3 import FLAVORS
 from parallelisms.parallel_dims import ParallelDims
+from planning.dry_run import EXCESSES, comm_by_kind, comm_floor, comm_per_step
+from planning.estimate_memory import Job, job_of
 from tests.launch import python, two_at_a_time
 from tests.parity_worker import GLOBAL_BATCH, LAYOUTS, TINY_SHAPES, TRAINING, Z_LOSS_WEIGHT, Layout
 
@@ -124,7 +124,7 @@ def layout_plan(layout: Layout) -> tuple[JobConfig, ParallelDims, Job]:
 
 
 def predicted_comm(layout: Layout) -> dict[str, float]:
-    """dry_run.comm_per_step for a parity layout, by mesh dimension."""
+    """planning.dry_run.comm_per_step for a parity layout, by mesh dimension."""
     cfg, dims, job = layout_plan(layout)
     return {dim: nbytes for dim, (nbytes, _) in comm_per_step(cfg, dims, job, grad_accum=layout.grad_accum).items()}
 

@@ -1,4 +1,4 @@
-"""The memory estimator (estimate_memory.py): torchtitan's published peaks, when gradients exist, the
+"""The memory estimator (planning/estimate_memory.py): torchtitan's published peaks, when gradients exist, the
 direction of each technique's effect, pipeline parallel per rank, the command line, and the activation
 terms spelled out by hand.
 
@@ -11,11 +11,11 @@ import json
 
 import pytest
 
-import estimate_memory
 from errors import ConfigError
-from estimate_memory import GiB, Job, activation_bytes, breakdown, estimate, estimate_rank
 from models import with_seq_len
 from models.llama3 import FLAVORS
+from planning import estimate_memory
+from planning.estimate_memory import GiB, Job, activation_bytes, breakdown, estimate, estimate_rank
 from tests.launch import python
 
 ARGS = with_seq_len(FLAVORS["debugmodel"], 256)
@@ -165,7 +165,7 @@ def test_fake_step_against_the_formula() -> None:
     SAC, CPU eager) agrees with the formula's allocated peak, and it too finds no gradient shards at the loss
     backward unless gradients accumulate. In a subprocess: it starts a (fake) process group."""
     code = (
-        "import json, estimate_memory as em\n"
+        "import json\nfrom planning import estimate_memory as em\n"
         "kw = dict(flavor='debugmodel', ngpu=2, seq_len=256, local_batch_size=4, rmsnorm='composite', allocator='cpu')\n"
         "jobs = [em.Job(grad_accum=g, **kw) for g in (1, 2)]\n"
         "print(json.dumps([[em.fake_job_memory(j), em.estimate(j)] for j in jobs]))"
@@ -185,7 +185,7 @@ def test_fake_step_against_the_formula() -> None:
 
 
 def test_cli(capsys: pytest.CaptureFixture[str]) -> None:
-    proc = python("estimate_memory.py", "--references", timeout=60)
+    proc = python("-m", "planning.estimate_memory", "--references", timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "82.4" in proc.stdout and "77.0" in proc.stdout and "70B, 64 GPUs" in proc.stdout
     assert "82.5" in proc.stdout and "72.7" in proc.stdout  # 405B under PP, two schedules

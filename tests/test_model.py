@@ -175,9 +175,9 @@ def test_rope_gives_attention_what_hugging_faces_rotate_half_gives_in_few_kernel
     out takes eight and twelve forward, eight and fourteen backward. q and k own their storages."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from estimate_memory import observe_ops
     from models.llama3.model import rope_cos_sin
     from models.rope import apply_rope
+    from planning.estimate_memory import observe_ops
 
     args = dataclasses.replace(FLAVORS["debugmodel"], max_seq_len=32)
     table = rope_cos_sin(args)

@@ -1,4 +1,4 @@
-"""Pipeline parallel's split and rules (parallelisms/pp.py), and the dry run (dry_run.py) of the big recipes.
+"""Pipeline parallel's split and rules (parallelisms/pp.py), and the dry run (planning/dry_run.py) of the big recipes.
 
 The pipelines themselves train in tests/test_parallelisms.py (loss parity of every schedule, x FSDP,
 x TP), tests/test_parallel_configs.py (configs/debug_pp.toml) and tests/test_train.py (resume PP <-> no PP).
@@ -10,9 +10,9 @@ import pytest
 
 from config import Parallelism
 from errors import ConfigError
-from estimate_memory import Job, estimate
 from models.llama3 import FLAVORS
 from parallelisms.pp import SCHEDULES, check_microbatches, rank_stages, stage_layers
+from planning.estimate_memory import Job, estimate
 from tests.launch import python
 
 

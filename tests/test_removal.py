@@ -226,7 +226,7 @@ def perform(part: str, root: Path) -> list[str]:
         "collect every test, run the cheap ones": PYTEST,
         "a one-step train": TRAIN,
     }
-    if any("dry_run.py" in files for _, files in clauses):  # the row edits the dry run: it still plans
+    if any("planning/dry_run.py" in files for _, files in clauses):  # the row edits the dry run: it still plans
         checks["a dry run"] = [*TRAIN[:3], "--validation.enable=false", "--comm.mode=fake_backend"]
     for what, args in checks.items():
         proc = _run(copy, *args, env={"WORLD_SIZE": "2"} if "fake_backend" in " ".join(args) else None)

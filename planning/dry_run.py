@@ -13,9 +13,9 @@ the mesh, the pipeline stages, and parallelize_model's TP, AC, compile wrappers 
     layout    the degrees, micro-batches, stages and the blocks of each
     groups    the ranks rank 0 shares each mesh dimension with, and how many such groups exist
     params    parameters rank 0 holds (its local shards, counted on the parallelized model)
-    memory    estimate_memory.py's prediction for the busiest rank, allocated and reserved
+    memory    planning/estimate_memory.py's prediction for the busiest rank, allocated and reserved
     comm      bytes each rank moves per step, per mesh dimension (the formulas of `comm_per_step`)
-    doctor    doctor.py's findings for the target machine: CUDA, LOCAL_WORLD_SIZE GPUs per node
+    doctor    planning/doctor.py's findings for the target machine: CUDA, LOCAL_WORLD_SIZE GPUs per node
               (default 8) of 80 GiB each
     inputs    the data, tokenizer and weights the job reads that this machine lacks: notes, not errors
 
@@ -36,7 +36,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-import doctor
 from config import (
     ActivationCheckpoint,
     JobConfig,
@@ -46,13 +45,14 @@ from config import (
     run_model_args,
 )
 from data.inputs import input_problems
-from estimate_memory import BlockCosts, GiB, Job, checkpointed_blocks, cp_kv_bytes, estimate, job_costs, job_of
 from loss import Loss
 from models import family
 from parallelisms.fsdp import DTYPES, applies_fsdp, reshards_after_forward
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import build_run_model
 from parallelisms.pp import check_microbatches, rank_stages, stage_layers
+from planning import doctor
+from planning.estimate_memory import BlockCosts, GiB, Job, checkpointed_blocks, cp_kv_bytes, estimate, job_costs, job_of
 
 
 def run(cfg: JobConfig) -> int:
@@ -80,7 +80,7 @@ def run(cfg: JobConfig) -> int:
         lines += plan_lines(cfg, dims, args, mesh=mesh, local_params=local, job=job_of(cfg, dims, cuda=True))
     finally:
         dist.destroy_process_group()
-    # Optional parts (doctor.py): each adds its lines and says whether it found an error. The GPUs planned for
+    # Optional parts (planning/doctor.py): each adds its lines and says whether it found an error. The GPUs planned for
     # are H100s, 80 GiB each.
     errors |= doctor.add_plan_report(
         lines, cfg, world_size=world_size, gpus_per_node=gpus_per_node, device_memory_gib=80
@@ -155,11 +155,11 @@ def plan_lines(
 
 
 def memory_lines(job: Job, *, pp: bool, tp_mesh: DeviceMesh | None) -> list[str]:
-    """estimate_memory.py's prediction for the pp rank that needs the most (the doctor's Job of this run)."""
+    """planning/estimate_memory.py's prediction for the pp rank that needs the most (the doctor's Job of this run)."""
     e = estimate(job, tp_mesh=tp_mesh)
     where = f" on pp rank {e['pp_rank']}" if pp else ""
     return [
-        f"memory per GPU{where} (estimate_memory.py): {e['allocator_peak'] / GiB:.1f} GiB allocated at the peak "
+        f"memory per GPU{where} (planning/estimate_memory.py): {e['allocator_peak'] / GiB:.1f} GiB allocated at the peak "
         f"({e['peak_phase']}), {e['reserved'] / GiB:.1f} GiB reserved by the caching allocator, "
         f"{e['total'] / GiB:.1f} GiB with CUDA context + NCCL"
     ]

@@ -1,7 +1,7 @@
 """The recipe doctor: pitfalls of a job on its machine that no other part of the recipe checks.
 
-    python doctor.py --config configs/llama3_70b.toml --world-size 64 --gpus-per-node 8 --cuda
-    python doctor.py --config configs/debug.toml --world-size 2
+    python -m planning.doctor --config configs/llama3_70b.toml --world-size 64 --gpus-per-node 8 --cuda
+    python -m planning.doctor --config configs/debug.toml --world-size 2
 
 The config's own rules run when it loads (config.py), the layout's when the job starts
 (ParallelDims, apply_tp, apply_async_tp, the data loader). What is left depends on the machine
@@ -15,7 +15,7 @@ and on what would merely run badly, and lives here:
     async TP       rowwise float8 under async TP, whose all-gathers the fusion pass cannot match
                    (docs/failures.md #4)
     offload        CPU offload on a machine without CUDA (docs/failures.md #5)
-    memory         parameters, gradients, optimizer state and activations per rank (estimate_memory.py)
+    memory         parameters, gradients, optimizer state and activations per rank (planning/estimate_memory.py)
                    against the device memory of a rank
     data           a run that would read its corpus many times over; a tokenizer whose vocabulary
                    is far smaller than the model's embedding (most of it never trained)
@@ -50,7 +50,7 @@ Severity = Literal["error", "warning", "note"]
 GiB = 2**30
 
 USAGE = """\
-usage: python doctor.py [--config FILE.toml] [--world-size N] [--gpus-per-node N] [--cuda]
+usage: python -m planning.doctor [--config FILE.toml] [--world-size N] [--gpus-per-node N] [--cuda]
                         [--device-memory-gib G] [--section.key=value ...]
 
 Checks a job for known pitfalls on its machine; prints one line per finding on stdout (notes name
@@ -137,7 +137,7 @@ def check_startup(cfg: JobConfig, *, world_size: int, device: torch.device, mesh
 def add_plan_report(
     lines: list[str], cfg: JobConfig, *, world_size: int, gpus_per_node: int, device_memory_gib: float
 ) -> bool:
-    """The dry run's section (dry_run.py): the findings for CUDA nodes of `gpus_per_node` GPUs of
+    """The dry run's section (planning/dry_run.py): the findings for CUDA nodes of `gpus_per_node` GPUs of
     `device_memory_gib` each, appended to `lines`; whether any is an error."""
     machine = Machine(cuda=True, gpus_per_node=gpus_per_node, device_memory_gib=device_memory_gib)
     findings = check_recipe(cfg, world_size=world_size, machine=machine)
@@ -318,11 +318,11 @@ def _offload(cfg: JobConfig, machine: Machine) -> list[Finding]:
 
 
 def _memory(cfg: JobConfig, dims: ParallelDims, machine: Machine, *, tp_mesh: DeviceMesh | None) -> list[Finding]:
-    """The estimate of estimate_memory.py for this job against the memory one rank can use."""
+    """The estimate of planning/estimate_memory.py for this job against the memory one rank can use."""
     if machine.device_memory_gib is None:
         return []
     # Imported here: the estimator (its fake-tensor trace of a block) loads only when this check runs.
-    from estimate_memory import estimate, job_of
+    from planning.estimate_memory import estimate, job_of
 
     try:
         job = job_of(cfg, dims, cuda=machine.cuda)
@@ -354,7 +354,7 @@ def _memory(cfg: JobConfig, dims: ParallelDims, machine: Machine, *, tp_mesh: De
             "error",
             "memory",
             f"the job needs about {need:.1f} GiB per rank (parameters, gradients, optimizer state, activations; "
-            f"python estimate_memory.py breaks it down) but a rank has {what}; use more ranks, activation "
+            f"python -m planning.estimate_memory breaks it down) but a rank has {what}; use more ranks, activation "
             "checkpointing, a smaller local_batch_size or seq_len, or a smaller flavor",
         )
     ]
@@ -414,7 +414,7 @@ def _data(cfg: JobConfig, dims: ParallelDims) -> list[Finding]:
 
 
 def main(argv: list[str]) -> int:
-    """`python doctor.py --config X [--world-size N] [--gpus-per-node N] [--cuda] [overrides]`; see USAGE."""
+    """`python -m planning.doctor --config X [--world-size N] [--gpus-per-node N] [--cuda] [overrides]`; see USAGE."""
     if "--help" in argv or "-h" in argv:
         print(USAGE)
         return 0

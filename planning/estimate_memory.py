@@ -1,9 +1,9 @@
 """Predict per-GPU memory of a training setup before asking for GPUs (docs/failures.md #5).
 
-    python estimate_memory.py --flavor llama3_8b --ngpu 8 --local-batch-size 2 --ac selective-op
-    python estimate_memory.py --flavor llama3_70b --ngpu 64 --tp 8 --local-batch-size 8 --ac full
-    python estimate_memory.py --flavor llama3_405b --ngpu 512 --tp 8 --pp 8 --local-batch-size 8 --ac full
-    python estimate_memory.py --references   # against torchtitan's published peaks
+    python -m planning.estimate_memory --flavor llama3_8b --ngpu 8 --local-batch-size 2 --ac selective-op
+    python -m planning.estimate_memory --flavor llama3_70b --ngpu 64 --tp 8 --local-batch-size 8 --ac full
+    python -m planning.estimate_memory --flavor llama3_405b --ngpu 512 --tp 8 --pp 8 --local-batch-size 8 --ac full
+    python -m planning.estimate_memory --references   # against torchtitan's published peaks
 
 Components, per GPU (formulas below, where each term is one tensor):
 
@@ -59,7 +59,7 @@ Components, per GPU (formulas below, where each term is one tensor):
   reserved          torch.cuda.max_memory_reserved, what the caching allocator holds (see "Reserved").
   overhead          CUDA context, cuBLAS workspaces, NCCL buffers: a fixed --overhead-gib (default
                     2 GiB; ~0.5-1 for the context, ~1 for NCCL on 8 GPUs), outside PyTorch's allocator.
-  total             reserved + overhead: what doctor.py compares with the device's memory.
+  total             reserved + overhead: what planning/doctor.py compares with the device's memory.
 
 Reserved. The caching allocator keeps freed blocks in a pool per CUDA stream, and a block cached by
 one stream serves no other. FSDP2 (torch 2.13, _fsdp_collectives.py) allocates each unit's gradient
@@ -591,7 +591,7 @@ class _Watch:
 
 @dataclass(frozen=True)
 class Job:
-    """One training setup: what estimate() needs to know (the CLI's flags, or doctor.py's config)."""
+    """One training setup: what estimate() needs to know (the CLI's flags, or planning/doctor.py's config)."""
 
     flavor: str = "llama3_8b"
     family: str = "llama3"  # [model] name: the folder of models/ that has the flavor
