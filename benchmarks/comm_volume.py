@@ -27,7 +27,7 @@ reduce-scatters run over one-rank groups and move nothing) and each gradient is 
 over all ranks, which is the traffic of DDP. torch DDP would move the same bytes in other
 bucket sizes; fully_shard keeps all three layouts on one code path with the same counter.
 
-How bytes are counted: `estimate_memory.observe_ops` (a TorchDispatchMode) around one step of the
+How bytes are counted: `planning.trace.observe_ops` (a TorchDispatchMode) around one step of the
 recipe's own `train.train_step` (AdamW, grad norm clipped to 1.0) sees every collective as the
 dispatcher op that really runs it. FSDP2 calls c10d directly (all_gather_into_tensor ->
 `c10d::_allgather_base_`, reduce_scatter_tensor -> `c10d::_reduce_scatter_base_`, HSDP's

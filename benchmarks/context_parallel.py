@@ -43,7 +43,7 @@ from models.llama3 import FLAVORS
 from parallelisms.cp import context_parallel
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import build_model, init_model
-from planning.estimate_memory import Job, activation_bytes, cp_kv_bytes
+from planning.memory import Job, activation_bytes, cp_kv_bytes
 from tests.instruments import observe_ops
 
 PROBLEM = "context parallel"

@@ -5,7 +5,7 @@
 benchmarks/vs_torchtitan.py starts both trainers through this module in its eager layouts: train.py's
 `train_step` or torchtitan 0.2.2's `Trainer.train_step` is wrapped (neither trainer's code is changed) and
 step COUNTED_STEP, the first after lazy initialization and outside the timed steps, runs under
-estimate_memory.observe_ops. On a GPU every op an eager step dispatches that is not a view is a kernel
+planning.trace.observe_ops. On a GPU every op an eager step dispatches that is not a view is a kernel
 launch, and at small shapes launches, not FLOPs, bound a step. DTensor ops count as the local ops they run,
 collectives as one op each; views (reshapes, transposes, slices) launch nothing and are counted apart, and
 record_function's annotations (the profiler namespace) not at all.
@@ -52,7 +52,7 @@ def count_step(
 
 
 def _dispatched(step_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
-    from planning.estimate_memory import observe_ops
+    from planning.trace import observe_ops
 
     kernels: Counter[str] = Counter()
     views = 0

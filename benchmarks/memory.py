@@ -36,7 +36,7 @@ checkpointing keeps: a non-reentrant checkpoint installs its own saved_tensors_h
 block (the innermost hooks win), which drop what autograd saves inside the block. So:
   * the block's inputs, which the checkpoint keeps (in its recomputation closure) until backward,
     are read in a forward pre-hook of each checkpointed block and counted;
-  * selective op AC keeps the outputs of its save-list ops in its own cache: `estimate_memory.observe_ops`
+  * selective op AC keeps the outputs of its save-list ops in its own cache: `planning.trace.observe_ops`
     records a weak reference to the storage of every op output produced inside a checkpointed
     block's forward, and those still alive once forward is over are counted (under full AC the
     only survivors are block outputs, already counted as the next block's input);
@@ -81,7 +81,7 @@ from models.llama3 import FLAVORS, ModelArgs, Transformer
 from parallelisms.ac import CheckpointedModule
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import parallelize_model
-from planning.estimate_memory import Job, activation_bytes
+from planning.memory import Job, activation_bytes
 from tests.instruments import LiveBytes, observe_ops
 
 PROBLEM = "#5 memory"

@@ -28,7 +28,7 @@ from benchmarks import harness, run
 from benchmarks.harness import Row
 from config import load_config
 from parallelisms.parallel_dims import ParallelDims
-from planning.estimate_memory import estimate_rank, job_of
+from planning.memory import estimate_rank, job_of
 
 GiB = 2**30
 PROBLEM = "memory estimate"

@@ -322,7 +322,7 @@ def _memory(cfg: JobConfig, dims: ParallelDims, machine: Machine, *, tp_mesh: De
     if machine.device_memory_gib is None:
         return []
     # Imported here: the estimator (its fake-tensor trace of a block) loads only when this check runs.
-    from planning.estimate_memory import estimate, job_of
+    from planning.memory import estimate, job_of
 
     try:
         job = job_of(cfg, dims, cuda=machine.cuda)

@@ -52,7 +52,8 @@ from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import build_run_model
 from parallelisms.pp import check_microbatches, rank_stages, stage_layers
 from planning import doctor
-from planning.estimate_memory import BlockCosts, GiB, Job, checkpointed_blocks, cp_kv_bytes, estimate, job_costs, job_of
+from planning.memory import GiB, Job, cp_kv_bytes, estimate, job_costs, job_of
+from planning.trace import BlockCosts, checkpointed_blocks
 
 
 def run(cfg: JobConfig) -> int:
@@ -214,7 +215,7 @@ def _comm(
               where AC recomputes the block (not under op SAC, which keeps the gathered tensors).
     dp_repl.  HSDP: an all-reduce of the gradient shards once per step, whatever the micro-batches (train.py defers it
               to the last, parallelisms/fsdp.py sync_gradients_on; pipeline stages sync once anyway).
-    tp        the collectives of the family's TP plan as one traced block runs them (estimate_memory.block_costs:
+    tp        the collectives of the family's TP plan as one traced block runs them (planning.trace.block_costs:
               forward, backward, and what AC recomputes), per block of the rank's stages and micro-batch, plus
               the embedding's (stage 0) and those of the final norm, output projection and loss (the last stage),
               and the all-reduce of the gradients of the weights TP leaves whole (the norms'), per micro-batch.

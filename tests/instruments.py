@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 
-from planning.estimate_memory import observe_ops
+from planning.trace import observe_ops
 
 __all__ = [
     "Collective", "CollectiveLog", "LiveBytes", "count_calls", "count_host_reads", "count_ops", "mesh_group_dims",

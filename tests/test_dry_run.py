@@ -14,7 +14,7 @@ from config import REPO, JobConfig, Parallelism
 from models.llama3 import FLAVORS
 from parallelisms.parallel_dims import ParallelDims
 from planning.dry_run import EXCESSES, comm_by_kind, comm_floor, comm_per_step
-from planning.estimate_memory import Job, job_of
+from planning.memory import Job, job_of
 from tests.launch import python, two_at_a_time
 from tests.parity_worker import GLOBAL_BATCH, LAYOUTS, TINY_SHAPES, TRAINING, Z_LOSS_WEIGHT, Layout
 

@@ -14,8 +14,9 @@ import pytest
 from errors import ConfigError
 from models import with_seq_len
 from models.llama3 import FLAVORS
-from planning import estimate_memory
-from planning.estimate_memory import GiB, Job, activation_bytes, breakdown, estimate, estimate_rank
+from planning import estimate_memory, trace
+from planning.estimate_memory import breakdown
+from planning.memory import GiB, Job, activation_bytes, estimate, estimate_rank
 from tests.launch import python
 
 ARGS = with_seq_len(FLAVORS["debugmodel"], 256)
@@ -267,8 +268,8 @@ def test_a_familys_own_norm_class_is_named_once_not_corrected_silently(capsys: p
     tiny = with_seq_len(dataclasses.replace(ARGS, n_layers=1), SEQ)
     mine = dataclasses.replace(llama, name="ownnorm", model_cls=own_norms)
     shape = dict(batch=1, seq_len=SEQ, dtype=torch.float32, ac="none", rmsnorm="fused")
-    estimate_memory.block_costs(llama, tiny, **shape)
+    trace.block_costs(llama, tiny, **shape)
     assert "OwnNorm" not in capsys.readouterr().err
-    estimate_memory.block_costs(mine, tiny, **shape)
-    estimate_memory.block_costs(mine, dataclasses.replace(tiny, dim=2 * tiny.dim), **shape)
+    trace.block_costs(mine, tiny, **shape)
+    trace.block_costs(mine, dataclasses.replace(tiny, dim=2 * tiny.dim), **shape)
     assert capsys.readouterr().err.count("ownnorm's attention_norm is a OwnNorm, not nn.RMSNorm") == 1

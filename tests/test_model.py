@@ -177,7 +177,7 @@ def test_rope_gives_attention_what_hugging_faces_rotate_half_gives_in_few_kernel
 
     from models.llama3.model import rope_cos_sin
     from models.rope import apply_rope
-    from planning.estimate_memory import observe_ops
+    from planning.trace import observe_ops
 
     args = dataclasses.replace(FLAVORS["debugmodel"], max_seq_len=32)
     table = rope_cos_sin(args)

@@ -12,7 +12,7 @@ from config import Parallelism
 from errors import ConfigError
 from models.llama3 import FLAVORS
 from parallelisms.pp import SCHEDULES, check_microbatches, rank_stages, stage_layers
-from planning.estimate_memory import Job, estimate
+from planning.memory import Job, estimate
 from tests.launch import python
 
 

@@ -1,0 +1,698 @@
+"""The memory of one GPU of a training setup, per pipeline rank, allocated and reserved, term by term: `Job` (the
+setup), `estimate` (the worst rank) and `estimate_rank`, from the job's shapes and a trace of one block of its model
+(planning/trace.py). How each term is modelled: docs/planning.md, "How the estimator counts". The command is
+planning/estimate_memory.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+# TorchDispatchMode is the documented way to see every aten op, in a private module (PyTorch 2.13).
+from config import JobConfig, Parallelism, global_batch_size, grad_accum_steps, model_args
+from errors import ConfigError
+from loss import chunk_tokens_for
+from models import ModelFamily, family
+from parallelisms.fsdp import applies_fsdp
+from parallelisms.parallel_dims import ParallelDims, layout_problems
+from parallelisms.pp import SCHEDULES, rank_stages, stage_layers
+from planning.trace import BlockCosts, RMSNorm, block_costs, checkpoint_every, checkpointed_blocks
+
+GiB = 2**30
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+AC_MODES = ("none", "full", "selective-op", "selective-2")
+# Compute-stream bytes the caching allocator reserves beyond the allocated peak, as a share of it:
+# calibrated on torchtitan's 8B peaks (docs/planning.md, "How the estimator counts": "Reserved").
+FRAGMENTATION = 0.17
+
+
+# --------------------------------------------------------------- whole GPU
+
+
+@dataclass(frozen=True)
+class Job:
+    """One training setup: what estimate() needs to know (the CLI's flags, or planning/doctor.py's config)."""
+
+    flavor: str = "llama3_8b"
+    family: str = "llama3"  # [model] name: the folder of models/ that has the flavor
+    ngpu: int = 8  # ranks of the job (GPUs, or CPU processes)
+    tp: int = 1
+    replicate: int = 1
+    seq_len: int = 8192
+    local_batch_size: int = 1
+    param_dtype: str = "bfloat16"
+    reduce_dtype: str = "float32"
+    ac: str = "selective-op"
+    cpu_offload: bool = False
+    rmsnorm: RMSNorm = "fused"
+    # train.py, like torchtitan, deletes the logits before loss.backward(); a loop that keeps
+    # them alive holds T x V/tp more elements in param_dtype through the loss backward.
+    logits_kept_in_backward: bool = False
+    # training.loss_chunk_tokens (-1: chunks where the logits are large, loss.py); 0 (torchtitan's loss, the
+    # references') = all logits at once.
+    loss_chunk_tokens: int = 0
+    # Not parallelism.disable_loss_parallel: under TP the loss runs on vocabulary shards (its collectives).
+    loss_parallel: bool = True
+    z_loss_weight: float = 0.0  # training.z_loss_weight: the z-loss's collectives, under loss parallel
+    overhead_gib: float = 2.0
+    model: Any = None  # ModelArgs of a shape that is not a flavor (a Hugging Face config.json); flavor names it
+    # Micro-batches per optimizer step: training.global_batch_size / (local_batch_size x dp). From the
+    # second on, the gradient shards of the earlier ones are alive through forward and backward.
+    grad_accum: int = 1
+    # parallelism.fsdp_defer_reduce_scatter: with grad_accum > 1 (and FSDP, no PP), every unit's gradient stays
+    # unsharded in reduce_dtype from the first micro-batch's backward to the step's last (parallelisms/fsdp.py).
+    defer_reduce_scatter: bool = False
+    # [parallelism] pipeline_parallel_degree, _schedule, _microbatch_size, _layers_per_stage,
+    # _first_stage_less_layers, _last_stage_less_layers (torchtitan v0.2.2's meanings, parallelisms/pp.py).
+    pp: int = 1
+    pp_schedule: str = "1F1B"
+    pp_microbatch_size: int = 1
+    pp_layers_per_stage: int | None = None
+    pp_first_stage_less_layers: int = 1
+    pp_last_stage_less_layers: int = 1
+    # [parallelism] context_parallel_degree (parallelisms/cp.py): each rank holds seq_len / cp of every window.
+    cp: int = 1
+    # "cuda": the caching allocator reserves more than it allocates (docs/planning.md, "How the estimator counts": "Reserved");
+    # "cpu": CPU ranks have none, reserved = allocated.
+    allocator: Literal["cuda", "cpu"] = "cuda"
+
+    def __post_init__(self) -> None:
+        """The recipe's own rules (ParallelDims, the TP plan, the pipeline split and micro-batches) raise one
+        ConfigError with all their problems; the estimator's own inputs ValueError."""
+        problems = layout_problems(
+            **self.parallelism.layout_settings(),
+            world_size=self.ngpu,
+            args=self.args,
+            seq_len=self.seq_len,
+            local_batch_size=self.local_batch_size,
+        )
+        if problems:
+            raise ConfigError(*problems)
+        for name in ("param_dtype", "reduce_dtype"):
+            if getattr(self, name) not in DTYPE_BYTES:
+                raise ValueError(f"{name}: expected one of {', '.join(DTYPE_BYTES)}")
+        checkpoint_every(self.ac)  # raises on a bad ac
+        if self.grad_accum < 1:
+            raise ValueError(f"grad_accum: expected >= 1, got {self.grad_accum}")
+        if self.allocator not in ("cuda", "cpu"):
+            raise ValueError(f"allocator: expected cuda or cpu, got {self.allocator!r}")
+
+    @property
+    def fam(self) -> ModelFamily:
+        return family(self.family)
+
+    @property
+    def args(self) -> Any:
+        if self.model is not None:
+            return self.model
+        return self.fam.flavors[self.fam.flavor_aliases.get(self.flavor, self.flavor)]
+
+    @property
+    def parallelism(self) -> Parallelism:
+        """The [parallelism] section of this job, for the run's own rules."""
+        return Parallelism(
+            data_parallel_replicate_degree=self.replicate,
+            tensor_parallel_degree=self.tp,
+            pipeline_parallel_degree=self.pp,
+            pipeline_parallel_schedule=self.pp_schedule,
+            pipeline_parallel_microbatch_size=self.pp_microbatch_size,
+            pipeline_parallel_layers_per_stage=self.pp_layers_per_stage,
+            pipeline_parallel_first_stage_less_layers=self.pp_first_stage_less_layers,
+            pipeline_parallel_last_stage_less_layers=self.pp_last_stage_less_layers,
+            context_parallel_degree=self.cp,
+        )
+
+    @property
+    def shard(self) -> int:
+        """The ranks FSDP shards parameters over: dp_shard x cp."""
+        return self.ngpu // (self.pp * self.tp * self.replicate)
+
+    @property
+    def local_seq_len(self) -> int:
+        """The tokens of each window this rank computes: seq_len / cp."""
+        return self.seq_len // self.cp
+
+    @property
+    def stages(self) -> list[list[int]]:
+        """The blocks of every (virtual) pipeline stage; one stage of all blocks without PP."""
+        return stage_layers(self.args, self.parallelism) if self.pp > 1 else [list(range(self.args.n_layers))]
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches of the pipeline per local batch (1 without PP; grad_accum counts the loader's)."""
+        return self.local_batch_size // self.pp_microbatch_size if self.pp > 1 else 1
+
+    @property
+    def microbatch_tokens(self) -> int:
+        """T: the tokens one forward of a stage (or of the model, without PP) processes on this rank."""
+        return (self.pp_microbatch_size if self.pp > 1 else self.local_batch_size) * self.local_seq_len
+
+    @property
+    def fsdp(self) -> bool:
+        """Whether the run shards with FSDP; a job of one rank does not, and trains a bf16 param_dtype under autocast
+        (parallelisms/fsdp.py applies_fsdp)."""
+        dims = ParallelDims.from_config(self.parallelism, world_size=self.ngpu)
+        return applies_fsdp(dims, param_dtype=self.param_dtype, cpu_offload=self.cpu_offload)
+
+    @property
+    def defers_reduce_scatter(self) -> bool:
+        """parallelism.fsdp_defer_reduce_scatter where it changes something: FSDP, several micro-batches, no PP."""
+        return self.defer_reduce_scatter and self.fsdp and self.grad_accum > 1 and self.pp == 1
+
+    @property
+    def accumulates_unsharded(self) -> bool:
+        """Whether gradients are summed unsharded in reduce_dtype across micro-batches: pipeline stages always,
+        FSDP when it defers its reduce-scatters."""
+        return self.pp > 1 or self.defers_reduce_scatter
+
+    @property
+    def autocast(self) -> bool:
+        return not self.fsdp and self.param_dtype != "float32"
+
+    @property
+    def chunk_tokens(self) -> int:
+        """The loss's chunk for this job's micro-batches (loss.chunk_tokens_for of loss_chunk_tokens); 0 = whole."""
+        shards = self.tp if self.loss_parallel else 1
+        return chunk_tokens_for(
+            self.loss_chunk_tokens, tokens=self.microbatch_tokens, vocab=self.args.vocab_size // shards
+        )
+
+
+_ACTIONS = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
+
+
+def job_of(cfg: JobConfig, dims: ParallelDims, *, cuda: bool) -> Job:
+    """A run's config as a Job (the doctor's memory check, the dry run): for CUDA GPUs, or for CPU ranks. ConfigError
+    for a shape the layout cannot split, which the run itself refuses with its own message."""
+    training, ac, par = cfg.training, cfg.activation_checkpoint, cfg.parallelism
+    return Job(
+        family=cfg.model.name,
+        flavor=cfg.model.flavor,
+        model=model_args(cfg.model),
+        ngpu=dims.world_size,
+        tp=dims.tp,
+        replicate=dims.dp_replicate,
+        seq_len=training.seq_len,
+        local_batch_size=training.local_batch_size,
+        grad_accum=grad_accum_steps(
+            global_batch_size(training, dp=dims.dp), local_batch=training.local_batch_size, dp=dims.dp
+        ),
+        param_dtype=training.mixed_precision_param,
+        reduce_dtype=training.mixed_precision_reduce,
+        ac=f"selective-{ac.selective_ac_option}" if ac.mode == "selective" else ac.mode,
+        cpu_offload=training.enable_cpu_offload and cuda,
+        loss_chunk_tokens=training.loss_chunk_tokens,
+        defer_reduce_scatter=par.fsdp_defer_reduce_scatter,
+        loss_parallel=not par.disable_loss_parallel,
+        z_loss_weight=training.z_loss_weight,
+        pp=dims.pp,
+        pp_schedule=par.pipeline_parallel_schedule,
+        pp_microbatch_size=par.pipeline_parallel_microbatch_size,
+        pp_layers_per_stage=par.pipeline_parallel_layers_per_stage,
+        pp_first_stage_less_layers=par.pipeline_parallel_first_stage_less_layers,
+        pp_last_stage_less_layers=par.pipeline_parallel_last_stage_less_layers,
+        cp=dims.cp,
+        # Eager CPU RMSNorm is the composite one; a CPU process has no CUDA context, NCCL buffers or caching
+        # allocator.
+        rmsnorm="fused" if cuda else "composite",
+        overhead_gib=2.0 if cuda else 0.5,
+        allocator="cuda" if cuda else "cpu",
+    )
+
+
+def rank_ops(schedule: str, *, pp_rank: int, pp: int, n_local: int, n_mb: int) -> list[tuple[str, int, int]]:
+    """The forwards (F) and backwards (B; zero bubble: input I, weight W) pp rank `pp_rank` runs, in
+    order, as (kind, local stage, micro-batch)."""
+    match schedule:
+        case "GPipe":
+            return [("F", 0, m) for m in range(n_mb)] + [("B", 0, m) for m in range(n_mb)]
+        case "1F1B":
+            # torch's Schedule1F1B: stage s runs min(n_mb, S - s) forwards, then backward/forward pairs.
+            warmup = min(n_mb, pp - pp_rank)
+            ops = [("F", 0, m) for m in range(warmup)]
+            for m in range(n_mb):
+                ops += [("B", 0, m)] + ([("F", 0, warmup + m)] if warmup + m < n_mb else [])
+            return ops
+    # The interleaved schedules plan every rank's actions in __init__, which needs real PipelineStages
+    # (a process group, a device). Their planner (private, torch 2.13) reads only these attributes;
+    # the rounds are as in ScheduleInterleaved1F1B.__init__.
+    rounds = max(1, n_mb // pp)
+    plan = types.SimpleNamespace(
+        n_local_stages=n_local, pp_group_size=pp, microbatches_per_round=n_mb // rounds, _n_microbatches=n_mb
+    )
+    actions = SCHEDULES[schedule].torch_class()._calculate_single_rank_operations(plan, pp_rank)
+    return [
+        (_ACTIONS[a.computation_type.name], a.stage_index // pp, a.microbatch_index) for a in actions if a is not None
+    ]
+
+
+def job_costs(job: Job, *, tp_mesh: DeviceMesh | None = None) -> BlockCosts:
+    """block_costs of one micro-batch of `job` through one block, in its param_dtype. Under context parallel the
+    block is traced on this rank's tokens, and attention's keys and values span the whole window (`cp_kv_bytes`)."""
+    costs = block_costs(
+        job.fam,
+        job.args,
+        batch=job.microbatch_tokens // job.local_seq_len,
+        seq_len=job.local_seq_len,
+        dtype=getattr(torch, job.param_dtype),
+        ac=job.ac,
+        tp=job.tp,
+        rmsnorm=job.rmsnorm,
+        tp_mesh=tp_mesh,
+        loss_parallel=job.loss_parallel,
+        loss_chunk_tokens=job.chunk_tokens,
+        z_loss=job.z_loss_weight > 0,
+        autocast=job.autocast,
+    )
+    extra = cp_kv_bytes(job)
+    return dataclasses.replace(costs, saved=costs.saved + extra["saved"], kept=costs.kept + extra["kept"])
+
+
+def cp_kv_bytes(job: Job) -> dict[str, int]:
+    """What context parallel adds to one block's activations (parallelisms/cp.py), per micro-batch: attention
+    saves its keys and values for the whole window instead of this rank's 1/cp of it, expanded to the query
+    heads (grouped-query attention repeats them before SDPA): `saved`; op SAC keeps the all-gather's output,
+    the window's keys and values at the KV heads, so that backward does not gather again: `kept`; one
+    all-gather's payload, the window's keys and values: `gathered`; on CPU ranks, SDPA's dense additive mask of
+    this rank's queries x the window, one per forward (models/attention.py; CUDA's BlockMask is a few KiB): `mask`.
+    All 0 without context parallel."""
+    if job.cp == 1:
+        return dict.fromkeys(("saved", "kept", "gathered", "mask"), 0)
+    args, param_bytes = job.args, DTYPE_BYTES[job.param_dtype]
+    batch, window = job.microbatch_tokens // job.local_seq_len, job.seq_len
+    head_bytes = batch * args.head_dim * param_bytes
+    saved = 2 * head_bytes * (window - job.local_seq_len) * (args.n_heads // job.tp)
+    gathered = 2 * head_bytes * window * (args.kv_heads // job.tp)
+    mask = batch * job.local_seq_len * window * param_bytes if job.allocator == "cpu" else 0
+    return {"saved": saved, "kept": gathered if job.ac == "selective-op" else 0, "gathered": gathered, "mask": mask}
+
+
+def activation_bytes(job: Job, *, tp_mesh: DeviceMesh | None = None) -> dict[str, int]:
+    """Bytes saved for backward at the end of one micro-batch's forward through the whole model (what
+    benchmarks/memory.py measures), by part: the blocks, what lies outside them (token ids, the final
+    norm and its gathered output), the loss's fp32 log-softmax."""
+    costs, args, param_bytes = job_costs(job, tp_mesh=tp_mesh), job.args, DTYPE_BYTES[job.param_dtype]
+    tokens, checkpointed = job.microbatch_tokens, checkpointed_blocks(job.args.n_layers, job.ac)
+    blocks = (args.n_layers - checkpointed) * costs.saved + checkpointed * costs.kept
+    outside = 16 * tokens + costs.final_norm + param_bytes * tokens * args.dim + cp_kv_bytes(job)["mask"]
+    log_softmax = 4 * tokens * args.vocab_size // job.tp
+    return {
+        "per_block_no_ac": costs.saved,
+        "per_block_checkpointed": costs.kept if checkpointed else 0,
+        "blocks": blocks,
+        "outside_blocks": outside,
+        "log_softmax": log_softmax,
+        "total": blocks + outside + log_softmax,
+    }
+
+
+# estimate_rank's terms, phase by phase: the parameters a rank holds and their sharded state (the whole step),
+# the parameters gathered during backward, the activations a micro-batch leaves for backward, the transients of a
+# backward; then a replay of the rank's schedule finds the worst moment, and the reserved bytes follow from it.
+
+
+@dataclass(frozen=True)
+class _RankParams:
+    """The parameters of one pp rank as TP left them, before FSDP shards them (the family's plan splits a block's
+    matmul weights, the skeleton's the vocabulary). A tied model's one matrix lives in the root unit
+    (parallelisms/fsdp.py)."""
+
+    stages: list[list[int]]
+    """The blocks of every (virtual) pipeline stage of the job; one stage of all blocks without PP."""
+    local: list[int]
+    """The stages this rank runs."""
+    block: int
+    embedding: int
+    root: int
+    """The root unit: final norm + output projection (or the tied matrix)."""
+
+    @property
+    def last_stage(self) -> int:
+        return len(self.stages) - 1
+
+    def of_stage(self, stage: int) -> int:
+        embedding = self.embedding if stage == 0 else 0
+        root = self.root if stage == self.last_stage else 0
+        return len(self.stages[stage]) * self.block + embedding + root
+
+    @property
+    def total(self) -> int:
+        """Of all the rank's stages."""
+        return sum(self.of_stage(stage) for stage in self.local)
+
+    @property
+    def largest_unit(self) -> int:
+        """The largest FSDP unit of the rank: a block, or the embedding or root unit where the rank has them."""
+        return max([self.block] + [self.embedding] * (0 in self.local) + [self.root] * (self.last_stage in self.local))
+
+
+def _rank_params(job: Job, costs: BlockCosts, pp_rank: int) -> _RankParams:
+    stages = job.stages
+    local = rank_stages(pp_rank, pp=job.pp, stages=len(stages)) if job.pp > 1 else [0]
+    return _RankParams(
+        stages, local, block=costs.block_params, embedding=costs.embedding_params, root=costs.root_params
+    )
+
+
+@dataclass(frozen=True)
+class _ShardedState:
+    """The fp32 master state of a rank, FSDP's shards of what TP left: 4 bytes per parameter for the parameters,
+    4 for the gradients, 8 for AdamW's two moments. On the GPU unless CPU offload moves it to the host."""
+
+    params: float
+    grads: float
+    adam: float
+    on_gpu: bool
+    static: float
+    """Allocated once and never freed, on the GPU: parameters and AdamW state."""
+    block_grads: float
+    """One block's gradient shards, on the GPU."""
+    earlier_grads: float
+    """The gradient shards of the step's earlier micro-batches (gradient accumulation), on the GPU."""
+
+
+def _sharded_state(job: Job, params: _RankParams) -> _ShardedState:
+    master, grads, adam = (n * params.total / job.shard for n in (4, 4, 8))
+    on_gpu = not job.cpu_offload
+    return _ShardedState(
+        params=master,
+        grads=grads,
+        adam=adam,
+        on_gpu=on_gpu,
+        static=master + adam if on_gpu else 0.0,
+        block_grads=4 * params.block / job.shard if on_gpu else 0.0,
+        # (deferred reduce-scatters make no shards before the step's last micro-batch)
+        earlier_grads=grads if on_gpu and job.grad_accum > 1 and not job.defers_reduce_scatter else 0.0,
+    )
+
+
+def _gathered_params(job: Job, params: _RankParams) -> dict[str, float]:
+    """Bytes of the parameters gathered in param_dtype during each phase of backward (loss, block, embedding).
+
+    Without PP the embedding and blocks are resharded after forward and the root (norm + output) is not; in
+    backward one block is gathered plus the prefetched one, and the embedding is not gathered again (its backward
+    does not read it, parallelisms/fsdp.py). Under PP the rank's stages stay gathered from their first forward to
+    the end of the step."""
+    param_bytes = DTYPE_BYTES[job.param_dtype]
+    if not job.fsdp:
+        # One rank, nothing gathered: under autocast each weight's param_dtype copy lives while autograd needs it, the
+        # output projection's through the loss backward (chunked: the chunk term's), a block's through its backward
+        # (saved without AC, counted with the activations then; cast again by the recomputation under AC).
+        if not job.autocast:
+            return dict.fromkeys(("loss", "block", "embedding"), 0.0)
+        root = 0.0 if job.chunk_tokens else param_bytes * params.root
+        return {"loss": root, "block": param_bytes * params.block, "embedding": 0.0}
+    if job.pp > 1:
+        return dict.fromkeys(("loss", "block", "embedding"), param_bytes * params.total)
+    root = param_bytes * params.root
+    return {"loss": root, "block": param_bytes * (params.root + 2 * params.block), "embedding": root}
+
+
+@dataclass(frozen=True)
+class _Activations:
+    """What one micro-batch leaves for backward on this rank, as the trace found it: per block of a stage, and
+    outside the blocks."""
+
+    stages: list[list[int]]
+    no_ac: int
+    """One block's saved bytes without activation checkpointing."""
+    checkpointed: int
+    """What a checkpointed block keeps (its input; under op SAC also its cache)."""
+    every: int
+    """apply_ac's period (checkpoint_every)."""
+    token_ids: int
+    """Token ids and labels (int64), and CP's mask on CPU."""
+    final_norm: int
+    """The final norm's saves and its output, gathered over the sequence, which the loss keeps."""
+    log_softmax: int
+    """The loss's fp32 log-softmax (loss parallel keeps the vocabulary sharded); the chunked loss keeps none."""
+    stage_output: float
+    """Kept by a pipeline stage for its backward; the last stage's feeds the final norm."""
+
+    def blocks(self, stage: int) -> list[int]:
+        every = self.every
+        checkpointed = [every and (i + 1) % every == 0 for i in range(len(self.stages[stage]))]
+        return [self.checkpointed if ckpt else self.no_ac for ckpt in checkpointed]
+
+    def outside(self, stage: int) -> float:
+        last = stage == len(self.stages) - 1
+        return self.token_ids + (self.final_norm + self.log_softmax if last else self.stage_output)
+
+
+def _activations(job: Job, costs: BlockCosts, stages: list[list[int]]) -> _Activations:
+    param_bytes, tokens, dim = DTYPE_BYTES[job.param_dtype], job.microbatch_tokens, job.args.dim
+    chunked = job.chunk_tokens > 0
+    return _Activations(
+        stages=stages,
+        no_ac=costs.saved,
+        checkpointed=costs.kept,
+        every=checkpoint_every(job.ac),
+        token_ids=16 * tokens + cp_kv_bytes(job)["mask"],
+        final_norm=costs.final_norm + param_bytes * tokens * dim,
+        log_softmax=0 if chunked else 4 * tokens * job.args.vocab_size // job.tp,
+        stage_output=param_bytes * tokens * dim / job.tp,
+    )
+
+
+@dataclass(frozen=True)
+class _Transients:
+    """What exists during part of a backward only, per micro-batch."""
+
+    logits_held: float
+    """The logits in param_dtype, while a loop that keeps them holds them."""
+    loss: float
+    """The loss backward's buffers beyond the saved log-softmax (docs/planning.md, "How the estimator counts": "logits + loss")."""
+    activation_grads: float
+    """A block backward's activation gradients."""
+    reduce_scatter_inputs: float
+    """A block's unsharded gradient in param_dtype and its reduce_dtype copy."""
+    root_grad: float
+    """The root unit's unsharded gradient, from the loss backward to the end."""
+    pp_buffers: float
+    """The pipeline's send and receive buffers."""
+    weight_grad_inputs: int
+    """Zero bubble: per block, what its weight gradients need between a micro-batch's input and weight backward."""
+
+
+def _transients(job: Job, costs: BlockCosts) -> _Transients:
+    tp, tokens, vocab, dim = job.tp, job.microbatch_tokens, job.args.vocab_size, job.args.dim
+    param_bytes, reduce_bytes = DTYPE_BYTES[job.param_dtype], DTYPE_BYTES[job.reduce_dtype]
+    # Start of the loss backward, in fp32 per logit: the saved log-softmax (4, counted with the activations) plus,
+    # for the fused cross-entropy (tp 1), nll's gradient and log-softmax's gradient (4 + 4); under loss parallel
+    # (tp > 1) torch's DTensor backward builds zeros_like(x), exp(x), their sum and the product (up to 4 x 4
+    # alive). Plus the logits in param_dtype while the loop still holds them.
+    logits = param_bytes * tokens * vocab / tp if job.logits_kept_in_backward else 0.0
+    loss = (8 if tp == 1 else 12) * tokens * vocab / tp + logits
+    if job.chunk_tokens:
+        # loss.py: forward keeps no logits; backward recomputes one chunk (bf16 logits, fp32 copy, log-softmax,
+        # gradients) while the gradients of the final norm's output and of the output projection accumulate.
+        per_logit = param_bytes + 4 + 4 + (8 if tp == 1 else 12)
+        loss = per_logit * job.chunk_tokens * vocab / tp + 4 * tokens * dim + param_bytes * costs.root_params
+    return _Transients(
+        logits_held=logits,
+        loss=loss,
+        # Backward of one block: besides the recomputation (AC) of what it did not keep, its activation gradients
+        # (about two T x D tensors and two of the widest projection's output alive at once, SwiGLU's hidden
+        # units for Llama; under TP one T x D is the full-size partial gradient of a gathered input) and its
+        # unsharded gradient in param_dtype plus its reduce_dtype copy (FSDP's reduce-scatter input; under PP
+        # the accumulator's first upcast).
+        activation_grads=param_bytes * tokens * (dim + dim / tp) + 2 * costs.widest,
+        # Without FSDP (one rank) a gradient is float32 in .grad as soon as backward makes it: under autocast a
+        # block's param_dtype gradients before their casts, and the output projection's from the loss backward on.
+        reduce_scatter_inputs=(param_bytes + reduce_bytes if job.fsdp else param_bytes if job.autocast else 0)
+        * costs.block_params,
+        root_grad=(param_bytes if job.fsdp else 4) * costs.root_params,
+        pp_buffers=2 * param_bytes * tokens * dim / tp if job.pp > 1 else 0.0,
+        weight_grad_inputs=costs.matmul_inputs,
+    )
+
+
+class _Replay:
+    """The rank's forwards and backwards in its schedule's order, and the worst moment of each phase of backward
+    (loss, block, embedding): the bytes alive then beyond the static state, the gradient shards among them (they
+    live in the reduce-scatter stream's pool, see "Reserved"), and where."""
+
+    def __init__(
+        self,
+        job: Job,
+        *,
+        params: _RankParams,
+        state: _ShardedState,
+        gathered: dict[str, float],
+        acts: _Activations,
+        transients: _Transients,
+    ) -> None:
+        self.params, self.state, self.gathered, self.acts, self.transients = params, state, gathered, acts, transients
+        self.pipelined, self.fsdp = job.pp > 1, job.fsdp
+        # Gradients summed unsharded from a stage's first backward on (PP, or FSDP deferring its reduce-scatters).
+        self.accumulates = job.accumulates_unsharded
+        self.param_bytes, self.reduce_bytes = DTYPE_BYTES[job.param_dtype], DTYPE_BYTES[job.reduce_dtype]
+        self.held: dict[tuple[int, int], float] = {}  # (local stage, micro-batch) -> its activations
+        self.backward_done: set[int] = set()  # stages with reduce_dtype accumulators (after their first backward)
+        self.phases: dict[str, tuple[float, float, str]] = {}  # phase -> (bytes, shards among them, where)
+        self.most_held = 0
+
+    def run(self, ops: list[tuple[str, int, int]]) -> None:
+        """ops: (kind, local stage, micro-batch) as rank_ops lists them; kind F forward, B backward, or zero bubble's
+        I (input) and W (weight) backward."""
+        for kind, local_stage, microbatch in ops:
+            stage, key = self.params.local[local_stage], (local_stage, microbatch)
+            if kind == "F":
+                self.held[key] = sum(self.acts.blocks(stage)) + self.acts.outside(stage)
+                self.most_held = max(self.most_held, len(self.held))
+            elif kind == "W":
+                del self.held[key]
+            else:
+                self._backward(stage, key)
+                self.backward_done.add(stage)
+                if kind == "I":
+                    self.held[key] = len(self.acts.blocks(stage)) * self.transients.weight_grad_inputs
+                else:
+                    del self.held[key]
+
+    def _backward(self, stage: int, key: tuple[int, int]) -> None:
+        """One backward of `stage` for one micro-batch: the loss (on the last stage), every block from the last to
+        the first, the embedding (on stage 0)."""
+        params, state, acts, transients = self.params, self.state, self.acts, self.transients
+        others = sum(self.held.values()) - self.held[key]
+        first = stage not in self.backward_done
+        accumulated = sum(params.of_stage(k) for k in self.backward_done)
+        accumulators = self.reduce_bytes * accumulated if self.accumulates else 0.0
+        base = state.earlier_grads + accumulators + others + transients.pp_buffers
+        where = f"stage {stage}, micro-batch {key[1]}" if self.pipelined else ""
+        last = stage == params.last_stage
+        if last:
+            value = self.gathered["loss"] + base + self.held[key] + transients.loss
+            self._record("loss", value, state.earlier_grads, where)
+        blocks = acts.blocks(stage)
+        remaining = sum(blocks) + acts.token_ids
+        root_grad = transients.root_grad if last else 0.0
+        # Per block processed: its gradient joins the shards (no PP) or, in a stage's first backward, the
+        # accumulators (PP, deferred reduce-scatters); later backwards add into accumulators that exist.
+        done_each = (self.reduce_bytes * params.block if first else 0.0) if self.accumulates else state.block_grads
+        unsharded = (
+            transients.reduce_scatter_inputs if first or not self.accumulates else self.param_bytes * params.block
+        )
+        for j, i in enumerate(reversed(range(len(blocks)))):
+            transient = acts.no_ac - blocks[i] + transients.activation_grads + unsharded  # recompute + gradients
+            done = j * done_each
+            value = self.gathered["block"] + base + done + root_grad + remaining + transient
+            shards = state.earlier_grads + (0.0 if self.accumulates else done)
+            self._record("block", value, shards, f"{where}, block {params.stages[stage][i]}".removeprefix(", "))
+            remaining -= blocks[i]
+        if stage == 0 and params.embedding:
+            done = len(blocks) * done_each
+            # Its unsharded gradient and FSDP's reduce_dtype copy; without FSDP (one rank) its float32 .grad.
+            grads = (self.param_bytes + (self.reduce_bytes if first else 0) if self.fsdp else 4) * params.embedding
+            value = self.gathered["embedding"] + base + done + root_grad + acts.token_ids + grads
+            self._record("embedding", value, state.earlier_grads + (0.0 if self.accumulates else done), where)
+
+    def worst(self) -> tuple[str, float, float, str]:
+        """The phase with the most bytes alive at its worst moment: its name, the bytes, the shards in them, where."""
+        phase = max(self.phases, key=lambda k: self.phases[k][0])
+        return (phase, *self.phases[phase])
+
+    def _record(self, phase: str, value: float, shards: float, where: str) -> None:
+        if value > self.phases.get(phase, (-1.0,))[0]:
+            self.phases[phase] = (value, shards, where)
+
+
+def estimate_rank(job: Job, pp_rank: int = 0, *, tp_mesh: DeviceMesh | None = None) -> dict[str, float | int | str]:
+    """Per-GPU bytes by component, the allocated peak and the reserved estimate of one pp rank (the module
+    docstring tells the story). tp_mesh: see block_costs."""
+    costs = job_costs(job, tp_mesh=tp_mesh)
+    params = _rank_params(job, costs, pp_rank)
+    state = _sharded_state(job, params)
+    acts, transients = _activations(job, costs, params.stages), _transients(job, costs)
+    replay = _Replay(
+        job, params=params, state=state, gathered=_gathered_params(job, params), acts=acts, transients=transients
+    )
+    if job.pp > 1:
+        n_local, n_mb = len(params.local), job.microbatches
+        replay.run(rank_ops(job.pp_schedule, pp_rank=pp_rank, pp=job.pp, n_local=n_local, n_mb=n_mb))
+    elif job.accumulates_unsharded:  # the second micro-batch runs with every gradient accumulated unsharded
+        replay.run([("F", 0, 0), ("B", 0, 0), ("F", 0, 1), ("B", 0, 1)])
+    else:
+        replay.run([("F", 0, 0), ("B", 0, 0)])
+    return _report(job, pp_rank, replay)
+
+
+def _peak(job: Job, replay: _Replay) -> dict[str, float | str]:
+    """The allocated peak (static state + the worst phase) and what the caching allocator reserves for it: state +
+    the reduce-scatter stream's shards + the all-gather stream's flat outputs + the compute stream's peak with
+    fragmentation (docs/planning.md, "How the estimator counts": "Reserved")."""
+    params, state, phases = replay.params, replay.state, replay.phases
+    peak_phase, peak_value, _, peak_where = replay.worst()
+    allocated = state.static + peak_value
+    rs_pool = state.grads if state.on_gpu else 4 * params.largest_unit / job.shard
+    ag_pool = DTYPE_BYTES[job.param_dtype] * max(params.largest_unit, 2 * params.block)
+    compute = max(value - shards for value, shards, _ in phases.values())
+    if not job.fsdp:  # one rank: no FSDP streams, the gradients are the compute stream's
+        rs_pool, ag_pool, compute = 0.0, 0.0, max(value for value, _, _ in phases.values())
+    if job.allocator == "cuda":
+        reserved = state.static + rs_pool + ag_pool + (1 + FRAGMENTATION) * compute
+    else:
+        reserved = allocated
+    return {
+        "peak_phase": f"{peak_phase} backward" + (f" ({peak_where})" if peak_where else ""),
+        "allocator_peak": allocated,
+        "rs_pool": rs_pool,
+        "ag_pool": ag_pool,
+        "compute_peak": compute,
+        "reserved": reserved,
+    }
+
+
+def _report(job: Job, pp_rank: int, replay: _Replay) -> dict[str, float | int | str]:
+    """estimate_rank's result: every term of the breakdown, the peak and the reserved estimate."""
+    params, state, acts, transients, phases = replay.params, replay.state, replay.acts, replay.transients, replay.phases
+    param_bytes, reduce_bytes = DTYPE_BYTES[job.param_dtype], DTYPE_BYTES[job.reduce_dtype]
+    recompute = max(acts.no_ac - min(acts.blocks(g), default=acts.no_ac) for g in params.local)  # the worst block's
+    peak = _peak(job, replay)
+    overhead = job.overhead_gib * GiB
+    return {
+        "pp_rank": pp_rank,
+        "pp_stages": ", ".join(map(str, params.local)),
+        "rank_blocks": sum(len(params.stages[g]) for g in params.local),
+        "microbatches_held": replay.most_held,
+        "params": state.params,
+        "grads": state.grads,
+        "adam": state.adam,
+        "state_on_gpu": state.params + state.grads + state.adam if state.on_gpu else 0.0,
+        "state_on_host": 0.0 if state.on_gpu else state.params + state.grads + state.adam,
+        "grads_at_peak": replay.worst()[2],
+        "block_unit": param_bytes * params.block,
+        "output_unit": param_bytes * params.root,
+        "embedding_unit": param_bytes * params.embedding,
+        "gathered_loss_phase": replay.gathered["loss"],
+        "gathered_block_phase": replay.gathered["block"],
+        "act_per_block_no_ac": acts.no_ac,
+        "act_per_block_checkpointed": acts.checkpointed if acts.every else 0,
+        "act_blocks": sum(sum(acts.blocks(g)) for g in params.local),
+        "act_outside_blocks": acts.token_ids + acts.final_norm,
+        "loss_buffers": acts.log_softmax + transients.loss,
+        "logits_held": transients.logits_held,
+        "root_grad": transients.root_grad,
+        "accumulators": reduce_bytes * params.total if job.accumulates_unsharded else 0.0,
+        "pp_buffers": transients.pp_buffers,
+        "block_backward": recompute + transients.activation_grads + transients.reduce_scatter_inputs,
+        "recompute": recompute,
+        "grad_acts": transients.activation_grads,
+        "rs_buffers": transients.reduce_scatter_inputs,
+        **{f"{kind}_phase": phases.get(kind, (0.0,))[0] for kind in ("loss", "block", "embedding")},
+        **{f"{kind}_phase_at": phases.get(kind, (0.0, 0.0, "-"))[2] for kind in ("loss", "block", "embedding")},
+        **peak,
+        "overhead": overhead,
+        "total": peak["reserved"] + overhead,
+    }
+
+
+def estimate(job: Job, *, tp_mesh: DeviceMesh | None = None) -> dict[str, float | int | str]:
+    """estimate_rank of the pp rank that needs the most memory (reserved; without PP the one rank)."""
+    return max((estimate_rank(job, rank, tp_mesh=tp_mesh) for rank in range(job.pp)), key=lambda e: e["reserved"])

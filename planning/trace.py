@@ -1,0 +1,428 @@
+"""What one block of a job's model costs, from the model itself: one forward and backward of a one-block model of the
+job's family, parallelized as the run parallelizes it, on fake tensors, every op watched (what it saves for backward,
+its widest projection output, its matmuls' inputs, its TP collectives). docs/planning.md, "How the estimator counts"."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.multiprocessing.reductions import StorageWeakRef
+
+# TorchDispatchMode is the documented way to see every aten op, in a private module (PyTorch 2.13).
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from config import selective_ac_every
+from errors import warn
+from models import ModelFamily
+
+GiB = 2**30
+
+RMSNorm = Literal["fused", "composite"]
+
+
+# ----------------------------------------------------------------- AC modes
+
+
+def checkpoint_every(ac: str) -> int:
+    """apply_ac's rule for `ac`: block i (its position in the model or pipeline stage) is checkpointed when
+    every > 0 and (i + 1) % every == 0; 0 = none, 1 = every block (full, selective-op), k = selective-<k>."""
+    match ac:
+        case "none":
+            return 0
+        case "full" | "selective-op":
+            return 1
+        case _ if ac.startswith("selective-") and selective_ac_every(ac.removeprefix("selective-")) is not None:
+            return int(ac.removeprefix("selective-"))
+    raise ValueError(f"ac: expected one of none, full, selective-op, selective-<k>, got {ac!r}")
+
+
+def checkpointed_blocks(n_layers: int, ac: str) -> int:
+    """How many of n_layers blocks apply_ac checkpoints for `ac` (none, full, selective-op, selective-<k>)."""
+    every = checkpoint_every(ac)
+    return sum(every > 0 and (i + 1) % every == 0 for i in range(n_layers))
+
+
+# ----------------------------------------------------------------- the model's costs
+
+
+@dataclass(frozen=True)
+class BlockCosts:
+    """What one rank holds and moves for the model's parts per micro-batch, read off one traced step
+    (`trace_costs`): parameters after TP, before FSDP; bytes of the tensors themselves."""
+
+    block_params: int
+    """Parameters of one block on this rank (TP splits some)."""
+    embedding_params: int
+    """Of the embedding unit (0 when tied: the matrix lives in the root unit)."""
+    root_params: int
+    """Of the root unit: final norm + output projection (or the tied matrix)."""
+    saved: int
+    """Bytes one block saves for backward without activation checkpointing, its input included when saved."""
+    kept: int
+    """Bytes a block keeps from forward to backward under the AC mode (its input and, for op SAC, its cache)."""
+    widest: int
+    """Bytes of the widest output of a block's column-parallel (or unsplit) linear, per rank."""
+    matmul_inputs: int
+    """Bytes of the distinct activations a block's linears read: what its weight gradients need."""
+    final_norm: int
+    """Bytes the final norm saves, its output excluded (the loss keeps the gathered output)."""
+    tp_block: dict[str, int]
+    """Bytes of the TP collectives of one block (full tensors; an all-reduce's twice), forward and backward
+    (recomputation included), by kind: all_gather, reduce_scatter, all_reduce."""
+    tp_embedding: dict[str, int]
+    """The same for the embedding (the first pipeline stage's)."""
+    tp_head: dict[str, int]
+    """The same for the final norm, the output projection and the loss (the last stage's)."""
+    tp_replicated: tuple[int, int] = (0, 0)
+    """Parameters TP leaves whole on every rank (the norms' weights), of a block and of the root unit: their gradients
+    are all-reduced over the TP ranks by every micro-batch's backward."""
+
+
+_TRACES: dict[tuple, BlockCosts] = {}
+
+
+def block_costs(
+    family: ModelFamily,
+    args: Any,
+    *,
+    batch: int,
+    seq_len: int,
+    dtype: torch.dtype,
+    ac: str,
+    tp: int = 1,
+    rmsnorm: RMSNorm = "fused",
+    tp_mesh: DeviceMesh | None = None,
+    loss_parallel: bool = True,
+    loss_chunk_tokens: int = 0,
+    z_loss: bool = False,
+    autocast: bool = False,
+) -> BlockCosts:
+    """The costs of `trace_costs` under `ac` (an AC mode of `checkpoint_every`; "selective-<k>" is traced as full
+    AC, which is what the blocks it checkpoints get), `saved` from a trace without AC; cached per shape.
+
+    tp > 1 needs a TP mesh: `tp_mesh` (the run's mesh["tp"] when a process group runs), else a fake
+    process group of tp ranks is started for the trace and ended after it."""
+    mode = "none" if checkpoint_every(ac) == 0 else "op" if ac == "selective-op" else "full"
+    traced = {}
+    for m in dict.fromkeys(("none", mode)):
+        key = (
+            family.name,
+            args,
+            batch,
+            seq_len,
+            dtype,
+            m,
+            tp,
+            rmsnorm,
+            loss_parallel,
+            loss_chunk_tokens,
+            z_loss,
+            autocast,
+        )
+        if key not in _TRACES:
+            with _tp_mesh(tp, tp_mesh) as mesh:
+                _TRACES[key] = trace_costs(
+                    family,
+                    args,
+                    batch=batch,
+                    seq_len=seq_len,
+                    dtype=dtype,
+                    ac=m,
+                    rmsnorm=rmsnorm,
+                    tp_mesh=mesh,
+                    loss_parallel=loss_parallel,
+                    loss_chunk_tokens=loss_chunk_tokens,
+                    z_loss=z_loss,
+                    autocast=autocast,
+                )
+        traced[m] = _TRACES[key]
+    return dataclasses.replace(traced[mode], saved=traced["none"].saved)
+
+
+@contextlib.contextmanager
+def _tp_mesh(tp: int, mesh: DeviceMesh | None) -> Iterator[DeviceMesh | None]:
+    if tp == 1:
+        yield None
+        return
+    if mesh is not None:
+        assert mesh.size() == tp, f"a TP mesh of {mesh.size()} ranks for tp {tp}"
+        yield mesh
+        return
+    if dist.is_initialized():
+        raise ValueError(f"block_costs: tp {tp} needs a TP mesh; pass tp_mesh (a process group is running)")
+    # torch's "fake" backend (torch.testing, PyTorch 2.13, as the dry run uses it): collectives that return at once.
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    try:
+        yield init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
+    finally:
+        dist.destroy_process_group()
+
+
+OpCallback = Callable[[torch._ops.OpOverload, tuple[Any, ...], dict[str, Any], Any], None]
+
+
+class _OpObserver(TorchDispatchMode):
+    def __init__(self, on_op: OpCallback):
+        super().__init__()
+        self.on_op = on_op
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        # Let DTensor lower itself first (as CommDebugMode does): its local ops and collectives
+        # come back here on plain tensors.
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.on_op(func, args, kwargs, out)
+        return out
+
+
+@contextlib.contextmanager
+def observe_ops(on_op: OpCallback) -> Iterator[None]:
+    """Call `on_op(op, args, kwargs, output)` after every aten/c10d op that runs inside (eager mode)."""
+    with _OpObserver(on_op):
+        yield
+
+
+_WARNED_NORMS: set[tuple[str, str]] = set()
+
+
+def _warn_unfused_norms(family: ModelFamily, block: nn.Module) -> None:
+    """The fused-kernel correction knows nn.RMSNorm only: a family's own norm class (a module whose class name ends
+    in "Norm") is counted as traced, the CPU's composite ops, which may overstate what it saves on CUDA. Said once."""
+    for name, module in block.named_modules():
+        kind = type(module).__name__
+        if kind.endswith("Norm") and not isinstance(module, nn.RMSNorm) and (family.name, kind) not in _WARNED_NORMS:
+            _WARNED_NORMS.add((family.name, kind))
+            warn(
+                f"estimate: {family.name}'s {name} is a {kind}, not nn.RMSNorm, whose fused CUDA kernel the estimate "
+                "counts; it is counted as traced on this CPU (composite ops), which may overstate what it saves"
+            )
+
+
+def trace_costs(
+    family: ModelFamily,
+    args: Any,
+    *,
+    batch: int,
+    seq_len: int,
+    dtype: torch.dtype,
+    ac: Literal["none", "full", "op"],
+    rmsnorm: RMSNorm = "fused",
+    tp_mesh: DeviceMesh | None = None,
+    loss_parallel: bool = True,
+    loss_chunk_tokens: int = 0,
+    z_loss: bool = False,
+    autocast: bool = False,
+) -> BlockCosts:
+    """One forward and backward of a one-block model of `family` on fake tensors (no memory, no compute),
+    parallelized as a run does it (the family's TP plan over `tp_mesh`, `apply_ac`; the loss.py loss of
+    `loss_chunk_tokens` and `z_loss`, on vocabulary shards with `loss_parallel`), watched op by op: in `dtype`
+    parameters as FSDP's mixed precision gives them, or with `autocast` in float32 parameters under autocast to
+    `dtype`, as one rank trains (parallelisms/fsdp.py apply_autocast; its casts are activations then).
+
+    Saved bytes are storages an op created that are still alive once forward is over (what autograd, a
+    checkpoint or selective AC's cache hold), parameters and buffers not counted. So every term is
+    whatever the family's modules really keep, SwiGLU or not. The kernels are this machine's (the
+    CPU's); one difference matters on CUDA: nn.RMSNorm is a fused kernel there (PyTorch >= 2.8) that
+    saves its input and one fp32 scale per row, where the CPU's composite one saves fp32 copies. With
+    rmsnorm "fused" the trace counts each RMSNorm of an uncheckpointed block (and the final one) so.
+    """
+    from config import ActivationCheckpoint
+    from loss import Loss
+    from parallelisms.ac import apply_ac
+    from parallelisms.fsdp import apply_autocast
+    from parallelisms.tp import apply_tp, loss_parallel_context
+
+    one = dataclasses.replace(args, n_layers=1, max_seq_len=seq_len, attn_mask_type="causal")
+    with torch.device("meta"):
+        model = family.model_cls(one).to(torch.float32 if autocast else dtype)
+    model.init_buffers(torch.device("meta"))  # float32 again, as in training: FSDP's mixed precision casts parameters
+    if autocast:
+        apply_autocast(model, param_dtype=dtype, device_type="cpu")
+    if tp_mesh is not None:
+        apply_tp(model, tp_mesh, block_plan=family.tp_plan, loss_parallel=loss_parallel, seq_len=seq_len)
+    if ac != "none":
+        cfg = ActivationCheckpoint(mode="full" if ac == "full" else "selective", selective_ac_option="op")
+        apply_ac(model, cfg, saved_linears=family.sac_saved_linears)
+    block = model.layers["0"]
+    if rmsnorm == "fused":
+        _warn_unfused_norms(family, block)
+    tp = tp_mesh.size() if tp_mesh is not None else 1
+    watch = _Watch(model, block, tp=tp)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu")
+        watch.skip |= {_key(_local(t)) for t in [*model.parameters(), *model.buffers()]}
+        tokens, labels = (torch.randint(0, one.vocab_size, (batch, seq_len)) for _ in range(2))
+        # The step's loss, as train.py computes it: its collectives count with the output projection's.
+        with loss_parallel_context(tp_mesh is not None and loss_parallel):
+            with observe_ops(watch.on_op):
+                loss_fn = Loss(loss_chunk_tokens, z_loss_weight=1.0 if z_loss else 0.0)
+                loss = model(tokens, head=functools.partial(loss_fn, model, labels=labels))
+            watch.phase = "after"
+            saved, final_norm = watch.saved(block), watch.saved(model.norm)
+            if rmsnorm == "fused":
+                final_norm += watch.fused_correction(model.norm)
+                if ac == "none":
+                    saved += sum(watch.fused_correction(m) for m in block.modules() if isinstance(m, nn.RMSNorm))
+            watch.phase = "backward"
+            with observe_ops(watch.on_op):
+                loss.backward()
+    embedding = 0 if one.tie_word_embeddings else _numel(model.tok_embeddings)
+    root = _numel(model.norm) + (_numel(model.output) if model.output is not None else _numel(model.tok_embeddings))
+    return BlockCosts(
+        block_params=_numel(block),
+        embedding_params=embedding,
+        root_params=root,
+        saved=saved,
+        kept=saved,
+        widest=max(watch.linear_outputs, default=0),
+        matmul_inputs=sum(watch.linear_inputs.values()),
+        final_norm=final_norm,
+        tp_block=dict(watch.comm["block"]),
+        tp_embedding=dict(watch.comm["embedding"]),
+        tp_head=dict(watch.comm["head"]),
+        tp_replicated=(_replicated_numel(block), _replicated_numel(model.norm)) if tp_mesh is not None else (0, 0),
+    )
+
+
+def _replicated_numel(module: nn.Module) -> int:
+    """Parameters of `module` that TP replicates (DTensors placed Replicate() on every mesh dimension)."""
+    return sum(
+        p.numel()
+        for p in module.parameters()
+        if isinstance(p, DTensor) and all(pl.is_replicate() for pl in p.placements)
+    )
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _key(t: torch.Tensor) -> int:
+    return StorageWeakRef(t.untyped_storage()).cdata
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(_local(p).numel() for p in module.parameters())
+
+
+class _Watch:
+    """The bookkeeping of trace_costs: which storages each part of the model created and which survive, the
+    linears' inputs and outputs, and the bytes of the collectives, by phase of the step."""
+
+    # Functional collectives (DTensor's): their kind, which tensor is the full one (its bytes count) and how often (an
+    # all-reduce's twice: a ring all-reduce sends as much as a reduce-scatter plus an all-gather).
+    _COLLECTIVES = {
+        "all_gather_into_tensor": ("all_gather", "out", 1),
+        "reduce_scatter_tensor": ("reduce_scatter", "in", 1),
+        "all_reduce": ("all_reduce", "in", 2),
+    }
+
+    def __init__(self, model: nn.Module, block: nn.Module, *, tp: int):
+        self.phase = "forward"  # forward, block forward, after, backward, block backward
+        self.part = "embedding"  # outside the block: before it in forward (after it in backward), or the head
+        self.skip: set[int] = set()
+        self.created: dict[int, tuple[StorageWeakRef, int]] = {}  # every storage an op made, and its bytes
+        self.windows: dict[nn.Module, dict] = {}  # module -> its forward's input, output and the storages it made
+        self.linear_outputs: list[int] = []
+        self.linear_inputs: dict[int, int] = {}
+        self.comm: dict[str, Counter[str]] = defaultdict(Counter)  # part -> kind -> bytes
+        self._open: list[nn.Module] = []
+        self.block = block
+        watched = [block, model.norm, *(m for m in block.modules() if isinstance(m, nn.RMSNorm))]
+        for module in dict.fromkeys(watched):
+            module.register_forward_pre_hook(self._enter)
+            module.register_forward_hook(self._exit)
+        for linear in block.modules():
+            if isinstance(linear, nn.Linear):
+                # Column-parallel (or unsplit): the output is split over the TP ranks, its width / tp.
+                columns = tp == 1 or getattr(linear.weight, "placements", (None,))[0] == Shard(0)
+                linear.register_forward_hook(functools.partial(self._linear, columns))
+        block.register_forward_pre_hook(self._mark_block_input)
+        block.register_forward_hook(self._mark_block_output)
+
+    def _enter(self, module: nn.Module, args: tuple) -> None:
+        if self.phase.endswith("forward") and module not in self.windows:  # the first call, not a recomputation
+            x = _local(args[0])
+            self.windows[module] = {"input": (StorageWeakRef(x.untyped_storage()), x.untyped_storage().nbytes()),
+                                    "rows": x.numel() // x.shape[-1], "made": set(), "output": None}  # fmt: skip
+            self._open.append(module)
+            if module is self.block:
+                self.phase = "block forward"
+
+    def _exit(self, module: nn.Module, args: tuple, out: Any) -> None:
+        if self._open and self._open[-1] is module:
+            self._open.pop()
+            self.windows[module]["output"] = _key(_local(out))
+            if self.phase == "block forward" and module is self.block:
+                self.phase, self.part = "forward", "head"
+
+    def _mark_block_input(self, module: nn.Module, args: tuple) -> None:
+        if self.phase.endswith("forward"):
+            args[0].register_hook(self._block_backward_end)  # its gradient is the block backward's last
+
+    def _mark_block_output(self, module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        out.register_hook(self._block_backward_start)
+
+    def _block_backward_start(self, grad: torch.Tensor) -> None:
+        self.phase = "block backward"
+
+    def _block_backward_end(self, grad: torch.Tensor) -> None:
+        self.phase, self.part = "backward", "embedding"
+
+    def _linear(self, columns: bool, module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        if self.phase == "block forward":
+            if columns:
+                self.linear_outputs.append(_local(out).untyped_storage().nbytes())
+            x = _local(args[0])
+            self.linear_inputs[_key(x)] = x.untyped_storage().nbytes()
+
+    def on_op(self, op: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any) -> None:
+        if self.phase == "after":
+            return
+        name = op._opname if op.namespace == "_c10d_functional" else ""
+        if name in self._COLLECTIVES:
+            kind, which, times = self._COLLECTIVES[name]
+            tensor = out if which == "out" else args[0]
+            part = "block" if self.phase.startswith("block") else self.part
+            self.comm[part][kind] += times * tensor.numel() * tensor.element_size()
+        if self.phase.endswith("backward"):
+            return
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
+                ref = StorageWeakRef(t.untyped_storage())
+                if ref.cdata not in self.skip and ref.cdata not in self.created:
+                    self.created[ref.cdata] = (ref, t.untyped_storage().nbytes())
+                    for module in self._open:
+                        self.windows[module]["made"].add(ref.cdata)
+
+    def _alive(self, keys: set[int]) -> int:
+        return sum(self.created[k][1] for k in keys if not self.created[k][0].expired())
+
+    def saved(self, module: nn.Module) -> int:
+        """Bytes of what `module`'s forward made (its output excluded) or received that is still alive."""
+        w = self.windows[module]
+        ref, nbytes = w["input"]
+        received = nbytes if not ref.expired() and ref.cdata not in w["made"] else 0
+        return self._alive(w["made"] - {w["output"]}) + received
+
+    def fused_correction(self, norm: nn.Module) -> int:
+        """A fused RMSNorm's saved bytes (its input and one fp32 scale per row) minus the composite one's."""
+        w = self.windows[norm]
+        ref, nbytes = w["input"]
+        return -self._alive(w["made"] - {w["output"]}) + 4 * w["rows"] + (nbytes if ref.expired() else 0)
