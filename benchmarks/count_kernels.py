@@ -121,7 +121,7 @@ def main(argv: list[str]) -> int:
     if trainer == "recipe":
         import train  # the repo is on PYTHONPATH (benchmarks.harness.run_python)
 
-        is_counted = lambda *a, step, **k: step == COUNTED_STEP  # noqa: E731
+        is_counted = lambda step, *a, **k: step == COUNTED_STEP  # noqa: E731
         train.train_step = count_step(train.train_step, is_counted, out, compiled=compiled)
         return train.main(trainer_argv)
     from tests import torchtitan_trainer
