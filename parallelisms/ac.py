@@ -78,7 +78,7 @@ def apply_ac(
     saved_linears: tuple[str, ...] = (),
     recompute_gathers_of: str | None = None,
 ) -> None:
-    """Checkpoint the transformer blocks of `model` in place, as `cfg` (validated by config.py) says.
+    """Checkpoint the transformer blocks of `model` in place, as `cfg` (validated by config/sections.py) says.
 
     saved_linears: for selective op AC, the linears (names inside a block) whose matmul outputs are
     kept (the family's plans.py SAC_SAVED_LINEARS); every other matmul is recomputed.

@@ -31,7 +31,7 @@ line, except with `emulate = true`, which runs the same casts with high-precisio
 tests, on CPU). parallelize_model puts the recipe in the inductor cache key (docs/failures.md #4).
 
 To remove float8 from a fork: delete this file, its two calls in parallelisms/parallelize.py, the
-call in train.py, the [quantize] sections in config.py and tests/test_float8.py.
+call in train.py, the [quantize] sections in config/sections.py and tests/test_float8.py.
 """
 
 from __future__ import annotations

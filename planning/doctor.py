@@ -3,7 +3,7 @@
     python -m planning.doctor --config configs/llama3_70b.toml --world-size 64 --gpus-per-node 8 --cuda
     python -m planning.doctor --config configs/debug.toml --world-size 2
 
-The config's own rules run when it loads (config.py), the layout's when the job starts
+The config's own rules run when it loads (config/sections.py), the layout's when the job starts
 (ParallelDims, apply_tp, apply_async_tp, the data loader). What is left depends on the machine
 and on what would merely run badly, and lives here:
 

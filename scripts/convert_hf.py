@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-# Runnable without installing the repo: its root holds config.py and models/.
+# Runnable without installing the repo: its root holds config/ and models/.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from checkpoint import HF_SIDE_FILES, export_hf_folder  # noqa: E402

@@ -33,7 +33,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-# Runnable without installing the repo: its root holds config.py and models/.
+# Runnable without installing the repo: its root holds config/ and models/.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from checkpoint import MODEL_PREFIX, is_model_only, verify, verify_contents  # noqa: E402

@@ -60,9 +60,9 @@ def test_what_context_parallel_refuses_in_one_line() -> None:
 
 def test_a_fork_without_cp_py_refuses_its_keys(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     """README "Removing a part": in a copy without parallelisms/cp.py, context_parallel_degree > 1 is refused."""
-    import config
+    import config.loading
 
-    monkeypatch.setattr(config, "REPO", tmp_path)
+    monkeypatch.setattr(config.loading, "REPO", tmp_path)
     with pytest.raises(ConfigError) as info:
         load_config(["--parallelism.context_parallel_degree=2", "--memory_estimation.enable=false"])
     assert info.value.problems == [

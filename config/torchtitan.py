@@ -1,6 +1,6 @@
 """torchtitan v0.2.2's keys that this recipe accepts only so that torchtitan's TOMLs load unchanged.
 
-config.py's sections inherit the keys below (`class Training(TorchtitanTraining)`), so the TOML names
+config/sections.py's sections inherit the keys below (`class Training(TorchtitanTraining)`), so the TOML names
 stay torchtitan's, section for section; whole sections of torchtitan's that this recipe never reads are
 here too. Each key is one of two kinds, and its docstring says which:
 
