@@ -471,7 +471,8 @@ class ForwardBackward:
         self.loss_parallel = loss_parallel
         self.cp = cp
         self.pipeline = pipeline
-        self.run = self._through_pipeline if pipeline is not None else self._through_model
+        self._through = self._through_pipeline if pipeline is not None else self._through_model
+        self._syncing = True  # FSDP's own default: gradients reduced by every backward
 
     def __call__(self, batch: Batch, *, last: bool) -> torch.Tensor:
         """The micro-batch's loss over its loss divisor (detached); its gradients added to the parameters'."""
@@ -480,13 +481,15 @@ class ForwardBackward:
             inputs, labels = self.cp.shard(inputs), self.cp.shard(labels)
         segments = segments.to(self.device) if segments is not None else None
         with loss_parallel_context(self.loss_parallel):  # cross-entropy on vocabulary shards, backward included
-            loss = self.run(inputs.to(self.device), labels.to(self.device), segments, divisor=divisor, last=last)
+            loss = self._through(inputs.to(self.device), labels.to(self.device), segments, divisor=divisor, last=last)
         return (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
 
     def _through_model(
         self, inputs: torch.Tensor, labels: torch.Tensor, segments: torch.Tensor | None, *, divisor: float, last: bool
     ) -> torch.Tensor:
-        sync_gradients_on(self.model, last_microbatch=last)  # gradients cross replicas once per step
+        if last != self._syncing:  # gradients cross replicas once per step: off before the last micro-batch, on for it
+            sync_gradients_on(self.model, last_microbatch=last)
+            self._syncing = last
         # The loss applies the output projection itself, inside the model's forward (loss.py).
         head = functools.partial(self.loss_fn, self.model, labels=labels)
         loss = self.model(inputs, segments=segments, head=head) / divisor

@@ -14,7 +14,8 @@ the mesh, the pipeline stages, and parallelize_model's TP, AC, compile wrappers 
     groups    the ranks rank 0 shares each mesh dimension with, and how many such groups exist
     params    parameters rank 0 holds (its local shards, counted on the parallelized model)
     memory    planning/estimate_memory.py's prediction for the busiest rank, allocated and reserved
-    comm      bytes each rank moves per step, per mesh dimension (the formulas of `comm_per_step`)
+    comm      bytes each rank moves per step, per mesh dimension (the formulas of `comm_per_step`), and the
+              layout's floor with what each of its settings adds (`comm_floor`)
     doctor    planning/doctor.py's findings for the target machine: CUDA, LOCAL_WORLD_SIZE GPUs per node
               (default 8) of 80 GiB each
     inputs    the data, tokenizer and weights the job reads that this machine lacks: notes, not errors
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import time
 from collections import Counter
 from typing import Any
@@ -237,7 +239,7 @@ def _comm(
     blocks, first, last = sum(len(layers[s]) for s in ours), 0 in ours, len(layers) - 1 in ours
     costs = job_costs(job, tp_mesh=tp_mesh)  # parameters counted on one TP rank
     held = blocks * costs.block_params + first * costs.embedding_params + last * costs.root_params
-    tensors = _param_tensors(family(cfg.model.name), args)
+    tensors = _param_tensors(cfg.model.name, args)
     held_tensors = blocks * tensors[0] + first * tensors[1] + last * tensors[2]
     resharded = reshards_after_forward(par.fsdp_reshard_after_forward, pp_enabled=pp > 1)
     gathers = 2 * grad_accum if resharded else (1 if pp > 1 else grad_accum)
@@ -301,10 +303,11 @@ def _tp_kinds(costs: BlockCosts, job: Job, *, blocks: int, last: bool, grad_accu
     return Counter({k: (job.tp - 1) / job.tp * job.microbatches * v * grad_accum for k, v in traced.items()})
 
 
-def _param_tensors(fam: Any, args: Any) -> tuple[int, int, int]:
+@functools.cache
+def _param_tensors(name: str, args: Any) -> tuple[int, int, int]:
     """Parameter tensors of one block, of the embedding and of the root unit (final norm and output), on meta."""
     with torch.device("meta"):
-        model = fam.model_cls(dataclasses.replace(args, n_layers=1))
+        model = family(name).model_cls(dataclasses.replace(args, n_layers=1))
     count = lambda *modules: sum(len(list(m.parameters())) for m in modules if m is not None)  # noqa: E731
     return count(model.layers["0"]), count(model.tok_embeddings), count(model.norm, model.output)
 
