@@ -9,7 +9,7 @@ checkpointing (what CP saves is what the rank's own tokens need), and runs one w
 forward and backward, each rank on its head-tail chunks (parallelisms/cp.py). Measured on rank 0:
 
   * the bytes autograd saves from forward to backward (benchmarks.memory.ActivationCensus: unique storages,
-    parameters excluded), against estimate_memory.activation_bytes of the same job (Job.cp);
+    parameters excluded), against estimate_memory.activation_bytes of the same job (Setup.cp);
   * the bytes of the keys and values all-gathered (the gathered tensors, forward) and of their gradients
     reduce-scattered (backward), from the functional collectives the dispatcher runs (FSDP's own all-gathers
     are c10d calls and not counted), against estimate_memory.cp_kv_bytes x blocks.
@@ -43,7 +43,7 @@ from models.llama3 import FLAVORS
 from parallelisms.cp import context_parallel
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import build_model, init_model
-from planning.memory import Job, activation_bytes, cp_kv_bytes
+from planning.memory import activation_bytes, cp_kv_bytes, setup
 from tests.instruments import observe_ops
 
 PROBLEM = "context parallel"
@@ -57,9 +57,9 @@ def model_args(n_layers: int, seq_len: int) -> Any:
 
 def predicted(cp: int, *, seq_len: int, n_layers: int) -> dict[str, int]:
     """estimate_memory's activation bytes and K/V all-gather bytes for the job one launch runs."""
-    job = Job(
+    job = setup(
         flavor="debugmodel",
-        model=model_args(n_layers, seq_len),
+        args=model_args(n_layers, seq_len),
         ngpu=cp,
         cp=cp,
         seq_len=seq_len,
@@ -67,7 +67,7 @@ def predicted(cp: int, *, seq_len: int, n_layers: int) -> dict[str, int]:
         param_dtype="float32",
         ac="none",
         rmsnorm="composite",
-        allocator="cpu",
+        cuda=False,
     )
     return {
         "activation_bytes": activation_bytes(job)["total"],

@@ -81,7 +81,7 @@ from models.llama3 import FLAVORS, ModelArgs, Transformer
 from parallelisms.ac import CheckpointedModule
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import parallelize_model
-from planning.memory import Job, activation_bytes
+from planning.memory import activation_bytes
 from tests.instruments import LiveBytes, observe_ops
 
 PROBLEM = "#5 memory"
@@ -324,9 +324,9 @@ def measure(
     gathered_peak = max(gathered.values(), default=0)
     host_state = params + grads + optim if setup.cpu_offload else 0
     predicted = activation_bytes(
-        Job(
+        setup(
             flavor="debugmodel",
-            model=model_args,
+            args=model_args,
             ngpu=2,  # the setups' 2 ranks: bf16 parameters are FSDP's (one rank would train under autocast)
             local_batch_size=batch,
             seq_len=seq_len,

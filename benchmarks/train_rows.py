@@ -28,7 +28,7 @@ from benchmarks import harness, run
 from benchmarks.harness import Row
 from config import load_config
 from parallelisms.parallel_dims import ParallelDims
-from planning.memory import estimate_rank, job_of
+from planning.memory import Setup, estimate_rank
 
 GiB = 2**30
 PROBLEM = "memory estimate"
@@ -39,7 +39,7 @@ def estimate_gib(train: dict[str, Any], *, cuda: bool) -> float:
     config.toml it saved), so that every key the estimator reads (the loss's chunks, AC, dtypes) is the run's."""
     cfg = load_config(["--config", train["config"]])
     dims = ParallelDims.from_config(cfg.parallelism, world_size=train["nproc"])
-    return float(estimate_rank(job_of(cfg, dims, cuda=cuda))["reserved"]) / GiB
+    return float(estimate_rank(Setup.of(cfg, dims.world_size, cuda=cuda))["reserved"]) / GiB
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:

@@ -322,10 +322,10 @@ def _memory(cfg: JobConfig, dims: ParallelDims, machine: Machine, *, tp_mesh: De
     if machine.device_memory_gib is None:
         return []
     # Imported here: the estimator (its fake-tensor trace of a block) loads only when this check runs.
-    from planning.memory import estimate, job_of
+    from planning.memory import Setup, estimate
 
     try:
-        job = job_of(cfg, dims, cuda=machine.cuda)
+        job = Setup.of(cfg, dims.world_size, cuda=machine.cuda)
     except ConfigError:  # a shape TP or PP cannot split: the run refuses it at start-up, with its own message
         return []
     e = estimate(job, tp_mesh=tp_mesh)

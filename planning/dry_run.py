@@ -54,7 +54,7 @@ from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import build_run_model
 from parallelisms.pp import check_microbatches, rank_stages, stage_layers
 from planning import doctor
-from planning.memory import GiB, Job, cp_kv_bytes, estimate, job_costs, job_of
+from planning.memory import GiB, Setup, cp_kv_bytes, estimate, job_costs
 from planning.trace import BlockCosts, checkpointed_blocks
 
 
@@ -80,7 +80,9 @@ def run(cfg: JobConfig) -> int:
         )
         parts = pipeline.parts if pipeline else [model]
         local = sum(_local_numel(p) for part in parts for p in part.parameters())
-        lines += plan_lines(cfg, dims, args, mesh=mesh, local_params=local, job=job_of(cfg, dims, cuda=True))
+        lines += plan_lines(
+            cfg, dims, args, mesh=mesh, local_params=local, job=Setup.of(cfg, dims.world_size, cuda=True)
+        )
     finally:
         dist.destroy_process_group()
     # Optional parts (planning/doctor.py): each adds its lines and says whether it found an error. The GPUs planned for
@@ -101,7 +103,7 @@ def _local_numel(p: torch.Tensor) -> int:
 
 
 def plan_lines(
-    cfg: JobConfig, dims: ParallelDims, args: Any, *, mesh: DeviceMesh, local_params: int, job: Job
+    cfg: JobConfig, dims: ParallelDims, args: Any, *, mesh: DeviceMesh, local_params: int, job: Setup
 ) -> list[str]:
     """The plan's lines before the doctor's: layout, groups, params, memory and comm (the module docstring)."""
     t, par = cfg.training, cfg.parallelism
@@ -157,8 +159,8 @@ def plan_lines(
     return lines
 
 
-def memory_lines(job: Job, *, pp: bool, tp_mesh: DeviceMesh | None) -> list[str]:
-    """planning/estimate_memory.py's prediction for the pp rank that needs the most (the doctor's Job of this run)."""
+def memory_lines(job: Setup, *, pp: bool, tp_mesh: DeviceMesh | None) -> list[str]:
+    """planning/estimate_memory.py's prediction for the pp rank that needs the most (the doctor's Setup of this run)."""
     e = estimate(job, tp_mesh=tp_mesh)
     where = f" on pp rank {e['pp_rank']}" if pp else ""
     return [
@@ -169,7 +171,7 @@ def memory_lines(job: Job, *, pp: bool, tp_mesh: DeviceMesh | None) -> list[str]
 
 
 def comm_per_step(
-    cfg: JobConfig, dims: ParallelDims, job: Job, *, grad_accum: int, tp_mesh: DeviceMesh | None = None
+    cfg: JobConfig, dims: ParallelDims, job: Setup, *, grad_accum: int, tp_mesh: DeviceMesh | None = None
 ) -> dict[str, tuple[float, str]]:
     """Bytes each rank sends per optimizer step over each mesh dimension (`comm_by_kind`'s, summed), and by what."""
     return {
@@ -181,7 +183,7 @@ def comm_per_step(
 def comm_by_kind(
     cfg: JobConfig,
     dims: ParallelDims,
-    job: Job,
+    job: Setup,
     *,
     grad_accum: int,
     tp_mesh: DeviceMesh | None = None,
@@ -196,7 +198,7 @@ def comm_by_kind(
 def _comm(
     cfg: JobConfig,
     dims: ParallelDims,
-    job: Job,
+    job: Setup,
     *,
     grad_accum: int,
     tp_mesh: DeviceMesh | None = None,
@@ -295,7 +297,7 @@ def _comm(
     return out
 
 
-def _tp_kinds(costs: BlockCosts, job: Job, *, blocks: int, last: bool, grad_accum: int) -> Counter[str]:
+def _tp_kinds(costs: BlockCosts, job: Setup, *, blocks: int, last: bool, grad_accum: int) -> Counter[str]:
     """The traced TP collectives of a step, by kind: rank 0's blocks, the embedding (stage 0, always rank 0's), the
     head and loss (the last stage's), per micro-batch (of the pipeline: 1/microbatches of the local batch)."""
     traced = Counter({k: blocks * v for k, v in costs.tp_block.items()}) + Counter(costs.tp_embedding)
@@ -331,16 +333,16 @@ EXCESSES = {
 
 @dataclasses.dataclass(frozen=True)
 class _Step:
-    """What `_comm` reads of a step, beyond the mesh: its config, Job, micro-batches and gradient-norm values."""
+    """What `_comm` reads of a step, beyond the mesh: its config, Setup, micro-batches and gradient-norm values."""
 
     cfg: JobConfig
-    job: Job
+    job: Setup
     grad_accum: int
     norm_values: int | None = None
 
 
 def comm_floor(
-    cfg: JobConfig, dims: ParallelDims, job: Job, *, grad_accum: int, tp_mesh: DeviceMesh | None = None
+    cfg: JobConfig, dims: ParallelDims, job: Setup, *, grad_accum: int, tp_mesh: DeviceMesh | None = None
 ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
     """The least a step of this layout sends, by `comm_by_kind`'s keys, and what each cause of EXCESSES adds to it.
 

@@ -13,17 +13,17 @@ How each term is modelled: docs/planning.md, "How the estimator counts".
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
+import re
 import sys
 import time
 from typing import Any
 
-# TorchDispatchMode is the documented way to see every aten op, in a private module (PyTorch 2.13).
-from config import Parallelism, Training
+from config import JobConfig
 from errors import ConfigError
-from models import NAMES, family
-from parallelisms.pp import SCHEDULES
 from planning.fake_step import fake_job_memory
-from planning.memory import AC_MODES, DTYPE_BYTES, FRAGMENTATION, GiB, Job, estimate, estimate_rank
+from planning.memory import DEFAULTS, DTYPE_BYTES, FRAGMENTATION, SHORT_KEYS, GiB, Setup, estimate, estimate_rank, setup
 from planning.references import REFERENCES
 
 
@@ -31,14 +31,14 @@ def _row(label: str, value: float, note: str = "") -> str:
     return f"  {label:<30} {value / GiB:8.2f} GiB" + (f"   {note}" if note else "")
 
 
-def breakdown(job: Job, pp_rank: int | None = None) -> str:
+def breakdown(job: Setup, pp_rank: int | None = None) -> str:
     """The per-GPU breakdown as printed by the script: of `pp_rank`, or of the rank that needs the most."""
     e = estimate(job) if pp_rank is None else estimate_rank(job, pp_rank)
     rows = [*_state_rows(job, e), *_activation_rows(job, e), *_peak_rows(job, e)]
     return "\n".join([_heading(job, e, pp_rank), *rows])
 
 
-def _heading(job: Job, e: dict[str, Any], pp_rank: int | None) -> str:
+def _heading(job: Setup, e: dict[str, Any], pp_rank: int | None) -> str:
     """The job in one line; under PP a second one: the schedule and the rank broken down."""
     shard = f"shard {job.shard // job.cp} x cp {job.cp}" if job.cp > 1 else f"shard {job.shard}"
     pp = f"pp {job.pp} x " if job.pp > 1 else ""
@@ -58,7 +58,7 @@ def _heading(job: Job, e: dict[str, Any], pp_rank: int | None) -> str:
     )
 
 
-def _state_rows(job: Job, e: dict[str, Any]) -> list[str]:
+def _state_rows(job: Setup, e: dict[str, Any]) -> list[str]:
     """The sharded state, the gathered parameters and the unsharded gradients."""
     if job.pp > 1:
         grads = "reduce-scattered at the end of the step"
@@ -86,7 +86,7 @@ def _state_rows(job: Job, e: dict[str, Any]) -> list[str]:
     ]
 
 
-def _activation_rows(job: Job, e: dict[str, Any]) -> list[str]:
+def _activation_rows(job: Setup, e: dict[str, Any]) -> list[str]:
     """The activations, the loss's buffers, one block's backward and the pipeline's buffers."""
     checkpointed = f", {e['act_per_block_checkpointed'] / GiB:.3f} checkpointed" if job.ac != "none" else ""
     held = f", {e['microbatches_held']} micro-batch(es) of them held" if job.pp > 1 else ""
@@ -104,7 +104,7 @@ def _activation_rows(job: Job, e: dict[str, Any]) -> list[str]:
     return rows + ([_row("pp send/recv buffers", e["pp_buffers"])] if job.pp > 1 else [])
 
 
-def _loss_note(job: Job) -> str:
+def _loss_note(job: Setup) -> str:
     """The logits the loss buffers are made of, and the bytes per logit."""
     tokens, param_bytes = job.microbatch_tokens, DTYPE_BYTES[job.param_dtype]
     per_logit = (12 if job.tp == 1 else 16) + (param_bytes if job.logits_kept_in_backward else 0)
@@ -118,7 +118,7 @@ def _loss_note(job: Job) -> str:
     return f"{tokens:,} x {job.args.vocab_size // job.tp:,} logits x {per_logit} B ({kept})"
 
 
-def _peak_rows(job: Job, e: dict[str, Any]) -> list[str]:
+def _peak_rows(job: Setup, e: dict[str, Any]) -> list[str]:
     """The allocated and reserved peaks, the overhead outside the allocator and the total."""
     phases = (
         f"at the {e['peak_phase']}: static state + max(loss phase {e['loss_phase'] / GiB:.2f}, "
@@ -139,7 +139,7 @@ def _peak_rows(job: Job, e: dict[str, Any]) -> list[str]:
     ]
 
 
-def fake_breakdown(job: Job, pp_rank: int = 0) -> str:
+def fake_breakdown(job: Setup, pp_rank: int = 0) -> str:
     """fake_job_memory's categories at its peak next to the formula's allocated peak, for the same rank (MiB)."""
     start = time.perf_counter()
     fake = fake_job_memory(job, pp_rank=pp_rank)
@@ -174,146 +174,79 @@ def references() -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", default="llama3", choices=NAMES, help="model family ([model] name)")
-    p.add_argument("--flavor", default="llama3_8b", help="a flavor of the family (train.py's model.flavor)")
-    p.add_argument("--ngpu", type=int, default=8, help="GPUs in the job")
-    p.add_argument("--tp", type=int, default=1, help="tensor parallel degree (sequence + loss parallel on)")
-    p.add_argument(
-        "--replicate", type=int, default=1, help="HSDP replicate degree (dp_shard = ngpu / pp / tp / replicate)"
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    """The command's flags, and what is left: `--section.key value` overrides for the run's own loader."""
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawTextHelpFormatter,
+        epilog="Any other --section.key value sets that config key, as train.py takes it.",
     )
-    p.add_argument("--cp", type=int, default=1, help="context_parallel_degree: each rank holds seq_len / cp tokens")
-    p.add_argument("--seq-len", type=int, default=8192)
-    p.add_argument("--local-batch-size", type=int, default=1, help="sequences per data-parallel rank")
+    p.add_argument("--config", help="a TOML of the run (default: the flags' config keys over " + _defaults() + ")")
+    p.add_argument("--ngpu", type=int, default=8, help="GPUs in the job")
+    defaults = JobConfig()
+    for name, key in SHORT_KEYS.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(functools.reduce(getattr, key.split("."), defaults), bool):
+            p.add_argument(flag, dest=name, action="store_true", default=None, help=key)
+        else:
+            p.add_argument(flag, dest=name, help=key + (" (selective-op, selective-<k>, full, none)" * (name == "ac")))
     p.add_argument(
         "--grad-accum",
         type=int,
-        default=1,
-        help="micro-batches per optimizer step (global batch / (local batch x dp))",
+        help="micro-batches per optimizer step (training.global_batch_size / (local batch x dp))",
     )
-    p.add_argument(
-        "--defer-reduce-scatter",
-        action="store_true",
-        help="parallelism.fsdp_defer_reduce_scatter: with --grad-accum > 1, gradients unsharded until the step's last",
-    )
-    p.add_argument("--param-dtype", default="bfloat16", choices=sorted(DTYPE_BYTES))
-    p.add_argument("--reduce-dtype", default="float32", choices=sorted(DTYPE_BYTES))
-    p.add_argument("--ac", default="selective-op", help=f"one of {', '.join(AC_MODES)} (or selective-<k>)")
-    p.add_argument("--cpu-offload", action="store_true", help="FSDP CPUOffloadPolicy: sharded state in host memory")
+    p.add_argument("--pp-rank", type=int, default=None, help="break down this pp rank (default: the worst)")
+    p.add_argument("--allocator", default="cuda", choices=["cuda", "cpu"], help="cpu: no caching allocator")
+    p.add_argument("--overhead-gib", type=float, default=2.0, help="CUDA context + NCCL, outside the allocator")
     p.add_argument(
         "--rmsnorm", default="fused", choices=["fused", "composite"], help="fused kernel (torch >= 2.8 CUDA)"
     )
     p.add_argument("--keep-logits", action="store_true", help="a loop that holds the logits through backward")
-    p.add_argument(
-        "--loss-chunk-tokens",
-        type=int,
-        default=Training().loss_chunk_tokens,
-        help="training.loss_chunk_tokens (0: the whole micro-batch's logits at once; -1: chunks of 2048 where they exceed 256 MiB)",
-    )
-    pp = Parallelism()
-    p.add_argument("--pp", type=int, default=1, help="pipeline_parallel_degree")
-    p.add_argument("--pp-schedule", default=pp.pipeline_parallel_schedule, choices=list(SCHEDULES))
-    p.add_argument(
-        "--pp-microbatch-size",
-        type=int,
-        default=pp.pipeline_parallel_microbatch_size,
-        help="sequences per pipeline micro-batch (local batch / this = micro-batches)",
-    )
-    p.add_argument(
-        "--pp-layers-per-stage",
-        type=int,
-        default=pp.pipeline_parallel_layers_per_stage,
-        help="blocks per stage (default: 1 stage per rank, 2 for the interleaved schedules)",
-    )
-    p.add_argument("--pp-first-stage-less-layers", type=int, default=pp.pipeline_parallel_first_stage_less_layers)
-    p.add_argument("--pp-last-stage-less-layers", type=int, default=pp.pipeline_parallel_last_stage_less_layers)
-    p.add_argument("--pp-rank", type=int, default=None, help="break down this pp rank (default: the worst)")
-    p.add_argument("--allocator", default="cuda", choices=["cuda", "cpu"], help="cpu: no caching allocator")
-    p.add_argument("--overhead-gib", type=float, default=2.0, help="CUDA context + NCCL, outside the allocator")
     p.add_argument(
         "--fake-step",
         action="store_true",
         help="also step the job on fake tensors (fake_job_memory) and print torch's count next to the formula's",
     )
     p.add_argument("--references", action="store_true", help="compare with torchtitan's published peaks and exit")
-    return p.parse_args(argv)
+    return p.parse_known_args(argv)
 
 
-# The run's config keys, as this script's flags: the recipe's rules name the keys.
-_FLAGS = {
-    "parallelism.pipeline_parallel_degree": "--pp",
-    "parallelism.pipeline_parallel_schedule": "--pp-schedule",
-    "parallelism.pipeline_parallel_microbatch_size": "--pp-microbatch-size",
-    "parallelism.pipeline_parallel_layers_per_stage": "--pp-layers-per-stage",
-    "parallelism.pipeline_parallel_first/last_stage_less_layers": "--pp-first/last-stage-less-layers",
-    "parallelism.tensor_parallel_degree": "--tp",
-    "parallelism.context_parallel_degree": "--cp",
-    "parallelism.data_parallel_replicate_degree": "--replicate",
-    "training.local_batch_size": "--local-batch-size",
-    "training.seq_len": "--seq-len",
-}
+def _defaults() -> str:
+    return ", ".join(f"{SHORT_KEYS[name]} = {value}" for name, value in DEFAULTS.items())
 
 
 def _as_flags(problem: str) -> str:
-    for key, flag in _FLAGS.items():
-        problem = problem.replace(key, flag).replace(key.split(".")[1], flag)
+    """A problem the loader states in config keys, in this command's flags (SHORT_KEYS)."""
+    for name, key in SHORT_KEYS.items():
+        flag = "--" + name.replace("_", "-")
+        problem = re.sub(rf"set {re.escape(key)} = '?([^';]+)'?", rf"pass {flag} \1", problem)
+        problem = problem.replace(key, flag)
+        bare = key.split(".")[1]
+        if "_" in bare:  # a key's bare name in a sentence ("does not divide local_batch_size 16")
+            problem = re.sub(rf"\b{bare}\b", flag, problem)
     return problem
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args, overrides = parse_args(argv)
     if args.references:
         print(references())
         return 0
-    fam = family(args.model)
-    if args.flavor not in fam.flavors and args.flavor not in fam.flavor_aliases:
-        names = ", ".join([*fam.flavors, *fam.flavor_aliases])
-        other = [n for n in NAMES if n != args.model and args.flavor in family(n).flavors]
-        print(
-            f"error: --flavor: {args.flavor!r} is no {args.model} flavor (choose from {names})"
-            + (f"; or pass --model {other[0]}" if other else ""),
-            file=sys.stderr,
-        )
-        return 2
-    group = args.pp * args.tp * args.replicate * args.cp
-    if args.ngpu < 1 or args.ngpu % group:
-        print(
-            f"error: --ngpu: {args.ngpu} GPUs do not split into groups of --pp {args.pp} x --replicate "
-            f"{args.replicate} x --cp {args.cp} x --tp {args.tp} = {group}; use a multiple of that",
-            file=sys.stderr,
-        )
-        return 2
+    short = {name: getattr(args, name) for name in SHORT_KEYS}
     try:
-        job = Job(
-            family=args.model,
-            flavor=args.flavor,
-            ngpu=args.ngpu,
-            tp=args.tp,
-            replicate=args.replicate,
-            seq_len=args.seq_len,
-            local_batch_size=args.local_batch_size,
-            grad_accum=args.grad_accum,
-            param_dtype=args.param_dtype,
-            reduce_dtype=args.reduce_dtype,
-            ac=args.ac,
-            cpu_offload=args.cpu_offload,
-            defer_reduce_scatter=args.defer_reduce_scatter,
+        job = setup(
+            args.ngpu,
+            config=args.config,
             rmsnorm=args.rmsnorm,
-            logits_kept_in_backward=args.keep_logits,
-            loss_chunk_tokens=args.loss_chunk_tokens,
-            pp=args.pp,
-            pp_schedule=args.pp_schedule,
-            pp_microbatch_size=args.pp_microbatch_size,
-            pp_layers_per_stage=args.pp_layers_per_stage,
-            pp_first_stage_less_layers=args.pp_first_stage_less_layers,
-            pp_last_stage_less_layers=args.pp_last_stage_less_layers,
-            allocator=args.allocator,
-            overhead_gib=args.overhead_gib,
-            cp=args.cp,
+            grad_accum=args.grad_accum,
+            overrides=overrides,
+            **short,
+        )
+        job = dataclasses.replace(
+            job, allocator=args.allocator, overhead_gib=args.overhead_gib, logits_kept_in_backward=args.keep_logits
         )
         if args.pp_rank is not None and not 0 <= args.pp_rank < job.pp:
-            raise ValueError(f"pp-rank: expected 0 to {job.pp - 1}, got {args.pp_rank}")
+            raise ValueError(f"--pp-rank: expected 0 to {job.pp - 1}, got {args.pp_rank}")
     except ConfigError as e:
         print("\n".join(f"error: {_as_flags(problem)}" for problem in e.problems), file=sys.stderr)
         return 2

@@ -14,11 +14,10 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 
-# TorchDispatchMode is the documented way to see every aten op, in a private module (PyTorch 2.13).
 from config import Training
 from models import with_seq_len
 from parallelisms.parallel_dims import ParallelDims
-from planning.memory import Job, estimate_rank
+from planning.memory import Setup, estimate_rank
 from planning.trace import checkpoint_every
 
 GiB = 2**30
@@ -155,7 +154,7 @@ def _peak_by_category(tracker: Any) -> dict[str, int]:
     return peak
 
 
-def fake_job_memory(job: Job, *, pp_rank: int = 0, device: str = "cpu") -> dict[str, int]:
+def fake_job_memory(job: Setup, *, pp_rank: int = 0, device: str = "cpu") -> dict[str, int]:
     """fake_step_memory for `job`: pp rank `pp_rank`'s stage (the whole model without PP) built on the meta
     device, parallelized by parallelize_model on job.ngpu fake ranks (this process rank 0 of them; it
     starts the fake process group unless one of job.ngpu ranks is running, and ends what it started),

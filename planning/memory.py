@@ -1,5 +1,5 @@
-"""The memory of one GPU of a training setup, per pipeline rank, allocated and reserved, term by term: `Job` (the
-setup), `estimate` (the worst rank) and `estimate_rank`, from the job's shapes and a trace of one block of its model
+"""The memory of one GPU of a training setup, per pipeline rank, allocated and reserved, term by term: `Setup` (a
+run's config on its ranks, `Setup.of` or `setup`), `estimate` (the worst rank) and `estimate_rank`, from the job's shapes and a trace of one block of its model
 (planning/trace.py). How each term is modelled: docs/planning.md, "How the estimator counts". The command is
 planning/estimate_memory.py."""
 
@@ -13,8 +13,7 @@ from typing import Any, Literal
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-# TorchDispatchMode is the documented way to see every aten op, in a private module (PyTorch 2.13).
-from config import JobConfig, Parallelism, global_batch_size, grad_accum_steps, model_args
+from config import JobConfig, Parallelism, global_batch_size, grad_accum_steps, load_config, model_args
 from errors import ConfigError
 from loss import chunk_tokens_for
 from models import ModelFamily, family
@@ -36,97 +35,95 @@ FRAGMENTATION = 0.17
 
 
 @dataclass(frozen=True)
-class Job:
-    """One training setup: what estimate() needs to know (the CLI's flags, or planning/doctor.py's config)."""
+class Setup:
+    """One training setup as estimate() reads it: a run's config resolved for `ngpu` ranks, and the machine's facts
+    that no config key holds. Made by Setup.of (a loaded JobConfig: the doctor, the dry run) or setup() (the
+    command's flags and keywords: config keys through the same loader)."""
 
-    flavor: str = "llama3_8b"
-    family: str = "llama3"  # [model] name: the folder of models/ that has the flavor
-    ngpu: int = 8  # ranks of the job (GPUs, or CPU processes)
-    tp: int = 1
-    replicate: int = 1
-    seq_len: int = 8192
-    local_batch_size: int = 1
-    param_dtype: str = "bfloat16"
-    reduce_dtype: str = "float32"
-    ac: str = "selective-op"
-    cpu_offload: bool = False
-    rmsnorm: RMSNorm = "fused"
+    family: str  # model.name: the folder of models/ that has the flavor
+    flavor: str  # model.flavor
+    args: Any  # the model's shape: the flavor's, a Hugging Face config.json's, or one no flavor has
+    ngpu: int  # ranks of the job (GPUs, or CPU processes)
+    parallelism: Parallelism  # the [parallelism] section: degrees and the pipeline's split (torchtitan v0.2.2's keys)
+    tp: int
+    replicate: int
+    cp: int  # context_parallel_degree (parallelisms/cp.py): each rank holds seq_len / cp of every window
+    pp: int
+    seq_len: int
+    local_batch_size: int
+    # Micro-batches per optimizer step: training.global_batch_size / (local_batch_size x dp). From the
+    # second on, the gradient shards of the earlier ones are alive through forward and backward.
+    grad_accum: int
+    param_dtype: str  # training.mixed_precision_param
+    reduce_dtype: str  # training.mixed_precision_reduce
+    ac: str  # activation_checkpoint: none, full, selective-op or selective-<k>
+    cpu_offload: bool  # training.enable_cpu_offload, on CUDA
+    # training.loss_chunk_tokens (-1: chunks where the logits are large, loss.py; 0, torchtitan's loss: all at once).
+    loss_chunk_tokens: int
+    loss_parallel: bool  # not parallelism.disable_loss_parallel: under TP the loss runs on vocabulary shards
+    z_loss_weight: float  # training.z_loss_weight: the z-loss's collectives, under loss parallel
+    # parallelism.fsdp_defer_reduce_scatter: with grad_accum > 1 (and FSDP, no PP), every unit's gradient stays
+    # unsharded in reduce_dtype from the first micro-batch's backward to the step's last (parallelisms/fsdp.py).
+    defer_reduce_scatter: bool
+    # The machine, not the config. "cuda": the caching allocator reserves more than it allocates (docs/planning.md,
+    # "How the estimator counts": "Reserved"); "cpu": CPU ranks have none, reserved = allocated.
+    allocator: Literal["cuda", "cpu"]
+    overhead_gib: float  # CUDA context + NCCL, outside the allocator
+    rmsnorm: RMSNorm  # the fused CUDA kernel (torch >= 2.8), or the composite one (CPU eager, older torch)
     # train.py, like torchtitan, deletes the logits before loss.backward(); a loop that keeps
     # them alive holds T x V/tp more elements in param_dtype through the loss backward.
     logits_kept_in_backward: bool = False
-    # training.loss_chunk_tokens (-1: chunks where the logits are large, loss.py); 0 (torchtitan's loss, the
-    # references') = all logits at once.
-    loss_chunk_tokens: int = 0
-    # Not parallelism.disable_loss_parallel: under TP the loss runs on vocabulary shards (its collectives).
-    loss_parallel: bool = True
-    z_loss_weight: float = 0.0  # training.z_loss_weight: the z-loss's collectives, under loss parallel
-    overhead_gib: float = 2.0
-    model: Any = None  # ModelArgs of a shape that is not a flavor (a Hugging Face config.json); flavor names it
-    # Micro-batches per optimizer step: training.global_batch_size / (local_batch_size x dp). From the
-    # second on, the gradient shards of the earlier ones are alive through forward and backward.
-    grad_accum: int = 1
-    # parallelism.fsdp_defer_reduce_scatter: with grad_accum > 1 (and FSDP, no PP), every unit's gradient stays
-    # unsharded in reduce_dtype from the first micro-batch's backward to the step's last (parallelisms/fsdp.py).
-    defer_reduce_scatter: bool = False
-    # [parallelism] pipeline_parallel_degree, _schedule, _microbatch_size, _layers_per_stage,
-    # _first_stage_less_layers, _last_stage_less_layers (torchtitan v0.2.2's meanings, parallelisms/pp.py).
-    pp: int = 1
-    pp_schedule: str = "1F1B"
-    pp_microbatch_size: int = 1
-    pp_layers_per_stage: int | None = None
-    pp_first_stage_less_layers: int = 1
-    pp_last_stage_less_layers: int = 1
-    # [parallelism] context_parallel_degree (parallelisms/cp.py): each rank holds seq_len / cp of every window.
-    cp: int = 1
-    # "cuda": the caching allocator reserves more than it allocates (docs/planning.md, "How the estimator counts": "Reserved");
-    # "cpu": CPU ranks have none, reserved = allocated.
-    allocator: Literal["cuda", "cpu"] = "cuda"
 
-    def __post_init__(self) -> None:
-        """The recipe's own rules (ParallelDims, the TP plan, the pipeline split and micro-batches) raise one
-        ConfigError with all their problems; the estimator's own inputs ValueError."""
-        problems = layout_problems(
-            **self.parallelism.layout_settings(),
-            world_size=self.ngpu,
-            args=self.args,
-            seq_len=self.seq_len,
-            local_batch_size=self.local_batch_size,
-        )
+    @classmethod
+    def of(cls, cfg: JobConfig, ngpu: int, *, cuda: bool, rmsnorm: RMSNorm | None = None) -> Setup:
+        """A loaded config on `ngpu` CUDA GPUs or CPU ranks. ConfigError for a shape the layout cannot split, which
+        the run itself refuses with its own message."""
+        problems = layout_problems(**cfg.layout_settings(), world_size=ngpu)
         if problems:
             raise ConfigError(*problems)
-        for name in ("param_dtype", "reduce_dtype"):
-            if getattr(self, name) not in DTYPE_BYTES:
-                raise ValueError(f"{name}: expected one of {', '.join(DTYPE_BYTES)}")
-        checkpoint_every(self.ac)  # raises on a bad ac
-        if self.grad_accum < 1:
-            raise ValueError(f"grad_accum: expected >= 1, got {self.grad_accum}")
-        if self.allocator not in ("cuda", "cpu"):
-            raise ValueError(f"allocator: expected cuda or cpu, got {self.allocator!r}")
+        training, ac, par = cfg.training, cfg.activation_checkpoint, cfg.parallelism
+        dims = ParallelDims.from_config(par, world_size=ngpu)
+        return cls(
+            family=cfg.model.name,
+            flavor=cfg.model.flavor,
+            args=model_args(cfg.model),
+            ngpu=ngpu,
+            parallelism=par,
+            tp=dims.tp,
+            replicate=dims.dp_replicate,
+            cp=dims.cp,
+            pp=dims.pp,
+            seq_len=training.seq_len,
+            local_batch_size=training.local_batch_size,
+            grad_accum=grad_accum_steps(
+                global_batch_size(training, dp=dims.dp), local_batch=training.local_batch_size, dp=dims.dp
+            ),
+            param_dtype=training.mixed_precision_param,
+            reduce_dtype=training.mixed_precision_reduce,
+            ac=f"selective-{ac.selective_ac_option}" if ac.mode == "selective" else ac.mode,
+            cpu_offload=training.enable_cpu_offload and cuda,
+            loss_chunk_tokens=training.loss_chunk_tokens,
+            loss_parallel=not par.disable_loss_parallel,
+            z_loss_weight=training.z_loss_weight,
+            defer_reduce_scatter=par.fsdp_defer_reduce_scatter,
+            # A CPU process has no CUDA context, NCCL buffers or caching allocator; its eager RMSNorm is the
+            # composite one.
+            allocator="cuda" if cuda else "cpu",
+            overhead_gib=2.0 if cuda else 0.5,
+            rmsnorm=rmsnorm or ("fused" if cuda else "composite"),
+        )
 
     @property
     def fam(self) -> ModelFamily:
         return family(self.family)
 
     @property
-    def args(self) -> Any:
-        if self.model is not None:
-            return self.model
-        return self.fam.flavors[self.fam.flavor_aliases.get(self.flavor, self.flavor)]
+    def pp_schedule(self) -> str:
+        return self.parallelism.pipeline_parallel_schedule
 
     @property
-    def parallelism(self) -> Parallelism:
-        """The [parallelism] section of this job, for the run's own rules."""
-        return Parallelism(
-            data_parallel_replicate_degree=self.replicate,
-            tensor_parallel_degree=self.tp,
-            pipeline_parallel_degree=self.pp,
-            pipeline_parallel_schedule=self.pp_schedule,
-            pipeline_parallel_microbatch_size=self.pp_microbatch_size,
-            pipeline_parallel_layers_per_stage=self.pp_layers_per_stage,
-            pipeline_parallel_first_stage_less_layers=self.pp_first_stage_less_layers,
-            pipeline_parallel_last_stage_less_layers=self.pp_last_stage_less_layers,
-            context_parallel_degree=self.cp,
-        )
+    def pp_microbatch_size(self) -> int:
+        return self.parallelism.pipeline_parallel_microbatch_size
 
     @property
     def shard(self) -> int:
@@ -184,46 +181,75 @@ class Job:
         )
 
 
+# The estimator's short names (planning/estimate_memory.py's flags, setup()'s keywords) -> the config keys they set;
+# the command's other flags are the machine's (GPUs, allocator, overhead, RMSNorm kernel) and the question asked.
+SHORT_KEYS = {
+    "model": "model.name",
+    "flavor": "model.flavor",
+    "tp": "parallelism.tensor_parallel_degree",
+    "replicate": "parallelism.data_parallel_replicate_degree",
+    "cp": "parallelism.context_parallel_degree",
+    "pp": "parallelism.pipeline_parallel_degree",
+    "pp_schedule": "parallelism.pipeline_parallel_schedule",
+    "pp_microbatch_size": "parallelism.pipeline_parallel_microbatch_size",
+    "pp_layers_per_stage": "parallelism.pipeline_parallel_layers_per_stage",
+    "pp_first_stage_less_layers": "parallelism.pipeline_parallel_first_stage_less_layers",
+    "pp_last_stage_less_layers": "parallelism.pipeline_parallel_last_stage_less_layers",
+    "defer_reduce_scatter": "parallelism.fsdp_defer_reduce_scatter",
+    "seq_len": "training.seq_len",
+    "local_batch_size": "training.local_batch_size",
+    "param_dtype": "training.mixed_precision_param",
+    "reduce_dtype": "training.mixed_precision_reduce",
+    "cpu_offload": "training.enable_cpu_offload",
+    "loss_chunk_tokens": "training.loss_chunk_tokens",
+    "ac": "activation_checkpoint.mode",  # selective-op or selective-<k>: mode selective and its selective_ac_option
+}
+# Without a --config: a job worth estimating, not the debug model (the rest are the config's defaults).
+DEFAULTS = {"flavor": "llama3_8b", "seq_len": 8192, "local_batch_size": 1, "ac": "selective-op"}
+
+
+def short_overrides(values: dict[str, Any]) -> list[str]:
+    """Short names and values as the loader's `--section.key=value` overrides (SHORT_KEYS); grad_accum is setup()'s."""
+    values = {name: value for name, value in values.items() if value is not None}
+    if unknown := sorted(set(values) - set(SHORT_KEYS)):
+        raise TypeError(f"no config key for {', '.join(unknown)}; the short names are {', '.join(SHORT_KEYS)}")
+    if "ac" in values:
+        mode, _, option = str(values.pop("ac")).partition("-")
+        values["ac"] = mode
+        if option:
+            values["activation_checkpoint.selective_ac_option"] = option
+    as_text = {name: str(value).lower() if isinstance(value, bool) else str(value) for name, value in values.items()}
+    return [f"--{SHORT_KEYS.get(name, name)}={value}" for name, value in as_text.items()]
+
+
+def setup(
+    ngpu: int = 8,
+    *,
+    config: str | None = None,
+    cuda: bool = True,
+    rmsnorm: RMSNorm | None = None,
+    args: Any = None,
+    grad_accum: int | None = None,
+    overrides: tuple[str, ...] | list[str] = (),
+    **short: Any,
+) -> Setup:
+    """The Setup of a config (a TOML, or DEFAULTS without one) with short-named keys set (SHORT_KEYS) on `ngpu` GPUs,
+    through the run's own loader: ConfigError names the keys. grad_accum: micro-batches per step, as the
+    training.global_batch_size it takes; overrides: `--section.key=value` (any key); args: a model shape no flavor
+    has."""
+    short = {name: value for name, value in short.items() if value is not None}
+    argv = [*([f"--config={config}"] if config else []), *short_overrides(short if config else {**DEFAULTS, **short})]
+    argv += overrides
+    cfg = load_config(argv)
+    job = Setup.of(cfg, ngpu, cuda=cuda, rmsnorm=rmsnorm)  # the layout's problems first, in the run's words
+    if grad_accum is not None:
+        dp = ParallelDims.from_config(cfg.parallelism, world_size=ngpu).dp
+        cfg = load_config([*argv, f"--training.global_batch_size={grad_accum * cfg.training.local_batch_size * dp}"])
+        job = Setup.of(cfg, ngpu, cuda=cuda, rmsnorm=rmsnorm)
+    return job if args is None else dataclasses.replace(job, args=args)
+
+
 _ACTIONS = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
-
-
-def job_of(cfg: JobConfig, dims: ParallelDims, *, cuda: bool) -> Job:
-    """A run's config as a Job (the doctor's memory check, the dry run): for CUDA GPUs, or for CPU ranks. ConfigError
-    for a shape the layout cannot split, which the run itself refuses with its own message."""
-    training, ac, par = cfg.training, cfg.activation_checkpoint, cfg.parallelism
-    return Job(
-        family=cfg.model.name,
-        flavor=cfg.model.flavor,
-        model=model_args(cfg.model),
-        ngpu=dims.world_size,
-        tp=dims.tp,
-        replicate=dims.dp_replicate,
-        seq_len=training.seq_len,
-        local_batch_size=training.local_batch_size,
-        grad_accum=grad_accum_steps(
-            global_batch_size(training, dp=dims.dp), local_batch=training.local_batch_size, dp=dims.dp
-        ),
-        param_dtype=training.mixed_precision_param,
-        reduce_dtype=training.mixed_precision_reduce,
-        ac=f"selective-{ac.selective_ac_option}" if ac.mode == "selective" else ac.mode,
-        cpu_offload=training.enable_cpu_offload and cuda,
-        loss_chunk_tokens=training.loss_chunk_tokens,
-        defer_reduce_scatter=par.fsdp_defer_reduce_scatter,
-        loss_parallel=not par.disable_loss_parallel,
-        z_loss_weight=training.z_loss_weight,
-        pp=dims.pp,
-        pp_schedule=par.pipeline_parallel_schedule,
-        pp_microbatch_size=par.pipeline_parallel_microbatch_size,
-        pp_layers_per_stage=par.pipeline_parallel_layers_per_stage,
-        pp_first_stage_less_layers=par.pipeline_parallel_first_stage_less_layers,
-        pp_last_stage_less_layers=par.pipeline_parallel_last_stage_less_layers,
-        cp=dims.cp,
-        # Eager CPU RMSNorm is the composite one; a CPU process has no CUDA context, NCCL buffers or caching
-        # allocator.
-        rmsnorm="fused" if cuda else "composite",
-        overhead_gib=2.0 if cuda else 0.5,
-        allocator="cuda" if cuda else "cpu",
-    )
 
 
 def rank_ops(schedule: str, *, pp_rank: int, pp: int, n_local: int, n_mb: int) -> list[tuple[str, int, int]]:
@@ -252,7 +278,7 @@ def rank_ops(schedule: str, *, pp_rank: int, pp: int, n_local: int, n_mb: int) -
     ]
 
 
-def job_costs(job: Job, *, tp_mesh: DeviceMesh | None = None) -> BlockCosts:
+def job_costs(job: Setup, *, tp_mesh: DeviceMesh | None = None) -> BlockCosts:
     """block_costs of one micro-batch of `job` through one block, in its param_dtype. Under context parallel the
     block is traced on this rank's tokens, and attention's keys and values span the whole window (`cp_kv_bytes`)."""
     costs = block_costs(
@@ -274,7 +300,7 @@ def job_costs(job: Job, *, tp_mesh: DeviceMesh | None = None) -> BlockCosts:
     return dataclasses.replace(costs, saved=costs.saved + extra["saved"], kept=costs.kept + extra["kept"])
 
 
-def cp_kv_bytes(job: Job) -> dict[str, int]:
+def cp_kv_bytes(job: Setup) -> dict[str, int]:
     """What context parallel adds to one block's activations (parallelisms/cp.py), per micro-batch: attention
     saves its keys and values for the whole window instead of this rank's 1/cp of it, expanded to the query
     heads (grouped-query attention repeats them before SDPA): `saved`; op SAC keeps the all-gather's output,
@@ -293,7 +319,7 @@ def cp_kv_bytes(job: Job) -> dict[str, int]:
     return {"saved": saved, "kept": gathered if job.ac == "selective-op" else 0, "gathered": gathered, "mask": mask}
 
 
-def activation_bytes(job: Job, *, tp_mesh: DeviceMesh | None = None) -> dict[str, int]:
+def activation_bytes(job: Setup, *, tp_mesh: DeviceMesh | None = None) -> dict[str, int]:
     """Bytes saved for backward at the end of one micro-batch's forward through the whole model (what
     benchmarks/memory.py measures), by part: the blocks, what lies outside them (token ids, the final
     norm and its gathered output), the loss's fp32 log-softmax."""
@@ -352,7 +378,7 @@ class _RankParams:
         return max([self.block] + [self.embedding] * (0 in self.local) + [self.root] * (self.last_stage in self.local))
 
 
-def _rank_params(job: Job, costs: BlockCosts, pp_rank: int) -> _RankParams:
+def _rank_params(job: Setup, costs: BlockCosts, pp_rank: int) -> _RankParams:
     stages = job.stages
     local = rank_stages(pp_rank, pp=job.pp, stages=len(stages)) if job.pp > 1 else [0]
     return _RankParams(
@@ -377,7 +403,7 @@ class _ShardedState:
     """The gradient shards of the step's earlier micro-batches (gradient accumulation), on the GPU."""
 
 
-def _sharded_state(job: Job, params: _RankParams) -> _ShardedState:
+def _sharded_state(job: Setup, params: _RankParams) -> _ShardedState:
     master, grads, adam = (n * params.total / job.shard for n in (4, 4, 8))
     on_gpu = not job.cpu_offload
     return _ShardedState(
@@ -392,7 +418,7 @@ def _sharded_state(job: Job, params: _RankParams) -> _ShardedState:
     )
 
 
-def _gathered_params(job: Job, params: _RankParams) -> dict[str, float]:
+def _gathered_params(job: Setup, params: _RankParams) -> dict[str, float]:
     """Bytes of the parameters gathered in param_dtype during each phase of backward (loss, block, embedding).
 
     Without PP the embedding and blocks are resharded after forward and the root (norm + output) is not; in
@@ -445,7 +471,7 @@ class _Activations:
         return self.token_ids + (self.final_norm + self.log_softmax if last else self.stage_output)
 
 
-def _activations(job: Job, costs: BlockCosts, stages: list[list[int]]) -> _Activations:
+def _activations(job: Setup, costs: BlockCosts, stages: list[list[int]]) -> _Activations:
     param_bytes, tokens, dim = DTYPE_BYTES[job.param_dtype], job.microbatch_tokens, job.args.dim
     chunked = job.chunk_tokens > 0
     return _Activations(
@@ -480,7 +506,7 @@ class _Transients:
     """Zero bubble: per block, what its weight gradients need between a micro-batch's input and weight backward."""
 
 
-def _transients(job: Job, costs: BlockCosts) -> _Transients:
+def _transients(job: Setup, costs: BlockCosts) -> _Transients:
     tp, tokens, vocab, dim = job.tp, job.microbatch_tokens, job.args.vocab_size, job.args.dim
     param_bytes, reduce_bytes = DTYPE_BYTES[job.param_dtype], DTYPE_BYTES[job.reduce_dtype]
     # Start of the loss backward, in fp32 per logit: the saved log-softmax (4, counted with the activations) plus,
@@ -520,7 +546,7 @@ class _Replay:
 
     def __init__(
         self,
-        job: Job,
+        job: Setup,
         *,
         params: _RankParams,
         state: _ShardedState,
@@ -603,7 +629,7 @@ class _Replay:
             self.phases[phase] = (value, shards, where)
 
 
-def estimate_rank(job: Job, pp_rank: int = 0, *, tp_mesh: DeviceMesh | None = None) -> dict[str, float | int | str]:
+def estimate_rank(job: Setup, pp_rank: int = 0, *, tp_mesh: DeviceMesh | None = None) -> dict[str, float | int | str]:
     """Per-GPU bytes by component, the allocated peak and the reserved estimate of one pp rank (the module
     docstring tells the story). tp_mesh: see block_costs."""
     costs = job_costs(job, tp_mesh=tp_mesh)
@@ -623,7 +649,7 @@ def estimate_rank(job: Job, pp_rank: int = 0, *, tp_mesh: DeviceMesh | None = No
     return _report(job, pp_rank, replay)
 
 
-def _peak(job: Job, replay: _Replay) -> dict[str, float | str]:
+def _peak(job: Setup, replay: _Replay) -> dict[str, float | str]:
     """The allocated peak (static state + the worst phase) and what the caching allocator reserves for it: state +
     the reduce-scatter stream's shards + the all-gather stream's flat outputs + the compute stream's peak with
     fragmentation (docs/planning.md, "How the estimator counts": "Reserved")."""
@@ -649,7 +675,7 @@ def _peak(job: Job, replay: _Replay) -> dict[str, float | str]:
     }
 
 
-def _report(job: Job, pp_rank: int, replay: _Replay) -> dict[str, float | int | str]:
+def _report(job: Setup, pp_rank: int, replay: _Replay) -> dict[str, float | int | str]:
     """estimate_rank's result: every term of the breakdown, the peak and the reserved estimate."""
     params, state, acts, transients, phases = replay.params, replay.state, replay.acts, replay.transients, replay.phases
     param_bytes, reduce_bytes = DTYPE_BYTES[job.param_dtype], DTYPE_BYTES[job.reduce_dtype]
@@ -693,6 +719,6 @@ def _report(job: Job, pp_rank: int, replay: _Replay) -> dict[str, float | int | 
     }
 
 
-def estimate(job: Job, *, tp_mesh: DeviceMesh | None = None) -> dict[str, float | int | str]:
+def estimate(job: Setup, *, tp_mesh: DeviceMesh | None = None) -> dict[str, float | int | str]:
     """estimate_rank of the pp rank that needs the most memory (reserved; without PP the one rank)."""
     return max((estimate_rank(job, rank, tp_mesh=tp_mesh) for rank in range(job.pp)), key=lambda e: e["reserved"])

@@ -14,7 +14,7 @@ from config import REPO, JobConfig, Parallelism
 from models.llama3 import FLAVORS
 from parallelisms.parallel_dims import ParallelDims
 from planning.dry_run import EXCESSES, comm_by_kind, comm_floor
-from planning.memory import Job, job_of
+from planning.memory import Setup
 from tests.launch import python, two_at_a_time
 from tests.parity_worker import GLOBAL_BATCH, LAYOUTS, TINY_SHAPES, TRAINING, Z_LOSS_WEIGHT, Layout
 
@@ -96,7 +96,7 @@ def test_dry_run_of_the_second_family_with_its_inputs_elsewhere() -> None:
 # ------------------------------------------------- communication, predicted and measured
 
 
-def layout_plan(layout: Layout) -> tuple[JobConfig, ParallelDims, Job]:
+def layout_plan(layout: Layout) -> tuple[JobConfig, ParallelDims, Setup]:
     """A parity layout (tests/parity_worker.py) as the dry run sees a job: the tiny model, its batch, one step."""
     cfg = JobConfig()
     cfg.parallelism = Parallelism(
@@ -120,7 +120,7 @@ def layout_plan(layout: Layout) -> tuple[JobConfig, ParallelDims, Job]:
     )
     cfg.activation_checkpoint = layout.ac
     cfg.model.name = layout.family
-    return cfg, dims, dataclasses.replace(job_of(cfg, dims, cuda=False), model=TINY_SHAPES[layout.family])
+    return cfg, dims, dataclasses.replace(Setup.of(cfg, dims.world_size, cuda=False), args=TINY_SHAPES[layout.family])
 
 
 EAGER = [name for name, layout in LAYOUTS.items() if not layout.compile]

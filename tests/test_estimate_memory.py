@@ -7,16 +7,18 @@ benchmarks/test_memory.py checks the same activation formulas against bytes meas
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
+from config import load_config
 from errors import ConfigError
 from models import with_seq_len
 from models.llama3 import FLAVORS
 from planning import estimate_memory, trace
 from planning.estimate_memory import breakdown
-from planning.memory import GiB, Job, activation_bytes, estimate, estimate_rank
+from planning.memory import GiB, Setup, activation_bytes, estimate, estimate_rank, setup
 from tests.launch import python
 
 ARGS = with_seq_len(FLAVORS["debugmodel"], 256)
@@ -26,8 +28,15 @@ BATCH, SEQ = 4, 256
 def test_8b_estimate_against_torchtitan() -> None:
     # torchtitan docs/performance.md: Llama 3.1 8B, 8 (and 128) H100, local batch 2, seq 8192,
     # selective op AC, FSDP bf16/fp32: 82.4 (67.0) GiB max reserved; eager RMSNorm, logits freed.
-    job = dict(flavor="llama3_8b", local_batch_size=2, seq_len=8192, ac="selective-op", rmsnorm="composite")
-    on8, on128 = estimate(Job(ngpu=8, **job)), estimate(Job(ngpu=128, **job))
+    job = dict(
+        flavor="llama3_8b",
+        local_batch_size=2,
+        seq_len=8192,
+        ac="selective-op",
+        rmsnorm="composite",
+        loss_chunk_tokens=0,
+    )
+    on8, on128 = estimate(setup(ngpu=8, **job)), estimate(setup(ngpu=128, **job))
     for e, published in ((on8, 82.4), (on128, 67.0)):
         # Published is reserved: the allocated peak must be lower, by less than a quarter; reserved
         # is calibrated on these two (FRAGMENTATION), so it lands close.
@@ -44,13 +53,13 @@ def test_gradient_shards_exist_from_the_reduce_scatter_on() -> None:
     """zero_grad(set_to_none=True) runs before the first micro-batch: its loss backward holds no gradient
     shards; with accumulation the later micro-batches hold all of them."""
     base = dict(flavor="llama3_8b", ngpu=8, local_batch_size=2, seq_len=8192, loss_chunk_tokens=0)
-    one, two = estimate(Job(**base)), estimate(Job(grad_accum=2, **base))
+    one, two = estimate(setup(**base)), estimate(setup(grad_accum=2, **base))
     assert one["peak_phase"] == two["peak_phase"] == "loss backward"
     assert one["grads_at_peak"] == 0 and two["grads_at_peak"] == two["grads"] > 3.5 * GiB
     assert two["allocator_peak"] - one["allocator_peak"] == pytest.approx(one["grads"])
     # Where gradients dominate (2 GPUs, short sequences) the block phase peaks at the last block in
     # backward, holding the shards of all the others; where activations dominate, at the first.
-    short = estimate(Job(flavor="llama3_8b", ngpu=2, seq_len=256, ac="none"))
+    short = estimate(setup(flavor="llama3_8b", ngpu=2, seq_len=256, ac="none"))
     assert short["block_phase_at"] == "block 0" and short["block_phase"] > 31 / 32 * short["grads"]
     assert one["block_phase_at"] == "block 31"
     # The caching allocator keeps the shards' blocks for the next step's reduce-scatters: reserved
@@ -63,43 +72,43 @@ def test_deferred_reduce_scatters_hold_unsharded_gradients_through_the_step() ->
     reduce_dtype (FSDP2's accumulators) instead of the shards; with one micro-batch, or without FSDP, nothing
     changes. The breakdown and the doctor print the term."""
     base = dict(flavor="llama3_8b", ngpu=8, local_batch_size=1, seq_len=8192, grad_accum=4)
-    shards, deferred = estimate(Job(**base)), estimate(Job(defer_reduce_scatter=True, **base))
+    shards, deferred = estimate(setup(**base)), estimate(setup(defer_reduce_scatter=True, **base))
     params = deferred["params"]  # float32 shards: 4 B x parameters / 8
     assert deferred["accumulators"] == pytest.approx(8 * params) and shards["accumulators"] == 0
     assert deferred["grads_at_peak"] == 0 and shards["grads_at_peak"] == shards["grads"]
     grown = deferred["allocator_peak"] - shards["allocator_peak"]
     assert grown == pytest.approx(deferred["accumulators"] - shards["grads"], rel=0.05), grown / GiB
     single = dict(base, grad_accum=1)
-    assert estimate(Job(defer_reduce_scatter=True, **single))["total"] == estimate(Job(**single))["total"]
-    assert "gradient accumulators" in breakdown(Job(defer_reduce_scatter=True, **base))
+    assert estimate(setup(defer_reduce_scatter=True, **single))["total"] == estimate(setup(**single))["total"]
+    assert "gradient accumulators" in breakdown(setup(defer_reduce_scatter=True, **base))
 
 
 @pytest.mark.parametrize(
     "job",
     [
-        Job(flavor="llama3_8b", ngpu=8, local_batch_size=2),
-        Job(flavor="llama3_8b", ngpu=8, ac="full", cpu_offload=True),
-        Job(flavor="llama3_70b", ngpu=64, tp=8, local_batch_size=8, ac="full", grad_accum=4),
-        Job(flavor="llama3_405b", ngpu=512, tp=8, pp=8, local_batch_size=8, ac="full"),
-        Job(flavor="llama3_405b", ngpu=512, tp=8, pp=8, local_batch_size=8, pp_schedule="InterleavedZeroBubble"),
+        setup(flavor="llama3_8b", ngpu=8, local_batch_size=2),
+        setup(flavor="llama3_8b", ngpu=8, ac="full", cpu_offload=True),
+        setup(flavor="llama3_70b", ngpu=64, tp=8, local_batch_size=8, ac="full", grad_accum=4),
+        setup(flavor="llama3_405b", ngpu=512, tp=8, pp=8, local_batch_size=8, ac="full"),
+        setup(flavor="llama3_405b", ngpu=512, tp=8, pp=8, local_batch_size=8, pp_schedule="InterleavedZeroBubble"),
     ],
 )
-def test_reserved_is_at_least_allocated(job: Job) -> None:
+def test_reserved_is_at_least_allocated(job: Setup) -> None:
     e = estimate(job)
     assert e["reserved"] >= e["allocator_peak"] > 0 and e["total"] == e["reserved"] + e["overhead"]
-    cpu = estimate(Job(**{**job.__dict__, "allocator": "cpu"}))
+    cpu = estimate(dataclasses.replace(job, allocator="cpu"))
     assert cpu["reserved"] == cpu["allocator_peak"] == e["allocator_peak"]
 
 
 def test_estimator_effects() -> None:
     base = dict(flavor="llama3_8b", ngpu=8, local_batch_size=1, seq_len=8192)
     peak = {
-        ac: estimate(Job(ac=ac, **base))["allocator_peak"] for ac in ("none", "selective-2", "selective-op", "full")
+        ac: estimate(setup(ac=ac, **base))["allocator_peak"] for ac in ("none", "selective-2", "selective-op", "full")
     }
     assert peak["full"] < peak["selective-op"] < peak["selective-2"] < peak["none"], peak
-    offload = estimate(Job(ac="full", cpu_offload=True, **base))
+    offload = estimate(setup(ac="full", cpu_offload=True, **base))
     assert offload["state_on_gpu"] == 0 and offload["state_on_host"] > 14 * GiB
-    bf16, fp32 = (estimate(Job(ac="full", param_dtype=d, **base)) for d in ("bfloat16", "float32"))
+    bf16, fp32 = (estimate(setup(ac="full", param_dtype=d, **base)) for d in ("bfloat16", "float32"))
     assert fp32["block_unit"] == 2 * bf16["block_unit"] and fp32["params"] == bf16["params"]
 
 
@@ -110,8 +119,8 @@ PP_405B = dict(flavor="llama3_405b", ngpu=512, tp=8, pp=8, seq_len=8192, ac="ful
 
 def test_pipeline_ranks_hold_their_stages_only() -> None:
     # 405B on 512 GPUs, TP 8 x PP 8 x FSDP 8, against the same TP 8 x FSDP 8 without PP (64 GPUs).
-    job = Job(local_batch_size=8, **PP_405B)
-    whole = estimate(Job(**{**PP_405B, "ngpu": 64, "pp": 1, "local_batch_size": 1}))
+    job = setup(local_batch_size=8, **PP_405B)
+    whole = estimate(setup(**{**PP_405B, "ngpu": 64, "pp": 1, "local_batch_size": 1}))
     ranks = [estimate_rank(job, r) for r in range(8)]
     # Each rank's sharded state is ~1/8 (its stage: 15 or 16 of 126 blocks, + embedding or output),
     # and the ranks together hold the whole model.
@@ -134,7 +143,7 @@ def test_pipeline_ranks_hold_their_stages_only() -> None:
 def test_pipeline_schedules_hold_what_they_should() -> None:
     # 16 micro-batches of 1 sequence over 8 stages.
     first, last = (
-        {s: estimate_rank(Job(local_batch_size=16, pp_schedule=s, **PP_405B), rank) for s in ("1F1B", "GPipe")}
+        {s: estimate_rank(setup(local_batch_size=16, pp_schedule=s, **PP_405B), rank) for s in ("1F1B", "GPipe")}
         for rank in (0, 7)
     )
     assert first["GPipe"]["microbatches_held"] == 16 and first["1F1B"]["microbatches_held"] == 8
@@ -143,15 +152,15 @@ def test_pipeline_schedules_hold_what_they_should() -> None:
     assert last["GPipe"]["allocator_peak"] > last["1F1B"]["allocator_peak"]
     # Interleaved 1F1B: 2 stages per rank of ~8 blocks; torch's plan for rank 0 of 8 with 16
     # micro-batches runs (2 - 1) x 8 + 2 x 7 = 22 forwards before its first backward.
-    inter = estimate_rank(Job(local_batch_size=16, pp_schedule="Interleaved1F1B", **PP_405B), 0)
+    inter = estimate_rank(setup(local_batch_size=16, pp_schedule="Interleaved1F1B", **PP_405B), 0)
     assert inter["pp_stages"] == "0, 8" and inter["rank_blocks"] == 15
     assert inter["microbatches_held"] == 23
-    assert estimate_rank(Job(local_batch_size=16, pp_microbatch_size=2, **PP_405B), 0)["microbatches_held"] == 8
+    assert estimate_rank(setup(local_batch_size=16, pp_microbatch_size=2, **PP_405B), 0)["microbatches_held"] == 8
 
 
 def test_pipeline_rules_are_the_runs() -> None:
     with pytest.raises(ConfigError) as e:
-        Job(local_batch_size=6, pp_microbatch_size=4, pp_layers_per_stage=5, **PP_405B)
+        setup(local_batch_size=6, pp_microbatch_size=4, pp_layers_per_stage=5, **PP_405B)
     # Both problems at once: the micro-batch size and the split (parallelisms/pp.py's own messages).
     assert len(e.value.problems) == 2
     assert e.value.problems[0].startswith("parallelism.pipeline_parallel_layers_per_stage: 5 makes 26 stages")
@@ -167,8 +176,8 @@ def test_fake_step_against_the_formula() -> None:
     backward unless gradients accumulate. In a subprocess: it starts a (fake) process group."""
     code = (
         "import json\nfrom planning import estimate_memory as em\n"
-        "kw = dict(flavor='debugmodel', ngpu=2, seq_len=256, local_batch_size=4, rmsnorm='composite', allocator='cpu')\n"
-        "jobs = [em.Job(grad_accum=g, **kw) for g in (1, 2)]\n"
+        "kw = dict(flavor='debugmodel', ngpu=2, seq_len=256, local_batch_size=4, cuda=False)\n"
+        "jobs = [em.setup(grad_accum=g, **kw) for g in (1, 2)]\n"
         "print(json.dumps([[em.fake_job_memory(j), em.estimate(j)] for j in jobs]))"
     )
     proc = python("-c", code, timeout=120)
@@ -206,11 +215,33 @@ def test_cli(capsys: pytest.CaptureFixture[str]) -> None:
     # The recipe's rules, in this script's words: its flags, not the config keys.
     assert "error: --pp-microbatch-size: 3 does not divide --local-batch-size 16" in capsys.readouterr().err
     assert main(["--ngpu", "7", "--tp", "2"]) == 2
-    assert capsys.readouterr().err.startswith("error: --ngpu: 7 GPUs do not split into groups of --pp 1 x")
+    assert (
+        "--pp (1) x --replicate (1) x --cp (1) x --tp (2) does not divide the world size 7" in capsys.readouterr().err
+    )
     # torchtitan's flavor names, as train.py takes them; a flavor of another family says which.
-    assert main(["--flavor", "8B", "--ngpu", "8"]) == 0 and "llama3 8B: 8.03B params" in capsys.readouterr().out
+    assert main(["--flavor", "8B", "--ngpu", "8"]) == 0 and "llama3 llama3_8b: 8.03B params" in capsys.readouterr().out
     assert main(["--flavor", "qwen3_8b"]) == 2
     assert capsys.readouterr().err.strip().endswith("or pass --model qwen3")
+
+
+def test_cli_reads_the_runs_config(capsys: pytest.CaptureFixture[str]) -> None:
+    """One vocabulary: a run's TOML, any key as train.py takes it, and the short flags, all through the run's own
+    loader (planning.memory.SHORT_KEYS is the one table of the flags' keys)."""
+    main = estimate_memory.main
+    assert main(["--config", "configs/llama3_8b.toml", "--ngpu", "64"]) == 0
+    from_toml = capsys.readouterr().out
+    assert main(["--flavor", "llama3_8b", "--ngpu", "64", "--training.local_batch_size", "1"]) == 0
+    assert capsys.readouterr().out == from_toml  # the TOML's shape is the estimator's defaults
+    assert main(["--config", "configs/llama3_8b.toml", "--ngpu", "64", "--seq-len", "4096", "--grad-accum", "2"]) == 0
+    assert "local batch 1 x 4096 tokens, grad accumulation 2" in capsys.readouterr().out
+    assert main(["--training.seq_len", "x"]) == 2
+    assert capsys.readouterr().err == "error: --seq-len: expected int, got 'x' in the command line\n"
+    assert main(["--trainng.seq_len", "1"]) == 2 and "trainng" in capsys.readouterr().err
+    # setup() speaks the same keys: the Setup of a loaded config equals the one of its short names.
+    cfg = load_config(["--config", "configs/llama3_8b.toml", "--parallelism.tensor_parallel_degree", "8"])
+    assert Setup.of(cfg, 64, cuda=True) == setup(64, config="configs/llama3_8b.toml", tp=8)
+    with pytest.raises(TypeError, match="no config key for tpp"):
+        setup(8, tpp=2)
 
 
 def test_traced_block_terms_by_hand() -> None:
@@ -218,23 +249,23 @@ def test_traced_block_terms_by_hand() -> None:
     composite RMSNorm): the same tensors the old SwiGLU formulas named."""
     T, D, F, H = BATCH * SEQ, ARGS.dim, ARGS.hidden_dim, ARGS.n_heads
     debug = dict(flavor="debugmodel", ngpu=2, local_batch_size=BATCH, seq_len=SEQ, rmsnorm="composite")
-    fp32 = activation_bytes(Job(param_dtype="float32", ac="none", **debug))
+    fp32 = activation_bytes(setup(param_dtype="float32", ac="none", **debug))
     norms = 2 * (4 * T * D + 4 * T * D + 4 * T + 4 * T * D)  # fp32 input, x*rstd, rstd, output
     attention = 4 * 4 * T * D + 4 * T * H  # q, k, v, out; logsumexp
     assert fp32["per_block_no_ac"] == norms + attention + 4 * 4 * T * F
-    full = activation_bytes(Job(ac="full", **debug))
+    full = activation_bytes(setup(ac="full", **debug))
     assert full["blocks"] == ARGS.n_layers * 2 * T * D  # each block's bf16 input
     # Op SAC keeps the input, the named linears' outputs (wq, wv, w1, w2) and attention's out + logsumexp.
-    op = activation_bytes(Job(ac="selective-op", **debug))
+    op = activation_bytes(setup(ac="selective-op", **debug))
     kv = ARGS.kv_heads * ARGS.head_dim
     assert op["per_block_checkpointed"] == 2 * T * (D + D + kv + F + D + D) + 4 * T * H
     # The fused CUDA kernel keeps its input and a scale per row where the composite one keeps fp32 copies.
-    fused = activation_bytes(Job(param_dtype="float32", ac="none", **{**debug, "rmsnorm": "fused"}))
+    fused = activation_bytes(setup(param_dtype="float32", ac="none", **{**debug, "rmsnorm": "fused"}))
     assert fp32["per_block_no_ac"] - fused["per_block_no_ac"] == 2 * (
         4 * T * D + 4 * T * D + 4 * T - (4 * T * D + 4 * T)
     )
     # Under TP 2 (a fake process group) sequence parallel halves the norms and the heads, not the gathered inputs.
-    tp2 = activation_bytes(Job(**{**debug, "ngpu": 2, "tp": 2, "ac": "none", "param_dtype": "float32"}))
+    tp2 = activation_bytes(setup(**{**debug, "ngpu": 2, "tp": 2, "ac": "none", "param_dtype": "float32"}))
     gathered = 2 * 4 * T * D  # the attention and MLP inputs, gathered over the sequence
     assert tp2["per_block_no_ac"] == (fp32["per_block_no_ac"] - gathered) // 2 + gathered
 
