@@ -1,4 +1,4 @@
-"""AdamW, its learning-rate schedule, and the updates it refuses to apply.
+"""AdamW (and Muon's half, muon.py), the learning-rate schedule, and the updates it refuses to apply.
 
 An update is skipped (weights, moments and step counts stay as they were) when the step's gradient
 norm is not finite, or when the step is a spike: its global loss or gradient norm stands more than
@@ -38,14 +38,17 @@ from errors import TrainingStopped, warn
 def build_optimizer(
     o: Optimizer, model: torch.nn.Module, *, training: Training | None = None, pp_degree: int = 1
 ) -> SkipStepAdamW:
-    """AdamW over the model's parameters; `training` gives the skip rules (default: skip non-finite
-    steps only, and stop at the first)."""
+    """AdamW over the model's parameters; `training` gives the skip rules (default: skip non-finite steps only, and
+    stop at the first)."""
+    return SkipStepAdamW(list(model.parameters()), **settings(o, model, training=training, pp_degree=pp_degree))
+
+
+def settings(o: Optimizer, model: torch.nn.Module, *, training: Training | None, pp_degree: int) -> dict[str, Any]:
+    """SkipStepAdamW's keyword arguments: AdamW's settings and kernel, and the skip rules (muon.py's too)."""
     impl = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[o.implementation]
     t = training or Training()
-    params = list(model.parameters())
-    return SkipStepAdamW(
-        params,
-        window=SpikeWindow(t.skip_spike_window, sigma=t.skip_spike_sigma, device=params[0].device),
+    return dict(
+        window=SpikeWindow(t.skip_spike_window, sigma=t.skip_spike_sigma, device=next(model.parameters()).device),
         tolerate_nonfinite=t.skip_nonfinite_steps,
         pp_degree=pp_degree,
         lr=o.lr,
@@ -207,9 +210,14 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> float:
 
 
 def set_hyperparameters(optimizer: torch.optim.Optimizer, o: Optimizer) -> None:
-    """The config's AdamW settings win over those a checkpoint restored into the param groups."""
+    """The config's settings win over those a checkpoint restored into the param groups (Muon's, in its group)."""
     for group in optimizer.param_groups:
         group.update(betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+        if group.get("muon"):
+            group.update(
+                momentum=o.muon_momentum, nesterov=o.muon_nesterov, ns_steps=o.muon_ns_steps,
+                adjust_lr_fn=o.muon_adjust_lr_fn,
+            )  # fmt: skip
 
 
 def lr_factor(step: int, cfg: LRScheduler, *, training_steps: int) -> float:

@@ -53,6 +53,7 @@ from errors import ConfigError, RecipeError, is_rank0, report, writable_folder
 from loss import Loss, build_loss_fn
 from metrics import LogStep, MetricsLogger, StepResult
 from models import family
+from muon import build_muon
 from optimizer import (
     SkipStepAdamW,
     StopOnNonfinite,
@@ -209,7 +210,10 @@ def build(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
         save_seed_checkpoint(cfg, model, world_size=world_size)
         return None
 
-    optimizer = build_optimizer(cfg.optimizer, model, training=t, pp_degree=dims.pp)
+    if cfg.optimizer.name == "Muon":  # Muon for the family's hidden matrices, AdamW for the rest (muon.py)
+        optimizer = build_muon(cfg.optimizer, model, family(cfg.model.name), training=t, pp_degree=dims.pp)
+    else:
+        optimizer = build_optimizer(cfg.optimizer, model, training=t, pp_degree=dims.pp)
     if (float8 := float8_settings(cfg)) is not None and float8.precompute_float8_dynamic_scale_for_fsdp:
         precompute_scales_after_each_step(optimizer, model)
     state = TrainState(settings=schedule_settings(cfg))

@@ -46,6 +46,7 @@ from benchmarks import (
     harness,
     memory,
     metadata,
+    muon,
     recompute,
     vs_torchtitan,
 )
@@ -61,6 +62,7 @@ BENCHMARKS = {
         compile_cache,
         async_tp_fusion,
         memory,
+        muon,
         context_parallel,
         data_pipeline,
         float8,
@@ -77,7 +79,7 @@ BENCHMARKS = {
 SECONDS = {
     "recompute": 25, "metadata": 15, "comm_volume": 28, "compile_cache": 72, "async_tp_fusion": 40, "memory": 33,
     "context_parallel": 52, "data_pipeline": 33, "float8": 12, "gpu_costs": 25, "generation": 57,
-    "vs_torchtitan": 300, "checkpoint_checksums": 22, "train": 150,
+    "vs_torchtitan": 300, "checkpoint_checksums": 22, "muon": 30, "train": 150,
 }  # fmt: skip
 # make bench's settings where they are not the benchmark's own defaults, so that the whole run stays within 12
 # minutes on 2 cores (docs/benchmarks.md#make-bench): fewer tokens, rounds, steps or megabytes than a run of the

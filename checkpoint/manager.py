@@ -253,6 +253,12 @@ class CheckpointManager:
         stateful part with a `load_torchtitan(state)` takes what it can (the step, the data position), the others
         start afresh."""
         optimizer = None if model_only or "optimizer" in excluded else self.optimizer
+        if optimizer is not None and any(group.get("muon") for group in optimizer.param_groups):
+            raise ConfigError(
+                f"checkpoint.folder: {path} is torchtitan's, with AdamW's state, and optimizer.name is \"Muon\": set "
+                'checkpoint.exclude_from_loading = ["optimizer"] to start Muon from its weights and step, or resume '
+                'with optimizer.name = "AdamW"'
+            )
         state = self._load_torchtitan(path, metadata, optimizer, key="checkpoint.folder")
         parts = {} if model_only else {n: p for n, p in self.stateful.items() if n not in excluded}
         taken = [name for name, part in parts.items() if hasattr(part, "load_torchtitan")]

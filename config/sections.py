@@ -181,10 +181,10 @@ class Training(TorchtitanTraining):
 
 @dataclass
 class Optimizer(TorchtitanOptimizer):
-    """The optimizer (AdamW) and its hyperparameters."""
+    """The optimizer (AdamW, or Muon with AdamW) and its hyperparameters."""
 
-    name: Literal["AdamW"] = "AdamW"
-    """Optimizer (torchtitan's key); AdamW is the one implemented."""
+    name: Literal["AdamW", "Muon"] = "AdamW"
+    """Optimizer (torchtitan's key): AdamW, or Muon for the family's hidden matrices (ModelFamily.hidden_matrices) with AdamW for every other parameter (muon.py)."""
     lr: float = 8e-4
     """Peak learning rate, reached at the end of warmup."""
     beta1: float = 0.9
@@ -197,6 +197,16 @@ class Optimizer(TorchtitanOptimizer):
     """Decoupled weight decay."""
     implementation: Literal["fused", "foreach", "for-loop"] = "fused"
     """AdamW kernel: fused (one kernel, CUDA and CPU), foreach (multi-tensor) or for-loop."""
+    muon_momentum: float = 0.95
+    """Muon's momentum (torch.optim.Muon's); its lr and weight decay are optimizer.lr and weight_decay."""
+    muon_nesterov: bool = True
+    """Muon: orthogonalize the Nesterov look-ahead (gradient lerped toward the momentum) instead of the momentum."""
+    muon_ns_steps: int = 5
+    """Muon: Newton-Schulz iterations (torch.optim.Muon's quintic, in bfloat16)."""
+    muon_adjust_lr_fn: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
+    """Muon's lr per matrix: match_rms_adamw scales it by 0.2 sqrt(max(rows, cols)) so updates have AdamW's RMS and one lr schedule serves both; original: sqrt(max(1, rows / cols))."""
+    muon_orthogonalize: Literal["matrix", "shard"] = "matrix"
+    """Muon: orthogonalize each whole matrix (gathered to one rank); "shard" orthogonalizes each rank's shard alone, a different optimizer, only to reproduce docs/failures.md #6."""
 
     def problems(self) -> list[str]:
         p = []
@@ -206,6 +216,10 @@ class Optimizer(TorchtitanOptimizer):
             p.append(f"optimizer.eps: must be > 0 (it keeps AdamW's division away from zero), got {self.eps}")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             p.append(f"optimizer.beta1/beta2: must lie in [0, 1), got {self.beta1}, {self.beta2}")
+        if not 0 <= self.muon_momentum < 1:
+            p.append(f"optimizer.muon_momentum: must lie in [0, 1), got {self.muon_momentum}")
+        if not 1 <= self.muon_ns_steps < 100:
+            p.append(f"optimizer.muon_ns_steps: expected 1 to 99 Newton-Schulz iterations, got {self.muon_ns_steps}")
         return p
 
 

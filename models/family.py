@@ -36,6 +36,9 @@ class ModelFamily:
     torchtitan_interleaved: Callable[[Any], dict[str, int]]
     """The weights torchtitan 0.2.2's model of this family holds in RoPE's interleaved layout, as {name inside a
     block: heads}: within each head their rows are ours permuted (checkpoint/torchtitan.py); {} when none."""
+    hidden_matrices: tuple[str, ...]
+    """Linears (names inside a block) whose weights Muon orthogonalizes (optimizer.name = "Muon", muon.py); every
+    other parameter (embedding, output, norms) takes AdamW."""
     training_chat_templates: Mapping[str, str] = field(default_factory=dict)
     """Chat templates the family's published tokenizers ship (tokenizer_config.json's chat_template, the exact text)
     -> a training variant of each: the same rendering, with {% generation %} marks around what the assistant says

@@ -226,9 +226,9 @@ def _comm(
     pp        each micro-batch's activations forward and their gradients backward across each stage boundary.
     norm      the gradient norm's all-reduces: one float32 per parameter tensor of the rank (`norm_values`: so many
               instead) over each dimension that shards parameters, one over the pipeline stages.
+    muon      optimizer.name = "Muon": its exchange of the hidden matrices' blocks (`_muon`, muon.py).
     """
-    t, par = cfg.training, cfg.parallelism
-    args = job.args
+    t, par, args = cfg.training, cfg.parallelism, job.args
     param_bytes, reduce_bytes = DTYPES[t.mixed_precision_param].itemsize, DTYPES[t.mixed_precision_reduce].itemsize
     ring = lambda g: (g - 1) / g  # noqa: E731
     pp, tp, rep, cp = dims.pp, dims.tp, dims.dp_replicate, dims.cp
@@ -241,8 +241,7 @@ def _comm(
     blocks, first, last = sum(len(layers[s]) for s in ours), 0 in ours, len(layers) - 1 in ours
     costs = job_costs(job, tp_mesh=tp_mesh)  # parameters counted on one TP rank
     held = blocks * costs.block_params + first * costs.embedding_params + last * costs.root_params
-    tensors = _param_tensors(cfg.model.name, args)
-    held_tensors = blocks * tensors[0] + first * tensors[1] + last * tensors[2]
+    held_tensors = sum(n * k for n, k in zip((blocks, first, last), _param_tensors(cfg.model.name, args), strict=True))
     resharded = reshards_after_forward(par.fsdp_reshard_after_forward, pp_enabled=pp > 1)
     gathers = 2 * grad_accum if resharded else (1 if pp > 1 else grad_accum)
     syncs = 1 if pp > 1 or par.fsdp_defer_reduce_scatter else grad_accum
@@ -284,8 +283,9 @@ def _comm(
         kv = ring(cp) * cp_kv_bytes(job)["gathered"] * job.microbatches * grad_accum
         kinds = Counter(all_gather=(blocks + recomputed) * kv, reduce_scatter=blocks * kv)
         what = "keys and values all-gathered per block (and gradients reduce-scattered), forward, backward, AC"
-        shared = out.get("cp")  # FSDP's line when it shards over the CP ranks alone
-        out["cp"] = (shared[0] + kinds, f"{shared[1]}; {what}") if shared else (kinds, what)
+        _add(out, "cp", kinds, what)  # to FSDP's line when it shards over the CP ranks alone
+    if muon := _muon(cfg, dims, args, blocks=blocks, fsdp_dim=fsdp_dim):
+        _add(out, *muon)  # to FSDP's or TP's line when Muon's group is theirs
     if pp > 1:  # rank 0's stages: each but the last sends activations, each but the first gradients
         crossings = sum(s != len(layers) - 1 for s in ours) + sum(s != 0 for s in ours)
         boundary = local_tokens / tp * args.dim * param_bytes
@@ -312,6 +312,49 @@ def _param_tensors(name: str, args: Any) -> tuple[int, int, int]:
         model = family(name).model_cls(dataclasses.replace(args, n_layers=1))
     count = lambda *modules: sum(len(list(m.parameters())) for m in modules if m is not None)  # noqa: E731
     return count(model.layers["0"]), count(model.tok_embeddings), count(model.norm, model.output)
+
+
+def _add(out: dict[str, tuple[Counter[str], str]], dim: str, kinds: Counter[str], what: str) -> None:
+    """Bytes and their cause added to a dimension's line, or its line."""
+    out[dim] = (out[dim][0] + kinds, f"{out[dim][1]}; {what}") if dim in out else (kinds, what)
+
+
+def _muon(
+    cfg: JobConfig, dims: ParallelDims, args: Any, *, blocks: int, fsdp_dim: str
+) -> tuple[str, Counter[str], str] | None:
+    """Muon's exchange (muon.py) as (dimension, bytes by kind, what), or None without one: over the ranks that shard
+    the hidden matrices, FSDP's (unless it does not apply), TP's, or both as one group ("dp_shard_tp")."""
+    t, o = cfg.training, cfg.optimizer
+    if o.name != "Muon" or o.muon_orthogonalize != "matrix":
+        return None
+    fsdp = dims.dp_shard * dims.cp
+    fsdp_applied = fsdp > 1 and applies_fsdp(
+        dims, param_dtype=t.mixed_precision_param, cpu_offload=t.enable_cpu_offload
+    )
+    names = [fsdp_dim] * fsdp_applied + ["tp"] * (dims.tp > 1)
+    if not names:
+        return None
+    n = (fsdp if fsdp_applied else 1) * dims.tp
+    sent = 2 * _muon_sent(blocks * list(_hidden_matrices(cfg.model.name, args)), n)  # bfloat16: 2 bytes
+    what = f"Muon: each hidden matrix's blocks gathered to its owner of {n} ranks and sent back, in bfloat16"
+    return "_".join(names), Counter(all_to_all=sent), what
+
+
+@functools.cache
+def _hidden_matrices(name: str, args: Any) -> tuple[int, ...]:
+    """The elements of one block's hidden matrices (ModelFamily.hidden_matrices), in the order of its parameters."""
+    fam = family(name)
+    with torch.device("meta"):
+        block = fam.model_cls(dataclasses.replace(args, n_layers=1)).layers["0"]
+    hidden = {f"{linear}.weight" for linear in fam.hidden_matrices}
+    return tuple(p.numel() for param_name, p in block.named_parameters() if param_name in hidden)
+
+
+def _muon_sent(matrices: list[int], n: int) -> float:
+    """Elements group rank 0 sends in Muon's exchange: its block of each matrix of a bucket it does not own, then
+    the others' blocks of the one it owns (the first of each bucket of n)."""
+    buckets = [matrices[k : k + n] for k in range(0, len(matrices), n)]
+    return sum(sum(bucket[1:]) / n + (n - 1) / n * bucket[0] for bucket in buckets)
 
 
 # What makes a step send more than its floor, in the order `comm_floor` undoes it: each trades bytes for memory (or for

@@ -125,6 +125,11 @@ def convert(checkpoint: Path, out: Path, cfg: JobConfig, *, dp: int) -> str:
     else:
         optimizer = {k.removeprefix(OPTIMIZER_PREFIX).replace("param_groups.0.", "param_groups."): v
                      for k, v in ours.items() if k.startswith(OPTIMIZER_PREFIX)}  # fmt: skip
+        if any(k.endswith(".momentum_buffer") for k in optimizer):
+            raise ConfigError(
+                f"CHECKPOINT: {checkpoint} was trained with Muon, and torchtitan 0.2.2 has no Muon to continue its "
+                "state; start torchtitan from the weights (a step saved with checkpoint.last_save_model_only = true)"
+            )
         lr, lr_next = learning_rates(ours)
         loader, why = loader_state(cfg, ours, dp=dp)
         left_out = (

@@ -40,6 +40,7 @@ SHIPPED: dict[str, Launch] = {
     "configs/debug_cp.toml": Launch(2),
     "configs/debug_fsdp_tp.toml": Launch(4),
     "configs/debug_hsdp.toml": Launch(4),
+    "configs/debug_muon.toml": Launch(2),
     "configs/debug_pp.toml": Launch(2),
     "configs/debug_tp.toml": Launch(2),
     "configs/finetune_chat.toml": Launch(8, gpus_per_node=8),
@@ -50,6 +51,7 @@ SHIPPED: dict[str, Launch] = {
     "configs/fixes/4_tp_async.toml": Launch(2, gpus_per_node=2),  # needs CUDA: refused on CPU
     "configs/fixes/4_tp_plain.toml": Launch(2),
     "configs/fixes/5_memory.toml": Launch(2),
+    "configs/fixes/6_muon_shards.toml": Launch(2),
     "configs/llama3_8b.toml": Launch(8, gpus_per_node=8),
     "configs/llama3_8b_128k.toml": Launch(64, gpus_per_node=8),
     "configs/llama3_70b.toml": Launch(64, gpus_per_node=8),

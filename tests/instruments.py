@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import traceback
 from collections import Counter
 from collections.abc import Iterator
@@ -107,9 +108,10 @@ class Collective:
 
     @property
     def sent_per_rank(self) -> int:
-        """Bytes each rank of the group sends (= bytes on each directed ring link); for a send, the sender's."""
+        """Bytes each rank of the group sends (= bytes on each directed ring link); for a send, the sender's; for an
+        all_to_all, this rank's to the others (its payload)."""
         n = len(self.ranks)
-        if self.op == "send":
+        if self.op in ("send", "all_to_all"):
             return self.payload_bytes
         if self.op == "all_reduce":
             return 2 * (n - 1) * self.payload_bytes // n
@@ -131,6 +133,13 @@ def mesh_group_dims(mesh: Any) -> dict[tuple[int, ...], str]:
     the same ranks."""
     flattened = getattr(mesh._get_root_mesh(), "_flatten_mapping", {})  # (private, PyTorch 2.13)
     groups = {tuple(dist.get_process_group_ranks(m.get_group())): name for name, m in flattened.items()}
+    # Groups over several dimensions made by hand (Muon's over FSDP x TP, muon.py): "dp_shard_tp".
+    coordinate, names = mesh.get_coordinate(), mesh.mesh_dim_names
+    for size in range(2, len(names) + 1):
+        for dims in itertools.combinations(range(len(names)), size):
+            index = tuple(slice(None) if i in dims else c for i, c in enumerate(coordinate))
+            ranks = tuple(sorted(mesh.mesh[index].flatten().tolist()))
+            groups.setdefault(ranks, "_".join(names[i] for i in dims))
     return groups | {tuple(dist.get_process_group_ranks(mesh.get_group(d))): d for d in mesh.mesh_dim_names}
 
 
@@ -148,6 +157,14 @@ def _nbytes(value: Any) -> int:
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
     return sum(_nbytes(v) for v in value)  # lists (of lists) of tensors
+
+
+def _sent_to_others(bound: dict[str, Any], group: ProcessGroup) -> int:
+    """An all_to_all_single's bytes from this rank to the others: its input but the split it keeps."""
+    sent = bound["input"]
+    splits = bound.get("input_split_sizes") or [sent.shape[0] // group.size()] * group.size()
+    row = sent[0].numel() * sent.element_size() if sent.shape[0] else 0
+    return (sum(splits) - splits[group.rank()]) * row
 
 
 class CollectiveLog:
@@ -174,6 +191,8 @@ class CollectiveLog:
     def _record(self, op: torch._ops.OpOverload, bound: dict[str, Any], group: ProcessGroup) -> Collective:
         ranks = tuple(dist.get_process_group_ranks(group))
         dim = self.group_dims.get(ranks, "other")
+        if op._overloadpacket in (c10d.alltoall_base_, funcol.all_to_all_single):
+            return Collective("all_to_all", dim, ranks, _sent_to_others(bound, group))
         if op._overloadpacket not in _COLLECTIVES:
             return Collective(f"other:{op._opname}", dim, ranks, 0)
         kind, payload_arg, times_group = _COLLECTIVES[op._overloadpacket]

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
 
 import models
 from config import ActivationCheckpoint, Compile, Optimizer, Parallelism, Training
@@ -42,6 +43,7 @@ from models import with_seq_len
 from models.llama3 import FLAVORS, ModelArgs
 from models.olmo2 import FAMILY as OLMO2
 from models.qwen3 import FAMILY as QWEN3
+from muon import build_muon
 from optimizer import build_optimizer
 from parallelisms.async_tp import SummedMatmuls
 from parallelisms.cp import ContextParallel, context_parallel
@@ -129,6 +131,8 @@ class Layout:
     defer_reduce_scatter: bool = False  # parallelism.fsdp_defer_reduce_scatter
     # Async TP's own pass (parallelisms/async_tp.py SummedMatmuls) in the compile, without micro-pipeline TP (CUDA)
     summed_matmuls: bool = False
+    # optimizer.name = "Muon" with this muon_orthogonalize ("matrix": the recipe's; "shard": each rank's own block)
+    muon: str = ""
 
     @property
     def world_size(self) -> int:
@@ -172,6 +176,13 @@ LAYOUTS: dict[str, Layout] = {
     "fsdp2_tp2_chunked_loss": Layout(dp_shard=2, tp=2, loss_chunk_tokens=16),
     "pp2_fsdp2": Layout(pp=2, dp_shard=2),
     "pp2_tp2": Layout(pp=2, tp=2),
+    # Muon against one process's Muon (torch.optim.Muon's update): row shards, column shards, both, stages, replicas.
+    "muon_fsdp2": Layout(dp_shard=2, muon="matrix"),
+    "muon_tp2": Layout(tp=2, muon="matrix"),
+    "muon_pp2": Layout(pp=2, muon="matrix"),
+    "muon_fsdp2_tp2": Layout(dp_shard=2, tp=2, muon="matrix"),
+    "muon_hsdp2x2": Layout(dp_replicate=2, dp_shard=2, muon="matrix"),
+    "muon_fsdp2_shard": Layout(dp_shard=2, muon="shard"),  # docs/failures.md #6 on purpose: a different optimizer
     # Qwen3 through the same code: its TP plan (QK-norm weights replicated over TP, 2-D under FSDP x TP), its
     # pipeline stages.
     "qwen3_fsdp2": Layout(dp_shard=2, family="qwen3"),
@@ -286,21 +297,27 @@ def train(
     collectives: Counter[str] | None = None,
     pipeline: Pipeline | None = None,
     counts: dict[str, Any] | None = None,
-    group_dims: dict[tuple[int, ...], str] | None = None,
+    mesh: DeviceMesh | None = None,
     cp: ContextParallel | None = None,
     grad_accum: int = 1,
+    muon: str = "",
 ) -> tuple[list[float], list[float]]:
     """`steps` steps of train.py's `train_step` on `tokens` (this rank's slice); (losses, seconds per step).
     counts: filled with what decides GPU speed: the host reads of the last step, the graphs dynamo compiled
-    in the first step and recompiled after it, and its graph breaks; with `group_dims` (a group's ranks ->
-    mesh dimension) the collectives of the last step (eager: a dispatch mode does not see into compiled graphs).
+    in the first step and recompiled after it, and its graph breaks; with `mesh` (its dimensions name the groups,
+    those the optimizer flattened included) the collectives of the last step (eager: a dispatch mode does not see into compiled graphs).
 
     The loss is the mean over this rank's tokens. With a process group it is averaged over all
     ranks (`mean_over_loss_ranks`, as train.py logs it): TP ranks of a data-parallel group hold the same
     loss, so this is the mean over the data-parallel ranks, the average FSDP takes of the
     gradients, and thus the single-process mean over the global batch.
     """
-    optimizer = build_optimizer(Optimizer(lr=LR, eps=ADAM_EPS), model)
+    if muon:  # Muon for the hidden matrices, AdamW for the rest (muon.py)
+        o = Optimizer(lr=LR, eps=ADAM_EPS, name="Muon", muon_orthogonalize=muon)  # type: ignore[arg-type]
+        optimizer = build_muon(o, model, models.family("llama3"))
+    else:
+        optimizer = build_optimizer(Optimizer(lr=LR, eps=ADAM_EPS), model)
+    group_dims = mesh_group_dims(mesh) if mesh is not None else None
     labels = tokens[:, 1:] if labels is None else labels
     # The rows as `grad_accum` micro-batches (a divisor of counted labels holds for all of them: the step's).
     rows = [torch.arange(len(tokens)).tensor_split(grad_accum)[i] for i in range(grad_accum)]
@@ -401,6 +418,10 @@ def write_reference(path: Path) -> dict:
         ref[family]["block_causal"] = dict(zip(("losses", "times"), trained, strict=True)) | {
             "final": block.state_dict()
         }
+    # The same start, trained with Muon (its hidden matrices) and AdamW (the rest).
+    muon = build_tiny()
+    ref["muon"] = dict(zip(("losses", "times"), train(muon, tokens, muon="matrix"), strict=True))
+    ref["muon"]["final"] = muon.state_dict()
     # The same start, with the z-loss added.
     z_loss = build_tiny()
     ref["z_loss"] = dict(zip(("losses", "times"), train(z_loss, tokens, z_loss_weight=Z_LOSS_WEIGHT), strict=True))
@@ -504,9 +525,10 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
             collectives=collectives,
             pipeline=pipeline,
             counts=counts,
-            group_dims=None if layout.compile else mesh_group_dims(mesh),
+            mesh=None if layout.compile else mesh,
             cp=context_parallel(mesh, parallelism),
             grad_accum=layout.grad_accum,
+            muon=layout.muon,
         )
     counts["summed_matmuls"] = sum(p.rewrites for p in passes.get("post_grad_custom_pre_pass", []))
     family = ref if layout.family == "llama3" else ref[layout.family]
@@ -516,6 +538,8 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
         expected = family["block_causal"]
     elif layout.z_loss:
         expected = ref["z_loss"]
+    elif layout.muon:
+        expected = ref["muon"]
     else:
         expected = family
 

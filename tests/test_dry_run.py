@@ -120,6 +120,8 @@ def layout_plan(layout: Layout) -> tuple[JobConfig, ParallelDims, Setup]:
     )
     cfg.activation_checkpoint = layout.ac
     cfg.model.name = layout.family
+    if layout.muon:
+        cfg.optimizer = dataclasses.replace(cfg.optimizer, name="Muon", muon_orthogonalize=layout.muon)
     return cfg, dims, dataclasses.replace(Setup.of(cfg, dims.world_size, cuda=False), args=TINY_SHAPES[layout.family])
 
 
@@ -145,7 +147,7 @@ def test_the_dry_runs_communication_is_what_each_layout_sends(
 
 # ------------------------------------------------------------------- the floor table
 
-SHORT = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR", "send": "send"}
+SHORT = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR", "send": "send", "all_to_all": "A2A"}
 
 
 def floors() -> dict[str, tuple[dict[str, float], dict[str, dict[str, float]]]]:
@@ -161,8 +163,8 @@ def floor_table(results: dict[str, dict], floored: dict[str, tuple[dict, dict]])
     """docs/benchmarks.md's floor table: per eager parity layout and mesh dimension, the bytes rank 0 sent in a step by
     collective (measured) / the floor (dry_run.comm_floor), and each excess over the floor with its cause."""
     lines = [
-        "| layout | dimension | all-gather | reduce-scatter | all-reduce | send | over the floor (EXCESSES) |",
-        "|---|---|---:|---:|---:|---:|---|",
+        "| layout | dimension | all-gather | reduce-scatter | all-reduce | send | all-to-all | over the floor (EXCESSES) |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
     ]
     for name in EAGER:
         floor, excesses = floored[name]

@@ -47,6 +47,10 @@ from tests.parity_worker import (
 from train import train_step
 
 TOL = 1e-5
+# Muon's Newton-Schulz iteration runs in bfloat16 (torch.optim.Muon's): gradients that differ in their last float32 bits
+# (summed in another order) can round to neighbouring bfloat16 values, so STEPS Muon steps land up to about 1e-4 apart
+# even where no parameter is sharded (muon_pp2: 7e-5). Orthogonalizing each shard alone lands 2.7e-3 apart.
+MUON_TOL = 3e-4
 SAVED = LLAMA3.sac_saved_linears
 aten = torch.ops.aten
 
@@ -65,11 +69,15 @@ def reference(parity_dir: Path) -> dict:
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_loss_and_parameter_parity(name: str, parity: Callable[[int], dict[str, dict]]) -> None:
     """FSDP, HSDP, TP + SP + loss parallel, FSDP x TP (+ AC, + compile), PP (each schedule, x FSDP, x TP)
-    == one process, 5 AdamW steps."""
+    == one process, 5 AdamW steps (Muon with AdamW: its muon_ layouts)."""
     layout = LAYOUTS[name]
     result = parity(layout.world_size)[name]
-    assert result["max_loss_diff"] <= TOL, result
-    assert result["max_param_diff"] <= TOL, result
+    tol = MUON_TOL if layout.muon else TOL
+    if layout.muon == "shard":  # docs/failures.md #6 reproduced: trains, with another optimizer
+        assert result["max_param_diff"] > 5 * MUON_TOL, result
+    else:
+        assert result["max_loss_diff"] <= tol, result
+        assert result["max_param_diff"] <= tol, result
     # Every parameter really is sharded or replicated by a mesh; pipeline stages alone hold plain ones.
     assert result["param_types"] == ["Parameter" if layout.world_size == layout.pp else "DTensor"]
 

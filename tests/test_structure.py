@@ -114,7 +114,7 @@ LAYERS = (
     ("errors",),
     ("models",),
     ("config",),
-    ("parallelisms", "data", "loss", "optimizer", "distributed", "metrics", "profiling", "stop"),
+    ("parallelisms", "data", "loss", "optimizer", "muon", "distributed", "metrics", "profiling", "stop"),
     ("checkpoint", "validation"),
     ("planning",),
     ("train", "eval", "generate", "lm_eval_adapter"),

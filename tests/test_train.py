@@ -162,6 +162,26 @@ def test_resume_gives_the_losses_of_a_straight_run_and_skips_partial_checkpoints
     assert max(abs(other[s] - ref[s]) / ref[s] for s in ref) < 1e-5
 
 
+def test_muon_resumes_on_another_layout_as_a_straight_run(tmp_path: Path, seed: Path) -> None:
+    """Muon's momentum is a DTensor of its parameter's layout (muon.py): saved under FSDP 2 (row shards), resumed
+    under TP 2 (row and column shards, matrices gathered over TP instead), it continues the straight FSDP run. Muon
+    iterates in bfloat16, so another layout's gradient rounding can flip a bfloat16 value: close, not bit-identical."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    muon = ("--optimizer.name=Muon",)
+    runs_in_one_launch(
+        tmp_path / "first.json",
+        2,
+        run_args(straight, steps=10, seed=seed, extra=muon),
+        run_args(resumed, steps=5, seed=seed, extra=muon),
+    )
+    tp = (*muon, "--parallelism.tensor_parallel_degree=2")
+    runs_in_one_launch(tmp_path / "second.json", 2, run_args(resumed, steps=10, seed=seed, extra=tp))
+    ref, other = losses(straight), losses(resumed)
+    assert sorted(other) == list(range(1, 11)) and ref[10] < ref[1] - 0.5
+    assert [other[s] for s in range(1, 6)] == [ref[s] for s in range(1, 6)]  # the same first half
+    assert max(abs(other[s] - ref[s]) / ref[s] for s in range(6, 11)) < 1e-3, (ref, other)
+
+
 def test_a_shuffled_block_causal_mixture_trained_as_a_pipeline_resumes_on_one_rank_with_the_same_stream(
     tmp_path: Path, seed: Path
 ) -> None:

@@ -53,6 +53,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 SAC_SAVED_LINEARS = ("attention.wq", "attention.wv", "feed_forward.w1", "feed_forward.w2")
+# The block's weight matrices Muon orthogonalizes (muon.py); its norms take AdamW.
+HIDDEN_MATRICES = tuple(f"attention.w{x}" for x in "qkvo") + tuple(f"feed_forward.w{i}" for i in (1, 2, 3))
 
 
 class SplitNormParallel(ColwiseParallel):

@@ -18,6 +18,7 @@ FAMILY = ModelFamily(
     model_cls=Transformer,
     tp_plan=plans.tp_plan,
     sac_saved_linears=plans.SAC_SAVED_LINEARS,
+    hidden_matrices=plans.HIDDEN_MATRICES,
     num_params=num_params,
     num_flops_per_token=num_flops_per_token,
     hf=hf,
