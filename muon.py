@@ -228,6 +228,9 @@ class SkipStepMuon(SkipStepAdamW):
             state = self.state[p]
             if "momentum_buffer" not in state:  # sharded like the parameter, so checkpoints reshard it
                 state["momentum_buffer"] = torch.zeros_like(p)
+                # The updates applied (AdamW's load_state_dict reads a "step" in every parameter's state).
+                state["step"] = torch.zeros((), dtype=torch.float32, device=grad.device)
+            state["step"] += 1 if skip is None else 1 - skip
             buf = _local(state["momentum_buffer"])
             moved = buf.lerp(grad, 1 - momentum)
             buf.copy_(moved if skip is None else torch.where(skip > 0, buf, moved))
