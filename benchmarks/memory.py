@@ -82,6 +82,7 @@ from parallelisms.ac import CheckpointedModule
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import parallelize_model
 from planning.memory import activation_bytes
+from planning.memory import setup as estimator_setup
 from tests.instruments import LiveBytes, observe_ops
 
 PROBLEM = "#5 memory"
@@ -324,7 +325,7 @@ def measure(
     gathered_peak = max(gathered.values(), default=0)
     host_state = params + grads + optim if setup.cpu_offload else 0
     predicted = activation_bytes(
-        setup(
+        estimator_setup(
             flavor="debugmodel",
             args=model_args,
             ngpu=2,  # the setups' 2 ranks: bf16 parameters are FSDP's (one rank would train under autocast)

@@ -54,7 +54,7 @@ from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import build_run_model
 from parallelisms.pp import check_microbatches, rank_stages, stage_layers
 from planning import doctor
-from planning.memory import GiB, Setup, cp_kv_bytes, estimate, job_costs
+from planning.memory import GiB, Setup, cp_kv_bytes, estimate, hidden_matrices, job_costs
 from planning.trace import BlockCosts, checkpointed_blocks
 
 
@@ -335,19 +335,9 @@ def _muon(
     if not names:
         return None
     n = (fsdp if fsdp_applied else 1) * dims.tp
-    sent = 2 * _muon_sent(blocks * list(_hidden_matrices(cfg.model.name, args)), n)  # bfloat16: 2 bytes
+    sent = 2 * _muon_sent(blocks * list(hidden_matrices(cfg.model.name, args)), n)  # bfloat16: 2 bytes
     what = f"Muon: each hidden matrix's blocks gathered to its owner of {n} ranks and sent back, in bfloat16"
     return "_".join(names), Counter(all_to_all=sent), what
-
-
-@functools.cache
-def _hidden_matrices(name: str, args: Any) -> tuple[int, ...]:
-    """The elements of one block's hidden matrices (ModelFamily.hidden_matrices), in the order of its parameters."""
-    fam = family(name)
-    with torch.device("meta"):
-        block = fam.model_cls(dataclasses.replace(args, n_layers=1)).layers["0"]
-    hidden = {f"{linear}.weight" for linear in fam.hidden_matrices}
-    return tuple(p.numel() for param_name, p in block.named_parameters() if param_name in hidden)
 
 
 def _muon_sent(matrices: list[int], n: int) -> float:

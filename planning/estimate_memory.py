@@ -77,7 +77,9 @@ def _state_rows(job: Setup, e: dict[str, Any]) -> list[str]:
         deferred = [_row("gradient accumulators", e["accumulators"], what)]
     return [
         _row("sharded fp32 params", e["params"], "4 B per parameter of the rank / (shard x tp)"),
-        _row("AdamW state (2 x fp32)", e["adam"]),
+        _row("AdamW state (2 x fp32)", e["adam"])
+        if not job.muon
+        else _row("Muon + AdamW state", e["adam"], "fp32: Muon's momentum of the hidden matrices, AdamW's 2 moments"),
         _row("gradients (fp32 shards)", e["grads"], f"{grads}; {e['grads_at_peak'] / GiB:.2f} GiB of them at the peak"),
         _row("  -> on the GPU", e["state_on_gpu"], f"host: {e['state_on_host'] / GiB:.2f} GiB" * job.cpu_offload),
         _row("gathered params in flight", max(e["gathered_loss_phase"], e["gathered_block_phase"]), gathered),
@@ -120,9 +122,10 @@ def _loss_note(job: Setup) -> str:
 
 def _peak_rows(job: Setup, e: dict[str, Any]) -> list[str]:
     """The allocated and reserved peaks, the overhead outside the allocator and the total."""
+    muon = f", Muon's step {e['muon_step_phase'] / GiB:.2f}" if job.muon else ""
     phases = (
         f"at the {e['peak_phase']}: static state + max(loss phase {e['loss_phase'] / GiB:.2f}, "
-        f"block phase {e['block_phase'] / GiB:.2f}, embedding phase {e['embedding_phase'] / GiB:.2f})"
+        f"block phase {e['block_phase'] / GiB:.2f}, embedding phase {e['embedding_phase'] / GiB:.2f}{muon})"
     )
     if job.allocator == "cuda":
         reserved = (

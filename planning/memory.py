@@ -6,6 +6,7 @@ planning/estimate_memory.py."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -70,6 +71,7 @@ class Setup:
     allocator: Literal["cuda", "cpu"]
     overhead_gib: float  # CUDA context + NCCL, outside the allocator
     rmsnorm: RMSNorm  # the fused CUDA kernel (torch >= 2.8), or the composite one (CPU eager, older torch)
+    muon: bool  # optimizer.name = "Muon" (muon.py): one momentum for the hidden matrices, its exchange at the step
     # train.py, like torchtitan, deletes the logits before loss.backward(); a loop that keeps
     # them alive holds T x V/tp more elements in param_dtype through the loss backward.
     logits_kept_in_backward: bool = False
@@ -106,6 +108,7 @@ class Setup:
             loss_parallel=not par.disable_loss_parallel,
             z_loss_weight=training.z_loss_weight,
             defer_reduce_scatter=par.fsdp_defer_reduce_scatter,
+            muon=cfg.optimizer.name == "Muon",
             # A CPU process has no CUDA context, NCCL buffers or caching allocator; its eager RMSNorm is the
             # composite one.
             allocator="cuda" if cuda else "cpu",
@@ -202,6 +205,7 @@ SHORT_KEYS = {
     "reduce_dtype": "training.mixed_precision_reduce",
     "cpu_offload": "training.enable_cpu_offload",
     "loss_chunk_tokens": "training.loss_chunk_tokens",
+    "optimizer": "optimizer.name",
     "ac": "activation_checkpoint.mode",  # selective-op or selective-<k>: mode selective and its selective_ac_option
 }
 # Without a --config: a job worth estimating, not the debug model (the rest are the config's defaults).
@@ -247,6 +251,16 @@ def setup(
         cfg = load_config([*argv, f"--training.global_batch_size={grad_accum * cfg.training.local_batch_size * dp}"])
         job = Setup.of(cfg, ngpu, cuda=cuda, rmsnorm=rmsnorm)
     return job if args is None else dataclasses.replace(job, args=args)
+
+
+@functools.cache
+def hidden_matrices(name: str, args: Any) -> tuple[int, ...]:
+    """The elements of one block's hidden matrices (ModelFamily.hidden_matrices), in the order of its parameters."""
+    fam = family(name)
+    with torch.device("meta"):
+        block = fam.model_cls(dataclasses.replace(args, n_layers=1)).layers["0"]
+    hidden = {f"{linear}.weight" for linear in fam.hidden_matrices}
+    return tuple(p.numel() for param_name, p in block.named_parameters() if param_name in hidden)
 
 
 _ACTIONS = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
@@ -386,10 +400,17 @@ def _rank_params(job: Setup, costs: BlockCosts, pp_rank: int) -> _RankParams:
     )
 
 
+def _hidden(job: Setup, params: _RankParams) -> float:
+    """The rank's parameters Muon updates (its blocks' hidden matrices, TP's shards of them); 0 without Muon."""
+    blocks = sum(len(params.stages[g]) for g in params.local)
+    return blocks * sum(hidden_matrices(job.family, job.args)) / job.tp if job.muon else 0.0
+
+
 @dataclass(frozen=True)
 class _ShardedState:
     """The fp32 master state of a rank, FSDP's shards of what TP left: 4 bytes per parameter for the parameters,
-    4 for the gradients, 8 for AdamW's two moments. On the GPU unless CPU offload moves it to the host."""
+    4 for the gradients, 8 for AdamW's two moments (4 for Muon's momentum of a hidden matrix). On the GPU unless CPU
+    offload moves it to the host."""
 
     params: float
     grads: float
@@ -405,6 +426,7 @@ class _ShardedState:
 
 def _sharded_state(job: Setup, params: _RankParams) -> _ShardedState:
     master, grads, adam = (n * params.total / job.shard for n in (4, 4, 8))
+    adam -= 4 * _hidden(job, params) / job.shard  # Muon keeps one momentum for a hidden matrix, AdamW two moments
     on_gpu = not job.cpu_offload
     return _ShardedState(
         params=master,
@@ -646,7 +668,17 @@ def estimate_rank(job: Setup, pp_rank: int = 0, *, tp_mesh: DeviceMesh | None = 
         replay.run([("F", 0, 0), ("B", 0, 0), ("F", 0, 1), ("B", 0, 1)])
     else:
         replay.run([("F", 0, 0), ("B", 0, 0)])
+    if job.muon:
+        replay.phases["optimizer step"] = (_muon_step(job, params, state), state.grads * state.on_gpu, "Muon")
     return _report(job, pp_rank, replay)
+
+
+def _muon_step(job: Setup, params: _RankParams, state: _ShardedState) -> float:
+    """Bytes alive beyond the static state in Muon's step (muon.py): every gradient shard, each hidden matrix's
+    Nesterov update (float32) and its orthogonalized blocks (bfloat16), and the largest matrix whole on its owner:
+    the blocks sent and received, the matrix, the iteration's operand, its Gram matrices and result (bfloat16)."""
+    local = _hidden(job, params) / job.shard
+    return state.grads * state.on_gpu + (4 + 2) * local + 6 * 2 * max(hidden_matrices(job.family, job.args))
 
 
 def _peak(job: Setup, replay: _Replay) -> dict[str, float | str]:
@@ -666,7 +698,8 @@ def _peak(job: Setup, replay: _Replay) -> dict[str, float | str]:
     else:
         reserved = allocated
     return {
-        "peak_phase": f"{peak_phase} backward" + (f" ({peak_where})" if peak_where else ""),
+        "peak_phase": (peak_phase if peak_phase == "optimizer step" else f"{peak_phase} backward")
+        + (f" ({peak_where})" if peak_where else ""),
         "allocator_peak": allocated,
         "rs_pool": rs_pool,
         "ag_pool": ag_pool,
@@ -712,6 +745,7 @@ def _report(job: Setup, pp_rank: int, replay: _Replay) -> dict[str, float | int 
         "grad_acts": transients.activation_grads,
         "rs_buffers": transients.reduce_scatter_inputs,
         **{f"{kind}_phase": phases.get(kind, (0.0,))[0] for kind in ("loss", "block", "embedding")},
+        "muon_step_phase": phases.get("optimizer step", (0.0,))[0],
         **{f"{kind}_phase_at": phases.get(kind, (0.0, 0.0, "-"))[2] for kind in ("loss", "block", "embedding")},
         **peak,
         "overhead": overhead,

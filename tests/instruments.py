@@ -11,7 +11,7 @@ import functools
 import itertools
 import traceback
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -249,15 +249,21 @@ class LiveBytes:
     `make bench` use to weigh the loss on machines without a CUDA allocator to ask.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, existing: Iterable[torch.Tensor] = ()) -> None:
         self.live: dict[int, tuple[StorageWeakRef, int]] = {}
         self.peak = 0
+        # Tensors from before the block, which in-place ops return as their outputs: not counted.
+        self.existing = {t.untyped_storage().data_ptr() for t in existing}
 
     def _on_op(self, op: torch._ops.OpOverload, args: Any, kwargs: Any, out: Any) -> None:
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
+                if t.untyped_storage().data_ptr() in self.existing:
+                    continue
                 storage = t.untyped_storage()
-                self.live.setdefault(storage.data_ptr(), (StorageWeakRef(storage), storage.nbytes()))
+                known = self.live.get(storage.data_ptr())
+                if known is None or known[0].expired():  # an address freed and given out again
+                    self.live[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
         self.live = {ptr: (ref, n) for ptr, (ref, n) in self.live.items() if not ref.expired()}
         self.peak = max(self.peak, sum(n for _, n in self.live.values()))
 

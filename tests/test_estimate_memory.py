@@ -11,14 +11,17 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
-from config import load_config
+from config import Optimizer, load_config
 from errors import ConfigError
-from models import with_seq_len
+from models import family, with_seq_len
 from models.llama3 import FLAVORS
+from muon import build_muon
 from planning import estimate_memory, trace
 from planning.estimate_memory import breakdown
-from planning.memory import GiB, Setup, activation_bytes, estimate, estimate_rank, setup
+from planning.memory import GiB, Setup, activation_bytes, estimate, estimate_rank, hidden_matrices, setup
+from tests.instruments import LiveBytes
 from tests.launch import python
 
 ARGS = with_seq_len(FLAVORS["debugmodel"], 256)
@@ -304,3 +307,32 @@ def test_a_familys_own_norm_class_is_named_once_not_corrected_silently(capsys: p
     trace.block_costs(mine, tiny, **shape)
     trace.block_costs(mine, dataclasses.replace(tiny, dim=2 * tiny.dim), **shape)
     assert capsys.readouterr().err.count("ownnorm's attention_norm is a OwnNorm, not nn.RMSNorm") == 1
+
+
+def test_muons_state_and_step_as_the_optimizer_holds_them() -> None:
+    """optimizer.name = "Muon": one float32 momentum per hidden-matrix parameter instead of AdamW's two moments, and a
+    step whose transients (each matrix's float32 update and bfloat16 result, the largest matrix's iteration) the
+    formula counts: against the bytes muon.py's step really allocates on the debug model (one process)."""
+    fam = family("llama3")
+    args = with_seq_len(fam.flavors["debugmodel"], 64)
+    hidden = args.n_layers * sum(hidden_matrices("llama3", args))
+    adamw, muon = (setup(1, flavor="debugmodel", seq_len=64, optimizer=o, cuda=False) for o in ("AdamW", "Muon"))
+    assert estimate(adamw)["adam"] - estimate(muon)["adam"] == 4 * hidden
+    predicted = estimate(muon)["muon_step_phase"] - estimate(muon)["grads"]
+
+    torch.manual_seed(0)
+    model = fam.model_cls(args)
+    model.init_weights()
+    optimizer = build_muon(Optimizer(name="Muon"), model, fam)
+    for _ in range(2):  # the second step: the momentum exists, as in every step after the first
+        model.zero_grad()
+        model(torch.randint(0, args.vocab_size, (2, 64))).float().mean().backward()
+        existing = [*model.parameters(), *(p.grad for p in model.parameters())]
+        existing += [v for s in optimizer.state.values() for v in s.values()]
+        with torch.no_grad(), LiveBytes(existing).track() as live:
+            optimizer._muon_step(optimizer.muon_groups[0], optimizer.exchanges[0], torch.zeros(()))
+    assert abs(live.peak / predicted - 1) < 0.1, (live.peak, predicted)
+    e = estimate(setup(8, flavor="llama3_8b", seq_len=512, ac="full", optimizer="Muon"))
+    assert e["peak_phase"] == "optimizer step (Muon)" and "Muon's step" in breakdown(
+        setup(8, flavor="llama3_8b", seq_len=512, ac="full", optimizer="Muon")
+    )
