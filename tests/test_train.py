@@ -180,6 +180,14 @@ def test_muon_resumes_on_another_layout_as_a_straight_run(tmp_path: Path, seed: 
     assert sorted(other) == list(range(1, 11)) and ref[10] < ref[1] - 0.5
     assert [other[s] for s in range(1, 6)] == [ref[s] for s in range(1, 6)]  # the same first half
     assert max(abs(other[s] - ref[s]) / ref[s] for s in range(6, 11)) < 1e-3, (ref, other)
+    # torchtitan 0.2.2 has no Muon: its checkpoint layout is refused in one line, nothing written.
+    out = tmp_path / "torchtitan" / "step-10"
+    step = straight / "checkpoint" / "step-10"
+    proc = python(str(REPO / "scripts" / "convert_torchtitan.py"), str(step), str(out), "--config", "configs/debug.toml")
+    assert proc.returncode == 2 and not out.parent.exists(), proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].endswith("torchtitan 0.2.2 has no Muon to continue its state; start "
+                                                          "torchtitan from the weights (a step saved with "
+                                                          "checkpoint.last_save_model_only = true)"), proc.stderr
 
 
 def test_a_shuffled_block_causal_mixture_trained_as_a_pipeline_resumes_on_one_rank_with_the_same_stream(
