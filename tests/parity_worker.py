@@ -182,6 +182,7 @@ LAYOUTS: dict[str, Layout] = {
     "muon_pp2": Layout(pp=2, muon="matrix"),
     "muon_fsdp2_tp2": Layout(dp_shard=2, tp=2, muon="matrix"),
     "muon_hsdp2x2": Layout(dp_replicate=2, dp_shard=2, muon="matrix"),
+    "muon_pp2_fsdp2": Layout(pp=2, dp_shard=2, muon="matrix"),  # each stage's matrices within its shard group
     "muon_fsdp2_shard": Layout(dp_shard=2, muon="shard"),  # docs/failures.md #6 on purpose: a different optimizer
     # Qwen3 through the same code: its TP plan (QK-norm weights replicated over TP, 2-D under FSDP x TP), its
     # pipeline stages.
@@ -221,6 +222,7 @@ CP_LAYOUTS: dict[str, Layout] = {
     "qwen3_cp2": Layout(cp=2, family="qwen3"),  # the shared attention core, QK-norm before it
     "olmo2_cp2": Layout(cp=2, family="olmo2"),  # post-norm blocks around the same core
     "cp2_chat": Layout(cp=2, chat=True, block_causal=True),
+    "muon_cp2": Layout(cp=2, muon="matrix"),  # FSDP shards over the CP ranks: Muon's group is theirs
 }
 # Chat data (data/chat.py): the loss is the mean over the global batch's counted labels, however unevenly the ranks,
 # the pipeline's micro-batches or the loss chunks hold them.

@@ -183,11 +183,19 @@ def test_muon_resumes_on_another_layout_as_a_straight_run(tmp_path: Path, seed: 
     # torchtitan 0.2.2 has no Muon: its checkpoint layout is refused in one line, nothing written.
     out = tmp_path / "torchtitan" / "step-10"
     step = straight / "checkpoint" / "step-10"
-    proc = python(str(REPO / "scripts" / "convert_torchtitan.py"), str(step), str(out), "--config", "configs/debug.toml")
+    proc = python(
+        str(REPO / "scripts" / "convert_torchtitan.py"), str(step), str(out), "--config", "configs/debug.toml"
+    )
     assert proc.returncode == 2 and not out.parent.exists(), proc.stderr
-    assert proc.stderr.strip().splitlines()[-1].endswith("torchtitan 0.2.2 has no Muon to continue its state; start "
-                                                          "torchtitan from the weights (a step saved with "
-                                                          "checkpoint.last_save_model_only = true)"), proc.stderr
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .endswith(
+            "torchtitan 0.2.2 has no Muon to continue its state; start "
+            "torchtitan from the weights (a step saved with "
+            "checkpoint.last_save_model_only = true)"
+        )
+    ), proc.stderr
 
 
 def test_a_shuffled_block_causal_mixture_trained_as_a_pipeline_resumes_on_one_rank_with_the_same_stream(
