@@ -167,15 +167,14 @@ def test_muon_resumes_on_another_layout_as_a_straight_run(tmp_path: Path, seed: 
     under TP 2 (row and column shards, matrices gathered over TP instead), it continues the straight FSDP run. Muon
     iterates in bfloat16, so another layout's gradient rounding can flip a bfloat16 value: close, not bit-identical."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    muon = ("--optimizer.name=Muon",)
-    runs_in_one_launch(
-        tmp_path / "first.json",
-        2,
-        run_args(straight, steps=10, seed=seed, extra=muon),
-        run_args(resumed, steps=5, seed=seed, extra=muon),
-    )
-    tp = (*muon, "--parallelism.tensor_parallel_degree=2")
-    runs_in_one_launch(tmp_path / "second.json", 2, run_args(resumed, steps=10, seed=seed, extra=tp))
+
+    def muon(dump: Path, steps: int, *extra: str) -> list[str]:  # README: make train CONFIG=configs/debug_muon.toml
+        args = run_args(dump, steps=steps, seed=seed, extra=extra)
+        return [a if a != "configs/debug.toml" else "configs/debug_muon.toml" for a in args]
+
+    runs_in_one_launch(tmp_path / "first.json", 2, muon(straight, 10), muon(resumed, 5))
+    tp = ("--parallelism.tensor_parallel_degree=2",)
+    runs_in_one_launch(tmp_path / "second.json", 2, muon(resumed, 10, *tp))
     ref, other = losses(straight), losses(resumed)
     assert sorted(other) == list(range(1, 11)) and ref[10] < ref[1] - 0.5
     assert [other[s] for s in range(1, 6)] == [ref[s] for s in range(1, 6)]  # the same first half
