@@ -51,18 +51,21 @@ def torchrun(
     summary, its signal forwarding).
     """
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
-    port = str(free_port())
-    if launcher:
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run",
-            "--nproc_per_node", str(nproc),
-            "--master_addr", "127.0.0.1", "--master_port", port,
-            str(script), *args,
-        ]  # fmt: skip
-        proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
-    else:
-        cmd = [sys.executable, str(script), *args]
-        proc = _ranks(cmd, nproc=nproc, port=port, env=full_env, cwd=cwd, timeout=timeout)
+    for _ in range(3):  # a free port can be taken before rank 0 listens on it (gloo's own sockets, other launches)
+        port = str(free_port())
+        if launcher:
+            cmd = [
+                sys.executable, "-m", "torch.distributed.run",
+                "--nproc_per_node", str(nproc),
+                "--master_addr", "127.0.0.1", "--master_port", port,
+                str(script), *args,
+            ]  # fmt: skip
+            proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+        else:
+            cmd = [sys.executable, str(script), *args]
+            proc = _ranks(cmd, nproc=nproc, port=port, env=full_env, cwd=cwd, timeout=timeout)
+        if proc.returncode == 0 or f"port: {port}, useIpv6: false, code: -98, name: EADDRINUSE" not in proc.stderr:
+            break
     if check and proc.returncode != 0:
         raise AssertionError(
             f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}"
