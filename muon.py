@@ -130,7 +130,8 @@ def _plan(p: torch.Tensor) -> _Matrix:
         indices.append((local[:, 0] if dim == 0 else local[0, :]) if local.numel() else local.new_empty(0))
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, [i.cpu() for i in indices], group=group)
-    return _Matrix(p.shape, group, [r for r, _ in everyone], [c for _, c in everyone])
+    device = _local(p).device  # kept where the blocks are: no copy to the device per step
+    return _Matrix(p.shape, group, [r.to(device) for r, _ in everyone], [c.to(device) for _, c in everyone])
 
 
 class MatrixExchange:
@@ -182,10 +183,10 @@ class MatrixExchange:
         if mine:
             whole = torch.empty(mine.shape, dtype=torch.bfloat16, device=device)
             for k, piece in enumerate(gathered.split(received)):
-                rows, cols = mine.rows[k].to(device), mine.cols[k].to(device)
+                rows, cols = mine.rows[k], mine.cols[k]
                 whole[rows[:, None], cols[None, :]] = piece.view(len(rows), len(cols))
             result = fn(whole)
-            pieces = [result[mine.rows[k].to(device)][:, mine.cols[k].to(device)].reshape(-1) for k in range(n)]
+            pieces = [result[mine.rows[k]][:, mine.cols[k]].reshape(-1) for k in range(n)]
             back = torch.cat(pieces)
         returned = torch.empty(sum(splits), dtype=torch.bfloat16, device=device)
         dist.all_to_all_single(returned, back, splits, received, group=group)
