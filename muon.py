@@ -31,16 +31,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-# torch.optim.Muon's iteration and lr rule (module-private in PyTorch 2.13): the update is theirs, step for step.
-from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+# torch.optim.Muon's iteration, its default coefficients and lr rule (module-private in PyTorch 2.13): the update is
+# theirs, step for step.
+from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _adjust_lr, _zeropower_via_newtonschulz
 
 from config import Optimizer, Training
 from errors import warn
 from models import ModelFamily
 from optimizer import SkipStepAdamW, settings
-
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's defaults (Keller Jordan's quintic)
-NS_EPS = 1e-7
 
 
 def hidden_matrix_names(model: torch.nn.Module, fam: ModelFamily) -> list[str]:
@@ -233,12 +231,15 @@ class SkipStepMuon(SkipStepAdamW):
                 state["step"] = torch.zeros((), dtype=torch.float32, device=grad.device)
             state["step"] += 1 if skip is None else 1 - skip
             buf = _local(state["momentum_buffer"])
-            moved = buf.lerp(grad, 1 - momentum)
-            buf.copy_(moved if skip is None else torch.where(skip > 0, buf, moved))
-            updates.append(grad.lerp(moved, momentum) if group["nesterov"] else moved)
+            if skip is None:  # a step already known to apply (the host decided): in place
+                moved = buf.lerp_(grad, 1 - momentum)
+            else:  # the fused path's 0/1 tensor: the old momentum kept where it is 1
+                moved = buf.lerp(grad, 1 - momentum)
+                buf.copy_(torch.where(skip > 0, buf, moved))
+            updates.append(grad.lerp(moved, momentum) if group["nesterov"] else moved.clone())
         steps = group["ns_steps"]
         orthogonal = exchange.orthogonalize(
-            updates, lambda m: _zeropower_via_newtonschulz(m, NS_COEFFICIENTS, steps, NS_EPS)
+            updates, lambda m: _zeropower_via_newtonschulz(m, (DEFAULT_A, DEFAULT_B, DEFAULT_C), steps, EPS)
         )
         for p, update in zip(params, orthogonal, strict=True):
             if p.grad is None:

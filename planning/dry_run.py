@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import time
 from collections import Counter
 from typing import Any
@@ -54,7 +53,7 @@ from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import build_run_model
 from parallelisms.pp import check_microbatches, rank_stages, stage_layers
 from planning import doctor
-from planning.memory import GiB, Setup, cp_kv_bytes, estimate, hidden_matrices, job_costs
+from planning.memory import GiB, Setup, cp_kv_bytes, estimate, hidden_matrices, job_costs, one_block_model
 from planning.trace import BlockCosts, checkpointed_blocks
 
 
@@ -305,11 +304,9 @@ def _tp_kinds(costs: BlockCosts, job: Setup, *, blocks: int, last: bool, grad_ac
     return Counter({k: (job.tp - 1) / job.tp * job.microbatches * v * grad_accum for k, v in traced.items()})
 
 
-@functools.cache
 def _param_tensors(name: str, args: Any) -> tuple[int, int, int]:
-    """Parameter tensors of one block, of the embedding and of the root unit (final norm and output), on meta."""
-    with torch.device("meta"):
-        model = family(name).model_cls(dataclasses.replace(args, n_layers=1))
+    """Parameter tensors of one block, of the embedding and of the root unit (final norm and output)."""
+    model = one_block_model(name, args)
     count = lambda *modules: sum(len(list(m.parameters())) for m in modules if m is not None)  # noqa: E731
     return count(model.layers["0"]), count(model.tok_embeddings), count(model.norm, model.output)
 

@@ -254,12 +254,17 @@ def setup(
 
 
 @functools.cache
+def one_block_model(name: str, args: Any) -> torch.nn.Module:
+    """The family's model of `args` with one block, on the meta device: what a block, the embedding and the root unit
+    hold."""
+    with torch.device("meta"):
+        return family(name).model_cls(dataclasses.replace(args, n_layers=1))
+
+
 def hidden_matrices(name: str, args: Any) -> tuple[int, ...]:
     """The elements of one block's hidden matrices (ModelFamily.hidden_matrices), in the order of its parameters."""
-    fam = family(name)
-    with torch.device("meta"):
-        block = fam.model_cls(dataclasses.replace(args, n_layers=1)).layers["0"]
-    hidden = {f"{linear}.weight" for linear in fam.hidden_matrices}
+    hidden = {f"{linear}.weight" for linear in family(name).hidden_matrices}
+    block = one_block_model(name, args).layers["0"]
     return tuple(p.numel() for param_name, p in block.named_parameters() if param_name in hidden)
 
 
