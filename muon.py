@@ -192,6 +192,13 @@ class MatrixExchange:
             out[i] = piece.view(blocks[i].shape)
 
 
+def _without_hooks(step: Callable[..., Any]) -> Callable[..., Any]:
+    """An optimizer class's step without the step hooks torch.optim wraps it in: the first instance of a class wraps
+    its `step` (Optimizer._patch_step_function), so AdamW's is wrapped once any AdamW was made in the process, and its
+    hooks (the float8 scales' precompute) would run twice a step, the first time before Muon's update."""
+    return step.__wrapped__ if getattr(step, "hooked", False) else step  # type: ignore[attr-defined]
+
+
 class SkipStepMuon(SkipStepAdamW):
     """SkipStepAdamW over the groups without "muon"; torch.optim.Muon's update over those with it, each matrix
     whole (MatrixExchange). The skip-step rules, the state dict and zero_grad cover both."""
@@ -212,7 +219,7 @@ class SkipStepMuon(SkipStepAdamW):
         groups = self.param_groups
         self.param_groups = [g for g in groups if not g["muon"]]  # AdamW.step walks self.param_groups
         try:
-            super().step(closure)
+            _without_hooks(SkipStepAdamW.step)(self, closure)  # the hooks run once, after both halves (this step's)
         finally:
             self.param_groups = groups
         skip = getattr(self, "found_inf", None)

@@ -30,8 +30,8 @@ float8 needs compute capability 8.9+ (H100, H200, L4, RTX 4090); elsewhere it is
 line, except with `emulate = true`, which runs the same casts with high-precision matmuls (the
 tests, on CPU). parallelize_model puts the recipe in the inductor cache key (docs/failures.md #4).
 
-To remove float8 from a fork: delete this file, its two calls in parallelisms/parallelize.py, the
-call in train.py, the [quantize] sections in config/sections.py and tests/test_float8.py.
+To remove float8 from a fork: README.md's "Removing a part" (this file, its calls in parallelisms/parallelize.py
+and train.py, the dry run's count of the float8 all-gather, the tests' float8 layouts).
 """
 
 from __future__ import annotations
@@ -84,6 +84,18 @@ def is_tensorwise(cfg: Float8Config) -> bool:
     return cfg.recipe_name in (None, "tensorwise")
 
 
+def converts(module: nn.Module, fqn: str, cfg: Float8Config) -> bool:
+    """Whether apply_float8 makes this module float8: a linear outside filter_fqns whose dims are multiples of 16."""
+    if not isinstance(module, nn.Linear) or any(name in fqn for name in cfg.filter_fqns):
+        return False
+    return module.out_features % 16 == 0 and module.in_features % 16 == 0
+
+
+def gathers_float8(cfg: Float8Config, *, fsdp_sharded: bool) -> bool:
+    """Whether FSDP all-gathers the float8 linears' weights in float8 (tensorwise scales only)."""
+    return is_tensorwise(cfg) and cfg.enable_fsdp_float8_all_gather and fsdp_sharded
+
+
 def apply_float8(model: nn.Module, cfg: Float8Config, *, device: torch.device, fsdp_sharded: bool) -> list[str]:
     """Swap the model's eligible nn.Linear for torchao Float8Linear, in place; returns their names.
 
@@ -97,7 +109,7 @@ def apply_float8(model: nn.Module, cfg: Float8Config, *, device: torch.device, f
     float8 = _import_torchao()
     if is_tensorwise(cfg):
         config = float8.Float8LinearConfig(
-            enable_fsdp_float8_all_gather=cfg.enable_fsdp_float8_all_gather and fsdp_sharded, emulate=cfg.emulate
+            enable_fsdp_float8_all_gather=gathers_float8(cfg, fsdp_sharded=fsdp_sharded), emulate=cfg.emulate
         )
     else:
         config = dataclasses.replace(float8.Float8LinearConfig.from_recipe_name(cfg.recipe_name), emulate=cfg.emulate)
@@ -105,12 +117,7 @@ def apply_float8(model: nn.Module, cfg: Float8Config, *, device: torch.device, f
             # torchao's advice for rowwise under inductor (pytorch/pytorch#150859), as torchtitan does.
             torch._inductor.config.emulate_precision_casts = True
 
-    def eligible(module: nn.Module, fqn: str) -> bool:
-        if not isinstance(module, nn.Linear) or any(name in fqn for name in cfg.filter_fqns):
-            return False
-        return module.out_features % 16 == 0 and module.in_features % 16 == 0
-
-    float8.convert_to_float8_training(model, config=config, module_filter_fn=eligible)
+    float8.convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: converts(m, fqn, cfg))
     from torchao.float8.float8_linear import Float8Linear
 
     return [name for name, module in model.named_modules() if isinstance(module, Float8Linear)]

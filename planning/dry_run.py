@@ -41,6 +41,7 @@ from config import (
     ActivationCheckpoint,
     JobConfig,
     dry_run_world,
+    float8_settings,
     global_batch_size,
     model_label,
     run_model_args,
@@ -48,6 +49,7 @@ from config import (
 from data.inputs import input_problems
 from loss import Loss
 from models import family
+from parallelisms.float8 import converts, gathers_float8
 from parallelisms.fsdp import DTYPES, applies_fsdp, reshards_after_forward
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import build_run_model
@@ -207,21 +209,19 @@ def _comm(
     reduce-scatter of N bytes (the full tensor) costs each of g ranks (g - 1) / g x N, an all-reduce twice that.
 
     dp_shard  FSDP (over dp_shard x cp: the line is "cp" when dp_shard is 1, "dp_shard_cp" when both are > 1): each
-              micro-batch's forward all-gathers the rank's stage in param_dtype, backward gathers
-              it again (not with parallelism.fsdp_reshard_after_forward = "never"; under PP the stage stays
-              gathered for the whole step) but for the root unit, final norm and output, which FSDP2 keeps
-              gathered from its forward to its backward, and the embedding, whose backward does not read it,
-              and reduce-scatters every gradient in reduce_dtype (once per step under PP or with
-              parallelism.fsdp_defer_reduce_scatter).
-    cp        context parallel: per block of the rank's stages and micro-batch, an all-gather of the window's
-              keys and values forward, a reduce-scatter of their gradients backward, and another all-gather
-              where AC recomputes the block (not under op SAC, which keeps the gathered tensors).
+              micro-batch's forward all-gathers the rank's stage in param_dtype (float8 weights: `_float8_all_gather`),
+              backward again (not with fsdp_reshard_after_forward = "never"; under PP the stage stays gathered for the
+              step) but the root unit (kept gathered from forward to backward) and the embedding (backward does not
+              read it); every gradient is reduce-scattered in reduce_dtype (once a step under PP or with
+              fsdp_defer_reduce_scatter).
+    cp        context parallel: per block of the rank's stages and micro-batch, an all-gather of the window's keys and
+              values forward, a reduce-scatter of their gradients backward, and another all-gather where AC recomputes
+              the block (not under op SAC, which keeps the gathered tensors).
     dp_repl.  HSDP: an all-reduce of the gradient shards once per step, whatever the micro-batches (train.py defers it
               to the last, parallelisms/fsdp.py sync_gradients_on; pipeline stages sync once anyway).
-    tp        the collectives of the family's TP plan as one traced block runs them (planning.trace.block_costs:
-              forward, backward, and what AC recomputes), per block of the rank's stages and micro-batch, plus
-              the embedding's (stage 0) and those of the final norm, output projection and loss (the last stage),
-              and the all-reduce of the gradients of the weights TP leaves whole (the norms'), per micro-batch.
+    tp        the family's TP plan's collectives as one traced block runs them (planning.trace.block_costs: forward,
+              backward, AC's recomputation) per block and micro-batch, the embedding's and head's (first and last
+              stage), and the all-reduce of the gradients of the weights TP leaves whole (the norms'), per micro-batch.
     pp        each micro-batch's activations forward and their gradients backward across each stage boundary.
     norm      the gradient norm's all-reduces: one float32 per parameter tensor of the rank (`norm_values`: so many
               instead) over each dimension that shards parameters, one over the pipeline stages.
@@ -259,6 +259,8 @@ def _comm(
             f"FSDP: {gathers} all-gather(s) of the stage in {t.mixed_precision_param}, "
             f"{syncs} reduce-scatter(s) of its gradients in {t.mixed_precision_reduce}",
         )
+        if float8 := _float8_all_gather(cfg, dims, args, blocks=blocks, gathers=gathers, param_bytes=param_bytes):
+            _add(out, fsdp_dim, float8, "the float8 linears' weights gathered in float8")
     if rep > 1:
         out["dp_replicate"] = (
             Counter(all_reduce=2 * ring(rep) * reduce_bytes * held / fsdp),
@@ -302,6 +304,27 @@ def _tp_kinds(costs: BlockCosts, job: Setup, *, blocks: int, last: bool, grad_ac
     traced = Counter({k: blocks * v for k, v in costs.tp_block.items()}) + Counter(costs.tp_embedding)
     traced += Counter(costs.tp_head) if last else Counter()
     return Counter({k: (job.tp - 1) / job.tp * job.microbatches * v * grad_accum for k, v in traced.items()})
+
+
+def _float8_all_gather(
+    cfg: JobConfig, dims: ParallelDims, args: Any, *, blocks: int, gathers: int, param_bytes: int
+) -> Counter[str]:
+    """What FSDP's float8 all-gather (parallelisms/float8.py) changes in a step's bytes for the rank's `blocks`: their
+    float8 weights gathered at 1 byte an element instead of param_bytes (on one TP rank: the TP plan splits every block
+    linear), and their scales' amaxes all-reduced, one float32 each once a step when precomputed, else at each
+    all-gather. Empty without it. (Added to FSDP's Counter, whose sum stays positive.)"""
+    f8 = float8_settings(cfg)
+    if f8 is None or not gathers_float8(f8, fsdp_sharded=dims.dp_shard > 1):
+        return Counter()
+    block = one_block_model(cfg.model.name, args).layers["0"]
+    weights = [m.weight for fqn, m in block.named_modules() if converts(m, f"layers.0.{fqn}", f8)]
+    scalings = 1 if f8.precompute_float8_dynamic_scale_for_fsdp else gathers
+    elements = sum(w.numel() for w in weights) / dims.tp
+    ring = (dims.dp_shard * dims.cp - 1) / (dims.dp_shard * dims.cp)
+    return Counter(
+        all_gather=-ring * blocks * gathers * elements * (param_bytes - 1),
+        all_reduce=ring * blocks * 2 * 4 * scalings * len(weights),
+    )
 
 
 def _param_tensors(name: str, args: Any) -> tuple[int, int, int]:

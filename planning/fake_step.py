@@ -162,10 +162,15 @@ def fake_job_memory(job: Setup, *, pp_rank: int = 0, device: str = "cpu") -> dic
 
     Single-stage schedules only (1F1B, GPipe): an interleaved rank's stages interleave their
     micro-batches, which one fake step of one module does not reproduce (estimate_rank replays them).
-    Not under context parallel (the fake step does not cut windows).
+    Not under context parallel (the fake step does not cut windows), and with AdamW only (Muon's exchange, muon.py,
+    exchanges every rank's block indices once through real collectives).
     """
     if job.cp > 1:
         raise ValueError("context parallel (cp > 1) is estimated by the formulas only (the breakdown above)")
+    if job.muon:  # its exchange plans every rank's blocks once with real collectives
+        raise ValueError(
+            "optimizer Muon is estimated by the formulas only (the breakdown above); the fake step is AdamW's"
+        )
     from config import ActivationCheckpoint, Compile
     from loss import Loss
     from parallelisms.parallelize import parallelize_model

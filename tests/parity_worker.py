@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import DeviceMesh
 
 import models
-from config import ActivationCheckpoint, Compile, Optimizer, Parallelism, Training
+from config import ActivationCheckpoint, Compile, Float8Linear, Optimizer, Parallelism, Training
 from data.chat import IGNORE_INDEX
 from data.loader import Batch
 from distributed import mean_over_loss_ranks
@@ -47,6 +47,7 @@ from muon import build_muon
 from optimizer import build_optimizer
 from parallelisms.async_tp import SummedMatmuls
 from parallelisms.cp import ContextParallel, context_parallel
+from parallelisms.float8 import apply_float8, precompute_scales_after_each_step
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import build_model, init_model
 from parallelisms.pp import Pipeline
@@ -107,6 +108,9 @@ ADAM_EPS = 1e-6
 MAX_NORM = 0.5
 Z_LOSS_WEIGHT = 1e-2  # the tiny model's z-loss is about 24 (logsumexp near log 128): 0.24 of its loss of about 5
 TRAINING = Training(seq_len=SEQ_LEN, mixed_precision_param="float32")
+# float8 linears as a CPU runs them (high-precision matmuls on float8-cast operands), tensorwise, under FSDP the
+# weights all-gathered in float8; Layout.float8 = "precompute" computes their scales once after each optimizer step.
+FLOAT8 = Float8Linear(emulate=True, enable_fsdp_float8_all_gather=True)
 
 
 @dataclass(frozen=True)
@@ -133,6 +137,15 @@ class Layout:
     summed_matmuls: bool = False
     # optimizer.name = "Muon" with this muon_orthogonalize ("matrix": the recipe's; "shard": each rank's own block)
     muon: str = ""
+    # float8 linears (FLOAT8): "all_gather" (each all-gather scales its weights) or "precompute" (once after each step)
+    float8: str = ""
+
+    @property
+    def float8_linear(self) -> Float8Linear | None:
+        """[quantize.linear.float8] of this layout; None without float8."""
+        if not self.float8:
+            return None
+        return dataclasses.replace(FLOAT8, precompute_float8_dynamic_scale_for_fsdp=self.float8 == "precompute")
 
     @property
     def world_size(self) -> int:
@@ -184,6 +197,11 @@ LAYOUTS: dict[str, Layout] = {
     "muon_hsdp2x2": Layout(dp_replicate=2, dp_shard=2, muon="matrix"),
     "muon_pp2_fsdp2": Layout(pp=2, dp_shard=2, muon="matrix"),  # each stage's matrices within its shard group
     "muon_fsdp2_shard": Layout(dp_shard=2, muon="shard"),  # docs/failures.md #6 on purpose: a different optimizer
+    # float8 linears (FLOAT8) under FSDP: AdamW exact; Muon's exchange on float8 weights; and compiled, one layout for
+    # both (compile with Muon alone: 1.3e-4 when measured on 2026-11-28; one compile costs more than the rest here).
+    "fsdp2_float8": Layout(dp_shard=2, float8="all_gather"),
+    "muon_fsdp2_float8": Layout(dp_shard=2, muon="matrix", float8="precompute"),
+    "muon_fsdp2_float8_compile": Layout(dp_shard=2, muon="matrix", float8="precompute", compile=True),
     # Qwen3 through the same code: its TP plan (QK-norm weights replicated over TP, 2-D under FSDP x TP), its
     # pipeline stages.
     "qwen3_fsdp2": Layout(dp_shard=2, family="qwen3"),
@@ -303,6 +321,7 @@ def train(
     cp: ContextParallel | None = None,
     grad_accum: int = 1,
     muon: str = "",
+    precompute_float8_scales: bool = False,
 ) -> tuple[list[float], list[float]]:
     """`steps` steps of train.py's `train_step` on `tokens` (this rank's slice); (losses, seconds per step).
     counts: filled with what decides GPU speed: the host reads of the last step, the graphs dynamo compiled
@@ -319,6 +338,8 @@ def train(
         optimizer = build_muon(o, model, models.family("llama3"))
     else:
         optimizer = build_optimizer(Optimizer(lr=LR, eps=ADAM_EPS), model)
+    if precompute_float8_scales:  # as train.py (quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp)
+        precompute_scales_after_each_step(optimizer, model)
     group_dims = mesh_group_dims(mesh) if mesh is not None else None
     labels = tokens[:, 1:] if labels is None else labels
     # The rows as `grad_accum` micro-batches (a divisor of counted labels holds for all of them: the step's).
@@ -424,6 +445,15 @@ def write_reference(path: Path) -> dict:
     muon = build_tiny()
     ref["muon"] = dict(zip(("losses", "times"), train(muon, tokens, muon="matrix"), strict=True))
     ref["muon"]["final"] = muon.state_dict()
+    # The same start with float8 linears, AdamW and Muon. float8 scales activations and output gradients by the
+    # batch each rank holds (dynamic scaling): one process matches 2 data-parallel ranks when it runs their rows as 2
+    # micro-batches (FSDP 2 against one batch of all 4 rows: 8e-3 apart after 5 AdamW steps).
+    for name, orthogonalize in (("float8", ""), ("muon_float8", "matrix")):
+        model = build_tiny()
+        apply_float8(model, FLOAT8, device=torch.device("cpu"), fsdp_sharded=False)
+        trained = train(model, tokens, muon=orthogonalize, grad_accum=2)
+        ref[name] = dict(zip(("losses", "times"), trained, strict=True))
+        ref[name]["final"] = model.state_dict()
     # The same start, with the z-loss added.
     z_loss = build_tiny()
     ref["z_loss"] = dict(zip(("losses", "times"), train(z_loss, tokens, z_loss_weight=Z_LOSS_WEIGHT), strict=True))
@@ -490,7 +520,7 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
         parallelism=parallelism,
         ac=layout.ac,
         compile=Compile(enable=layout.compile),
-        float8=None,
+        float8=layout.float8_linear,
         loss_fn=build_loss_fn(Compile(), chunk_tokens=layout.loss_chunk_tokens, z_loss_weight=z_loss_weight),
         device=torch.device("cpu"),
     )
@@ -531,6 +561,7 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
             cp=context_parallel(mesh, parallelism),
             grad_accum=layout.grad_accum,
             muon=layout.muon,
+            precompute_float8_scales=layout.float8 == "precompute",
         )
     counts["summed_matmuls"] = sum(p.rewrites for p in passes.get("post_grad_custom_pre_pass", []))
     family = ref if layout.family == "llama3" else ref[layout.family]
@@ -544,6 +575,8 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
         expected = ref["muon"]
     else:
         expected = family
+    if layout.float8:
+        expected = ref["muon_float8"] if layout.muon else ref["float8"]
 
     final = get_model_state_dict(model, options=options)
     # Every rank compares the weights it holds (a pipeline stage: its own); the worst over all ranks.

@@ -122,6 +122,8 @@ def layout_plan(layout: Layout) -> tuple[JobConfig, ParallelDims, Setup]:
     cfg.model.name = layout.family
     if layout.muon:
         cfg.optimizer = dataclasses.replace(cfg.optimizer, name="Muon", muon_orthogonalize=layout.muon)
+    if layout.float8_linear is not None:
+        cfg.model.converters, cfg.quantize.linear.float8 = ["quantize.linear.float8"], layout.float8_linear
     return cfg, dims, dataclasses.replace(Setup.of(cfg, dims.world_size, cuda=False), args=TINY_SHAPES[layout.family])
 
 

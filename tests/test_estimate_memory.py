@@ -336,3 +336,13 @@ def test_muons_state_and_step_as_the_optimizer_holds_them() -> None:
     assert e["peak_phase"] == "optimizer step (Muon)" and "Muon's step" in breakdown(
         setup(8, flavor="llama3_8b", seq_len=512, ac="full", optimizer="Muon")
     )
+
+
+def test_the_fake_step_refuses_muon_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """--fake-step steps AdamW: with Muon it would check another optimizer's state against Muon's estimate."""
+    argv = ["--flavor", "debugmodel", "--ngpu", "2", "--seq-len", "64", "--allocator", "cpu", "--optimizer", "Muon"]
+    assert estimate_memory.main([*argv, "--fake-step"]) == 2
+    assert capsys.readouterr().err == (
+        "error: --fake-step: optimizer Muon is estimated by the formulas only (the breakdown above); "
+        "the fake step is AdamW's\n"
+    )

@@ -34,6 +34,8 @@ from data.tokenizers import build_tokenizer
 from distributed import init_distributed, set_collective_timeout
 from errors import ConfigError
 from metrics import StepResult
+from models import family
+from muon import build_muon
 from optimizer import SkipStepAdamW, SpikeWindow, build_optimizer, lr_factor
 from tests.conftest import TINY, losses
 from tests.launch import REPO, free_port, python, torchrun, two_at_a_time
@@ -179,9 +181,13 @@ class _StopAt:
         return self.reason
 
 
-def test_a_step_abandoned_between_micro_batches_changes_neither_weights_nor_optimizer_state() -> None:
+@pytest.mark.parametrize("name", ["AdamW", "Muon"])
+def test_a_step_abandoned_between_micro_batches_changes_neither_weights_nor_optimizer_state(name: str) -> None:
     model = build_tiny()
-    optimizer = build_optimizer(Optimizer(), model)
+    if name == "Muon":  # its momentum too (muon.py)
+        optimizer = build_muon(Optimizer(name="Muon"), model, family("llama3"))
+    else:
+        optimizer = build_optimizer(Optimizer(), model)
     tokens, forward_backward = random_batch(), one_process(model)
     micro = micro_batches(tokens, len(tokens))
     train_step(1, micro, forward_backward, optimizer, max_norm=1.0, stop_request=None)  # optimizer state exists
@@ -190,11 +196,12 @@ def test_a_step_abandoned_between_micro_batches_changes_neither_weights_nor_opti
     stop = _StopAt(2)  # asked before micro-batches 2, 3, ...: agreed before the third
     assert train_step(2, iter(micro), forward_backward, optimizer, max_norm=1.0, stop_request=stop) is None
     assert stop.asked == 2 and all(p.grad is None for p in model.parameters())
-    for name, value in model.state_dict().items():
-        assert torch.equal(value, before[name]), name
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    assert any("momentum_buffer" in s for s in state.values()) == (name == "Muon")
     for param, saved in state.items():
-        for name, value in optimizer.state[param].items():
-            assert torch.equal(value, saved[name]), name
+        for key, value in optimizer.state[param].items():
+            assert torch.equal(value, saved[key]), key
     # (The loader's half, giving the abandoned step's samples again: tests/test_data.py.)
 
 

@@ -83,6 +83,20 @@ def test_a_skipped_step_leaves_muon_as_it_was_without_reading_the_device() -> No
     assert optimizer.nonfinite == 1
 
 
+def test_the_step_hooks_run_once_after_both_halves() -> None:
+    """optimizer.register_step_post_hook (the float8 scales' precompute, parallelisms/float8.py) runs once a step, after
+    Muon's update too, even when an AdamW made earlier in the process had torch.optim wrap AdamW's own step in the
+    hooks (it ran twice, first between the halves, in a process that built AdamW before Muon)."""
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # wraps AdamW.step in its hooks, as a first AdamW does
+    model = build_tiny()
+    optimizer = build_muon(Optimizer(name="Muon"), model, family("llama3"))
+    hidden = dict(model.named_parameters())["layers.0.attention.wq.weight"]
+    seen: list[torch.Tensor] = []
+    optimizer.register_step_post_hook(lambda *_: seen.append(hidden.detach().clone()))
+    train_step(1, micro_batches(random_batch()), one_process(model), optimizer, max_norm=1.0, stop_request=None)
+    assert len(seen) == 1 and torch.equal(seen[0], hidden)
+
+
 def test_config_keys_and_refusals(capsys: pytest.CaptureFixture[str]) -> None:
     cfg = load_config(["--config", "configs/debug_muon.toml"])
     assert cfg.optimizer.name == "Muon" and cfg.optimizer.muon_orthogonalize == "matrix"

@@ -154,18 +154,21 @@ def test_compiled_layouts_use_their_recipe_cache_folder(
     """
     parity(world_size)
     root = parity_dir / f"inductor-{world_size}"
-    # One folder per recipe (the mask and the family are not in it).
-    recipes = {
-        (layout.tp, layout.ac.mode, layout.ac.selective_ac_option if layout.ac.mode == "selective" else "")
+    # One folder per recipe (the mask, the family and the optimizer are not in it; float8's recipe is: tensorwise).
+    expected = {
+        inductor_cache_dir(
+            {
+                "tp_degree": layout.tp,
+                "async_tp": False,
+                "ac_mode": layout.ac.mode,
+                "ac_option": layout.ac.selective_ac_option if layout.ac.mode == "selective" else "",
+                "float8": "tensorwise" if layout.float8 else "",
+            },
+            root=root,
+        )
         for layout in LAYOUTS.values()
         if layout.compile and layout.world_size == world_size
     }
-    expected = [
-        inductor_cache_dir(
-            {"tp_degree": tp, "async_tp": False, "ac_mode": mode, "ac_option": option, "float8": ""}, root=root
-        )
-        for tp, mode, option in recipes
-    ]
     assert sorted(root.glob("recipe-*")) == sorted(expected)
     for folder in expected:
         assert any((folder / "fxgraph").rglob("*")), f"no FX graph cached in {folder}"
