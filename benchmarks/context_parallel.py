@@ -36,14 +36,14 @@ import torch.distributed as dist
 from benchmarks import harness
 from benchmarks.harness import MiB, Row
 from benchmarks.memory import ActivationCensus
-from config import ActivationCheckpoint, Compile, Parallelism, Training
+from config import ActivationCheckpoint, Compile, JobConfig, Parallelism, Training
 from loss import build_loss_fn
 from models import family, with_seq_len
 from models.llama3 import FLAVORS
 from parallelisms.cp import context_parallel
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import build_model, init_model
-from planning.memory import activation_bytes, cp_kv_bytes, setup
+from planning.memory import Setup, activation_bytes, cp_kv_bytes
 from tests.instruments import observe_ops
 
 PROBLEM = "context parallel"
@@ -55,23 +55,25 @@ def model_args(n_layers: int, seq_len: int) -> Any:
     return with_seq_len(dataclasses.replace(FLAVORS["debugmodel"], n_layers=n_layers), seq_len)
 
 
+def job(cp: int, seq_len: int) -> JobConfig:
+    """The config one launch runs: CP over `cp` ranks (FSDP over them), one window of `seq_len` tokens, fp32, no AC.
+    Built, not loaded: the debug model's RoPE table is stretched to seq_len (model_args), past what its flavor allows
+    a training run."""
+    cfg = JobConfig()
+    cfg.model.flavor = "debugmodel"
+    cfg.parallelism = Parallelism(data_parallel_shard_degree=1, context_parallel_degree=cp)
+    cfg.training = Training(seq_len=seq_len, local_batch_size=1, mixed_precision_param="float32")
+    cfg.activation_checkpoint = ActivationCheckpoint(mode="none")
+    return cfg
+
+
 def predicted(cp: int, *, seq_len: int, n_layers: int) -> dict[str, int]:
     """estimate_memory's activation bytes and K/V all-gather bytes for the job one launch runs."""
-    job = setup(
-        flavor="debugmodel",
-        args=model_args(n_layers, seq_len),
-        ngpu=cp,
-        cp=cp,
-        seq_len=seq_len,
-        local_batch_size=1,
-        param_dtype="float32",
-        ac="none",
-        rmsnorm="composite",
-        cuda=False,
-    )
+    estimated = Setup.of(job(cp, seq_len), cp, cuda=False, rmsnorm="composite")
+    estimated = dataclasses.replace(estimated, args=model_args(n_layers, seq_len))
     return {
-        "activation_bytes": activation_bytes(job)["total"],
-        "kv_gathered_bytes": n_layers * cp_kv_bytes(job)["gathered"] if cp > 1 else 0,
+        "activation_bytes": activation_bytes(estimated)["total"],
+        "kv_gathered_bytes": n_layers * cp_kv_bytes(estimated)["gathered"] if cp > 1 else 0,
     }
 
 
@@ -79,11 +81,11 @@ def measure_rank(args: argparse.Namespace) -> dict[str, Any]:
     """One launch (under torchrun): this world's CP degree, rank 0's numbers."""
     with harness.process_group() as device:
         cp_degree = dist.get_world_size()
-        parallelism = Parallelism(data_parallel_shard_degree=1, context_parallel_degree=cp_degree)
+        cfg = job(cp_degree, args.seq_len)
+        parallelism, training = cfg.parallelism, cfg.training
         dims = ParallelDims.from_config(parallelism, world_size=cp_degree)
         mesh = dims.build_mesh(device.type)
         shape = model_args(args.n_layers, args.seq_len)
-        training = Training(seq_len=args.seq_len, local_batch_size=1, mixed_precision_param="float32")
         loss_fn = build_loss_fn(Compile())
         model, _ = build_model(
             family("llama3"),
@@ -92,7 +94,7 @@ def measure_rank(args: argparse.Namespace) -> dict[str, Any]:
             mesh=mesh,
             training=training,
             parallelism=parallelism,
-            ac=ActivationCheckpoint(mode="none"),
+            ac=cfg.activation_checkpoint,
             compile=Compile(),
             float8=None,
             loss_fn=loss_fn,

@@ -8,9 +8,11 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import muon
-from config import Optimizer, load_config
+from config import Comm, Optimizer, Training, load_config
+from distributed import init_distributed
 from errors import ConfigError
 from models import NAMES, family
 from muon import build_muon
@@ -63,24 +65,34 @@ def test_each_family_names_its_hidden_matrices(name: str) -> None:
     assert all("norm" in n or n in ("tok_embeddings.weight", "output.weight") for n in rest), rest
 
 
-def test_a_skipped_step_leaves_muon_as_it_was_without_reading_the_device() -> None:
-    """The skip-step gate (optimizer.py) holds for Muon's half: a non-finite step changes no parameter and no momentum,
-    and deciding it reads nothing back (a `where` on the same 0/1 tensor fused AdamW takes)."""
+@pytest.mark.parametrize("bad", ["non-finite", "spike"])
+def test_a_skipped_step_leaves_muon_as_it_was_without_reading_the_device(bad: str) -> None:
+    """The skip-step gate (optimizer.py) holds for Muon's half: a non-finite step, and a spike (training.skip_spike_sigma
+    over a window of 2 steps), change no parameter and no momentum, and deciding it reads nothing back (a `where` on
+    the same 0/1 tensor fused AdamW takes)."""
     model = build_tiny()
-    optimizer = build_muon(Optimizer(name="Muon"), model, family("llama3"))
+    training = Training(skip_spike_sigma=6, skip_spike_window=2)
+    optimizer = build_muon(Optimizer(name="Muon"), model, family("llama3"), training=training)
     batch = micro_batches(random_batch())
-    train_step(1, batch, one_process(model), optimizer, max_norm=1.0, stop_request=None)
-    before = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()["state"])
-    for p in model.parameters():
-        p.grad = torch.full_like(p, float("nan"))
-    with count_host_reads(torch.device("cpu")) as reads:
-        optimizer.step_unless_bad(2, loss=torch.tensor(float("nan")), grad_norm=torch.tensor(float("nan")))
+    init_distributed(Comm(), dump_folder="unused")  # the spike rule's all-reduce of the loss
+    try:
+        for step in (1, 2):  # the spike window fills
+            train_step(step, batch, one_process(model), optimizer, max_norm=1.0, stop_request=None)
+        before = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()["state"])
+        value = float("nan") if bad == "non-finite" else 1.0  # a finite gradient: the loss spikes
+        for p in model.parameters():
+            p.grad = torch.full_like(p, value)
+        loss = torch.tensor(float("nan") if bad == "non-finite" else 1e3)
+        with count_host_reads(torch.device("cpu")) as reads:
+            optimizer.step_unless_bad(3, loss=loss, grad_norm=torch.tensor(value))
+    finally:
+        dist.destroy_process_group()
     assert dict(reads) == {}
     after = model.state_dict(), optimizer.state_dict()["state"]
     assert all(torch.equal(before[0][k], after[0][k]) for k in after[0])
     assert all(torch.equal(v, after[1][i][k]) for i, s in before[1].items() for k, v in s.items() if k != "step")
     optimizer.read_reports()
-    assert optimizer.nonfinite == 1
+    assert (optimizer.nonfinite, optimizer.spikes) == ((1, 0) if bad == "non-finite" else (0, 1))
 
 
 def test_the_step_hooks_run_once_after_both_halves() -> None:
