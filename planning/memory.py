@@ -232,13 +232,15 @@ def setup(
     config: str | None = None,
     cuda: bool = True,
     rmsnorm: RMSNorm | None = None,
+    args: Any = None,
     grad_accum: int | None = None,
     overrides: tuple[str, ...] | list[str] = (),
     **short: Any,
 ) -> Setup:
     """The Setup of a config (a TOML, or DEFAULTS without one) with short-named keys set (SHORT_KEYS) on `ngpu` GPUs,
     through the run's own loader: ConfigError names the keys. grad_accum: micro-batches per step, as the
-    training.global_batch_size it takes; overrides: `--section.key=value` (any key)."""
+    training.global_batch_size it takes; overrides: `--section.key=value` (any key); args: a model shape no flavor
+    has."""
     short = {name: value for name, value in short.items() if value is not None}
     argv = [*([f"--config={config}"] if config else []), *short_overrides(short if config else {**DEFAULTS, **short})]
     argv += overrides
@@ -248,7 +250,7 @@ def setup(
         dp = ParallelDims.from_config(cfg.parallelism, world_size=ngpu).dp
         cfg = load_config([*argv, f"--training.global_batch_size={grad_accum * cfg.training.local_batch_size * dp}"])
         job = Setup.of(cfg, ngpu, cuda=cuda, rmsnorm=rmsnorm)
-    return job
+    return job if args is None else dataclasses.replace(job, args=args)
 
 
 @functools.cache
