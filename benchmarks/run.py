@@ -77,9 +77,9 @@ BENCHMARKS = {
 # Each part's expected wall seconds on 2 idle CPU cores (a Python loop of 10^7 additions in about 0.7 s): the
 # progress lines' estimate of the rest, scaled by how the run is going. "train" is --train-rows' part on CPU.
 SECONDS = {
-    "recompute": 25, "metadata": 15, "comm_volume": 28, "compile_cache": 72, "async_tp_fusion": 40, "memory": 33,
-    "muon": 12, "context_parallel": 52, "data_pipeline": 33, "float8": 12, "gpu_costs": 25, "generation": 28,
-    "vs_torchtitan": 300, "checkpoint_checksums": 22, "train": 150,
+    "recompute": 24, "metadata": 15, "comm_volume": 28, "compile_cache": 66, "async_tp_fusion": 40, "memory": 33,
+    "muon": 16, "context_parallel": 50, "data_pipeline": 33, "float8": 11, "gpu_costs": 22, "generation": 60,
+    "vs_torchtitan": 300, "checkpoint_checksums": 21, "train": 150,
 }  # fmt: skip
 # make bench's settings where they are not the benchmark's own defaults, so that the whole run stays within 12
 # minutes on 2 cores (docs/benchmarks.md#make-bench): fewer tokens, rounds, steps or megabytes than a run of the
