@@ -55,7 +55,16 @@ from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import build_run_model
 from parallelisms.pp import check_microbatches, rank_stages, stage_layers
 from planning import doctor
-from planning.memory import GiB, Setup, cp_kv_bytes, estimate, hidden_matrices, job_costs, one_block_model
+from planning.memory import (
+    GiB,
+    Setup,
+    cp_kv_bytes,
+    estimate,
+    hidden_matrices,
+    job_costs,
+    one_block_model,
+    tp_rank_elements,
+)
 from planning.trace import BlockCosts, checkpointed_blocks
 
 
@@ -259,7 +268,7 @@ def _comm(
             f"FSDP: {gathers} all-gather(s) of the stage in {t.mixed_precision_param}, "
             f"{syncs} reduce-scatter(s) of its gradients in {t.mixed_precision_reduce}",
         )
-        if float8 := _float8_all_gather(cfg, dims, args, blocks=blocks, gathers=gathers, param_bytes=param_bytes):
+        if float8 := _float8_all_gather(cfg, dims, args, factor=ring(fsdp) * blocks, gathers=gathers, b_p=param_bytes):
             _add(out, fsdp_dim, float8, "the float8 linears' weights gathered in float8")
     if rep > 1:
         out["dp_replicate"] = (
@@ -307,24 +316,20 @@ def _tp_kinds(costs: BlockCosts, job: Setup, *, blocks: int, last: bool, grad_ac
 
 
 def _float8_all_gather(
-    cfg: JobConfig, dims: ParallelDims, args: Any, *, blocks: int, gathers: int, param_bytes: int
+    cfg: JobConfig, dims: ParallelDims, args: Any, *, factor: float, gathers: int, b_p: int
 ) -> Counter[str]:
-    """What FSDP's float8 all-gather (parallelisms/float8.py) changes in a step's bytes for the rank's `blocks`: their
-    float8 weights gathered at 1 byte an element instead of param_bytes (on one TP rank: the TP plan splits every block
-    linear), and their scales' amaxes all-reduced, one float32 each once a step when precomputed, else at each
+    """What FSDP's float8 all-gather (parallelisms/float8.py) changes in a step's bytes, per block (x `factor`: FSDP's
+    ring factor times the rank's blocks): its float8 weights gathered at 1 byte an element instead of b_p (on one TP
+    rank), and their scales' amaxes all-reduced, one float32 each once a step when precomputed, else at each
     all-gather. Empty without it. (Added to FSDP's Counter, whose sum stays positive.)"""
     f8 = float8_settings(cfg)
     if f8 is None or not gathers_float8(f8, fsdp_sharded=dims.dp_shard > 1):
         return Counter()
     block = one_block_model(cfg.model.name, args).layers["0"]
-    weights = [m.weight for fqn, m in block.named_modules() if converts(m, f"layers.0.{fqn}", f8)]
+    linears = [fqn for fqn, m in block.named_modules() if converts(m, f"layers.0.{fqn}", f8)]
+    elements = tp_rank_elements(cfg.model.name, args, linears, tp=dims.tp)
     scalings = 1 if f8.precompute_float8_dynamic_scale_for_fsdp else gathers
-    elements = sum(w.numel() for w in weights) / dims.tp
-    ring = (dims.dp_shard * dims.cp - 1) / (dims.dp_shard * dims.cp)
-    return Counter(
-        all_gather=-ring * blocks * gathers * elements * (param_bytes - 1),
-        all_reduce=ring * blocks * 2 * 4 * scalings * len(weights),
-    )
+    return Counter(all_gather=-factor * gathers * elements * (b_p - 1), all_reduce=factor * 8 * scalings * len(linears))
 
 
 def _param_tensors(name: str, args: Any) -> tuple[int, int, int]:

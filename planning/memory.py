@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from config import JobConfig, Parallelism, global_batch_size, grad_accum_steps, load_config, model_args
 from errors import ConfigError
@@ -261,6 +262,14 @@ def one_block_model(name: str, args: Any) -> torch.nn.Module:
         return family(name).model_cls(dataclasses.replace(args, n_layers=1))
 
 
+def tp_rank_elements(name: str, args: Any, linears: list[str], *, tp: int) -> float:
+    """Elements of these linears' weights (names inside a block) on one TP rank: split tp ways where the family's TP
+    plan makes the linear Colwise or Rowwise, whole where it leaves it."""
+    block, plan = one_block_model(name, args).layers["0"], family(name).tp_plan()
+    split = lambda linear: isinstance(plan.get(linear), ColwiseParallel | RowwiseParallel)  # noqa: E731
+    return sum(block.get_submodule(linear).weight.numel() / (tp if split(linear) else 1) for linear in linears)
+
+
 def hidden_matrices(name: str, args: Any) -> tuple[int, ...]:
     """The elements of one block's hidden matrices (ModelFamily.hidden_matrices), in the order of its parameters."""
     hidden = {f"{linear}.weight" for linear in family(name).hidden_matrices}
@@ -408,7 +417,9 @@ def _rank_params(job: Setup, costs: BlockCosts, pp_rank: int) -> _RankParams:
 def _hidden(job: Setup, params: _RankParams) -> float:
     """The rank's parameters Muon updates (its blocks' hidden matrices, TP's shards of them); 0 without Muon."""
     blocks = sum(len(params.stages[g]) for g in params.local)
-    return blocks * sum(hidden_matrices(job.family, job.args)) / job.tp if job.muon else 0.0
+    return (
+        blocks * tp_rank_elements(job.family, job.args, list(job.fam.hidden_matrices), tp=job.tp) if job.muon else 0.0
+    )
 
 
 @dataclass(frozen=True)
