@@ -98,7 +98,7 @@ def config_args(checkpoint: Path, config: Path | None) -> list[str]:
 
 def held_out_loss(checkpoint: Path, config: Path | None, overrides: list[str]) -> tuple[float, int, float, str]:
     """(loss, tokens, seconds, data path) of `[validation]` on the checkpoint's weights, with the config's layout."""
-    from config import load_config, run_model_args, validation_path
+    from config import ActivationCheckpoint, load_config, run_model_args, validation_path
     from data.tokenizers import build_tokenizer
     from distributed import init_distributed
     from loss import build_loss_fn
@@ -110,6 +110,8 @@ def held_out_loss(checkpoint: Path, config: Path | None, overrides: list[str]) -
     world = int(os.environ.get("WORLD_SIZE", "1"))
     argv = [*config_args(checkpoint, config), *overrides, "--validation.enable=true", "--checkpoint.enable=false"]
     cfg = load_config(argv, extra_checks=layout_checks(world))
+    # No backward here: nothing to recompute (and mode "auto" plans training's memory, not this).
+    cfg.activation_checkpoint = ActivationCheckpoint(mode="none")
     if validation_path(cfg.validation) is None:
         raise ConfigError("validation.dataset_path: name the held-out data to evaluate on (a file or prepared folder)")
     device, _, world_size = init_distributed(cfg.comm, dump_folder=cfg.job.dump_folder)

@@ -27,6 +27,7 @@ if __name__ == "__main__":
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from checkpoint import CheckpointManager, SaveStep, prepare_dump_folder
@@ -183,6 +184,8 @@ def build(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
     # Parallel layout and the pitfalls of this job on this machine (planning/doctor.py, optional), before any compute.
     dims = ParallelDims.from_config(cfg.parallelism, world_size=world_size)
     mesh = dims.build_mesh(device.type)
+    if cfg.activation_checkpoint.mode == "auto":  # each block's recompute chosen to fit the GPU (planning/memory.py)
+        cfg = resolve_auto_ac(cfg, world_size=world_size, device=device, mesh=mesh if dims.tp_enabled else None)
     doctor.check_startup(cfg, world_size=world_size, device=device, mesh=mesh)
     args = run_model_args(cfg)
     collective_on_rank0(lambda: prepare_run_folder(cfg, args), rank=rank)
@@ -325,6 +328,22 @@ def after_step_work(
     run.resources.callback(collect.close)
     save = SaveStep(run.checkpoint, total_steps=t.steps, throughput=log)
     return [*work, run.stop, save, ProfileStep(profiler), collect]
+
+
+def resolve_auto_ac(cfg: JobConfig, *, world_size: int, device: torch.device, mesh: DeviceMesh | None) -> JobConfig:
+    """Mode "auto" made "per_block" with the least recompute whose estimated memory fits this GPU (or
+    activation_checkpoint.memory_budget_gib); rank 0 prints the choice. The config saved in the run folder is this
+    one, so eval.py and a look back see what ran."""
+    from planning.memory import cuda_memory_gib
+    from planning.memory import resolve_auto_ac as choose
+
+    tp_mesh = mesh["tp"] if mesh is not None else None
+    cfg, choice = choose(
+        cfg, world_size=world_size, cuda=device.type == "cuda", cuda_memory_gib=cuda_memory_gib(device), tp_mesh=tp_mesh
+    )
+    if is_rank0() and choice is not None:
+        print(f"activation_checkpoint.mode = auto: {choice.describe()}", flush=True)
+    return cfg
 
 
 def prepare_run_folder(cfg: JobConfig, args: Any) -> None:
@@ -684,6 +703,14 @@ def config_summary(cfg: JobConfig) -> str:
         f"# tokens per step: {global_batch * t.seq_len:,} (global batch {global_batch} x seq_len {t.seq_len}; "
         f"data-parallel degree {dims.dp}, {which})",
     ]
+    if cfg.activation_checkpoint.mode == "auto":  # chosen for this machine's GPUs (or CPU ranks) and this world
+        from planning.memory import cuda_memory_gib, resolve_auto_ac
+
+        cuda = torch.cuda.is_available()
+        memory = cuda_memory_gib(torch.device("cuda", 0)) if cuda else None
+        _, choice = resolve_auto_ac(cfg, world_size=world, cuda=cuda, cuda_memory_gib=memory)
+        assert choice is not None
+        lines.append(f"# activation_checkpoint.mode = auto: {choice.describe()}")
     lines += [f"# note: {problem} (training needs it, planning does not)" for problem in input_problems(cfg)]
     return "\n".join(lines)
 

@@ -49,6 +49,7 @@ from config.loading import (
     validation_path,
 )
 from config.sections import (
+    BLOCK_AC_MODES,
     DATASETS,
     INPUT_PATH,
     REPO,
@@ -79,6 +80,7 @@ from config.sections import (
 
 __all__ = [
     "ActivationCheckpoint",
+    "BLOCK_AC_MODES",
     "Checkpoint",
     "Comm",
     "Compile",

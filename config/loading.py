@@ -31,6 +31,7 @@ from config.sections import (
     SHIPPED_TOKENIZER,
     Float8Linear,
     JobConfig,
+    Model,
     Training,
     Validation,
     _did_you_mean,
@@ -468,7 +469,7 @@ def validate(cfg: JobConfig) -> list[str]:
         *cfg.lr_scheduler.problems(training_steps=t.steps),
         *cfg.parallelism.problems(),
         *cfg.comm.problems(),
-        *cfg.activation_checkpoint.problems(),
+        *cfg.activation_checkpoint.problems(n_layers=_flavor_layers(m)),
         *cfg.compile.problems(),
         *cfg.quantize.problems(
             converters=m.converters, compiled_model=cfg.compile.enable and "model" in cfg.compile.components
@@ -480,6 +481,13 @@ def validate(cfg: JobConfig) -> list[str]:
         *cfg.data.problems(training_dataset=t.dataset, attn_mask_type=m.attn_mask_type),
         *cfg.validation.problems(training=t, pp=cfg.parallelism.pipeline_parallel_degree),
     ]
+
+
+def _flavor_layers(m: Model) -> int | None:
+    """The blocks of the flavor the config names; None for a Hugging Face shape or a name the model rules refuse."""
+    if m.shape_from_hf_config or m.name not in NAMES or m.flavor not in family(m.name).flavors:
+        return None
+    return family(m.name).flavors[m.flavor].n_layers
 
 
 def _missing_parts(cfg: JobConfig) -> list[str]:

@@ -449,10 +449,14 @@ class Parallelism(TorchtitanParallelism):
 class ActivationCheckpoint(TorchtitanActivationCheckpoint):
     """Activation checkpointing: which blocks' activations backward recomputes, and torch.utils.checkpoint's switches."""
 
-    mode: Literal["none", "full", "selective", "memory_budget"] = "none"
-    """Recompute activations in backward: none, full (every block) or selective."""
+    mode: Literal["none", "full", "selective", "auto", "per_block", "memory_budget"] = "none"
+    """Recompute activations in backward: none, full (every block), selective, auto (the least that fits memory_budget_gib) or per_block."""
     selective_ac_option: str = "op"
     """For mode = selective: "op" (save chosen ops' outputs) or an integer k (checkpoint every k-th block)."""
+    memory_budget_gib: float = 0.0
+    """For mode = auto: GiB one GPU may hold; 0: 90% of the CUDA device's memory (required without a CUDA device)."""
+    per_block: list[str] = field(default_factory=list)
+    """For mode = per_block: "none", "op" or "full" for each block of the model, in order (what auto prints)."""
     use_reentrant: bool = False
     """Use the legacy reentrant checkpoint. It skips the recomputed-metadata checks (docs/failures.md #2); only for reproducing old setups."""
     early_stop: bool = True
@@ -469,8 +473,14 @@ class ActivationCheckpoint(TorchtitanActivationCheckpoint):
         """k of selective_ac_option = "k" (checkpoint every k-th block); None for "op" or a value that is no k."""
         return selective_ac_every(self.selective_ac_option)
 
-    def problems(self) -> list[str]:
+    def problems(self, *, n_layers: int | None = None) -> list[str]:
+        """n_layers: the model's blocks, where the config names a flavor (a Hugging Face shape is checked by apply_ac)."""
         p = []
+        if self.mode == "per_block" and self.per_block and n_layers is not None and len(self.per_block) != n_layers:
+            p.append(
+                f"activation_checkpoint.per_block: {len(self.per_block)} entries for a model of {n_layers} blocks; "
+                "give one per block"
+            )
         if self.mode == "memory_budget":
             p.append(
                 "activation_checkpoint.mode: memory_budget asks for torchtitan's memory-budget AC, which this recipe does not do; use selective or full"
@@ -479,11 +489,37 @@ class ActivationCheckpoint(TorchtitanActivationCheckpoint):
             p.append(
                 f"activation_checkpoint.selective_ac_option: expected 'op' or a positive integer k, got {self.selective_ac_option!r}"
             )
+        if bad := sorted(set(self.per_block) - set(BLOCK_AC_MODES)):
+            p.append(
+                f"activation_checkpoint.per_block: unknown {', '.join(map(repr, bad))}; each block is one of {', '.join(BLOCK_AC_MODES)}"
+            )
+        if self.mode == "per_block" and not self.per_block:
+            p.append(
+                'activation_checkpoint.per_block: mode = "per_block" needs one entry per block ("none", "op" or "full")'
+            )
+        if self.per_block and self.mode != "per_block":
+            p.append(
+                f'activation_checkpoint.per_block: ignored by mode = "{self.mode}"; set mode = "per_block" or remove it'
+            )
+        if self.memory_budget_gib < 0 or (self.memory_budget_gib and self.mode != "auto"):
+            p.append(
+                f"activation_checkpoint.memory_budget_gib: {self.memory_budget_gib:g} "
+                + (
+                    "is negative; give GiB per GPU, or 0 for 90% of the device's"
+                    if self.memory_budget_gib < 0
+                    else f'is read by mode = "auto" only (mode is "{self.mode}"); set mode = "auto" or remove it'
+                )
+            )
         if self.determinism_check not in ("default", "none"):
             p.append(
                 f"activation_checkpoint.determinism_check: expected 'default' or 'none', got {self.determinism_check!r}"
             )
         return p
+
+
+# What activation checkpointing does to one block (parallelisms/ac.py): keep everything, op SAC, or full recompute;
+# in that order of recompute.
+BLOCK_AC_MODES = ("none", "op", "full")
 
 
 @dataclass

@@ -7,6 +7,9 @@ Modes (config section [activation_checkpoint]):
                                 attention, TP's collectives (_SAVE_OPS) and the matmuls of the
                                 linears the family names (plans.py SAC_SAVED_LINEARS)
     selective, option k         full AC on every k-th block only (1 = full)
+    per_block                   each block its own: "none", "op" or "full" (activation_checkpoint.per_block)
+    auto                        per_block, chosen to fit activation_checkpoint.memory_budget_gib with the least
+                                recompute (planning/memory.py choose_ac), before apply_ac runs
 
 Exactly one checkpointing mechanism may be active (docs/failures.md #1): `apply_ac` refuses a
 model whose blocks are already checkpointed, by us or by FSDP's `checkpoint_wrapper`.
@@ -78,7 +81,8 @@ def apply_ac(
     saved_linears: tuple[str, ...] = (),
     recompute_gathers_of: str | None = None,
 ) -> None:
-    """Checkpoint the transformer blocks of `model` in place, as `cfg` (validated by config/sections.py) says.
+    """Checkpoint the transformer blocks of `model` in place, as `cfg` (validated by config/sections.py) says:
+    each block as `block_modes` gives it (mode "auto" is resolved into "per_block" before, planning/memory.py).
 
     saved_linears: for selective op AC, the linears (names inside a block) whose matmul outputs are
     kept (the family's plans.py SAC_SAVED_LINEARS); every other matmul is recomputed.
@@ -90,15 +94,12 @@ def apply_ac(
     the block's class is swapped for a subclass whose forward checkpoints the original one (see
     `checkpoint_module`). Raises ConfigError if a block is already checkpointed.
     """
-    if cfg.mode == "none":
+    modes = block_modes(cfg, [int(key) for key in model.layers])
+    if all(mode == "none" for mode in modes):
         return
     refuse_nested_checkpointing(model)
-    every, op_sac = 1, cfg.mode == "selective" and cfg.selective_ac_option == "op"
-    if cfg.mode == "selective" and not op_sac:
-        every = cfg.selective_every
-        assert every is not None, "config.validate checks selective_ac_option"
     if cfg.use_reentrant:
-        if op_sac:
+        if "op" in modes:
             raise ConfigError(
                 "activation_checkpoint.use_reentrant: selective op AC works with non-reentrant checkpointing only; "
                 "set use_reentrant = false"
@@ -112,13 +113,41 @@ def apply_ac(
     options: dict[str, Any] = {"preserve_rng_state": cfg.preserve_rng_state}
     if not cfg.use_reentrant:
         options.update(determinism_check=cfg.determinism_check, debug=cfg.debug)
-    # Block i is checkpointed when (i + 1) % k == 0: k = 2 -> blocks 1, 3, 5, ... (torchtitan's choice).
-    for i, block in enumerate(model.layers.values()):
-        if (i + 1) % every == 0:
-            context_fn = _op_sac_context(block, saved_linears, recompute_gathers_of) if op_sac else None
+    for block, mode in zip(model.layers.values(), modes, strict=True):
+        if mode != "none":
+            context_fn = _op_sac_context(block, saved_linears, recompute_gathers_of) if mode == "op" else None
             checkpoint_module(
                 block, use_reentrant=cfg.use_reentrant, context_fn=context_fn, early_stop=cfg.early_stop, **options
             )
+
+
+def block_modes(cfg: ActivationCheckpoint, layers: list[int]) -> list[str]:
+    """What `apply_ac` does to each block of a model or pipeline stage, given its blocks' indices in the whole model
+    in order: "none" (keeps every activation), "op" (selective op AC) or "full". The one rule, which the memory
+    estimate (planning/memory.py) reads too."""
+    n = len(layers)
+    match cfg.mode:
+        case "none":
+            return ["none"] * n
+        case "full":
+            return ["full"] * n
+        case "selective" if cfg.selective_ac_option == "op":
+            return ["op"] * n
+        case "selective":
+            # Block i (its position in the model or stage) when (i + 1) % k == 0: k = 2 -> 1, 3, 5, ... (torchtitan's).
+            every = cfg.selective_every
+            assert every is not None, "config.validate checks selective_ac_option"
+            return ["full" if (i + 1) % every == 0 else "none" for i in range(n)]
+        case "per_block":
+            if (need := max(layers, default=-1) + 1) > len(cfg.per_block):
+                raise ConfigError(
+                    f"activation_checkpoint.per_block: {len(cfg.per_block)} entries for a model of at least {need} "
+                    "blocks; give one per block"
+                )
+            return [cfg.per_block[layer] for layer in layers]
+    raise ValueError(
+        f'activation_checkpoint.mode = "{cfg.mode}" is chosen per block before apply_ac (planning/memory.py)'
+    )
 
 
 class CheckpointedModule:

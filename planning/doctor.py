@@ -16,7 +16,7 @@ and on what would merely run badly, and lives here:
                    (docs/failures.md #4)
     offload        CPU offload on a machine without CUDA (docs/failures.md #5)
     memory         parameters, gradients, optimizer state and activations per rank (planning/estimate_memory.py)
-                   against the device memory of a rank
+                   against the device memory of a rank; mode "auto"'s choice of activation checkpointing
     data           a run that would read its corpus many times over; a tokenizer whose vocabulary
                    is far smaller than the model's embedding (most of it never trained)
 
@@ -322,15 +322,25 @@ def _memory(cfg: JobConfig, dims: ParallelDims, machine: Machine, *, tp_mesh: De
     if machine.device_memory_gib is None:
         return []
     # Imported here: the estimator (its fake-tensor trace of a block) loads only when this check runs.
-    from planning.memory import Setup, estimate
+    from planning.memory import Setup, estimate, resolve_auto_ac
 
+    findings = []
+    if cfg.activation_checkpoint.mode == "auto":  # what train.py will choose on this machine, said
+        gpu = machine.device_memory_gib if machine.cuda else None
+        try:
+            cfg, choice = resolve_auto_ac(
+                cfg, world_size=dims.world_size, cuda=machine.cuda, cuda_memory_gib=gpu, tp_mesh=tp_mesh
+            )
+        except ConfigError as e:  # no budget without CUDA, or a job that fits with no choice: both numbers said
+            return [Finding("error", *problem.split(": ", 1)) for problem in e.problems]
+        assert choice is not None
+        findings.append(Finding("note", "activation_checkpoint.mode", f"auto: {choice.describe()}"))
     try:
         job = Setup.of(cfg, dims.world_size, cuda=machine.cuda)
     except ConfigError:  # a shape TP or PP cannot split: the run refuses it at start-up, with its own message
-        return []
+        return findings
     e = estimate(job, tp_mesh=tp_mesh)
     need = e["total"] / GiB
-    findings = []
     if job.defers_reduce_scatter:  # what the setting costs, said whether or not it fits
         findings.append(
             Finding(

@@ -62,10 +62,15 @@ from planning.memory import (
     estimate,
     hidden_matrices,
     job_costs,
+    layer_modes,
+    mode_costs,
     one_block_model,
+    resolve_auto_ac,
     tp_rank_elements,
 )
-from planning.trace import BlockCosts, checkpointed_blocks
+from planning.trace import BlockCosts
+
+PLANNED_GPU_GIB = 80  # the GPUs a dry run plans for: H100s, 80 GiB each
 
 
 def run(cfg: JobConfig) -> int:
@@ -84,6 +89,12 @@ def run(cfg: JobConfig) -> int:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         mesh = dims.build_mesh("cpu")
+        # Mode "auto" chosen for the GPUs planned for, as train.py chooses it on them.
+        tp_mesh = mesh["tp"] if dims.tp_enabled else None
+        cfg, choice = resolve_auto_ac(
+            cfg, world_size=world_size, cuda=True, cuda_memory_gib=PLANNED_GPU_GIB, tp_mesh=tp_mesh
+        )
+        lines += [f"activation_checkpoint.mode = auto: {choice.describe()}", ""] if choice is not None else []
         args = run_model_args(cfg)
         model, pipeline = build_run_model(  # as train.py builds it
             cfg, args, dims=dims, mesh=mesh, loss_fn=Loss(), device=torch.device("cpu"), planning=True
@@ -95,10 +106,9 @@ def run(cfg: JobConfig) -> int:
         )
     finally:
         dist.destroy_process_group()
-    # Optional parts (planning/doctor.py): each adds its lines and says whether it found an error. The GPUs planned for
-    # are H100s, 80 GiB each.
+    # Optional parts (planning/doctor.py): each adds its lines and says whether it found an error.
     errors |= doctor.add_plan_report(
-        lines, cfg, world_size=world_size, gpus_per_node=gpus_per_node, device_memory_gib=80
+        lines, cfg, world_size=world_size, gpus_per_node=gpus_per_node, device_memory_gib=PLANNED_GPU_GIB
     )
     if notes := input_problems(cfg):
         lines += ["", "inputs the job reads that this machine lacks (its machines need them, a dry run does not):"]
@@ -279,7 +289,10 @@ def _comm(
         # The gradients of what TP leaves whole (the norms' weights) are partial sums over the TP ranks: FSDP
         # all-reduces them with each reduce-scatter, else optimizer.clip_grad_norm_ once a step.
         fsdp_applied = applies_fsdp(dims, param_dtype=t.mixed_precision_param, cpu_offload=t.enable_cpu_offload)
-        kinds = _tp_kinds(costs, job, blocks=blocks, last=last, grad_accum=grad_accum)
+        modes = [mode for s in ours for mode in layer_modes(job, layers[s])]
+        by_mode = mode_costs(job, tuple(dict.fromkeys(modes)), tp_mesh=tp_mesh)
+        block_tp = sum((Counter(by_mode[mode].tp_block) for mode in modes), Counter())
+        kinds = _tp_kinds(costs, job, block_tp=block_tp, last=last, grad_accum=grad_accum)
         replicated = blocks * costs.tp_replicated[0] + (costs.tp_replicated[1] if last else 0)
         kinds["all_reduce"] += ring(tp) * ((syncs if fsdp_applied else 1) * 2 * param_bytes * replicated + norm)
         out["tp"] = (
@@ -288,7 +301,8 @@ def _comm(
             "recomputation; the unsplit weights' gradients and the gradient norm all-reduced",
         )
     if cp > 1:
-        recomputed = 0 if job.ac == "selective-op" else sum(checkpointed_blocks(len(layers[s]), job.ac) for s in ours)
+        # Full AC gathers again when it recomputes; an op-SAC block keeps the gathered keys and values.
+        recomputed = sum(mode == "full" for s in ours for mode in layer_modes(job, layers[s]))
         # Forward's all-gathers and AC's re-gathers; backward's reduce-scatters.
         kv = ring(cp) * cp_kv_bytes(job)["gathered"] * job.microbatches * grad_accum
         kinds = Counter(all_gather=(blocks + recomputed) * kv, reduce_scatter=blocks * kv)
@@ -307,10 +321,11 @@ def _comm(
     return out
 
 
-def _tp_kinds(costs: BlockCosts, job: Setup, *, blocks: int, last: bool, grad_accum: int) -> Counter[str]:
-    """The traced TP collectives of a step, by kind: rank 0's blocks, the embedding (stage 0, always rank 0's), the
-    head and loss (the last stage's), per micro-batch (of the pipeline: 1/microbatches of the local batch)."""
-    traced = Counter({k: blocks * v for k, v in costs.tp_block.items()}) + Counter(costs.tp_embedding)
+def _tp_kinds(costs: BlockCosts, job: Setup, *, block_tp: Counter[str], last: bool, grad_accum: int) -> Counter[str]:
+    """The traced TP collectives of a step, by kind: rank 0's blocks (`block_tp`, each traced in its AC mode), the
+    embedding (stage 0, always rank 0's), the head and loss (the last stage's), per micro-batch (of the pipeline:
+    1/microbatches of the local batch)."""
+    traced = block_tp + Counter(costs.tp_embedding)
     traced += Counter(costs.tp_head) if last else Counter()
     return Counter({k: (job.tp - 1) / job.tp * job.microbatches * v * grad_accum for k, v in traced.items()})
 

@@ -23,7 +23,18 @@ from typing import Any
 from config import JobConfig
 from errors import ConfigError
 from planning.fake_step import fake_job_memory
-from planning.memory import DEFAULTS, DTYPE_BYTES, FRAGMENTATION, SHORT_KEYS, GiB, Setup, estimate, estimate_rank, setup
+from planning.memory import (
+    DEFAULTS,
+    DTYPE_BYTES,
+    FRAGMENTATION,
+    SHORT_KEYS,
+    GiB,
+    Setup,
+    estimate,
+    estimate_rank,
+    layer_modes,
+    setup,
+)
 from planning.references import REFERENCES
 
 
@@ -248,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         job = dataclasses.replace(
             job, allocator=args.allocator, overhead_gib=args.overhead_gib, logits_kept_in_backward=args.keep_logits
         )
+        layer_modes(job, [0])  # mode auto is chosen where the job starts: refused here in one line, naming the way
         if args.pp_rank is not None and not 0 <= args.pp_rank < job.pp:
             raise ValueError(f"--pp-rank: expected 0 to {job.pp - 1}, got {args.pp_rank}")
     except ConfigError as e:

@@ -15,14 +15,24 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from config import JobConfig, Parallelism, global_batch_size, grad_accum_steps, load_config, model_args
+from config import (
+    BLOCK_AC_MODES,
+    ActivationCheckpoint,
+    JobConfig,
+    Parallelism,
+    global_batch_size,
+    grad_accum_steps,
+    load_config,
+    model_args,
+)
 from errors import ConfigError
 from loss import chunk_tokens_for
 from models import ModelFamily, family
+from parallelisms.ac import block_modes
 from parallelisms.fsdp import applies_fsdp
 from parallelisms.parallel_dims import ParallelDims, layout_problems
 from parallelisms.pp import SCHEDULES, rank_stages, stage_layers
-from planning.trace import BlockCosts, RMSNorm, block_costs, checkpoint_every, checkpointed_blocks
+from planning.trace import BlockCosts, RMSNorm, block_costs
 
 GiB = 2**30
 
@@ -58,7 +68,7 @@ class Setup:
     grad_accum: int
     param_dtype: str  # training.mixed_precision_param
     reduce_dtype: str  # training.mixed_precision_reduce
-    ac: str  # activation_checkpoint: none, full, selective-op or selective-<k>
+    ac: str  # activation_checkpoint: none, full, selective-op, selective-<k>, per_block or auto (choose_ac resolves it)
     cpu_offload: bool  # training.enable_cpu_offload, on CUDA
     # training.loss_chunk_tokens (-1: chunks where the logits are large, loss.py; 0, torchtitan's loss: all at once).
     loss_chunk_tokens: int
@@ -76,6 +86,7 @@ class Setup:
     # train.py, like torchtitan, deletes the logits before loss.backward(); a loop that keeps
     # them alive holds T x V/tp more elements in param_dtype through the loss backward.
     logits_kept_in_backward: bool = False
+    ac_blocks: tuple[str, ...] = ()  # activation_checkpoint.per_block, for ac "per_block": "none", "op" or "full" each
 
     @classmethod
     def of(cls, cfg: JobConfig, ngpu: int, *, cuda: bool, rmsnorm: RMSNorm | None = None) -> Setup:
@@ -115,6 +126,7 @@ class Setup:
             allocator="cuda" if cuda else "cpu",
             overhead_gib=2.0 if cuda else 0.5,
             rmsnorm=rmsnorm or ("fused" if cuda else "composite"),
+            ac_blocks=tuple(ac.per_block),
         )
 
     @property
@@ -306,32 +318,65 @@ def rank_ops(schedule: str, *, pp_rank: int, pp: int, n_local: int, n_mb: int) -
     ]
 
 
+def layer_modes(job: Setup, layers: list[int]) -> list[str]:
+    """What activation checkpointing does to each of `layers` (blocks of a model or stage, by index in the model):
+    apply_ac's own rule (parallelisms/ac.py block_modes) on the job's AC settings."""
+    if job.ac == "auto":
+        raise ConfigError(
+            'activation_checkpoint.mode: "auto" is chosen block by block where the job starts (train.py, --print-config, '
+            "the doctor, the dry run: each prints its choice); to estimate it here, pass the per_block it printed"
+        )
+    mode, _, option = job.ac.partition("-")
+    section = ActivationCheckpoint(mode=mode, selective_ac_option=option or "op", per_block=list(job.ac_blocks))
+    return block_modes(section, layers)
+
+
+def _main_mode(job: Setup) -> str:
+    """The block AC mode that recomputes most among the job's blocks: its trace gives the costs that are one number
+    for every block (job_costs)."""
+    used = set(layer_modes(job, list(range(job.args.n_layers))))
+    return max(used, key=BLOCK_AC_MODES.index)
+
+
+def mode_costs(
+    job: Setup, modes: tuple[str, ...] = BLOCK_AC_MODES, *, tp_mesh: DeviceMesh | None = None
+) -> dict[str, BlockCosts]:
+    """block_costs of one micro-batch of `job` through one block, in its param_dtype, for each block AC mode in
+    `modes` ("none", "op", "full"). Under context parallel the block is traced on this rank's tokens, and attention's
+    keys and values span the whole window (`cp_kv_bytes`)."""
+    extra, costs = cp_kv_bytes(job), {}
+    for mode in modes:
+        traced = block_costs(
+            job.fam,
+            job.args,
+            batch=job.microbatch_tokens // job.local_seq_len,
+            seq_len=job.local_seq_len,
+            dtype=getattr(torch, job.param_dtype),
+            ac={"none": "none", "op": "selective-op", "full": "full"}[mode],
+            tp=job.tp,
+            rmsnorm=job.rmsnorm,
+            tp_mesh=tp_mesh,
+            loss_parallel=job.loss_parallel,
+            loss_chunk_tokens=job.chunk_tokens,
+            z_loss=job.z_loss_weight > 0,
+            autocast=job.autocast,
+        )
+        kept = traced.kept + (extra["kept"] if mode == "op" else 0)
+        costs[mode] = dataclasses.replace(traced, saved=traced.saved + extra["saved"], kept=kept)
+    return costs
+
+
 def job_costs(job: Setup, *, tp_mesh: DeviceMesh | None = None) -> BlockCosts:
-    """block_costs of one micro-batch of `job` through one block, in its param_dtype. Under context parallel the
-    block is traced on this rank's tokens, and attention's keys and values span the whole window (`cp_kv_bytes`)."""
-    costs = block_costs(
-        job.fam,
-        job.args,
-        batch=job.microbatch_tokens // job.local_seq_len,
-        seq_len=job.local_seq_len,
-        dtype=getattr(torch, job.param_dtype),
-        ac=job.ac,
-        tp=job.tp,
-        rmsnorm=job.rmsnorm,
-        tp_mesh=tp_mesh,
-        loss_parallel=job.loss_parallel,
-        loss_chunk_tokens=job.chunk_tokens,
-        z_loss=job.z_loss_weight > 0,
-        autocast=job.autocast,
-    )
-    extra = cp_kv_bytes(job)
-    return dataclasses.replace(costs, saved=costs.saved + extra["saved"], kept=costs.kept + extra["kept"])
+    """mode_costs of the job's blocks: those of the mode that recomputes most among them (`_main_mode`), which differ
+    from the others' in what a block keeps (`kept`) and in the recomputation's collectives and FLOPs."""
+    mode = _main_mode(job)
+    return mode_costs(job, (mode,), tp_mesh=tp_mesh)[mode]
 
 
 def cp_kv_bytes(job: Setup) -> dict[str, int]:
     """What context parallel adds to one block's activations (parallelisms/cp.py), per micro-batch: attention
     saves its keys and values for the whole window instead of this rank's 1/cp of it, expanded to the query
-    heads (grouped-query attention repeats them before SDPA): `saved`; op SAC keeps the all-gather's output,
+    heads (grouped-query attention repeats them before SDPA): `saved`; an op-SAC block keeps the all-gather's output,
     the window's keys and values at the KV heads, so that backward does not gather again: `kept`; one
     all-gather's payload, the window's keys and values: `gathered`; on CPU ranks, SDPA's dense additive mask of
     this rank's queries x the window, one per forward (models/attention.py; CUDA's BlockMask is a few KiB): `mask`.
@@ -344,16 +389,20 @@ def cp_kv_bytes(job: Setup) -> dict[str, int]:
     saved = 2 * head_bytes * (window - job.local_seq_len) * (args.n_heads // job.tp)
     gathered = 2 * head_bytes * window * (args.kv_heads // job.tp)
     mask = batch * job.local_seq_len * window * param_bytes if job.allocator == "cpu" else 0
-    return {"saved": saved, "kept": gathered if job.ac == "selective-op" else 0, "gathered": gathered, "mask": mask}
+    return {"saved": saved, "kept": gathered, "gathered": gathered, "mask": mask}
 
 
 def activation_bytes(job: Setup, *, tp_mesh: DeviceMesh | None = None) -> dict[str, int]:
     """Bytes saved for backward at the end of one micro-batch's forward through the whole model (what
     benchmarks/memory.py measures), by part: the blocks, what lies outside them (token ids, the final
     norm and its gathered output), the loss's fp32 log-softmax."""
-    costs, args, param_bytes = job_costs(job, tp_mesh=tp_mesh), job.args, DTYPE_BYTES[job.param_dtype]
-    tokens, checkpointed = job.microbatch_tokens, checkpointed_blocks(job.args.n_layers, job.ac)
-    blocks = (args.n_layers - checkpointed) * costs.saved + checkpointed * costs.kept
+    args, param_bytes, tokens = job.args, DTYPE_BYTES[job.param_dtype], job.microbatch_tokens
+    modes = layer_modes(job, list(range(args.n_layers)))
+    by_mode = mode_costs(job, tuple(dict.fromkeys(["none", *modes])), tp_mesh=tp_mesh)
+    costs = by_mode[_main_mode(job)]
+    kept = {mode: c.kept if mode != "none" else c.saved for mode, c in by_mode.items()}
+    checkpointed = any(mode != "none" for mode in modes)
+    blocks = sum(kept[mode] for mode in modes)
     outside = 16 * tokens + costs.final_norm + param_bytes * tokens * args.dim + cp_kv_bytes(job)["mask"]
     log_softmax = 4 * tokens * args.vocab_size // job.tp
     return {
@@ -486,10 +535,11 @@ class _Activations:
     stages: list[list[int]]
     no_ac: int
     """One block's saved bytes without activation checkpointing."""
-    checkpointed: int
-    """What a checkpointed block keeps (its input; under op SAC also its cache)."""
-    every: int
-    """apply_ac's period (checkpoint_every)."""
+    kept: dict[str, int]
+    """What a block keeps from forward to backward, by its AC mode: none (no_ac), op (its input and op SAC's cache),
+    full (its input)."""
+    modes: list[list[str]]
+    """Each stage's blocks' AC modes, in order (parallelisms/ac.py block_modes)."""
     token_ids: int
     """Token ids and labels (int64), and CP's mask on CPU."""
     final_norm: int
@@ -500,23 +550,30 @@ class _Activations:
     """Kept by a pipeline stage for its backward; the last stage's feeds the final norm."""
 
     def blocks(self, stage: int) -> list[int]:
-        every = self.every
-        checkpointed = [every and (i + 1) % every == 0 for i in range(len(self.stages[stage]))]
-        return [self.checkpointed if ckpt else self.no_ac for ckpt in checkpointed]
+        return [self.kept[mode] for mode in self.modes[stage]]
+
+    @property
+    def checkpointed(self) -> int:
+        """What a checkpointed block keeps, of the mode that recomputes most among them; 0 without AC."""
+        used = {mode for stage in self.modes for mode in stage} - {"none"}
+        return self.kept[max(used, key=BLOCK_AC_MODES.index)] if used else 0
 
     def outside(self, stage: int) -> float:
         last = stage == len(self.stages) - 1
         return self.token_ids + (self.final_norm + self.log_softmax if last else self.stage_output)
 
 
-def _activations(job: Setup, costs: BlockCosts, stages: list[list[int]]) -> _Activations:
+def _activations(job: Setup, costs: BlockCosts, stages: list[list[int]], *, tp_mesh: DeviceMesh | None) -> _Activations:
     param_bytes, tokens, dim = DTYPE_BYTES[job.param_dtype], job.microbatch_tokens, job.args.dim
     chunked = job.chunk_tokens > 0
+    modes = [layer_modes(job, stage) for stage in stages]
+    used = tuple(dict.fromkeys(mode for stage in modes for mode in stage if mode != "none"))
+    kept = {mode: c.kept for mode, c in mode_costs(job, used, tp_mesh=tp_mesh).items()}
     return _Activations(
         stages=stages,
         no_ac=costs.saved,
-        checkpointed=costs.kept,
-        every=checkpoint_every(job.ac),
+        kept={"none": costs.saved, **kept},
+        modes=modes,
         token_ids=16 * tokens + cp_kv_bytes(job)["mask"],
         final_norm=costs.final_norm + param_bytes * tokens * dim,
         log_softmax=0 if chunked else 4 * tokens * job.args.vocab_size // job.tp,
@@ -673,7 +730,7 @@ def estimate_rank(job: Setup, pp_rank: int = 0, *, tp_mesh: DeviceMesh | None = 
     costs = job_costs(job, tp_mesh=tp_mesh)
     params = _rank_params(job, costs, pp_rank)
     state = _sharded_state(job, params)
-    acts, transients = _activations(job, costs, params.stages), _transients(job, costs)
+    acts, transients = _activations(job, costs, params.stages, tp_mesh=tp_mesh), _transients(job, costs)
     replay = _Replay(
         job, params=params, state=state, gathered=_gathered_params(job, params), acts=acts, transients=transients
     )
@@ -748,7 +805,7 @@ def _report(job: Setup, pp_rank: int, replay: _Replay) -> dict[str, float | int 
         "gathered_loss_phase": replay.gathered["loss"],
         "gathered_block_phase": replay.gathered["block"],
         "act_per_block_no_ac": acts.no_ac,
-        "act_per_block_checkpointed": acts.checkpointed if acts.every else 0,
+        "act_per_block_checkpointed": acts.checkpointed,
         "act_blocks": sum(sum(acts.blocks(g)) for g in params.local),
         "act_outside_blocks": acts.token_ids + acts.final_norm,
         "loss_buffers": acts.log_softmax + transients.loss,
@@ -772,3 +829,120 @@ def _report(job: Setup, pp_rank: int, replay: _Replay) -> dict[str, float | int 
 def estimate(job: Setup, *, tp_mesh: DeviceMesh | None = None) -> dict[str, float | int | str]:
     """estimate_rank of the pp rank that needs the most memory (reserved; without PP the one rank)."""
     return max((estimate_rank(job, rank, tp_mesh=tp_mesh) for rank in range(job.pp)), key=lambda e: e["reserved"])
+
+
+# --------------------------------------------------------------- activation checkpointing chosen to fit
+
+# activation_checkpoint.memory_budget_gib's default: this share of the CUDA device's memory (the rest: what the
+# estimate leaves out and the allocator's slack beyond its reserved model).
+AUTO_BUDGET_SHARE = 0.9
+
+
+@dataclass(frozen=True)
+class ACChoice:
+    """What mode "auto" chose (`choose_ac`): each block's AC mode, the estimate of the job with it, and the budget."""
+
+    modes: tuple[str, ...]
+    estimate: dict[str, float | int | str]
+    budget: float  # bytes
+    recompute_flops: float  # of one micro-batch through the model's blocks, the recomputation's FLOPs (one rank)
+
+    def describe(self) -> str:
+        """One line (after "auto: "): the blocks of each mode, the estimated peak against the budget, the recomputation,
+        and the choice written out as config keys."""
+        runs, start = [], 0
+        for i in range(1, len(self.modes) + 1):
+            if i == len(self.modes) or self.modes[i] != self.modes[start]:
+                blocks = f"{start}" if i - 1 == start else f"{start}-{i - 1}"
+                runs.append(f"{self.modes[start]} {blocks}")
+                start = i
+        names = {"none": "no AC", "op": "op SAC", "full": "full AC"}
+        spelled = ", ".join(f"{names[mode]} {blocks}" for mode, blocks in (r.split(" ", 1) for r in runs))
+        flops = self.recompute_flops
+        recompute = f"{flops / 1e12:.3g} TFLOP" if flops >= 1e12 else f"{flops / 1e9:.3g} GFLOP"
+        written = ", ".join(f'"{mode}"' for mode in self.modes)
+        return (
+            f"blocks {spelled}; estimated peak {_gib(self.estimate['total'])} of the {_gib(self.budget)} budget; "
+            f'recomputes {recompute} a micro-batch (written out: mode = "per_block", per_block = [{written}])'
+        )
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / GiB:.1f} GiB" if nbytes >= GiB else f"{nbytes / GiB:.3g} GiB"
+
+
+def ac_budget_gib(cfg: ActivationCheckpoint, *, cuda_memory_gib: float | None) -> float:
+    """The memory mode "auto" fits a job into: memory_budget_gib, or AUTO_BUDGET_SHARE of the CUDA device's memory
+    (`cuda_memory_gib`: this GPU's, or the one a plan is made for); without either, ConfigError."""
+    if cfg.memory_budget_gib > 0:
+        return cfg.memory_budget_gib
+    if cuda_memory_gib is None:
+        raise ConfigError(
+            'activation_checkpoint.memory_budget_gib: mode = "auto" fits the job into it, and without a CUDA device '
+            f"there is no GPU memory to default to ({AUTO_BUDGET_SHARE:.0%} of it); set it, e.g. 72 for an 80 GiB GPU"
+        )
+    return AUTO_BUDGET_SHARE * cuda_memory_gib
+
+
+def choose_ac(job: Setup, *, budget_gib: float, tp_mesh: DeviceMesh | None = None) -> ACChoice:
+    """Mode "auto": each block's AC mode ("none", "op" or "full"), the assignment with the least recomputation (FLOPs,
+    as the block's trace counts them) whose estimated memory (`estimate`'s total) fits `budget_gib`.
+
+    The assignments tried: the first f blocks full, the next o op SAC, the rest none. The earliest blocks are the
+    ones to checkpoint: a block's activations are held from its forward until its backward, which comes last for
+    the first block (and under pipeline parallel the first stage holds the most micro-batches). For each f the smallest o that fits is found by bisection
+    (the memory only falls as a block moves from none to op). ConfigError when not even full AC everywhere fits."""
+    n, budget = job.args.n_layers, budget_gib * GiB
+    recompute = {mode: c.recompute_flops for mode, c in mode_costs(job, tp_mesh=tp_mesh).items()}
+
+    def trial(f: int, o: int) -> dict[str, float | int | str]:
+        modes = ("full",) * f + ("op",) * o + ("none",) * (n - f - o)
+        return estimate(dataclasses.replace(job, ac="per_block", ac_blocks=modes), tp_mesh=tp_mesh)
+
+    best: tuple[float, int, int, int, dict] | None = None  # (recompute, checkpointed blocks, f, o, estimate)
+    for f in range(n + 1):
+        if best is not None and f * recompute["full"] >= best[0]:
+            break  # more full blocks only recompute more
+        if (most := trial(f, n - f))["total"] > budget:
+            continue
+        lo, hi, fits = 0, n - f, most  # the smallest o that fits lies in [lo, hi]; `fits` is hi's estimate
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if (e := trial(f, mid))["total"] <= budget:
+                hi, fits = mid, e
+            else:
+                lo = mid + 1
+        cost = f * recompute["full"] + hi * recompute["op"]
+        if best is None or (cost, f + hi) < best[:2]:
+            best = (cost, f + hi, f, hi, fits)
+    if best is None:
+        full = estimate(dataclasses.replace(job, ac="full"), tp_mesh=tp_mesh)
+        raise ConfigError(
+            f"activation_checkpoint.memory_budget_gib: the job needs about {full['total'] / GiB:.3g} GiB per rank even "
+            f"with full AC on every block, over the budget of {budget_gib:.3g} GiB; use more GPUs (FSDP, TP, PP), "
+            "a smaller local_batch_size or seq_len, or a larger budget"
+        )
+    cost, _, f, o, fits = best
+    modes = ("full",) * f + ("op",) * o + ("none",) * (n - f - o)
+    return ACChoice(modes=modes, estimate=fits, budget=budget, recompute_flops=cost)
+
+
+def resolve_auto_ac(
+    cfg: JobConfig, *, world_size: int, cuda: bool, cuda_memory_gib: float | None, tp_mesh: DeviceMesh | None = None
+) -> tuple[JobConfig, ACChoice | None]:
+    """A config of mode "auto" as the run applies it: mode "per_block" with `choose_ac`'s blocks, and the choice; any
+    other config unchanged, and None. The job runs on `world_size` ranks, CUDA GPUs of `cuda_memory_gib` each (this
+    one's, or the one a plan is made for; None: no CUDA device) or CPU ranks. train.py, --print-config, the dry run
+    and the doctor all resolve it here. ConfigError: no budget without CUDA, or a job that fits with no assignment."""
+    ac = cfg.activation_checkpoint
+    if ac.mode != "auto":
+        return cfg, None
+    budget = ac_budget_gib(ac, cuda_memory_gib=cuda_memory_gib)
+    choice = choose_ac(Setup.of(cfg, world_size, cuda=cuda), budget_gib=budget, tp_mesh=tp_mesh)
+    chosen = dataclasses.replace(ac, mode="per_block", per_block=list(choice.modes), memory_budget_gib=0.0)
+    return dataclasses.replace(cfg, activation_checkpoint=chosen), choice
+
+
+def cuda_memory_gib(device: torch.device) -> float | None:
+    """The memory of `device` when it is a CUDA GPU, in GiB; None on any other device."""
+    return torch.cuda.get_device_properties(device).total_memory / GiB if device.type == "cuda" else None

@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import flop_counter
 
 # TorchDispatchMode is the documented way to see every aten op, in a private module (PyTorch 2.13).
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -88,6 +89,12 @@ class BlockCosts:
     tp_replicated: tuple[int, int] = (0, 0)
     """Parameters TP leaves whole on every rank (the norms' weights), of a block and of the root unit: their gradients
     are all-reduced over the TP ranks by every micro-batch's backward."""
+    backward_flops: int = 0
+    """FLOPs of one block's backward on this rank (matmuls and attention, torch.utils.flop_counter's formulas),
+    the AC mode's recomputation included."""
+    recompute_flops: int = 0
+    """What the AC mode adds to a block's backward: the FLOPs of its recomputation (backward_flops minus the
+    backward_flops of the trace without AC)."""
 
 
 _TRACES: dict[tuple, BlockCosts] = {}
@@ -148,7 +155,8 @@ def block_costs(
                     autocast=autocast,
                 )
         traced[m] = _TRACES[key]
-    return dataclasses.replace(traced[mode], saved=traced["none"].saved)
+    recompute = traced[mode].backward_flops - traced["none"].backward_flops
+    return dataclasses.replace(traced[mode], saved=traced["none"].saved, recompute_flops=recompute)
 
 
 @contextlib.contextmanager
@@ -297,6 +305,7 @@ def trace_costs(
         tp_embedding=dict(watch.comm["embedding"]),
         tp_head=dict(watch.comm["head"]),
         tp_replicated=(_replicated_numel(block), _replicated_numel(model.norm)) if tp_mesh is not None else (0, 0),
+        backward_flops=watch.backward_flops,
     )
 
 
@@ -321,6 +330,19 @@ def _numel(module: nn.Module) -> int:
     return sum(_local(p).numel() for p in module.parameters())
 
 
+# torch.utils.flop_counter's formulas (matmuls, attention, forward and backward), plus the CPU's flash attention, which
+# this machine's trace runs and which PyTorch 2.13 has no formula for: the same count as CUDA's (q, k, v come first).
+_FLOPS = {
+    **flop_counter.flop_registry,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: flop_counter.flop_registry[
+        torch.ops.aten._scaled_dot_product_flash_attention
+    ],
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: flop_counter.flop_registry[
+        torch.ops.aten._scaled_dot_product_flash_attention_backward
+    ],
+}
+
+
 class _Watch:
     """The bookkeeping of trace_costs: which storages each part of the model created and which survive, the
     linears' inputs and outputs, and the bytes of the collectives, by phase of the step."""
@@ -343,6 +365,7 @@ class _Watch:
         self.linear_inputs: dict[int, int] = {}
         self.comm: dict[str, Counter[str]] = defaultdict(Counter)  # part -> kind -> bytes
         self._open: list[nn.Module] = []
+        self.backward_flops = 0
         self.block = block
         watched = [block, model.norm, *(m for m in block.modules() if isinstance(m, nn.RMSNorm))]
         for module in dict.fromkeys(watched):
@@ -402,6 +425,8 @@ class _Watch:
             part = "block" if self.phase.startswith("block") else self.part
             self.comm[part][kind] += times * tensor.numel() * tensor.element_size()
         if self.phase.endswith("backward"):
+            if self.phase == "block backward" and (formula := _FLOPS.get(op.overloadpacket)) is not None:
+                self.backward_flops += formula(*args, **kwargs, out_val=out)
             return
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):

@@ -20,7 +20,18 @@ from models.llama3 import FLAVORS
 from muon import build_muon
 from planning import estimate_memory, trace
 from planning.estimate_memory import breakdown
-from planning.memory import GiB, Setup, activation_bytes, estimate, estimate_rank, hidden_matrices, setup
+from planning.memory import (
+    GiB,
+    Setup,
+    ac_budget_gib,
+    activation_bytes,
+    choose_ac,
+    estimate,
+    estimate_rank,
+    hidden_matrices,
+    mode_costs,
+    setup,
+)
 from tests.instruments import LiveBytes
 from tests.launch import python
 
@@ -346,3 +357,70 @@ def test_the_fake_step_refuses_muon_in_one_line(capsys: pytest.CaptureFixture[st
         "error: --fake-step: optimizer Muon is estimated by the formulas only (the breakdown above); "
         "the fake step is AdamW's\n"
     )
+
+
+# ------------------------------------------------------------------ mode "auto"
+
+
+@pytest.mark.parametrize(
+    "ranks, overrides", [(2, ()), (4, ("--parallelism.pipeline_parallel_degree=2",))], ids=["fsdp2", "pp2"]
+)
+def test_auto_chooses_the_least_recompute_that_fits(ranks: int, overrides: tuple[str, ...]) -> None:
+    """Every assignment of the family mode "auto" searches (the first f blocks full, the next o op SAC, the rest
+    none), estimated one by one: for budgets from above no AC's peak to just above full AC's, the choice fits and no
+    assignment that fits recomputes fewer FLOPs. A per_block of one mode is estimated as that mode."""
+    job = setup(ranks, config="configs/debug.toml", cuda=False, overrides=overrides)
+    n = job.args.n_layers
+    uniform = {mode: estimate(dataclasses.replace(job, ac=ac))["total"]
+               for mode, ac in (("none", "none"), ("op", "selective-op"), ("full", "full"))}  # fmt: skip
+    for mode, total in uniform.items():
+        assert estimate(dataclasses.replace(job, ac="per_block", ac_blocks=(mode,) * n))["total"] == total
+    assert uniform["none"] > uniform["op"] > uniform["full"]
+    flops = {mode: c.recompute_flops for mode, c in mode_costs(job).items()}
+    assert flops["none"] == 0 < flops["op"] < flops["full"]
+    trials = {
+        (f, o): estimate(
+            dataclasses.replace(job, ac="per_block", ac_blocks=("full",) * f + ("op",) * o + ("none",) * (n - f - o))
+        )["total"]
+        for f in range(n + 1)
+        for o in range(n + 1 - f)
+    }
+    cost = lambda f, o: f * flops["full"] + o * flops["op"]  # noqa: E731
+    chosen = []
+    gap = uniform["none"] - uniform["full"]
+    for budget in [uniform["none"] + 1, *(uniform["full"] + k / 7 * gap for k in range(6, -1, -1))]:
+        choice = choose_ac(job, budget_gib=budget / GiB)
+        f, o = choice.modes.count("full"), choice.modes.count("op")
+        assert choice.modes == ("full",) * f + ("op",) * o + ("none",) * (n - f - o)
+        assert choice.estimate["total"] == trials[f, o] <= budget
+        assert cost(f, o) == choice.recompute_flops == min(cost(*k) for k, total in trials.items() if total <= budget)
+        chosen.append(choice.modes)
+    assert chosen[0] == ("none",) * n and chosen[-1].count("full") >= n - 1 and len(set(chosen[-2])) > 1
+    assert len(set(chosen)) >= 4
+    tight = choose_ac(job, budget_gib=(uniform["full"] + gap / 7) / GiB)
+    line = tight.describe()
+    assert line.startswith("blocks full AC 0") and f"of the {tight.budget / GiB:.3g} GiB budget" in line
+    assert line.endswith("per_block = [" + ", ".join(f'"{m}"' for m in tight.modes) + "])")
+
+    with pytest.raises(ConfigError) as refused:
+        choose_ac(job, budget_gib=0.99 * uniform["full"] / GiB)
+    assert refused.value.problems == [
+        f"activation_checkpoint.memory_budget_gib: the job needs about {uniform['full'] / GiB:.3g} GiB per rank even "
+        f"with full AC on every block, over the budget of {0.99 * uniform['full'] / GiB:.3g} GiB; use more GPUs "
+        "(FSDP, TP, PP), a smaller local_batch_size or seq_len, or a larger budget"
+    ]
+
+
+def test_the_budget_of_auto_is_set_or_90_percent_of_the_gpu_and_refused_without_either() -> None:
+    from config import ActivationCheckpoint
+
+    auto = ActivationCheckpoint(mode="auto")
+    assert ac_budget_gib(auto, cuda_memory_gib=80.0) == 72.0
+    assert ac_budget_gib(dataclasses.replace(auto, memory_budget_gib=50.0), cuda_memory_gib=80.0) == 50.0
+    assert ac_budget_gib(dataclasses.replace(auto, memory_budget_gib=50.0), cuda_memory_gib=None) == 50.0
+    with pytest.raises(ConfigError, match=r"^activation_checkpoint.memory_budget_gib: mode = \"auto\" fits"):
+        ac_budget_gib(auto, cuda_memory_gib=None)
+    # The command estimates a written-out choice; "auto" itself is refused in one line that says where it is chosen.
+    proc = python("-m", "planning.estimate_memory", "--ac", "auto")
+    assert proc.returncode == 2 and proc.stderr.startswith('error: --ac: "auto" is chosen block by block where the job')
+    assert len(proc.stderr.strip().splitlines()) == 1

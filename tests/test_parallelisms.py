@@ -28,6 +28,7 @@ from optimizer import build_optimizer
 from parallelisms.ac import apply_ac
 from parallelisms.compile import inductor_cache_dir
 from parallelisms.tp import check_tp
+from planning.trace import block_costs
 from tests.instruments import count_calls, count_host_reads, count_ops
 from tests.launch import REPO
 from tests.parity_worker import (
@@ -239,8 +240,9 @@ def test_tp_refuses_shapes_it_cannot_split() -> None:
         ActivationCheckpoint(mode="full"),
         ActivationCheckpoint(mode="selective", selective_ac_option="op"),
         ActivationCheckpoint(mode="selective", selective_ac_option="2"),
+        ActivationCheckpoint(mode="per_block", per_block=["op", "full"]),
     ],
-    ids=["full", "op", "every-2nd"],
+    ids=["full", "op", "every-2nd", "per-block"],
 )
 def test_activation_checkpointing_keeps_losses_and_names(ac: ActivationCheckpoint, reference: dict) -> None:
     model = build_tiny()
@@ -303,9 +305,10 @@ def test_recomputation_is_counted_not_assumed() -> None:
     full = _one_step_counts(ActivationCheckpoint(mode="full"))
     op = _one_step_counts(ActivationCheckpoint(mode="selective", selective_ac_option="op"))
     every2 = _one_step_counts(ActivationCheckpoint(mode="selective", selective_ac_option="2"))
+    mixed = _one_step_counts(ActivationCheckpoint(mode="per_block", per_block=["op", "full"]))
 
     # Forward: identical work whatever the AC mode; 7 matmuls per block + the output projection.
-    for counts in (full, op, every2):
+    for counts in (full, op, every2, mixed):
         assert counts.forward_ops[mm] == none.forward_ops[mm] == 7 * layers + 1
         assert counts.forward_ops[sdpa] == none.forward_ops[sdpa] == layers
     # Attention forward calls per step: 1 per block without AC, exactly one more per checkpointed block.
@@ -330,6 +333,18 @@ def test_recomputation_is_counted_not_assumed() -> None:
     recomputed_full = 2 * tokens * layers * (2 * dim * dim + 2 * dim * kv_dim + 2 * dim * hidden)
     assert op.backward_flops - none.backward_flops == recomputed_op
     assert full.backward_flops - none.backward_flops == recomputed_full
+    # Per block: block 0 op SAC, block 1 full, each recomputing what its mode does and no more.
+    assert mixed.attention_calls.total() == 2 * layers
+    assert mixed.backward_ops[mm] - none.backward_ops[mm] == 3 + 6
+    assert mixed.backward_flops - none.backward_flops == (recomputed_op + recomputed_full) // layers
+    # What the memory estimate's trace counts as a block's recomputation (mode "auto" weighs its choices by it) is
+    # what a step recomputes, with full AC's attention forward too: FlopCounterMode has no formula for the CPU's
+    # attention kernel, the trace counts it as CUDA's (2 matmuls of batch x heads x seq x seq x head_dim).
+    batch = tokens // SEQ_LEN
+    attention = 2 * 2 * batch * TINY.n_heads * SEQ_LEN * SEQ_LEN * TINY.head_dim
+    for mode, recomputed in (("selective-op", recomputed_op // layers), ("full", recomputed_full // layers + attention)):
+        costs = block_costs(LLAMA3, TINY, batch=batch, seq_len=SEQ_LEN, dtype=torch.float32, ac=mode)
+        assert costs.recompute_flops == recomputed, mode
 
     # activation_checkpoint.early_stop = false (torchtitan's default): the recomputation runs the whole
     # block, w2 included, though nothing needs its output.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -123,10 +124,10 @@ def run(dump: Path, *, nproc: int, steps: int, seed: Path, extra: tuple[str, ...
     assert proc.returncode == 0, proc.stderr[-6000:]
 
 
-def runs_in_one_launch(runs_json: Path, nproc: int, *runs: list[str]) -> None:
+def runs_in_one_launch(runs_json: Path, nproc: int, *runs: list[str]) -> subprocess.CompletedProcess[str]:
     """Several runs (`run_args`), one after another in one torchrun launch (tests/config_worker.py)."""
     runs_json.write_text(json.dumps(runs))
-    torchrun(REPO / "tests" / "config_worker.py", str(runs_json), nproc=nproc)
+    return torchrun(REPO / "tests" / "config_worker.py", str(runs_json), nproc=nproc)
 
 
 def test_resume_gives_the_losses_of_a_straight_run_and_skips_partial_checkpoints(tmp_path: Path, seed: Path) -> None:
@@ -195,6 +196,34 @@ def test_muon_resumes_on_another_layout_as_a_straight_run(tmp_path: Path, seed: 
             "checkpoint.last_save_model_only = true)"
         )
     ), proc.stderr
+
+
+def test_auto_ac_trains_as_its_choice_written_out_by_hand(tmp_path: Path, seed: Path) -> None:
+    """activation_checkpoint.mode = "auto" on 2 ranks (FSDP 2) with a budget a quarter of the way from the estimated
+    peak of full AC everywhere to op SAC's: a mix. It trains bit for bit as the run of the same blocks written out
+    (mode "per_block"), prints its choice once at start-up, and the run folder's config records what ran."""
+    from planning.memory import GiB, Setup, estimate, resolve_auto_ac
+
+    auto, hand = tmp_path / "auto", tmp_path / "hand"
+    job = Setup.of(load_config(run_args(auto, steps=4, seed=seed)), 2, cuda=False)
+    op, full = (estimate(dataclasses.replace(job, ac=ac))["total"] for ac in ("selective-op", "full"))
+    budget = ("--activation_checkpoint.mode=auto", f"--activation_checkpoint.memory_budget_gib={(3 * full + op) / 4 / GiB}")
+    _, choice = resolve_auto_ac(
+        load_config(run_args(auto, steps=4, seed=seed, extra=budget)), world_size=2, cuda=False, cuda_memory_gib=None
+    )
+    assert choice is not None and len(set(choice.modes)) > 1, choice
+    written = ("--activation_checkpoint.mode=per_block", f"--activation_checkpoint.per_block={','.join(choice.modes)}")
+    proc = runs_in_one_launch(
+        tmp_path / "runs.json",
+        2,
+        run_args(auto, steps=4, seed=seed, extra=budget),
+        run_args(hand, steps=4, seed=seed, extra=written),
+    )
+    assert proc.stdout.count("activation_checkpoint.mode = auto: ") == 1
+    assert f"activation_checkpoint.mode = auto: {choice.describe()}" in proc.stdout.splitlines()
+    assert losses(auto) == losses(hand) and sorted(losses(auto)) == [1, 2, 3, 4]
+    saved = load_config(["--config", str(auto / "checkpoint" / "config.toml")]).activation_checkpoint
+    assert (saved.mode, saved.per_block) == ("per_block", list(choice.modes))
 
 
 def test_a_shuffled_block_causal_mixture_trained_as_a_pipeline_resumes_on_one_rank_with_the_same_stream(
