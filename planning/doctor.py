@@ -319,8 +319,6 @@ def _offload(cfg: JobConfig, machine: Machine) -> list[Finding]:
 
 def _memory(cfg: JobConfig, dims: ParallelDims, machine: Machine, *, tp_mesh: DeviceMesh | None) -> list[Finding]:
     """The estimate of planning/estimate_memory.py for this job against the memory one rank can use."""
-    if machine.device_memory_gib is None:
-        return []
     # Imported here: the estimator (its fake-tensor trace of a block) loads only when this check runs.
     from planning.memory import Setup, estimate, resolve_auto_ac
 
@@ -335,6 +333,8 @@ def _memory(cfg: JobConfig, dims: ParallelDims, machine: Machine, *, tp_mesh: De
             return [Finding("error", *problem.split(": ", 1)) for problem in e.problems]
         assert choice is not None
         findings.append(Finding("note", "activation_checkpoint.mode", f"auto: {choice.describe()}"))
+    if machine.device_memory_gib is None:
+        return findings
     try:
         job = Setup.of(cfg, dims.world_size, cuda=machine.cuda)
     except ConfigError:  # a shape TP or PP cannot split: the run refuses it at start-up, with its own message

@@ -257,6 +257,7 @@ def _comm(
     layers = stage_layers(args, par) if pp > 1 else [list(range(args.n_layers))]
     ours = rank_stages(0, pp=pp, stages=len(layers)) if pp > 1 else [0]
     blocks, first, last = sum(len(layers[s]) for s in ours), 0 in ours, len(layers) - 1 in ours
+    modes = [mode for s in ours for mode in layer_modes(job, layers[s])]  # each block's AC
     costs = job_costs(job, tp_mesh=tp_mesh)  # parameters counted on one TP rank
     held = blocks * costs.block_params + first * costs.embedding_params + last * costs.root_params
     held_tensors = sum(n * k for n, k in zip((blocks, first, last), _param_tensors(cfg.model.name, args), strict=True))
@@ -289,10 +290,7 @@ def _comm(
         # The gradients of what TP leaves whole (the norms' weights) are partial sums over the TP ranks: FSDP
         # all-reduces them with each reduce-scatter, else optimizer.clip_grad_norm_ once a step.
         fsdp_applied = applies_fsdp(dims, param_dtype=t.mixed_precision_param, cpu_offload=t.enable_cpu_offload)
-        modes = [mode for s in ours for mode in layer_modes(job, layers[s])]
-        by_mode = mode_costs(job, tuple(dict.fromkeys(modes)), tp_mesh=tp_mesh)
-        block_tp = sum((Counter(by_mode[mode].tp_block) for mode in modes), Counter())
-        kinds = _tp_kinds(costs, job, block_tp=block_tp, last=last, grad_accum=grad_accum)
+        kinds = _tp_kinds(costs, job, modes=modes, last=last, grad_accum=grad_accum, tp_mesh=tp_mesh)
         replicated = blocks * costs.tp_replicated[0] + (costs.tp_replicated[1] if last else 0)
         kinds["all_reduce"] += ring(tp) * ((syncs if fsdp_applied else 1) * 2 * param_bytes * replicated + norm)
         out["tp"] = (
@@ -301,11 +299,9 @@ def _comm(
             "recomputation; the unsplit weights' gradients and the gradient norm all-reduced",
         )
     if cp > 1:
-        # Full AC gathers again when it recomputes; an op-SAC block keeps the gathered keys and values.
-        recomputed = sum(mode == "full" for s in ours for mode in layer_modes(job, layers[s]))
-        # Forward's all-gathers and AC's re-gathers; backward's reduce-scatters.
+        # Forward's all-gathers and full AC's re-gathers (op SAC keeps them); backward's reduce-scatters.
         kv = ring(cp) * cp_kv_bytes(job)["gathered"] * job.microbatches * grad_accum
-        kinds = Counter(all_gather=(blocks + recomputed) * kv, reduce_scatter=blocks * kv)
+        kinds = Counter(all_gather=(blocks + modes.count("full")) * kv, reduce_scatter=blocks * kv)
         what = "keys and values all-gathered per block (and gradients reduce-scattered), forward, backward, AC"
         _add(out, "cp", kinds, what)  # to FSDP's line when it shards over the CP ranks alone
     if muon := _muon(cfg, dims, args, blocks=blocks, fsdp_dim=fsdp_dim):
@@ -321,11 +317,14 @@ def _comm(
     return out
 
 
-def _tp_kinds(costs: BlockCosts, job: Setup, *, block_tp: Counter[str], last: bool, grad_accum: int) -> Counter[str]:
-    """The traced TP collectives of a step, by kind: rank 0's blocks (`block_tp`, each traced in its AC mode), the
+def _tp_kinds(
+    costs: BlockCosts, job: Setup, *, modes: list[str], last: bool, grad_accum: int, tp_mesh: DeviceMesh | None
+) -> Counter[str]:
+    """The traced TP collectives of a step, by kind: rank 0's blocks (of AC `modes`, each traced in its mode), the
     embedding (stage 0, always rank 0's), the head and loss (the last stage's), per micro-batch (of the pipeline:
     1/microbatches of the local batch)."""
-    traced = block_tp + Counter(costs.tp_embedding)
+    by_mode = mode_costs(job, tuple(dict.fromkeys(modes)), tp_mesh=tp_mesh)
+    traced = sum((Counter(by_mode[mode].tp_block) for mode in modes), Counter()) + Counter(costs.tp_embedding)
     traced += Counter(costs.tp_head) if last else Counter()
     return Counter({k: (job.tp - 1) / job.tp * job.microbatches * v * grad_accum for k, v in traced.items()})
 

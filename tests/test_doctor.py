@@ -366,3 +366,19 @@ def test_deferred_reduce_scatters_say_what_they_hold(llama3_stand_ins: tuple[Pat
     assert "8 micro-batches reduce-scatter once per step, for 29.9 GiB per rank" in findings[0].message
     single = load_config([*argv[:-1], "--training.global_batch_size=8"])
     assert check(single, world_size=8, machine=GPUS, device_memory_gib=80.0) == []
+
+
+def test_auto_ac_is_said_as_a_note_or_refused_as_an_error(llama3_stand_ins: tuple[Path, Path]) -> None:
+    """Mode "auto" on the 8B job of 8 GPUs: the doctor says what train.py will choose there (a note: its blocks, the
+    estimated peak against 90% of the GPU), and finds nothing else; on 40 GiB GPUs at batch 4 nothing fits, one error
+    with both numbers; on CPU ranks without a budget, one error naming memory_budget_gib."""
+    cfg = load_config(llama3_8b(llama3_stand_ins))
+    cfg.activation_checkpoint.mode = "auto"
+    findings = check(cfg, world_size=8, machine=GPUS, device_memory_gib=80.0)
+    assert keys(findings) == [("note", "activation_checkpoint.mode")]
+    assert findings[0].message.startswith("auto: blocks ") and "of the 72.0 GiB budget" in findings[0].message
+    cfg.training.local_batch_size = 4
+    findings = check(cfg, world_size=8, machine=GPUS, device_memory_gib=40.0)
+    assert keys(findings) == [("error", "activation_checkpoint.memory_budget_gib")]
+    assert "even with full AC on every block, over the budget of 36 GiB" in findings[0].message
+    assert keys(check(cfg, world_size=8)) == [("error", "activation_checkpoint.memory_budget_gib")]

@@ -342,7 +342,10 @@ def test_recomputation_is_counted_not_assumed() -> None:
     # attention kernel, the trace counts it as CUDA's (2 matmuls of batch x heads x seq x seq x head_dim).
     batch = tokens // SEQ_LEN
     attention = 2 * 2 * batch * TINY.n_heads * SEQ_LEN * SEQ_LEN * TINY.head_dim
-    for mode, recomputed in (("selective-op", recomputed_op // layers), ("full", recomputed_full // layers + attention)):
+    for mode, recomputed in (
+        ("selective-op", recomputed_op // layers),
+        ("full", recomputed_full // layers + attention),
+    ):
         costs = block_costs(LLAMA3, TINY, batch=batch, seq_len=SEQ_LEN, dtype=torch.float32, ac=mode)
         assert costs.recompute_flops == recomputed, mode
 

@@ -18,6 +18,7 @@ from checkpoint import is_model_only, verify
 from config import load_config
 from data.prepare import prepare
 from data.sources import find_source
+from errors import ConfigError
 from tests.conftest import TINY, losses
 from tests.launch import REPO, free_port, python, torchrun, two_at_a_time
 
@@ -207,7 +208,10 @@ def test_auto_ac_trains_as_its_choice_written_out_by_hand(tmp_path: Path, seed: 
     auto, hand = tmp_path / "auto", tmp_path / "hand"
     job = Setup.of(load_config(run_args(auto, steps=4, seed=seed)), 2, cuda=False)
     op, full = (estimate(dataclasses.replace(job, ac=ac))["total"] for ac in ("selective-op", "full"))
-    budget = ("--activation_checkpoint.mode=auto", f"--activation_checkpoint.memory_budget_gib={(3 * full + op) / 4 / GiB}")
+    budget = (
+        "--activation_checkpoint.mode=auto",
+        f"--activation_checkpoint.memory_budget_gib={(3 * full + op) / 4 / GiB}",
+    )
     _, choice = resolve_auto_ac(
         load_config(run_args(auto, steps=4, seed=seed, extra=budget)), world_size=2, cuda=False, cuda_memory_gib=None
     )
@@ -525,6 +529,12 @@ def test_help_and_print_config(capsys: pytest.CaptureFixture[str], monkeypatch: 
     assert "data-parallel degree 1, assuming world size 8, the smallest the parallel degrees fit" in (
         capsys.readouterr().out
     )
+    # Mode "auto": its choice for this machine's ranks; without CUDA and without a budget, one line naming the key.
+    auto = ["--config", "configs/debug.toml", "--activation_checkpoint.mode=auto", "--print-config"]
+    assert main([*auto, "--activation_checkpoint.memory_budget_gib=4"]) == 0
+    assert "# activation_checkpoint.mode = auto: blocks no AC 0-5; estimated peak" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match=r"^activation_checkpoint.memory_budget_gib: mode = \"auto\" fits the job"):
+        main(auto)
 
 
 def test_the_command_users_type_works_from_any_folder(tmp_path: Path) -> None:
