@@ -31,6 +31,7 @@ from torch import nn
 # CheckpointWrapper (FSDP1-era `checkpoint_wrapper`) lives in a private torch module (2.13); it is
 # imported only to recognise blocks wrapped outside this repo, nothing here creates one.
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -162,20 +163,25 @@ class CheckpointedModule:
     _ac_compiled_forward: Callable[..., Any] | None = None  # set by `compile` under full checkpointing
 
     def compile(self, **compile_options: Any) -> None:
-        """`Module.compile` for a checkpointed block. A selective policy must be traced with the ops it tags: the
-        block is compiled whole, checkpoint included. Under full checkpointing the wrapped forward is compiled and the
-        checkpoint stays outside it, eager (the forward and its recomputation both run the compiled graph): PyTorch
-        2.13 cannot compile full checkpointing around a tensor-parallel block (AOT autograd saves the block's
-        DeviceMesh for the recomputation and fails at the first step: "expected all tensors_saved_with_vc_check to be
-        Tensors"; torchtitan 0.2.2 fails the same way; tests/parity_worker.py's tp2_compile_full_ac)."""
-        if "context_fn" in self._ac_options:
+        """`Module.compile` for a checkpointed block: compiled whole, checkpoint included, so that the recomputation is
+        traced into the backward graph (a selective policy must be traced with the ops it tags; full AC then fuses its
+        recomputation with the backward's kernels, one graph, as torchtitan compiles it). One exception: full
+        checkpointing around a tensor-parallel block (DTensor parameters) compiles the wrapped forward alone and keeps
+        the checkpoint eager around it (the forward and its recomputation both run the compiled graph): PyTorch 2.13
+        cannot compile that checkpoint (AOT autograd saves the block's DeviceMesh for the recomputation and fails at
+        the first step: "expected all tensors_saved_with_vc_check to be Tensors"; torchtitan 0.2.2 fails the same
+        way; tests/parity_worker.py's tp2_compile_full_ac)."""
+        tensor_parallel = any(isinstance(p, DTensor) for p in self.parameters())  # type: ignore[attr-defined]
+        if "context_fn" in self._ac_options or not tensor_parallel:
             super().compile(**compile_options)  # type: ignore[misc]
         else:
             self._ac_compiled_forward = torch.compile(super().forward, **compile_options)  # type: ignore[misc]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         inner = self._ac_compiled_forward or super().forward  # type: ignore[misc]  # the wrapped class's forward
-        if self._ac_early_stop:  # torch's default
+        # Compiled whole, the recomputation is part of the backward graph, which computes only what backward needs:
+        # early stop or not, the same graph (and dynamo refuses to trace set_checkpoint_early_stop).
+        if self._ac_early_stop or torch.compiler.is_compiling():  # torch's default
             return checkpoint(inner, *args, **self._ac_options, **kwargs)
         # Read when the forward runs, not when backward recomputes.
         with set_checkpoint_early_stop(False):

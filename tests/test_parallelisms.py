@@ -420,12 +420,15 @@ def test_inductor_cache_root_defaults_to_the_users_folder(restore_inductor_env: 
 
 def test_compiled_op_sac_recomputes_the_unnamed_matmuls() -> None:
     """Under compile, selective op AC finds the named linears through dynamo's module stack: the backward graph
-    holds the 14 matmuls of a block's gradients plus the 3 recomputed ones (wk, wo, w3), as in eager."""
+    holds the 14 matmuls of a block's gradients plus the 3 recomputed ones (wk, wo, w3), as in eager. A fully
+    checkpointed block (no TP) is compiled whole too: its recomputation (every matmul but w2's) is in the backward
+    graph, not a second run of a compiled forward; early_stop = false (torchtitan's default) compiles the same
+    graphs (dynamo cannot trace the switch, and a graph recomputes only what backward needs anyway)."""
     from torch._dynamo.backends.common import aot_autograd
 
     mm = aten.mm.default
 
-    def backward_matmuls(saved_linears: tuple[str, ...] | None) -> set[int]:
+    def backward_matmuls(saved_linears: tuple[str, ...] | None, ac: ActivationCheckpoint = OP_SAC) -> set[int]:
         counts: dict[str, list[int]] = {"fw": [], "bw": []}
 
         def keep(kind: str):  # an AOT compiler that records the graph's matmuls and runs it as it is
@@ -438,7 +441,7 @@ def test_compiled_op_sac_recomputes_the_unnamed_matmuls() -> None:
         torch._dynamo.reset()
         model = build_tiny()
         if saved_linears is not None:
-            apply_ac(model, OP_SAC, saved_linears=saved_linears)
+            apply_ac(model, ac, saved_linears=saved_linears)
         for block in model.layers.values():
             block.compile(fullgraph=True, backend=aot_autograd(fw_compiler=keep("fw"), bw_compiler=keep("bw")))
         tokens = random_batch()
@@ -449,6 +452,9 @@ def test_compiled_op_sac_recomputes_the_unnamed_matmuls() -> None:
     assert backward_matmuls(None) == {14}
     assert backward_matmuls(SAVED) == {14 + 3}
     assert backward_matmuls(()) == {14 + 6}  # nothing named: every matmul but w2's (not needed) recomputed
+    assert backward_matmuls(SAVED, ActivationCheckpoint(mode="full")) == {14 + 6}
+    assert backward_matmuls(SAVED, dataclasses.replace(OP_SAC, early_stop=False)) == {14 + 3}
+    assert backward_matmuls(SAVED, ActivationCheckpoint(mode="full", early_stop=False)) == {14 + 6}
     torch._dynamo.reset()
 
 
