@@ -165,7 +165,8 @@ LAYOUTS: dict[str, Layout] = {
     "tp2_no_loss_parallel": Layout(tp=2, loss_parallel=False),
     "tp2_op_sac": Layout(tp=2, ac=OP_SAC),
     # Full AC around a compiled TP block (the big recipes' combination): PyTorch 2.13 cannot compile the checkpoint
-    # with the block, so it stays eager around it (parallelisms/ac.py, compile_inside_checkpoint).
+    # with the block, so it stays eager around it (parallelisms/ac.py CheckpointedModule.compile; a block without TP
+    # is compiled whole).
     "tp2_compile_full_ac": Layout(tp=2, ac=FULL, compile=True, summed_matmuls=True),
     "tp2_block_causal": Layout(tp=2, block_causal=True),
     "fsdp2_chunked_loss": Layout(dp_shard=2, loss_chunk_tokens=16),
