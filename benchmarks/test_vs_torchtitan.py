@@ -1,7 +1,8 @@
 """benchmarks/vs_torchtitan.py, one short round of FSDP 2: torchtitan's own Trainer runs on CPU ranks through
 tests/torchtitan_trainer.py; both trainers' logs give their tokens/s, memory and losses, and one step of
-each its kernels (benchmarks/count_kernels.py); and the busy shape (`--shape busy`, a GPU's run) reaching both trainers
-as one model, checked on the meta device."""
+each its kernels (benchmarks/count_kernels.py), a compiled one its kernels' times too; the busy shape (`--shape busy`, a
+GPU's run) reaching both trainers as one model, checked on the meta device; and the layouts that give each trainer its
+own arguments (this recipe's auto AC), whose shared run runs once a round."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from benchmarks import vs_torchtitan
+from tests.torchtitan_trainer import user_folder
 
 
 def test_torchtitans_trainer_and_this_recipe_side_by_side(tmp_path: Path) -> None:
@@ -50,11 +52,12 @@ def test_torchtitans_trainer_and_this_recipe_side_by_side(tmp_path: Path) -> Non
 def test_a_compiled_step_is_counted_as_its_launches(tmp_path: Path) -> None:
     """count_kernels on a compiled step (benchmarks/count_kernels.py, `_profiled`): each kernel inductor generated
     once per call, each op outside them once (the matmuls inductor leaves to aten), nothing nested inside an op or a
-    view."""
+    view. Where its time goes: on CPU each of those launches' CPU time, by kind and the top ones; and what
+    vs_torchtitan makes of two such profiles (`compare`, its rows and table)."""
     import torch
     import torch._inductor.config
 
-    from benchmarks.count_kernels import _profiled
+    from benchmarks.count_kernels import TOP, _profiled
 
     def step(x: torch.Tensor, w: torch.Tensor) -> None:
         (torch.nn.functional.silu(x @ w) * 2 + 1).sum().backward()
@@ -66,7 +69,41 @@ def test_a_compiled_step_is_counted_as_its_launches(tmp_path: Path) -> None:
         _, counts = _profiled(compiled, x, w)
     # The forward's matmul and fused kernel; backward's seed (ones), fused kernel, matmul and accumulation into w.grad.
     expected = {"aten::mm": 2, "inductor::generated": 2, "aten::ones_like": 1, "aten::add_": 1}
+    profile = counts.pop("profile")
     assert counts == {"kernels": 6, "views": 0, "by_op": expected}, counts
+    # The same launches timed: the matmuls together, each generated kernel by its own name.
+    calls = {k["name"]: k["count"] for k in profile["top"]}
+    generated = [name for name in calls if "cpp_fused" in name]
+    assert len(generated) == 2 and all(calls[name] == 1 for name in generated), calls
+    others = {name: n for name, n in calls.items() if name not in generated}
+    assert others == {"aten::mm": 2, "aten::ones_like": 1, "aten::add_": 1}, others
+    assert len(profile["top"]) <= TOP and profile["device"] == "cpu"
+    assert [k["ms"] for k in profile["top"]] == sorted((k["ms"] for k in profile["top"]), reverse=True)
+    assert all(k["share"] == pytest.approx(k["ms"] / profile["step_ms"]) for k in profile["top"])
+    assert set(profile["by_kind"]) == {"matmul", "generated", "other"}
+    assert sum(profile["by_kind"].values()) == pytest.approx(profile["kernels_ms"])
+    assert 0 < profile["kernels_ms"] <= profile["step_ms"]
+
+    # Two such profiles side by side, as vs_torchtitan's results, rows and table give them.
+    run = {"tps": 100.0, "mfu": None, "memory_gib": 1.0, "losses": [7.6], "kernels": counts | {"profile": profile}}
+    layout = "fsdp2_compile_auto"
+    choice = "blocks no AC 0-1; estimated peak 1.2 GiB of the 64.0 GiB budget"  # as train.py prints it
+    result = vs_torchtitan.compare(layout, {"recipe": [run | {"ac_choice": choice}], "torchtitan": [run]})
+    assert result["recipe_profile"] == result["torchtitan_profile"] == profile
+    assert result["own_args"] == vs_torchtitan.OWN_ARGS[layout] and result["recipe_ac_choice"] == choice
+    results = {"device": "cpu", "nproc": 1, "rounds": 1, layout: result}
+    # The estimate auto chose by, beside the peak the run measured: the estimator's error for the chosen blocks.
+    (error,) = [r for r in vs_torchtitan.rows(results) if r.metric.startswith("auto AC's estimated peak")]
+    assert (error.broken_value, error.fixed_value) == (1.2, 1.0)
+    timed = [r for r in vs_torchtitan.rows(results) if r.unit == "ms"]
+    name = "FSDP 1 + compile, auto AC vs torchtitan's op SAC"
+    assert [r.metric for r in timed] == [
+        f"CPU time in the profiled step 2, {kind} kernels, {name}" for kind in ("all", "matmul", "generated", "other")
+    ]
+    assert timed[0].fixed_value == timed[0].broken_value == profile["kernels_ms"]
+    table = vs_torchtitan.table(results)
+    assert f"this recipe's auto AC: {choice}" in table and f"where the time goes, {name}:" in table
+    assert table.count("aten::mm\n") == 2 and table.count(f"top {len(profile['top'])} by time:") == 2
 
 
 @pytest.mark.parametrize("rehearse", [False, True], ids=["busy", "rehearsal"])
@@ -111,6 +148,54 @@ def test_the_busy_shape_is_one_model_in_both_trainers(
     assert (ours.vocab_size, theirs.vocab_size, ours.hidden_dim) == (128256, 128256, 256 if rehearse else 14336)
     assert theirs.rope_theta == ours.rope_theta == 500000 and ours.rope_scaling.factor == 8.0
     assert not ours.tie_word_embeddings and (ours.n_heads, ours.n_kv_heads) == ((4, 2) if rehearse else (32, 8))
+
+
+def test_a_layout_gives_each_trainer_its_own_arguments_and_a_shared_run_runs_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Layouts where the two trainers differ (OWN_ARGS): this recipe's auto AC (with a budget on CPU ranks, none with
+    a GPU: its default is 90% of the GPU's) against torchtitan's op SAC and its no AC; the other layouts give both the
+    same. `schedule`: the auto run of this recipe, the same arguments in two layouts, runs once a round."""
+    from config import load_config
+
+    folder = user_folder(tmp_path)
+    cpu = vs_torchtitan.shape_of("busy", cuda=False, rehearse=True)
+    cpu.prepare(folder)
+    monkeypatch.chdir(folder)
+    gpu = vs_torchtitan.shape_of("busy", cuda=True, rehearse=False)
+    assert (cpu.ac_budget_gib, gpu.ac_budget_gib) == (vs_torchtitan.CPU_AC_BUDGET_GIB, None)
+
+    def args(trainer: str, layout: str, shape: vs_torchtitan.Shape) -> list[str]:
+        return vs_torchtitan.trainer_args(trainer, layout, folder=folder, steps=3, shape=shape)
+
+    budget = f"--activation_checkpoint.memory_budget_gib={vs_torchtitan.CPU_AC_BUDGET_GIB:g}"
+    for layout in ("fsdp2_compile_auto", "fsdp2_compile_auto_vs_no_ac"):
+        assert "--activation_checkpoint.mode=auto" in args("recipe", layout, gpu)
+        assert budget in args("recipe", layout, cpu)
+        assert not any("memory_budget" in a for a in args("recipe", layout, gpu))
+        assert not any(
+            a.startswith(("--activation_checkpoint.mode=auto", "--activation_checkpoint.memory_budget"))
+            for a in args("torchtitan", layout, cpu)
+        )
+    assert "--activation_checkpoint.selective_ac_option=op" in args("torchtitan", "fsdp2_compile_auto", gpu)
+    assert "--activation_checkpoint.mode=none" in args("torchtitan", "fsdp2_compile_auto_vs_no_ac", gpu)
+    for layout in vs_torchtitan.DEFAULT_LAYOUTS:  # the same overrides for both, no budget
+        assert vs_torchtitan.layout_args(layout, "recipe") == vs_torchtitan.layout_args(layout, "torchtitan")
+        assert not any("memory_budget" in a for a in args("recipe", layout, cpu))
+    # This recipe reads its side: auto with the budget on CPU.
+    ac = load_config(args("recipe", "fsdp2_compile_auto", cpu)).activation_checkpoint
+    assert (ac.mode, ac.memory_budget_gib) == ("auto", vs_torchtitan.CPU_AC_BUDGET_GIB)
+
+    layouts = ["fsdp2_compile_auto", "fsdp2_compile_auto_vs_no_ac", "fsdp2_compile_full_ac"]
+    runs = vs_torchtitan.schedule(layouts, rounds=2)
+    assert [(r, layout.removeprefix("fsdp2_compile_"), trainer[0], same) for r, layout, trainer, same in runs] == [
+        (0, "auto", "r", None), (0, "auto", "t", None),
+        (0, "auto_vs_no_ac", "r", "fsdp2_compile_auto"), (0, "auto_vs_no_ac", "t", None),
+        (0, "full_ac", "r", None), (0, "full_ac", "t", None),
+        (1, "auto", "t", None), (1, "auto", "r", None),  # the other trainer first in the next round
+        (1, "auto_vs_no_ac", "t", None), (1, "auto_vs_no_ac", "r", "fsdp2_compile_auto"),
+        (1, "full_ac", "t", None), (1, "full_ac", "r", None),
+    ]  # fmt: skip
 
 
 def test_a_rehearsal_of_the_busy_shape(tmp_path: Path) -> None:

@@ -1,19 +1,30 @@
 """This recipe and torchtitan 0.2.2's own Trainer, side by side: tokens/s, MFU (on a GPU) and peak memory per device.
 
     python -m benchmarks.vs_torchtitan --out outputs/bench/vs_torchtitan.json [--rounds 3] [--steps 8]
-    python -m benchmarks.vs_torchtitan --shape busy --nproc 1 --layouts fsdp2_compile_op_sac fsdp2_compile_full_ac \
-        --rounds 3 --out X.json [--rehearse]
+    python -m benchmarks.vs_torchtitan --shape busy --nproc 1 --layouts fsdp2_compile_auto fsdp2_compile_auto_vs_no_ac \
+        fsdp2_compile_full_ac --rounds 2 --out X.json [--rehearse]          # make bench-gpu's
 
 Both trainers read one TOML, torchtitan's own debug_model.toml (tests/torchtitan/), in a working
 folder laid out as torchtitan's repository expects (tests/assets/tokenizer: the shipped tokenizer;
 tests/assets/c4_test: the shipped corpus), with the same command-line overrides: the model shape,
 optimizer, schedule, batch shapes, settings and data source are one file's. torchtitan runs
-unchanged through tests/torchtitan_trainer.py (what it needs on CPU is said there). Layouts:
+unchanged through tests/torchtitan_trainer.py (what it needs on CPU is said there). Layouts (LAYOUTS: the
+overrides both get; the first four are the default, make bench's):
 
-    fsdp2                  FSDP 2 (AC on every 2nd block, as the TOML has it)
-    tp2                    TP 2 with loss parallel
-    fsdp2_compile_op_sac   FSDP 2 + compile + op SAC
-    fsdp2_compile_full_ac  FSDP 2 + compile + full AC (--activation_checkpoint.mode=full, both trainers' key)
+    fsdp2                        FSDP 2 (AC on every 2nd block, as the TOML has it)
+    tp2                          TP 2 with loss parallel
+    fsdp2_compile_op_sac         FSDP 2 + compile + op SAC
+    fsdp2_compile_full_ac        FSDP 2 + compile + full AC (--activation_checkpoint.mode=full, both trainers' key)
+    fsdp2_compile_auto           FSDP 2 + compile; this recipe's auto AC against torchtitan's default, op SAC
+    fsdp2_compile_auto_vs_no_ac  FSDP 2 + compile; this recipe's auto AC against torchtitan without AC
+
+The last two give each trainer its own setting (OWN_ARGS): this recipe's activation_checkpoint.mode = "auto"
+(block by block the least recompute whose estimated peak fits activation_checkpoint.memory_budget_gib, by default
+90% of the GPU's memory; on CPU ranks the harness gives it CPU_AC_BUDGET_GIB) has no torchtitan counterpart, so it
+meets torchtitan's default and torchtitan's best layout that fits the busy shape on one GPU (no AC). What auto chose
+is in the results (`recipe_ac_choice`, as train.py prints it). A trainer given the same overrides in two layouts of
+a round (this recipe's auto run) runs once and counts in both (`schedule`): a compiled run at the busy shape is
+about 30 s of a GPU's time.
 
 Shapes (--shape):
 
@@ -51,7 +62,11 @@ per-round ratio ours / torchtitan's. MFU is each trainer's own figure (torchtita
 metrics.jsonl), on a GPU only: torchtitan divides by an A100's peak where it finds no GPU it knows. Both trainers
 start through benchmarks/count_kernels.py, which
 counts the kernels of one untimed step, GPU launches on a GPU (the same in every round): the ops an eager
-step dispatches, or the launches of a compiled one. The two trainers do not read their documents in the same
+step dispatches, or the launches of a compiled one. A compiled step is profiled, and says where its time goes (the
+first round's, `recipe_profile` and `torchtitan_profile`): on a GPU each kernel's device time, on CPU the CPU time
+of its launches; printed for each trainer by kind of kernel (attention, matmul, inductor's generated kernels, the
+optimizer's, collectives, copies, other; those totals are rows too) and its top 15 kernels, with their calls and
+share of the profiled step's wall time. The two trainers do not read their documents in the same
 order (torchtitan packs a streamed dataset, this recipe reads windows of one token stream), so their
 losses are close, not equal; both are printed.
 """
@@ -73,32 +88,51 @@ from typing import Any
 import torch
 
 from benchmarks import harness
-from benchmarks.count_kernels import COUNTED_STEP
+from benchmarks.count_kernels import COUNTED_STEP, KINDS
 from benchmarks.harness import Row
 from models import family
 from tests.torchtitan_trainer import FLAVORS_ENV, user_folder
 
 PROBLEM = "vs torchtitan"
-LAYOUTS = {
+OP_SAC = ["--activation_checkpoint.selective_ac_option=op"]  # the TOML's mode is selective
+AUTO_AC = ["--activation_checkpoint.mode=auto"]  # this recipe's; torchtitan has no such mode
+LAYOUTS = {  # the overrides both trainers get
     "fsdp2": [],
     "tp2": ["--parallelism.tensor_parallel_degree=2"],
-    "fsdp2_compile_op_sac": ["--compile.enable", "--activation_checkpoint.selective_ac_option=op"],
+    "fsdp2_compile_op_sac": ["--compile.enable", *OP_SAC],
     "fsdp2_compile_full_ac": ["--compile.enable", "--activation_checkpoint.mode=full"],
+    "fsdp2_compile_auto": ["--compile.enable"],
+    "fsdp2_compile_auto_vs_no_ac": ["--compile.enable"],
+}
+# What one trainer gets on top in a layout: this recipe's auto AC against torchtitan's default (op SAC) and against
+# its best layout that fits (no AC, at the busy shape on one GPU).
+OWN_ARGS = {
+    "fsdp2_compile_auto": {"recipe": AUTO_AC, "torchtitan": OP_SAC},
+    "fsdp2_compile_auto_vs_no_ac": {"recipe": AUTO_AC, "torchtitan": ["--activation_checkpoint.mode=none"]},
 }
 LABELS = {  # n: ranks
     "fsdp2": "FSDP {n}", "tp2": "TP 2", "fsdp2_compile_op_sac": "FSDP {n} + compile + op SAC",
     "fsdp2_compile_full_ac": "FSDP {n} + compile + full AC",
+    "fsdp2_compile_auto": "FSDP {n} + compile, auto AC vs torchtitan's op SAC",
+    "fsdp2_compile_auto_vs_no_ac": "FSDP {n} + compile, auto AC vs torchtitan's no AC",
 }  # fmt: skip
+DEFAULT_LAYOUTS = ["fsdp2", "tp2", "fsdp2_compile_op_sac", "fsdp2_compile_full_ac"]  # make bench's, on CPU
 NEEDS_RANKS = {"tp2": 2}
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _TITAN_STEP = re.compile(
     r"step:\s*(\d+)\s+loss:\s*([\d.]+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+).*?mfu:\s*([\d.]+)%"
 )
 _TITAN_MODEL = re.compile(r"Model llama3 (\S+) size: ([\d,]+) total parameters")
+_AUTO_CHOICE = re.compile(r"activation_checkpoint\.mode = auto: (.+)")  # train.py's line (resolve_auto_ac)
+_ESTIMATED_PEAK = re.compile(r"estimated peak ([\d.]+) GiB")  # in that line (planning.memory.ACChoice.describe)
 BUSY_LAYERS = 6  # Llama 3 8B blocks on one H100 (module docstring: the memory arithmetic)
 BUSY_SEQ_LEN, BUSY_LOCAL_BATCH = 4096, 1
 BUSY_FOLDER = "busy-model"  # in the working folder: the busy shape's config.json, this recipe's hf_assets_path
 REHEARSAL = {"rounds": 1, "steps": 3, "seq_len": 64, "local_batch": 1}
+# auto AC's activation_checkpoint.memory_budget_gib on CPU ranks (with a GPU its default: 90% of the GPU's memory).
+# Large: auto keeps every block's activations. At the rehearsal's shape no budget between two choices exists: the
+# activations are too small a part of the peak to move its estimate.
+CPU_AC_BUDGET_GIB = 64.0
 
 
 def busy_model(layers: int = BUSY_LAYERS, *, tiny: bool = False) -> Any:
@@ -146,6 +180,7 @@ class Shape:
     seq_len: int | None = None  # None: the TOML's
     local_batch: int | None = None
     float32: bool = False  # on CPU: float32 parameters (bf16 matmuls there are slow)
+    ac_budget_gib: float | None = None  # auto AC's budget without a CUDA device (None: its default, from the GPU's)
 
     def args(self, trainer: str) -> list[str]:
         out = [f"--training.seq_len={self.seq_len}"] if self.seq_len else []
@@ -189,26 +224,52 @@ def shape_of(name: str, *, cuda: bool, rehearse: bool, layers: int = BUSY_LAYERS
     busy model `tiny`. bf16: the TOML's bf16 parameters on CPU too (slow there; for the kernels of a bf16 step)."""
     model = busy_model(layers, tiny=rehearse) if name == "busy" else None
     float32 = not (cuda or bf16)
+    budget = None if cuda else CPU_AC_BUDGET_GIB
     if rehearse:
-        return Shape(name, model, REHEARSAL["seq_len"], REHEARSAL["local_batch"], float32=float32)
+        return Shape(name, model, REHEARSAL["seq_len"], REHEARSAL["local_batch"], float32=float32, ac_budget_gib=budget)
     if name == "busy":
-        return Shape(name, model, BUSY_SEQ_LEN, BUSY_LOCAL_BATCH, float32=float32)
-    return Shape(name) if cuda else Shape(name, seq_len=256, float32=float32)
+        return Shape(name, model, BUSY_SEQ_LEN, BUSY_LOCAL_BATCH, float32=float32, ac_budget_gib=budget)
+    return Shape(name) if cuda else Shape(name, seq_len=256, float32=float32, ac_budget_gib=budget)
 
 
 def dump_folder(folder: Path, trainer: str, layout: str) -> Path:
     return folder / "outputs" / f"{trainer}-{layout}"
 
 
+def layout_args(layout: str, trainer: str) -> list[str]:
+    """The overrides of `layout` for `trainer`: those both get (LAYOUTS), then its own (OWN_ARGS)."""
+    return [*LAYOUTS[layout], *OWN_ARGS.get(layout, {}).get(trainer, [])]
+
+
 def trainer_args(trainer: str, layout: str, *, folder: Path, steps: int, shape: Shape) -> list[str]:
-    """The command-line arguments both trainers get in `folder` (user_folder): the TOML and the same overrides."""
+    """The command-line arguments `trainer` gets in `folder` (user_folder): the TOML, the overrides both trainers get,
+    and its own in a layout that gives each its own (auto AC: with the shape's budget where there is no GPU)."""
     dump = dump_folder(folder, trainer, layout)
     shutil.rmtree(dump, ignore_errors=True)
+    overrides = layout_args(layout, trainer)
     args = ["--job.config_file", "debug_model.toml", f"--training.steps={steps}", "--metrics.log_freq=1",
-            f"--job.dump_folder={dump}", *shape.args(trainer), *LAYOUTS[layout]]  # fmt: skip
+            f"--job.dump_folder={dump}", *shape.args(trainer), *overrides]  # fmt: skip
     if trainer == "recipe":
         args.append(f"--data.cache_folder={folder / 'token-cache'}")  # this recipe's key: raw data prepared once
+        if AUTO_AC[0] in overrides and shape.ac_budget_gib is not None:
+            args.append(f"--activation_checkpoint.memory_budget_gib={shape.ac_budget_gib:g}")
     return args
+
+
+def schedule(layouts: list[str], rounds: int) -> list[tuple[int, str, str, str | None]]:
+    """The runs of a measurement in order, as (round, layout, trainer, same_as): each round runs both trainers in every
+    layout, which one first alternating from round to round; a trainer whose overrides in a layout are those of an
+    earlier layout of the round (this recipe's auto AC against two settings of torchtitan's) runs once, and `same_as`
+    names the layout whose run it shares (None: a run of its own)."""
+    out = []
+    for round_ in range(rounds):
+        first: dict[tuple[str, ...], str] = {}  # (trainer, *overrides) -> the round's layout that ran it
+        for layout in layouts:
+            for trainer in ["recipe", "torchtitan"] if round_ % 2 == 0 else ["torchtitan", "recipe"]:
+                key = (trainer, *layout_args(layout, trainer))
+                out.append((round_, layout, trainer, first.get(key)))
+                first.setdefault(key, layout)
+    return out
 
 
 def compiled(layout: str) -> bool:
@@ -235,9 +296,12 @@ def run(trainer: str, layout: str, *, folder: Path, steps: int, shape: Shape, cu
     if proc.returncode != 0:
         raise SystemExit(f"{trainer} ({layout}) exited with status {proc.returncode}:\n{proc.stderr[-4000:]}")
     # step: (loss, tokens/s, memory GiB, MFU %)
+    ac_choice = None  # what this recipe's auto AC chose, as train.py printed it
     if trainer == "recipe":
         rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
         steps_ = {r["step"]: (r["loss"], r["tps"], r["memory_gib"], r.get("mfu")) for r in rows if "tps" in r}
+        if choice := _AUTO_CHOICE.search(_ANSI.sub("", proc.stdout + proc.stderr)):
+            ac_choice = choice[1].strip()
     else:  # every rank logs; the first line of each step is kept
         steps_ = {}
         log = _ANSI.sub("", proc.stdout + proc.stderr)
@@ -260,6 +324,7 @@ def run(trainer: str, layout: str, *, folder: Path, steps: int, shape: Shape, cu
         "memory_gib": max(m for _, _, m, _ in warm),
         "losses": [steps_[s][0] for s in range(1, steps + 1)],
         "kernels": json.loads(kernels.read_text()) if kernels.exists() else None,
+        "ac_choice": ac_choice,
     }
 
 
@@ -284,45 +349,59 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         folder = user_folder(Path(tmp))
         shape.prepare(folder)
         runs: dict[str, dict[str, list]] = {layout: {"recipe": [], "torchtitan": []} for layout in layouts}
-        for round_ in range(rounds):
-            for layout in layouts:
-                order = ["recipe", "torchtitan"] if round_ % 2 == 0 else ["torchtitan", "recipe"]
-                for trainer in order:
-                    runs[layout][trainer].append(
-                        run(trainer, layout, folder=folder, steps=steps, shape=shape, cuda=cuda, nproc=nproc)
-                    )
-                    print(
-                        f"round {round_ + 1} {layout} {trainer}: {runs[layout][trainer][-1]['tps']:,.0f} tokens/s",
-                        flush=True,
-                    )
+        for round_, layout, trainer, same_as in schedule(layouts, rounds):
+            if same_as is None:
+                result = run(trainer, layout, folder=folder, steps=steps, shape=shape, cuda=cuda, nproc=nproc)
+            else:  # the same arguments as in an earlier layout of this round: its run
+                result = runs[same_as][trainer][-1]
+            runs[layout][trainer].append(result)
+            shared = f" ({same_as}'s run)" if same_as else ""
+            print(f"round {round_ + 1} {layout} {trainer}: {result['tps']:,.0f} tokens/s{shared}", flush=True)
     results: dict[str, Any] = {
         "device": "cuda" if cuda else "cpu", "nproc": nproc, "rounds": rounds, "steps": steps,
         "shape": shape.name, "model": shape.describe(), "seq_len": shape.seq_len, "local_batch": shape.local_batch,
         "rehearsal": args.rehearse,
     }  # fmt: skip
     for layout, sides in runs.items():
-        ratios = [
-            ours["tps"] / theirs["tps"] for ours, theirs in zip(sides["recipe"], sides["torchtitan"], strict=True)
-        ]
-        results[layout] = {
-            **{f"{side}_tps": statistics.median(r["tps"] for r in rs) for side, rs in sides.items()},
-            **{f"{side}_memory_gib": statistics.median(r["memory_gib"] for r in rs) for side, rs in sides.items()},
-            **{f"{side}_mfu": _median_or_none([r["mfu"] for r in rs]) for side, rs in sides.items()},
-            "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
-            **{f"{side}_losses": rs[0]["losses"] for side, rs in sides.items()},
-        }  # fmt: skip
-        ours, theirs = sides["recipe"][0]["kernels"], sides["torchtitan"][0]["kernels"]
-        if ours and theirs:  # the same in every round
-            mine, peer = Counter(ours["by_op"]), Counter(theirs["by_op"])
-            results[layout] |= {
-                "recipe_kernels": ours["kernels"], "torchtitan_kernels": theirs["kernels"],
-                "kernels_more_here": dict((mine - peer).most_common()), "kernels_fewer_here": dict((peer - mine).most_common()),
-            }  # fmt: skip
+        results[layout] = compare(layout, sides)
     return results
+
+
+def compare(layout: str, sides: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """A layout's result from its runs ({"recipe": [run per round], "torchtitan": [...]}, each as `run` returns it):
+    the medians of each side, the per-round ratios, the first round's losses, kernels and profile (the same in every
+    round but for the profile's times), what each trainer got of its own and what auto AC chose."""
+    ratios = [ours["tps"] / theirs["tps"] for ours, theirs in zip(sides["recipe"], sides["torchtitan"], strict=True)]
+    result = {
+        **{f"{side}_tps": statistics.median(r["tps"] for r in rs) for side, rs in sides.items()},
+        **{f"{side}_memory_gib": statistics.median(r["memory_gib"] for r in rs) for side, rs in sides.items()},
+        **{f"{side}_mfu": _median_or_none([r["mfu"] for r in rs]) for side, rs in sides.items()},
+        "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+        **{f"{side}_losses": rs[0]["losses"] for side, rs in sides.items()},
+    }  # fmt: skip
+    if layout in OWN_ARGS:
+        result["own_args"] = OWN_ARGS[layout]
+    if choice := sides["recipe"][0].get("ac_choice"):
+        result["recipe_ac_choice"] = choice
+    ours, theirs = sides["recipe"][0]["kernels"], sides["torchtitan"][0]["kernels"]
+    if ours and theirs:
+        mine, peer = Counter(ours["by_op"]), Counter(theirs["by_op"])
+        result |= {
+            "recipe_kernels": ours["kernels"], "torchtitan_kernels": theirs["kernels"],
+            "kernels_more_here": dict((mine - peer).most_common()), "kernels_fewer_here": dict((peer - mine).most_common()),
+        }  # fmt: skip
+        if "profile" in ours and "profile" in theirs:
+            result |= {"recipe_profile": ours["profile"], "torchtitan_profile": theirs["profile"]}
+    return result
 
 
 def _median_or_none(values: list[float | None]) -> float | None:
     return statistics.median(values) if values and None not in values else None
+
+
+def measured(results: dict[str, Any]) -> list[str]:
+    """The layouts of `results`, in the order they ran (--layouts)."""
+    return [key for key in results if key in LAYOUTS]
 
 
 def rows(results: dict[str, Any]) -> list[Row]:
@@ -330,10 +409,8 @@ def rows(results: dict[str, Any]) -> list[Row]:
         return Row(PROBLEM, metric, unit, "torchtitan 0.2.2", r[f"torchtitan_{key}"], "this recipe", r[f"recipe_{key}"])
 
     out = []
-    for layout in LABELS:
-        if (r := results.get(layout)) is None:
-            continue
-        name = label(layout, results["nproc"])
+    for layout in measured(results):
+        r, name = results[layout], label(layout, results["nproc"])
         # The ratio column divides the two medians; the per-round ratios (each run against the one beside it)
         # are the comparison, and the metric carries their median and spread.
         paired = f"per round {r['ratio']:.3f}x ({r['ratio_min']:.3f}-{r['ratio_max']:.3f})"
@@ -346,7 +423,27 @@ def rows(results: dict[str, Any]) -> list[Row]:
         if r.get("recipe_mfu") is not None and r.get("torchtitan_mfu") is not None:
             out.append(row(f"MFU, {name}", "%", "mfu"))
         out.append(row(f"peak memory per device, {name}", "GiB", "memory_gib"))
+        if (choice := r.get("recipe_ac_choice")) and (estimated := _ESTIMATED_PEAK.search(choice)):
+            # The estimate auto chose by (planning/memory.py: the reserved peak plus CUDA context and NCCL, on a GPU)
+            # beside the peak this recipe's run measured (max reserved; on CPU the process's RSS): its error.
+            metric = f"auto AC's estimated peak (reserved + context) vs the measured peak (reserved), {name}"
+            out.append(Row(PROBLEM, metric, "GiB", "estimate", float(estimated[1]), "measured", r["recipe_memory_gib"]))
+        if "recipe_profile" in r:
+            ours, theirs = r["recipe_profile"], r["torchtitan_profile"]
+            what = f"{'GPU' if ours['device'] == 'cuda' else 'CPU'} time in the profiled step {COUNTED_STEP}"
+            spent = {"all": (theirs["kernels_ms"], ours["kernels_ms"])} | {
+                kind: (theirs["by_kind"].get(kind, 0.0), ours["by_kind"].get(kind, 0.0)) for kind in kinds(ours, theirs)
+            }
+            for kind, (titans, recipes) in spent.items():
+                metric = f"{what}, {kind} kernels, {name}"
+                out.append(Row(PROBLEM, metric, "ms", "torchtitan 0.2.2", titans, "this recipe", recipes))
     return out
+
+
+def kinds(*profiles: dict[str, Any]) -> list[str]:
+    """The kinds of kernel (count_kernels.KINDS, then "other") that any of `profiles` spent time in, in that order."""
+    order = [*(kind for kind, _ in KINDS), "other"]
+    return [kind for kind in order if any(p["by_kind"].get(kind) for p in profiles)]
 
 
 def table(results: dict[str, Any]) -> str:
@@ -356,12 +453,11 @@ def table(results: dict[str, Any]) -> str:
         f"{', seq_len ' + str(results['seq_len']) if results.get('seq_len') else ''}"
         f"{'; a rehearsal' if results.get('rehearsal') else ''}):"
     ]
-    for layout in LABELS:
-        if (r := results.get(layout)) is None:
-            continue
-        name = label(layout, results["nproc"])
+    width = max((len(label(layout, results["nproc"])) for layout in measured(results)), default=0)
+    for layout in measured(results):
+        r, name = results[layout], label(layout, results["nproc"])
         lines.append(
-            f"  {name:<26} tokens/s {r['recipe_tps']:>9,.0f} vs {r['torchtitan_tps']:>9,.0f}  ratio {r['ratio']:.3f}x "
+            f"  {name:<{width}} tokens/s {r['recipe_tps']:>9,.0f} vs {r['torchtitan_tps']:>9,.0f}  ratio {r['ratio']:.3f}x "
             f"({r['ratio_min']:.3f}-{r['ratio_max']:.3f})  memory {r['recipe_memory_gib']:.2f} vs "
             f"{r['torchtitan_memory_gib']:.2f} GiB  MFU {_percent(r.get('recipe_mfu'))} vs "
             f"{_percent(r.get('torchtitan_mfu'))}  losses {r['recipe_losses'][-1]:.4f} vs {r['torchtitan_losses'][-1]:.4f}"
@@ -370,10 +466,40 @@ def table(results: dict[str, Any]) -> str:
             more = ", ".join(f"{op} +{n}" for op, n in r["kernels_more_here"].items())
             fewer = ", ".join(f"{op} -{n}" for op, n in r["kernels_fewer_here"].items())
             lines.append(
-                f"  {'':<26} kernels per {step_kind(layout)} step {r['recipe_kernels']} vs {r['torchtitan_kernels']}: "
+                f"  {'':<{width}} kernels per {step_kind(layout)} step {r['recipe_kernels']} vs {r['torchtitan_kernels']}: "
                 f"{'; '.join(part for part in (more, fewer) if part) or 'the same ops'}"
             )
+        if choice := r.get("recipe_ac_choice"):
+            lines.append(f"  {'':<{width}} this recipe's auto AC: {choice}")
+    for layout in measured(results):
+        if "recipe_profile" in (r := results[layout]):
+            lines += ["", *time_table(label(layout, results["nproc"]), r["recipe_profile"], r["torchtitan_profile"])]
     return "\n".join(lines)
+
+
+def time_table(name: str, ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
+    """The profiled step of each trainer (benchmarks/count_kernels.py): its time by kind of kernel side by side, then
+    each trainer's top kernels by total time."""
+    what = "GPU time of its kernels" if ours["device"] == "cuda" else "CPU time of its launches"
+    lines = [
+        f"where the time goes, {name}: the profiled step {COUNTED_STEP} (untimed), {what}, ms and share of the step's "
+        f"wall time ({ours['step_ms']:,.1f} vs {theirs['step_ms']:,.1f} ms under the profiler)",
+        f"  {'':<12} {'this recipe':>18} {'torchtitan':>18}",
+    ]
+    for kind, key in [*((k, k) for k in kinds(ours, theirs)), ("all kernels", None)]:
+        cells = []
+        for p in (ours, theirs):
+            ms = p["kernels_ms"] if key is None else p["by_kind"].get(key, 0.0)
+            cells.append(f"{ms:>9,.1f} {ms / p['step_ms']:>7.1%}")
+        lines.append(f"  {kind:<12} {cells[0]:>18} {cells[1]:>18}")
+    for side, p in (("this recipe", ours), ("torchtitan", theirs)):
+        lines += [f"  {side}'s top {len(p['top'])} by time:", f"    {'ms':>9} {'share':>7} {'calls':>6}  kernel"]
+        lines += [f"    {k['ms']:>9,.2f} {k['share']:>7.1%} {k['count']:>6}  {_short(k['name'])}" for k in p["top"]]
+    return lines
+
+
+def _short(name: str, width: int = 100) -> str:
+    return name if len(name) <= width else name[: width - 3] + "..."
 
 
 def _percent(value: float | None) -> str:
@@ -383,7 +509,10 @@ def _percent(value: float | None) -> str:
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="runs of each trainer per layout, alternated")
     parser.add_argument("--steps", type=int, default=8, help="training steps per run (the first two are not timed)")
-    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument(
+        "--layouts", nargs="+", default=DEFAULT_LAYOUTS, choices=list(LAYOUTS),
+        help=f"default: {' '.join(DEFAULT_LAYOUTS)} (the auto AC ones are the GPU run's, benchmarks/gpu_run.py)",
+    )  # fmt: skip
     parser.add_argument(
         "--nproc", type=int, choices=(1, 2), help="ranks per run (default: 2, or 1 on a machine with one GPU)"
     )
