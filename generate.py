@@ -8,10 +8,12 @@ python generate.py --checkpoint CKPT --prompts-file prompts.txt --compile --max-
 The run's config is read from config.toml beside the step folders (train.py writes it there when it
 checkpoints), or given with --config. Each completion goes to stdout; prefill and decode tokens/s to stderr.
 
-How it runs: the prompts, left-padded to one length, in one forward; then one token per forward, its keys
-and values appended to a KV cache (models/kv_cache.py). The cache is created here and handed to the model
-with every forward: the model holds no state, so no training forward can ever see a cache
-(docs/failures.md #2). Its shapes are fixed, so --compile compiles the decode step once.
+How it runs: the prompts, left-padded to one length, in one forward (the prefill); then the decode step, one token
+per row from a KV cache (models/kv_cache.py), the next token picked on the device, and no value read by the host but
+every STOP_CHECK_EVERY tokens. The cache is created here and handed to the model with every forward: the model holds
+no state, so no training forward can ever see a cache (docs/failures.md #2). Its shapes are fixed, so --compile
+compiles the decode step once; on a CUDA GPU (one process) it is also captured once as a CUDA graph and replayed for
+every token, so the GPU does not wait on Python between tokens.
 """
 
 from __future__ import annotations
@@ -30,12 +32,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from data.tokenizers import Tokenizer, build_tokenizer
 from errors import ConfigError, RecipeError, is_rank0, report
 from models.kv_cache import KVCache
 
 CACHE_LENGTH_MULTIPLE = 128
+# The host reads whether every row has stopped once every this many tokens, not after each (a read waits for the GPU
+# to finish all it was given): a batch whose rows all stopped runs at most this many - 1 steps more, cut at the end.
+STOP_CHECK_EVERY = 16
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # --chat: between the prompt and the reply (without --chat the completion continues the prompt on its line).
 CHAT_REPLY = "\n---\n"
@@ -116,7 +122,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
     parser.add_argument("--top-p", type=float, default=1.0, help="sample among the likeliest tokens of mass p")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--compile", action="store_true", help="torch.compile the decode step (compiled once)")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the decode step, once per batch size and cache length; on a CUDA GPU (one process) it is "
+        "also captured once as a CUDA graph and replayed for every token; on CPU and under torchrun, compiled only",
+    )
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--device", help="default: cuda when there is one, else cpu")
     opts = parser.parse_args(argv)
@@ -232,6 +243,14 @@ def stop_ids(tokenizer: Tokenizer, tokenizer_path: str) -> list[int]:
 # ---------------------------------------------------------------- generation
 
 
+def cache_length(prompt: int, new_tokens: int, max_positions: int) -> int:
+    """The KV cache's positions for prompts of `prompt` tokens (left-padded) and `new_tokens` more: rounded up to
+    CACHE_LENGTH_MULTIPLE within the model's `max_positions`, so that calls of similar lengths share one decode state
+    and its compiled, captured step."""
+    need = prompt + new_tokens
+    return max(min(-(-need // CACHE_LENGTH_MULTIPLE) * CACHE_LENGTH_MULTIPLE, max_positions), need)
+
+
 @dataclass(frozen=True)
 class Sampling:
     temperature: float = 0.0  # 0: greedy (argmax)
@@ -240,7 +259,20 @@ class Sampling:
 
 
 def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
-    """The next token of each row of logits (bs, vocab): argmax at temperature 0, else a draw after top-k and top-p."""
+    """The next token of each row of logits (bs, vocab): argmax at temperature 0, else a draw after top-k and top-p
+    (`pick`, its noise drawn from `generator`)."""
+    if sampling.temperature == 0:
+        return pick(logits, sampling, None)
+    noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_(generator=generator)
+    return pick(logits, sampling, noise)
+
+
+def pick(logits: torch.Tensor, sampling: Sampling, noise: torch.Tensor | None) -> torch.Tensor:
+    """The next token of each row of logits (bs, vocab): argmax at temperature 0; else, among the tokens top-k and
+    top-p keep, the argmax of p_i / noise_i for noise (bs, vocab) of independent Exp(1) draws, which is token i with
+    probability p_i (the exponential race: noise_i / p_i is exponential of rate p_i, and the least of independent
+    exponentials is the i-th with probability its rate over their sum). No random number generator and no host
+    read inside: the decode step calls it under torch.compile and a CUDA graph, its noise drawn before each step."""
     if sampling.temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits.float() / sampling.temperature
@@ -252,8 +284,24 @@ def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator 
         mass_before = sorted_logits.softmax(dim=-1).cumsum(dim=-1) - sorted_logits.softmax(dim=-1)
         sorted_logits = sorted_logits.masked_fill(mass_before >= sampling.top_p, float("-inf"))  # keeps the first
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    draw = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
-    return draw.squeeze(-1)
+    # log(p_i / noise_i) up to a constant; a draw of exactly 0 is clamped, where -log(0) = inf would make a token
+    # top-k or top-p dropped (-inf) NaN, which argmax takes for the largest.
+    return (logits - noise.clamp_min(torch.finfo(noise.dtype).tiny).log()).argmax(dim=-1)
+
+
+@dataclass
+class DecodeState:
+    """What the decode step reads and writes, on the model's device: allocated once per batch size, cache length,
+    sampling and number of stop ids (Generator._decode_state) and then only written in place, so a CUDA graph
+    captured over the step replays on these very addresses, call after call."""
+
+    cache: KVCache
+    tokens: torch.Tensor  # (bs, max_len) int64: each row's tokens by cache position, the prompt left-padded
+    position: torch.Tensor  # (1,) int64: the cache position of the token the next step feeds
+    done: torch.Tensor  # (bs,) bool: the row has picked a stop id
+    stop: torch.Tensor  # (n,) int64: the stop ids (-1: none)
+    noise: torch.Tensor | None  # (bs, vocab) float32: `pick`'s Exp(1) draws for the next step; None when greedy
+    sampling: Sampling
 
 
 @dataclass
@@ -273,17 +321,47 @@ class Timing:
 
 
 class Generator:
-    """Prompts in, completions out, over a model it never changes: the KV cache is created per call and
-    passed to each forward. compile: the decode step (one token per row, fixed shapes) is compiled once."""
+    """Prompts in, completions out, over a model it never changes: the KV cache belongs to the generator and is
+    passed to each forward.
+
+    The prompts run in one eager forward (the prefill), which writes their keys and values and picks each row's
+    first token; then the decode step (`_decode_step`) runs once per further token on a DecodeState, in place: the
+    forward of one token per row from the cache, the next token picked on the device, written after it, the
+    position advanced, `done` updated. The host reads `done` once every STOP_CHECK_EVERY steps and the tokens once
+    at the end. The state is kept for the next call of the same batch size, cache length (`cache_length`) and
+    sampling, whose step is then neither compiled nor captured again.
+
+    compile: the decode step compiled once (fixed shapes); on CUDA in one process it is then captured once as a CUDA
+    graph, replayed for every token. On CPU and under tensor parallel the compiled step runs without a graph;
+    without compile the same step runs eagerly.
+    """
 
     def __init__(self, model: nn.Module, *, compile: bool = False):
         self.model = model
         self.max_positions = model.args.max_seq_len  # the RoPE table's length
-        self.decode = torch.compile(self._last_logits, dynamic=False) if compile else self._last_logits
+        self.device = next(model.parameters()).device
+        self.step = torch.compile(self._decode_step, dynamic=False) if compile else self._decode_step
+        # Captured by hand (torch.cuda.CUDAGraph) rather than by torch.compile(mode="reduce-overhead"): CUDA graph
+        # trees treat only parameters, buffers and tensors marked static (a private dynamo API) as fixed addresses,
+        # copy other inputs in at each replay and run a step that writes into them without a graph, and their
+        # outputs are overwritten by the next replay. The cache is an argument here, not a module buffer: this
+        # class owns the addresses instead (DecodeState), a replay is one call with no guard to evaluate, and a
+        # host read inside the step fails the capture instead of silently costing the graph. Not under tensor
+        # parallel, whose all-reduces the graph would hold: that path is compiled only.
+        tensor_parallel = any(isinstance(p, DTensor) for p in model.parameters())
+        self.cuda_graphs = compile and self.device.type == "cuda" and not tensor_parallel
         self.timing = Timing()
+        self._state: DecodeState | None = None
+        self._graph: torch.cuda.CUDAGraph | None = None
 
-    def _last_logits(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        return self.model(tokens, positions=positions, cache=cache)[:, -1]
+    def _decode_step(self, s: DecodeState) -> None:
+        """One token per row, in place on `s`: feed the token at `s.position`, write the next one after it."""
+        token = s.tokens.index_select(1, s.position)  # (bs, 1)
+        logits = self.model(token, positions=s.position, cache=s.cache)[:, -1]
+        new = pick(logits, s.sampling, s.noise)  # (bs,)
+        s.tokens.index_copy_(1, s.position + 1, new[:, None])
+        s.done.logical_or_((new[:, None] == s.stop[None, :]).any(dim=-1))
+        s.position.add_(1)
 
     @torch.no_grad()
     def generate(
@@ -296,31 +374,37 @@ class Generator:
         seed: int = 0,
     ) -> list[list[int]]:
         """The new tokens of each prompt, up to and with the first stop id, at most max_new_tokens."""
-        device = next(self.model.parameters()).device
+        device = self.device
         bs, width = len(prompts), max(len(p) for p in prompts)
-        tokens = torch.zeros(bs, width, dtype=torch.long)
+        padded = torch.zeros(bs, width, dtype=torch.long)
         for row, prompt in enumerate(prompts):  # left padding: every prompt ends at position width - 1
-            tokens[row, width - len(prompt) :] = torch.tensor(prompt)
-        starts = torch.tensor([width - len(p) for p in prompts], device=device)
-        # Rounded up, so that calls of similar lengths share one compiled decode step (its shapes include max_len).
-        max_len = min(-(-(width + max_new_tokens) // CACHE_LENGTH_MULTIPLE) * CACHE_LENGTH_MULTIPLE, self.max_positions)
-        cache = KVCache(starts, max_len=max(max_len, width + max_new_tokens))
+            padded[row, width - len(prompt) :] = torch.tensor(prompt)
+        max_len = cache_length(width, max_new_tokens, self.max_positions)
+        s = self._decode_state(bs, max_len, sampling, list(stop_ids) or [-1])
+        s.cache.reset(torch.tensor([width - len(p) for p in prompts]))
+        s.tokens[:, :width].copy_(padded)
         generator = torch.Generator(device=device).manual_seed(seed)
-        stop = torch.tensor(list(stop_ids) or [-1], device=device)
 
         t0 = time.perf_counter()
-        logits = self._last_logits(tokens.to(device), torch.arange(width, device=device), cache)  # the prefill
-        out = [sample(logits, sampling, generator)]
-        done = torch.isin(out[-1], stop)
+        logits = self.model(s.tokens[:, :width], positions=torch.arange(width, device=device), cache=s.cache)[:, -1]
+        first = sample(logits, sampling, generator)
+        s.tokens[:, width] = first
+        s.done.copy_((first[:, None] == s.stop[None, :]).any(dim=-1))
+        s.position.fill_(width)
         self._sync(device)
         t1 = time.perf_counter()
-        for pos in range(width, width + max_new_tokens - 1):
-            if bool(done.all()):
+        steps = 1  # new tokens in s.tokens
+        while steps < max_new_tokens:
+            if steps % STOP_CHECK_EVERY == 1 and bool(s.done.all()):  # the host's one read per STOP_CHECK_EVERY
                 break
-            logits = self.decode(out[-1][:, None], torch.tensor([pos], device=device), cache)
-            out.append(sample(logits, sampling, generator))
-            done |= torch.isin(out[-1], stop)
-        new = torch.stack(out, dim=1).tolist()  # (bs, steps); one read at the end
+            if s.noise is not None:
+                s.noise.exponential_(generator=generator)  # outside the graph: the generator's state moves on
+            if self._graph is not None:
+                self._graph.replay()
+            else:
+                self.step(s)
+            steps += 1
+        new = s.tokens[:, width : width + steps].tolist()  # (bs, steps); one read at the end
         t2 = time.perf_counter()
 
         completions = [_until_stop(row, set(stop_ids)) for row in new]
@@ -329,6 +413,45 @@ class Generator:
         self.timing.decode_tokens += sum(max(len(c) - 1, 0) for c in completions)  # the first came from prefill
         self.timing.decode_s += t2 - t1
         return completions
+
+    def _decode_state(self, bs: int, max_len: int, sampling: Sampling, stop: list[int]) -> DecodeState:
+        """The last call's state if this call's shapes and sampling are the same (its step compiled and captured
+        already), else a new one, allocated here, its step captured when cuda_graphs. The stop ids copied in."""
+        s = self._state
+        if s is None or s.tokens.shape != (bs, max_len) or s.sampling != sampling or s.stop.numel() != len(stop):
+            self._state = self._graph = s = None  # the old buffers and graph go before the new ones are allocated
+            device = self.device
+            s = DecodeState(
+                cache=KVCache.for_model(self.model, torch.zeros(bs, dtype=torch.long), max_len),
+                tokens=torch.zeros(bs, max_len, dtype=torch.long, device=device),
+                position=torch.zeros(1, dtype=torch.long, device=device),
+                done=torch.zeros(bs, dtype=torch.bool, device=device),
+                stop=torch.zeros(len(stop), dtype=torch.long, device=device),
+                noise=None
+                if sampling.temperature == 0
+                else torch.ones(bs, self.model.args.vocab_size, dtype=torch.float32, device=device),
+                sampling=sampling,
+            )
+            self._state = s
+            if self.cuda_graphs:
+                self._graph = self._capture(s)
+        s.stop.copy_(torch.tensor(stop))
+        return s
+
+    def _capture(self, s: DecodeState) -> torch.cuda.CUDAGraph:
+        """The decode step on `s` as a CUDA graph. Warmed up first on a side stream, as capture requires (the first
+        call compiles; kernels initialize lazily): those steps write at position 0, which the prefill overwrites."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.step(s)
+                s.position.zero_()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.step(s)
+        return graph
 
     @staticmethod
     def _sync(device: torch.device) -> None:

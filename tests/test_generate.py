@@ -1,6 +1,7 @@
-"""generate.py and the KV cache: tokens equal transformers' greedy `generate` for both families, the cache
+"""generate.py and the KV cache: tokens equal transformers' greedy `generate` for every family, the cache
 equals recomputing the whole sequence, sampling repeats with its seed, the compiled decode step is compiled
-once, and a cache can never reach a training forward (docs/failures.md #2).
+once, the host reads no value per decoded token, and a cache can never reach a training forward
+(docs/failures.md #2).
 
 Reference models: tests/tiny_hf.py's random transformers models in fp32 with O(1) logits, so that greedy
 choices are not near ties that float32 rounding could flip."""
@@ -11,18 +12,22 @@ import json
 import re
 import subprocess
 import sys
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 import generate
 from config import ActivationCheckpoint
 from data.tokenizers import build_tokenizer
 from errors import ConfigError
-from generate import Generator, Sampling, encode_prompts
+from generate import STOP_CHECK_EVERY, Generator, Sampling, encode_prompts
 from models.hf import from_hf
 from models.kv_cache import KVCache
 from models.llama3 import FLAVORS, Transformer
@@ -32,6 +37,21 @@ from tests.launch import REPO, python, torchrun
 from tests.tiny_hf import SHIPPED_TOKENIZER, save_hf_folder, tiny_hf_model
 
 NEW_TOKENS = 48
+
+
+class HostReads(TorchFunctionMode):
+    """Counts the calls that bring a tensor's value to the host (on a GPU each waits for the device to finish)."""
+
+    READS = ("__bool__", "__int__", "__float__", "__index__", "item", "tolist", "numpy", "nonzero", "masked_select")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_function__(self, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if (name := getattr(func, "__name__", "")) in self.READS:
+            self.counts[name] += 1
+        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture(scope="module", params=["llama3", "qwen3", "olmo2"])
@@ -65,11 +85,15 @@ def test_greedy_tokens_equal_transformers_generate_for_a_batch_of_prompts_of_dif
     reference, ours, _ = pair
     prompts = prompts_of(reference.config.vocab_size)
     eos = 7  # a token the random model does emit in some rows: the rows stop at different steps
-    ours_tokens = Generator(ours).generate(prompts, max_new_tokens=NEW_TOKENS, stop_ids=[eos])
+    generator = Generator(ours)
+    ours_tokens = generator.generate(prompts, max_new_tokens=NEW_TOKENS, stop_ids=[eos])
     assert ours_tokens == hf_greedy(reference, prompts, eos=eos)
     assert ours_tokens == hf_greedy(reference, prompts, eos=None) or any(eos in row for row in ours_tokens)
-    no_stop = Generator(ours).generate(prompts, max_new_tokens=NEW_TOKENS)
+    with HostReads() as reads:  # the first call's decode state, reused
+        no_stop = generator.generate(prompts, max_new_tokens=NEW_TOKENS)
     assert no_stop == hf_greedy(reference, prompts, eos=None) and all(len(row) == NEW_TOKENS for row in no_stop)
+    # No host read per token: whether every row stopped, once every STOP_CHECK_EVERY tokens; the tokens at the end.
+    assert reads.counts == {"__bool__": -(-(NEW_TOKENS - 1) // STOP_CHECK_EVERY), "tolist": 1}, reads.counts
 
 
 @pytest.mark.parametrize("convention", ["llama3", "smollm2", "qwen3"])
@@ -98,7 +122,9 @@ def test_decoding_from_the_cache_equals_recomputing_the_whole_sequence(pair: tup
     tokens = torch.tensor(prompts_of(ours.args.vocab_size, (40,)))
     with torch.no_grad():
         whole = ours(tokens)
-        cache = KVCache(torch.tensor([0]), max_len=64)  # longer than the sequence: unwritten positions masked
+        cache = KVCache.for_model(ours, torch.tensor([0]), max_len=64)  # longer than the sequence
+        for buffer in [*cache.keys.values(), *cache.values.values()]:
+            buffer.normal_()  # what an earlier batch left there: masked until written
         steps = [ours(tokens[:, :10], positions=torch.arange(10), cache=cache)]
         steps += [ours(tokens[:, i : i + 1], positions=torch.tensor([i]), cache=cache) for i in range(10, 40)]
     torch.testing.assert_close(torch.cat(steps, dim=1), whole, atol=1e-5, rtol=0)
@@ -111,17 +137,18 @@ def test_a_left_padded_row_gives_the_logits_of_the_prompt_alone(pair: tuple) -> 
     with torch.no_grad():
         alone = ours(torch.tensor([prompt]))
         padded = torch.tensor([[0] * 6 + prompt])
-        cached = ours(padded, positions=torch.arange(11), cache=KVCache(torch.tensor([6]), max_len=11))
+        cached = ours(padded, positions=torch.arange(11), cache=KVCache.for_model(ours, torch.tensor([6]), max_len=11))
     torch.testing.assert_close(cached[:, 6:], alone, atol=1e-5, rtol=0)
 
 
 def test_sampling_repeats_with_its_seed_and_top_k_1_is_greedy(pair: tuple) -> None:
     _, ours, _ = pair
     prompts = prompts_of(ours.args.vocab_size)
-    warm = Sampling(temperature=1.0, top_k=50, top_p=0.9)
-    first, again, other = (
-        Generator(ours).generate(prompts, max_new_tokens=16, sampling=warm, seed=s) for s in (1, 1, 2)
-    )
+    warm, sampler = Sampling(temperature=1.0, top_k=50, top_p=0.9), Generator(ours)
+    with HostReads() as reads:
+        first = sampler.generate(prompts, max_new_tokens=16, sampling=warm, seed=1)
+    assert reads.counts == {"__bool__": 1, "tolist": 1}, reads.counts  # the draws too stay on the device
+    again, other = (sampler.generate(prompts, max_new_tokens=16, sampling=warm, seed=s) for s in (1, 2))
     assert first == again and first != other
     greedy = Generator(ours).generate(prompts, max_new_tokens=16)
     assert Generator(ours).generate(prompts, max_new_tokens=16, sampling=Sampling(1.0, top_k=1), seed=3) == greedy
@@ -137,8 +164,9 @@ def test_top_p_keeps_the_smallest_set_of_likeliest_tokens_with_that_mass() -> No
 
 
 def test_the_compiled_decode_step_is_compiled_once_and_never_recompiled(tmp_path: Path) -> None:
-    """48 tokens, then another batch of the same size whose cache rounds to the same length: one graph. (On a tiny
-    Llama only: the decode step is the generator's, the same for every family.)"""
+    """48 tokens, then another batch of the same size whose cache rounds to the same length: one graph, and the
+    first batch's decode state reused, whatever it left in the cache never read. (On a tiny Llama only: the decode
+    step is the generator's, the same for every family.)"""
     from torch._dynamo.utils import counters
 
     ours, _ = from_hf(save_hf_folder(tiny_hf_model(family="llama3", seed=1), tmp_path / "hf"))
@@ -148,8 +176,10 @@ def test_the_compiled_decode_step_is_compiled_once_and_never_recompiled(tmp_path
     prompts = prompts_of(ours.args.vocab_size)
     generator = Generator(ours, compile=True)
     compiled = generator.generate(prompts, max_new_tokens=NEW_TOKENS)
+    state = generator._state  # its cache and tensors: on a GPU, what the captured graph replays on
     compiled += generator.generate(prompts_of(ours.args.vocab_size, (3, 9, 4), seed=1), max_new_tokens=NEW_TOKENS)
     assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"], dict(counters["stats"])
+    assert generator._state is state and not generator.cuda_graphs  # (CPU: compiled, no graph)
     eager = Generator(ours).generate(prompts, max_new_tokens=NEW_TOKENS)
     eager += Generator(ours).generate(prompts_of(ours.args.vocab_size, (3, 9, 4), seed=1), max_new_tokens=NEW_TOKENS)
     assert compiled == eager
@@ -195,7 +225,7 @@ def test_training_under_ac_is_bit_for_bit_unchanged_after_generating_with_the_sa
 
 def test_a_cache_is_refused_with_grad_enabled_under_ac_and_under_fsdp(tmp_path: Path) -> None:
     model, tokens = tiny_model(), torch.tensor([[1, 2, 3]])
-    cache = lambda: KVCache(torch.tensor([0]), max_len=8)  # noqa: E731
+    cache = lambda: KVCache.for_model(model, torch.tensor([0]), max_len=8)  # noqa: E731
     with pytest.raises(RuntimeError, match="for inference only; call the model under torch.no_grad"):
         model(tokens, positions=torch.arange(3), cache=cache())
     with torch.no_grad(), pytest.raises(ValueError, match="pass positions="):
