@@ -21,7 +21,7 @@ from benchmarks import gpu_run, harness
 from benchmarks.harness import Row, read_results
 from config import REPO
 
-# float8 is a part a fork may remove (README's table): then the rehearsal runs train_rows alone.
+# float8 is a part a fork may remove (docs/development.md's table): then the rehearsal runs train_rows alone.
 FLOAT8 = (REPO / "benchmarks" / "float8.py").is_file()
 
 PROGRESS = re.compile(r"^part (\d)/(\d) (\w+): starting \| elapsed \d+m\d\ds \| estimated rest \d+m\d\ds$", re.M)
@@ -155,7 +155,7 @@ def test_the_docs_list_the_parts_in_priority_order_and_help_gives_their_estimate
     help_text = gpu_run.parser().format_help()
     for part in gpu_run.PARTS:
         assert re.search(rf"^  {part.name} +~ *{part.gpu_s}s on a GPU", help_text, re.M), part.name
-    # The progress line the README shows is the runner's.
-    readme = " ".join((REPO / "README.md").read_text().split())
+    # The progress line docs/benchmarks.md shows is the runner's.
+    readme = " ".join((REPO / "docs/benchmarks.md").read_text().split())
     (shown,) = re.findall(r"`(part \d/\d \w+: starting \| elapsed \S+ \| estimated rest \S+)`", readme)
     assert PROGRESS.fullmatch(shown)

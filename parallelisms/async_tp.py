@@ -17,7 +17,7 @@ rewrites the sum as one matmul over the concatenated gradients and weights, A1 @
 where the sum feeds a reduce-scatter; the model, its state dict and every run without async TP are untouched.
 
 To remove async TP from a fork: delete this file, its call in parallelize_model, and the
-`enable_async_tensor_parallel` key of [parallelism] in config/sections.py (README.md, "Removing a part").
+`enable_async_tensor_parallel` key of [parallelism] in config/sections.py (docs/development.md, "Removing a part").
 """
 
 from __future__ import annotations

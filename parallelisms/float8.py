@@ -30,7 +30,7 @@ float8 needs compute capability 8.9+ (H100, H200, L4, RTX 4090); elsewhere it is
 line, except with `emulate = true`, which runs the same casts with high-precision matmuls (the
 tests, on CPU). parallelize_model puts the recipe in the inductor cache key (docs/failures.md #4).
 
-To remove float8 from a fork: README.md's "Removing a part" (this file, its calls in parallelisms/parallelize.py
+To remove float8 from a fork: docs/development.md's "Removing a part" (this file, its calls in parallelisms/parallelize.py
 and train.py, the dry run's count of the float8 all-gather, the tests' float8 layouts).
 """
 

@@ -63,7 +63,7 @@ SHIPPED: dict[str, Launch] = {
 }
 
 
-# (A fork that removes a part with its configs, README "Removing a part", keeps the rows of the others.)
+# (A fork that removes a part with its configs, docs/development.md "Removing a part", keeps the rows of the others.)
 SHIPPED = {path: launch for path, launch in SHIPPED.items() if (REPO / path).exists()}
 
 

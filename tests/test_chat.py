@@ -378,7 +378,7 @@ def test_the_readmes_chat_commands_fine_tune_a_checkpoint_and_answer(seed: Path,
     """README's "Fine-tune on chat data" as written, on the seed checkpoint instead of `make train`'s step 100, for 2
     steps instead of 40, into a temporary folder."""
     text = (REPO / "README.md").read_text()
-    block = re.search(r"```bash\n(.*?)```", text[text.index("### Fine-tune on chat data") :], flags=re.S)[1]
+    block = re.search(r"```bash\n(.*?)```", text[text.index("## Fine-tune on chat data") :], flags=re.S)[1]
     train, ask = block.strip().splitlines()
     assert (
         "--checkpoint.initial_load_path=outputs/debug/checkpoint/step-100" in train and "--training.steps=40" in train
@@ -399,12 +399,12 @@ def test_the_readmes_chat_commands_fine_tune_a_checkpoint_and_answer(seed: Path,
 
 
 def test_the_readmes_qwen3_chat_commands_fine_tune_from_scratch_and_answer(tmp_path: Path) -> None:
-    """README's Qwen3 lines of "Fine-tune on chat data" as written, for 2 steps instead of 100, into a temporary
+    """docs/data.md's Qwen3 lines of "Chat fine-tuning" as written, for 2 steps instead of 100, into a temporary
     folder: Qwen3's debug model trains on the conversations as Qwen3's template renders them, validates on the
     held-out ones, and its checkpoint answers a question in that template."""
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("### Fine-tune on chat data") : text.index("## Where things live")]
-    train, ask = re.findall(r"```bash\n(.*?)```", section, flags=re.S)[1].strip().splitlines()
+    text = (REPO / "docs" / "data.md").read_text()
+    section = text[text.index("## Chat fine-tuning") :]
+    train, ask = re.findall(r"```bash\n(.*?)```", section, flags=re.S)[0].strip().splitlines()
     assert "--model.tokenizer_path=assets/tokenizer_qwen3" in train and "--training.steps=100" in train
     dump = tmp_path / "qwen3_debug_chat"
     train = train.replace("--training.steps=100", "--training.steps=2").replace("outputs/qwen3_debug_chat", str(dump))

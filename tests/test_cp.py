@@ -59,7 +59,7 @@ def test_what_context_parallel_refuses_in_one_line() -> None:
 
 
 def test_a_fork_without_cp_py_refuses_its_keys(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    """README "Removing a part": in a copy without parallelisms/cp.py, context_parallel_degree > 1 is refused."""
+    """docs/development.md "Removing a part": in a copy without parallelisms/cp.py, context_parallel_degree > 1 is refused."""
     import config.loading
 
     monkeypatch.setattr(config.loading, "REPO", tmp_path)

@@ -76,7 +76,7 @@ def test_the_readme_planning_commands_are_recorded_transcripts() -> None:
     """The block under "Plan a job without its GPUs or its data": each line is the command of a cheap transcript (run
     by the test above), as written but for `python` in place of `.venv/bin/python`."""
     text = (REPO / "README.md").read_text()
-    section = text[text.index("### Plan a job without its GPUs or its data") :]
+    section = text[text.index("## Plan a job without its GPUs or its data") :]
     block = re.search(r"```bash\n(.*?)```", section, flags=re.S)[1]
     commands = [line.replace(".venv/bin/python", "python") for line in block.splitlines() if line.strip()]
     assert len(commands) == 4, commands
@@ -86,11 +86,11 @@ def test_the_readme_planning_commands_are_recorded_transcripts() -> None:
         assert any(r == command or r.startswith(f"{command} ") for r in recorded), f"{command} is no cheap transcript"
 
 
-def test_the_readme_data_commands_run_as_written(tmp_path: Path) -> None:
-    """The block under "Your data": two corpora prepared, a mixture of them trained on 2 ranks (its output
-    folders moved to tmp_path)."""
-    text = (REPO / "README.md").read_text()
-    block = re.search(r"```bash\n(.*?)```", text[text.index("### Your data") :], flags=re.S)[1]
+def test_the_data_pages_mixture_commands_run_as_written(tmp_path: Path) -> None:
+    """docs/data.md's block under "Your corpora, prepared and mixed": two corpora prepared, a mixture of them trained
+    on 2 ranks (its output folders moved to tmp_path)."""
+    text = (REPO / "docs" / "data.md").read_text()
+    block = re.search(r"```bash\n(.*?)```", text[text.index("## Your corpora, prepared and mixed") :], flags=re.S)[1]
     commands = [line.replace("outputs/data", str(tmp_path / "data")) for line in block.splitlines() if line.strip()]
     assert len(commands) == 3, commands
     for command in commands:
@@ -122,3 +122,18 @@ def test_the_readmes_commands_run_the_venv_make_creates() -> None:
     assert len(programs) > 10 and "make" in programs, programs
     bare = [p for p in programs if p != "make" and not f"/{p}".startswith(("/.venv/bin/", "/path/to/.venv/bin/"))]
     assert not bare, f"README.md runs {bare}: name .venv/bin/'s (make creates it)"
+
+
+def test_the_lines_the_readme_says_make_train_ends_with_are_the_recorded_logs() -> None:
+    """README.md's quick start shows how `make train` ends (its losses at step 100): each line is a line of the log
+    docs/benchmarks.md records for the command (`scripts/record_transcripts.py` reruns it), but for the parts the
+    README leaves out as `...` (times, rates, memory)."""
+    readme = (REPO / "README.md").read_text()
+    shown = re.search(r"ends with these lines[^`]*```\n(.*?)```", readme, flags=re.S)[1].strip().splitlines()
+    command = "rm -rf outputs/debug && torchrun --nproc_per_node=2 train.py --config configs/debug.toml"
+    bench = (REPO / "docs" / "benchmarks.md").read_text()
+    log = re.search(rf"<!-- transcript: {re.escape(command)} -->\n```\n(.*?)```", bench, flags=re.S)[1].splitlines()
+    assert len(shown) == 3 and "loss  1.6591" in shown[0] and "loss  1.6472" in shown[1], shown
+    for line in shown:
+        pattern = ".*".join(map(re.escape, line.split("...")))
+        assert any(re.fullmatch(pattern, recorded) for recorded in log), line

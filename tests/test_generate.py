@@ -279,7 +279,7 @@ def test_the_command_generates_from_an_hf_folder_and_from_a_dcp_step_with_its_co
     # README's command after `make train`, on the seed checkpoint instead of step 100 (the debug model too).
     assert (seed.parent / "config.toml").is_file()
     text = (REPO / "README.md").read_text()
-    command = re.search(r"```bash\n(.*?)```", text[text.index("### Generate") :], flags=re.S)[1].strip()
+    command = re.search(r"```bash\n(.*?)```", text[text.index("## Generate and evaluate") :], flags=re.S)[1].strip()
     assert command.startswith(".venv/bin/python generate.py --checkpoint outputs/debug/checkpoint/step-100 "), command
     command = command.replace(".venv/bin/python", sys.executable).replace(
         "outputs/debug/checkpoint/step-100", str(seed)

@@ -1,7 +1,7 @@
-"""README's "Removing a part" table, performed: each row on a copy of the repo, then the copy collects its tests
+"""docs/development.md's "Removing a part" table, performed: each row on a copy of the repo, then the copy collects its tests
 (importing every module they use), runs the cheap ones, trains a step and, where the row edits it, plans a dry run.
 
-The table is read from README.md, so the README and this test cannot disagree. A row names the files to delete
+The table is read from docs/development.md, so the page and this test cannot disagree. A row names the files to delete
 and, per file, the names whose code goes with them: their imports, the arguments and parameters that pass them,
 the dictionary and tuple entries and the statements that use them (what a forker deletes by hand, done here on
 the syntax tree; in TOML files the lines that set them).
@@ -32,8 +32,8 @@ TRAIN = [
 
 
 def removal_table() -> dict[str, tuple[list[str], list[tuple[set[str], list[str]]]]]:
-    """part -> (paths to delete, [(names, files or globs)]) from README.md's table."""
-    text = (REPO / "README.md").read_text()
+    """part -> (paths to delete, [(names, files or globs)]) from docs/development.md's table."""
+    text = (REPO / "docs" / "development.md").read_text()
     if "## Removing a part" not in text:
         return {}
     section = text[text.index("## Removing a part") :]
