@@ -120,6 +120,31 @@ def test_cross_field_checks_report_all_problems_together() -> None:
     assert any("exceeds the 2048 tokens debugmodel supports" in p for p in found)
 
 
+def test_activation_checkpointing_per_block_and_its_budget_are_checked_when_the_config_loads() -> None:
+    """mode = "per_block" needs one known mode per block of the flavor; per_block and memory_budget_gib are refused
+    where the mode would ignore them (a value that does nothing is no silent no-op)."""
+    ac = "--activation_checkpoint."
+    assert load_config(
+        [f"{ac}mode=per_block", f"{ac}per_block=full,op,none,op,op,none"]
+    ).activation_checkpoint.per_block
+    assert load_config([f"{ac}mode=auto", f"{ac}memory_budget_gib=20"]).activation_checkpoint.memory_budget_gib == 20
+    assert problems([f"{ac}mode=per_block", f"{ac}per_block=full,op,bad"]) == [
+        "activation_checkpoint.per_block: 3 entries for a model of 6 blocks; give one per block",
+        "activation_checkpoint.per_block: unknown 'bad'; each block is one of none, op, full",
+    ]
+    assert problems([f"{ac}mode=per_block"]) == [
+        'activation_checkpoint.per_block: mode = "per_block" needs one entry per block ("none", "op" or "full")'
+    ]
+    assert problems([f"{ac}mode=full", f"{ac}per_block=full", f"{ac}memory_budget_gib=-1"]) == [
+        'activation_checkpoint.per_block: ignored by mode = "full"; set mode = "per_block" or remove it',
+        "activation_checkpoint.memory_budget_gib: -1 is negative; give GiB per GPU, or 0 for 90% of the device's",
+    ]
+    assert problems([f"{ac}memory_budget_gib=40"]) == [
+        'activation_checkpoint.memory_budget_gib: 40 is read by mode = "auto" only (mode is "none"); set mode = '
+        '"auto" or remove it'
+    ]
+
+
 def test_float16_is_refused_for_want_of_loss_scaling() -> None:
     (problem,) = problems(["--training.mixed_precision_param=float16"])
     assert problem.startswith("training.mixed_precision_param: float16 needs loss scaling") and "bfloat16" in problem
