@@ -15,7 +15,7 @@ import gc
 import os
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -41,6 +41,7 @@ from config import (
     load_config,
     model_args,
     model_label,
+    parse_overrides,
     run_model_args,
     to_toml,
 )
@@ -101,7 +102,9 @@ def main(argv: list[str]) -> int:
 
     device, rank, world_size = init_distributed(cfg.comm, dump_folder=cfg.job.dump_folder)
     try:
-        run = build(cfg, device=device, rank=rank, world_size=world_size)
+        # The keys the command line sets: the TOML's job.description may no longer hold (print_banner).
+        changed = [name for name, _ in parse_overrides(argv)[0] if name not in ("config", "job.config_file")]
+        run = build(cfg, device=device, rank=rank, world_size=world_size, changed=changed)
         code = train(run) if run is not None else 0
         # Leave together: a rank tearing gloo down while its peer was still in a collective aborted the peer
         # ("terminate called without an active exception", seen once in a full test run under load).
@@ -176,9 +179,12 @@ def train(run: Run) -> int:
     return 0
 
 
-def build(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -> Run | None:
+def build(
+    cfg: JobConfig, *, device: torch.device, rank: int, world_size: int, changed: Sequence[str] = ()
+) -> Run | None:
     """Everything the run holds, in the order it is needed; None when there is nothing to train (a seed
-    checkpoint was written, the run is finished, or a stop came during start-up)."""
+    checkpoint was written, the run is finished, or a stop came during start-up). changed: the keys the command
+    line set, which the banner names."""
     t = cfg.training
     set_determinism(cfg.debug)
     # Parallel layout and the pitfalls of this job on this machine (planning/doctor.py, optional), before any compute.
@@ -224,7 +230,7 @@ def build(cfg: JobConfig, *, device: torch.device, rank: int, world_size: int) -
     if (start_step := resume_step(cfg, checkpoint)) is None:
         return None
     if rank == 0:
-        print_banner(cfg, args, dims=dims, loader=loader, start_step=start_step, device=device)
+        print_banner(cfg, args, dims=dims, loader=loader, start_step=start_step, device=device, changed=changed)
     resume(cfg, checkpoint, state, optimizer, start_step=start_step)
     # Signals have been recorded since the first line (stop.py); the ranks first agree here, after start-up.
     request = stop.StopRequest(ctrl_group, stop_file=Path(cfg.job.dump_folder) / "STOP", is_rank0=rank == 0)
@@ -451,21 +457,40 @@ def resume(
 
 
 def print_banner(
-    cfg: JobConfig, args: Any, *, dims: ParallelDims, loader: GlobalBatchLoader, start_step: int, device: torch.device
+    cfg: JobConfig,
+    args: Any,
+    *,
+    dims: ParallelDims,
+    loader: GlobalBatchLoader,
+    start_step: int,
+    device: torch.device,
+    changed: Sequence[str] = (),
 ) -> None:
-    t = cfg.training
+    t, data = cfg.training, cfg.data
     if cfg.job.description:
-        print(cfg.job.description, flush=True)
+        print(described(cfg.job.description, changed), flush=True)
+    corpus = f"mixture of {', '.join(data.mixture)}" if data.mixture else data.path
     print(
         f"{model_label(cfg)}: {family(cfg.model.name).num_params(args) / 1e6:,.1f}M parameters | world "
         f"{dims.world_size} = " + (f"pp {dims.pp} x " if dims.pp_enabled else "") + f"{dims.describe()} | global batch "
         f"{loader.global_batch_size} x {t.seq_len} tokens, grad accumulation {loader.grad_accum} | "
-        f"{loader.corpus.num_tokens:,} tokens in corpus | device {device.type} | steps {start_step + 1}..{t.steps}",
+        f"{loader.corpus.num_tokens:,} tokens of {corpus}{' (chat)' if data.chat else ''} | device {device.type} | "
+        f"steps {start_step + 1}..{t.steps}",
         flush=True,
     )
     dump, ckpt = Path(cfg.job.dump_folder), cfg.checkpoint
     saves = f"{dump / ckpt.folder} every {ckpt.interval} steps and at the end" if ckpt.enable else "off"
     print(f"outputs: {dump} | metrics {dump / 'metrics.jsonl'} | checkpoints {saves}", flush=True)
+
+
+def described(description: str, changed: Sequence[str]) -> str:
+    """job.description as the TOML wrote it, and what the command line changed since, which its words may not cover
+    (configs/debug.toml's "shipped synthetic corpus" on a chat fine-tune's --data.path); where the job's own keys
+    (its folder, its description) changed, nothing else."""
+    others = [key for key in changed if not key.startswith("job.")]
+    if "job.description" in changed or not others:
+        return description
+    return f"{description} (the config's description; the command line changes {', '.join(others)})"
 
 
 # ------------------------------------------------------------------ one step
@@ -489,7 +514,7 @@ class ForwardBackward:
         cp: ContextParallel | None,
         pipeline: Pipeline | None,
     ):
-        # One line each: a fork that removes context parallel or pipelines deletes its line (README, "Removing a part").
+        # One line each: a fork that removes context parallel or pipelines deletes its line (docs/development.md, "Removing a part").
         self.model, self.loss_fn, self.device = model, loss_fn, device
         self.loss_parallel = loss_parallel
         self.cp = cp
@@ -695,7 +720,8 @@ def config_summary(cfg: JobConfig) -> str:
         else f"world size {world} (WORLD_SIZE)"
     )
     lines = [
-        to_toml(cfg),
+        # job.print_config is what a run does at start-up; printed bare here, `false` would read as a contradiction
+        to_toml(cfg, notes={"job.print_config": "at a run's start-up (--print-config prints it whatever this says)"}),
         "# derived",
         f"# model: {model_label(cfg)}",
         f"# parameters: {fam.num_params(args):,} ({fam.num_params(args, exclude_embedding=True):,} without embedding)",

@@ -491,7 +491,7 @@ def _flavor_layers(m: Model) -> int | None:
 
 
 def _missing_parts(cfg: JobConfig) -> list[str]:
-    """Optional parts a fork may have deleted (README.md, "Removing a part"): a setting that asks for one is refused."""
+    """Optional parts a fork may have deleted (docs/development.md, "Removing a part"): a setting that asks for one is refused."""
     return [
         f"{key}: needs {module.replace('.', '/')}.py, which this checkout does not have; turn it off"
         for asks, module, key in (
@@ -561,8 +561,9 @@ def _toml_value(value: Any) -> str:
     return str(value)
 
 
-def to_toml(cfg: JobConfig) -> str:
-    """The resolved config as TOML (unset optional values are left out, as TOML has no null)."""
+def to_toml(cfg: JobConfig, *, notes: dict[str, str] | None = None) -> str:
+    """The resolved config as TOML (unset optional values are left out, as TOML has no null). notes: a comment after
+    the value of a key ("section.key")."""
     out = []
     for name, section in SECTIONS.items():
         fields = keys(section)
@@ -572,6 +573,8 @@ def to_toml(cfg: JobConfig) -> str:
         obj = section_of(cfg, name)
         for f in fields:
             value = getattr(obj, f.name)
-            out.append(f"# {f.name} = (unset)" if value is None else f"{f.name} = {_toml_value(value)}")
+            line = f"# {f.name} = (unset)" if value is None else f"{f.name} = {_toml_value(value)}"
+            note = (notes or {}).get(f"{name}.{f.name}")
+            out.append(f"{line}  # {note}" if note else line)
         out.append("")
     return "\n".join(out)

@@ -39,7 +39,7 @@ INPUT_PATH = {"input_path": True}
 
 
 def optional_part(path: str, default: Any) -> Any:
-    """A key of an optional part (README "Removing a part"): in a fork that deleted `path`, a value other than the
+    """A key of an optional part (docs/development.md "Removing a part"): in a fork that deleted `path`, a value other than the
     default asks for what is gone and is refused in one line."""
     return field(default=default, metadata={"part": path})
 
@@ -54,7 +54,7 @@ class Job(TorchtitanJob):
     dump_folder: str = "./outputs"
     """Folder for everything a run writes: checkpoints, metrics.jsonl, TensorBoard events."""
     description: str = ""
-    """Free text describing the run, printed by rank 0 at start-up."""
+    """Free text describing the run, printed by rank 0 at start-up (with the keys the command line changes)."""
     print_config: bool = False
     """Print the resolved config (rank 0) at start-up."""
     config_file: str | None = None

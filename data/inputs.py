@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from config import DATASETS, JobConfig, Model, Validation, script, validation_path
+from config import DATASETS, REPO, JobConfig, Model, Validation, script, validation_path
 from data.sources import is_hub_name
 from models import NAMES, family
 
@@ -86,8 +86,13 @@ def _missing_data(cfg: JobConfig) -> str:
         )
     if Path(path).suffix:
         return f"data.path: {path} not found; point it at a json/jsonl/parquet/txt file or folder, or a prepared folder"
+    if made := _recipe_making(path, flavor=cfg.model.flavor):
+        recipe, commands = made
+        return f"data.path: {path} not found; {recipe}'s header makes it: " + ", then ".join(f"`{c}`" for c in commands)
     named = ""
-    if is_hub_name(path):  # or the name of a Hugging Face dataset this machine has no copy of
+    # Or the name of a Hugging Face dataset this machine has no copy of; not when its "owner" is a local folder
+    # (data/foo is a prepared corpus not made yet, not the dataset "foo" of the user "data").
+    if is_hub_name(path) and not Path(path).parent.is_dir():
         named = (
             f"; if it names a Hugging Face dataset, download it with `hf download {path} --repo-type dataset "
             f"--local-dir data/hf/{path.split('/')[1]}` and set data.path to that folder"
@@ -97,6 +102,39 @@ def _missing_data(cfg: JobConfig) -> str:
         f"SOURCE --tokenizer {cfg.model.tokenizer_path or ''} --output {path} --workers N` (a recipe's header names "
         f"its SOURCE){named}"
     )
+
+
+def _recipe_making(path: str, *, flavor: str) -> tuple[str, list[str]] | None:
+    """The shipped recipe whose header prepares the corpus `path` (one of `flavor` first: the 8B, 70B and 405B
+    recipes share a corpus), and the header's commands that make it: the dataset's download (`hf download ...
+    --repo-type dataset`), if there is one, then `prepare_data.py --output path`."""
+    found = []
+    for toml in sorted((REPO / "configs").rglob("*.toml")):
+        text = toml.read_text(encoding="utf-8")
+        commands = _header_commands(text)
+        prepare = [c for c in commands if "prepare_data.py" in c and f" --output {path} " in f"{c} "]
+        if prepare:
+            downloads = [c for c in commands if c.startswith("hf download") and "--repo-type dataset" in c]
+            other_flavor = f'flavor = "{flavor}"' not in text
+            found.append((other_flavor, str(toml.relative_to(REPO)), [*downloads, prepare[0]]))
+    return min(found)[1:] if found else None
+
+
+def _header_commands(text: str) -> list[str]:
+    """The commands of a TOML's leading comment: its lines that start with `hf download` or `python`, a line that
+    ends with a backslash joined to the next."""
+    commands, current = [], ""
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        current = f"{current} {line.lstrip('#').strip()}".strip()
+        if current.endswith("\\"):
+            current = current[:-1].strip()
+            continue
+        if current.startswith(("hf download", "python ")):
+            commands.append(current)
+        current = ""
+    return commands
 
 
 def _missing_tokenizer(m: Model) -> str:

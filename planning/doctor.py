@@ -142,8 +142,15 @@ def add_plan_report(
     machine = Machine(cuda=True, gpus_per_node=gpus_per_node, device_memory_gib=device_memory_gib)
     findings = check_recipe(cfg, world_size=world_size, machine=machine)
     lines += ["", f"doctor (CUDA, {gpus_per_node} GPUs per node, {device_memory_gib:.0f} GiB each):"]
-    lines += [f"  {f}" for f in findings] or ["  no known pitfalls found"]
+    lines += [f"  {line}" for line in report(findings)]
     return any(f.severity == "error" for f in findings)
+
+
+def report(findings: list[Finding]) -> list[str]:
+    """The findings, one line each, and then, when none is a warning or an error, that there is no pitfall: notes
+    (what the job will choose, an input this machine lacks) are none."""
+    lines = [str(f) for f in findings]
+    return lines if any(f.severity != "note" for f in findings) else [*lines, "no known pitfalls found"]
 
 
 # ------------------------------------------------------------------------- nodes
@@ -466,7 +473,7 @@ def main(argv: list[str]) -> int:
     findings = check_recipe(cfg, world_size=int(world), machine=machine)
     findings += [Finding("note", *problem.split(": ", 1)) for problem in input_problems(cfg)]
     if is_rank0():
-        print("\n".join(str(f) for f in findings) or "no known pitfalls found")
+        print("\n".join(report(findings)))
     return 1 if any(f.severity == "error" for f in findings) else 0
 
 

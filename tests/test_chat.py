@@ -392,6 +392,11 @@ def test_the_readmes_chat_commands_fine_tune_a_checkpoint_and_answer(seed: Path,
     nproc, script, *args = shlex.split(train.removeprefix(".venv/bin/torchrun "))
     run = torchrun(script, *args, nproc=int(nproc.removeprefix("--nproc_per_node=")))
     assert f"initialized model weights from {seed}" in run.stdout and "validation at step 2" in run.stdout
+    # The banner: configs/debug.toml's description with what the command changes, and the data this run reads.
+    description, numbers = run.stdout.splitlines()[:2]
+    said = "Llama 3 debug model, shipped synthetic corpus (the config's description; the command line changes "
+    assert description.startswith(said) and "data.path" in description and "data.chat" in description, description
+    assert " tokens of assets/corpus/chat.jsonl (chat) | " in numbers, numbers
     ask = ask.replace(".venv/bin/python", sys.executable).replace("outputs/debug_chat", str(dump))
     ask = ask.replace("step-40", "step-2")
     proc = subprocess.run(["bash", "-c", ask], cwd=REPO, capture_output=True, text=True, timeout=300)

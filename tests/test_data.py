@@ -681,3 +681,22 @@ def test_a_dataset_name_that_is_not_cached_is_one_line_at_start_up(
         "; if it names a Hugging Face dataset, download it with `hf download nobody/tiny --repo-type dataset "
         "--local-dir data/hf/tiny` and set data.path to that folder"
     ), line
+
+
+def test_a_recipes_missing_corpus_is_made_as_its_header_says() -> None:
+    """data/fineweb-edu-10BT-llama3 is no Hugging Face dataset: the line gives the commands of the recipe's header
+    (the dataset it names, HuggingFaceFW/fineweb-edu, then prepare_data.py); a folder under a local folder that is
+    made by no recipe gets no download of "data/..." either."""
+    with pytest.raises(ConfigError) as refused:
+        load_config(["--config", "configs/llama3_8b.toml"], input_checks=input_problems)
+    (line,) = [p for p in refused.value.problems if p.startswith("data.path")]
+    assert line == (
+        "data.path: data/fineweb-edu-10BT-llama3 not found; configs/llama3_8b.toml's header makes it: `hf download "
+        'HuggingFaceFW/fineweb-edu --repo-type dataset --include "sample/10BT/*" --local-dir data/raw/fineweb-edu`, '
+        "then `python scripts/prepare_data.py --source data/raw/fineweb-edu/sample/10BT --tokenizer "
+        "assets/hf/Llama-3.1-8B --output data/fineweb-edu-10BT-llama3 --workers 64`"
+    )
+    with pytest.raises(ConfigError) as refused:
+        load_config(["--config", "configs/debug.toml", "--data.path=data/mine"], input_checks=input_problems)
+    (line,) = refused.value.problems
+    assert "prepare_data.py --source SOURCE" in line and "hf download" not in line, line

@@ -325,6 +325,11 @@ def test_main_exit_codes(
     args = ["--config", "configs/llama3_70b.toml", *llama3_8b(llama3_stand_ins)[2:], "--world-size=64",
             "--gpus-per-node=8", "--cuda"]  # fmt: skip
     assert doctor.main(args) == 0
+    assert capsys.readouterr().out == "no known pitfalls found\n"
+    # README.md's command, without the corpus and the tokenizer here: two notes, which are no pitfall, and it says so.
+    assert doctor.main(["--config", "configs/llama3_70b.toml", "--world-size=64", "--gpus-per-node=8", "--cuda"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.partition(": ")[0] for line in out] == ["note", "note", "no known pitfalls found"], out
     assert doctor.main(["--config", "configs/debug.toml", "--training.stepz=3"]) == 2
     assert "error: training.stepz: unknown key" in capsys.readouterr().err
     assert doctor.main(["--config", "configs/debug.toml", "--world-size", "two"]) == 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 
 from checkpoint import is_model_only, verify
@@ -430,6 +432,30 @@ def test_sigterm_saves_a_checkpoint_and_exits_zero(tmp_path: Path, seed: Path) -
     assert len(saved) == 1 and saved[0].startswith("step-") and (dump / "checkpoint" / saved[0] / ".metadata").exists()
 
 
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_ctrl_c_on_make_train_prints_the_ranks_line_only(tmp_path: Path) -> None:
+    """Ctrl-C as a terminal sends it, to make's process group: the ranks save and stop, rank 0 says so, and neither
+    the launcher (torchrun's SignalException) nor make ("*** [train] Interrupt") adds a line that reads as a crash."""
+    dump = tmp_path / "run"
+    args = " ".join([*TINY[2:], "--training.steps=100000", f"--job.dump_folder={dump}", "--checkpoint.enable"])
+    cmd = ["make", "-o", "setup", "train", f"PY={sys.executable}", f"CONFIG={TINY[1]}", f"ARGS={args}"]
+    make = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (dump / "metrics.jsonl").exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        os.killpg(make.pid, signal.SIGINT)
+        out, err = make.communicate(timeout=120)
+    finally:
+        make.kill()
+    # make ends on the signal after its child, as make does (a shell's 130); 0 where SIGINT was ignored from the start
+    assert make.returncode in (0, -signal.SIGINT), err[-3000:]
+    assert "SIGINT: saved step" in out, out[-3000:]
+    assert "Traceback" not in err and "death signal" not in err and "make: ***" not in err, err[-3000:]
+
+
 # ----------------------------------------------------------------- bad input
 
 
@@ -520,6 +546,9 @@ def test_help_and_print_config(capsys: pytest.CaptureFixture[str], monkeypatch: 
     assert main(["--config", "configs/debug.toml", "--print-config"]) == 0
     out = capsys.readouterr().out
     assert 'flavor = "debugmodel"' in out
+    # job.print_config says what a run does at start-up, not that nothing is printed; the TOML still loads
+    assert "print_config = false  # at a run's start-up (--print-config prints it" in out
+    assert tomllib.loads(out.partition("# derived")[0])["job"]["print_config"] is False
     assert "# parameters: 6,163,712" in out and "FLOPs per token" in out
     # local batch 8 x 2 data-parallel ranks x 256 tokens
     assert "# tokens per step: 4,096 (global batch 16 x seq_len 256; data-parallel degree 2, world size 2" in out
@@ -535,6 +564,19 @@ def test_help_and_print_config(capsys: pytest.CaptureFixture[str], monkeypatch: 
     assert "# activation_checkpoint.mode = auto: blocks no AC 0-5; estimated peak" in capsys.readouterr().out
     with pytest.raises(ConfigError, match=r"^activation_checkpoint.memory_budget_gib: mode = \"auto\" fits the job"):
         main(auto)
+
+
+def test_the_banners_description_says_what_the_command_line_changed() -> None:
+    """job.description is the TOML's; a key the command line sets may contradict it (a chat corpus for "shipped
+    synthetic corpus"), so the banner says which. The job's own keys (its folder) contradict nothing."""
+    from train import described
+
+    text = "Llama 3 debug model, shipped synthetic corpus"
+    assert described(text, ["data.path", "data.chat"]) == (
+        f"{text} (the config's description; the command line changes data.path, data.chat)"
+    )
+    assert described(text, ["job.dump_folder"]) == described(text, []) == text
+    assert described("mine", ["job.description", "data.path"]) == "mine"
 
 
 def test_the_command_users_type_works_from_any_folder(tmp_path: Path) -> None:
