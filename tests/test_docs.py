@@ -137,3 +137,19 @@ def test_the_lines_the_readme_says_make_train_ends_with_are_the_recorded_logs() 
     for line in shown:
         pattern = ".*".join(map(re.escape, line.split("...")))
         assert any(re.fullmatch(pattern, recorded) for recorded in log), line
+
+
+def test_the_readme_stays_a_short_read_and_its_eval_scores_are_the_recorded_ones() -> None:
+    """README.md is the page a newcomer reads first: under 10 KB (the rest lives in docs/). The stories_facts scores it
+    states, after `make train` and untrained, are the step-100 and step-0 cells of docs/benchmarks.md's table."""
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.encode()) < 10 * 1024, len(readme.encode())
+    trained, untrained = re.search(
+        r"it scores acc ([\d.]+ \(stderr [\d.]+\)), the untrained model ([\d.]+ \(stderr [\d.]+\))",
+        " ".join(readme.split()),
+    ).groups()
+    table = (REPO / "docs" / "benchmarks.md").read_text().split("### Evaluation: stories_facts", 1)[1]
+    steps = re.search(r"^\| step \|(.*)\|$", table, flags=re.M)[1].split("|")
+    accs = re.search(r"^\| acc \(stderr\) \|(.*)\|$", table, flags=re.M)[1].split("|")
+    cell = {step.strip(): acc.strip() for step, acc in zip(steps, accs, strict=True)}
+    assert (cell["100"], cell["0"]) == (trained.replace("stderr ", ""), untrained.replace("stderr ", ""))
