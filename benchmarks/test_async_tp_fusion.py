@@ -39,7 +39,7 @@ def test_every_forward_collective_of_the_tp_plan_is_fused(
     """No AC, op SAC (async TP's policy) and full AC, every family: the pass sees the plan's collectives and fuses
     each one, forward and backward (the reduce-scatters of a sum of matmuls once SummedMatmuls made it one)."""
     result = layouts[(family, ac)]
-    assert "error" not in result, result  # full AC with TP compiles (parallelisms/ac.py, compile_inside_checkpoint)
+    assert "error" not in result, result  # full AC with TP compiles (parallelisms/ac.py CheckpointedModule.compile)
     # A family's statistic all-reduces (tests/parity_worker.py, TP_STATISTICS) have no matmul beside them to fuse with.
     statistics = {"all_reduce": TP_STATISTICS[family]} if TP_STATISTICS[family] else {}
     assert result["before"]["forward"] == {**PLAN, **statistics}

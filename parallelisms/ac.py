@@ -160,7 +160,7 @@ class CheckpointedModule:
 
     _ac_options: dict[str, Any]  # torch.utils.checkpoint's keyword arguments
     _ac_early_stop: bool
-    _ac_compiled_forward: Callable[..., Any] | None = None  # set by `compile` under full checkpointing
+    _ac_compiled_forward: Callable[..., Any] | None = None  # set by `compile` under full checkpointing of a TP block
 
     def compile(self, **compile_options: Any) -> None:
         """`Module.compile` for a checkpointed block: compiled whole, checkpoint included, so that the recomputation is

@@ -17,8 +17,7 @@ from torch.distributed.tensor import DTensor
 from config import Training
 from models import with_seq_len
 from parallelisms.parallel_dims import ParallelDims
-from planning.memory import Setup, estimate_rank
-from planning.trace import checkpoint_every
+from planning.memory import Setup, ac_section, estimate_rank
 
 GiB = 2**30
 
@@ -171,7 +170,7 @@ def fake_job_memory(job: Setup, *, pp_rank: int = 0, device: str = "cpu") -> dic
         raise ValueError(
             "optimizer Muon is estimated by the formulas only (the breakdown above); the fake step is AdamW's"
         )
-    from config import ActivationCheckpoint, Compile
+    from config import Compile
     from loss import Loss
     from parallelisms.parallelize import parallelize_model
     from parallelisms.pp import stage_module
@@ -200,11 +199,7 @@ def fake_job_memory(job: Setup, *, pp_rank: int = 0, device: str = "cpu") -> dic
             enable_cpu_offload=job.cpu_offload,
             loss_chunk_tokens=job.chunk_tokens,
         )
-        every = checkpoint_every(job.ac)
-        ac = ActivationCheckpoint(
-            mode="none" if not every else "selective" if job.ac.startswith("selective") else "full",
-            selective_ac_option=job.ac.removeprefix("selective-") if job.ac.startswith("selective") else "op",
-        )
+        ac = ac_section(job)
         dims = ParallelDims.from_config(job.parallelism, world_size=job.ngpu)
         mesh = dims.build_mesh(device)
         with torch.device("meta"):

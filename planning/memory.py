@@ -318,17 +318,22 @@ def rank_ops(schedule: str, *, pp_rank: int, pp: int, n_local: int, n_mb: int) -
     ]
 
 
-def layer_modes(job: Setup, layers: list[int]) -> list[str]:
-    """What activation checkpointing does to each of `layers` (blocks of a model or stage, by index in the model):
-    apply_ac's own rule (parallelisms/ac.py block_modes) on the job's AC settings."""
+def ac_section(job: Setup) -> ActivationCheckpoint:
+    """The job's AC settings as the [activation_checkpoint] section the run applies (mode "auto" refused: it is
+    chosen where the job starts)."""
     if job.ac == "auto":
         raise ConfigError(
             'activation_checkpoint.mode: "auto" is chosen block by block where the job starts (train.py, --print-config, '
             "the doctor, the dry run: each prints its choice); to estimate it here, pass the per_block it printed"
         )
     mode, _, option = job.ac.partition("-")
-    section = ActivationCheckpoint(mode=mode, selective_ac_option=option or "op", per_block=list(job.ac_blocks))
-    return block_modes(section, layers)
+    return ActivationCheckpoint(mode=mode, selective_ac_option=option or "op", per_block=list(job.ac_blocks))
+
+
+def layer_modes(job: Setup, layers: list[int]) -> list[str]:
+    """What activation checkpointing does to each of `layers` (blocks of a model or stage, by index in the model):
+    apply_ac's own rule (parallelisms/ac.py block_modes) on the job's AC settings."""
+    return block_modes(ac_section(job), layers)
 
 
 def _main_mode(job: Setup) -> str:
@@ -533,8 +538,6 @@ class _Activations:
     outside the blocks."""
 
     stages: list[list[int]]
-    no_ac: int
-    """One block's saved bytes without activation checkpointing."""
     kept: dict[str, int]
     """What a block keeps from forward to backward, by its AC mode: none (no_ac), op (its input and op SAC's cache),
     full (its input)."""
@@ -551,6 +554,11 @@ class _Activations:
 
     def blocks(self, stage: int) -> list[int]:
         return [self.kept[mode] for mode in self.modes[stage]]
+
+    @property
+    def no_ac(self) -> int:
+        """One block's saved bytes without activation checkpointing."""
+        return self.kept["none"]
 
     @property
     def checkpointed(self) -> int:
@@ -571,7 +579,6 @@ def _activations(job: Setup, costs: BlockCosts, stages: list[list[int]], *, tp_m
     kept = {mode: c.kept for mode, c in mode_costs(job, used, tp_mesh=tp_mesh).items()}
     return _Activations(
         stages=stages,
-        no_ac=costs.saved,
         kept={"none": costs.saved, **kept},
         modes=modes,
         token_ids=16 * tokens + cp_kv_bytes(job)["mask"],

@@ -24,35 +24,12 @@ from torch.utils import flop_counter
 # TorchDispatchMode is the documented way to see every aten op, in a private module (PyTorch 2.13).
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from config import selective_ac_every
 from errors import warn
 from models import ModelFamily
 
 GiB = 2**30
 
 RMSNorm = Literal["fused", "composite"]
-
-
-# ----------------------------------------------------------------- AC modes
-
-
-def checkpoint_every(ac: str) -> int:
-    """apply_ac's rule for `ac`: block i (its position in the model or pipeline stage) is checkpointed when
-    every > 0 and (i + 1) % every == 0; 0 = none, 1 = every block (full, selective-op), k = selective-<k>."""
-    match ac:
-        case "none":
-            return 0
-        case "full" | "selective-op":
-            return 1
-        case _ if ac.startswith("selective-") and selective_ac_every(ac.removeprefix("selective-")) is not None:
-            return int(ac.removeprefix("selective-"))
-    raise ValueError(f"ac: expected one of none, full, selective-op, selective-<k>, got {ac!r}")
-
-
-def checkpointed_blocks(n_layers: int, ac: str) -> int:
-    """How many of n_layers blocks apply_ac checkpoints for `ac` (none, full, selective-op, selective-<k>)."""
-    every = checkpoint_every(ac)
-    return sum(every > 0 and (i + 1) % every == 0 for i in range(n_layers))
 
 
 # ----------------------------------------------------------------- the model's costs
@@ -116,12 +93,12 @@ def block_costs(
     z_loss: bool = False,
     autocast: bool = False,
 ) -> BlockCosts:
-    """The costs of `trace_costs` under `ac` (an AC mode of `checkpoint_every`; "selective-<k>" is traced as full
+    """The costs of `trace_costs` under `ac` (none, full, selective-op or selective-<k>; "selective-<k>" is traced as full
     AC, which is what the blocks it checkpoints get), `saved` from a trace without AC; cached per shape.
 
     tp > 1 needs a TP mesh: `tp_mesh` (the run's mesh["tp"] when a process group runs), else a fake
     process group of tp ranks is started for the trace and ended after it."""
-    mode = "none" if checkpoint_every(ac) == 0 else "op" if ac == "selective-op" else "full"
+    mode = {"none": "none", "selective-op": "op"}.get(ac, "full")
     traced = {}
     for m in dict.fromkeys(("none", mode)):
         key = (

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -432,7 +431,6 @@ def test_sigterm_saves_a_checkpoint_and_exits_zero(tmp_path: Path, seed: Path) -
     assert len(saved) == 1 and saved[0].startswith("step-") and (dump / "checkpoint" / saved[0] / ".metadata").exists()
 
 
-@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
 def test_ctrl_c_on_make_train_prints_the_ranks_line_only(tmp_path: Path) -> None:
     """Ctrl-C as a terminal sends it, to make's process group: the ranks save and stop, rank 0 says so, and neither
     the launcher (torchrun's SignalException) nor make ("*** [train] Interrupt") adds a line that reads as a crash."""
