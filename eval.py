@@ -101,10 +101,10 @@ def held_out_loss(checkpoint: Path, config: Path | None, overrides: list[str]) -
     from config import ActivationCheckpoint, load_config, run_model_args, validation_path
     from data.tokenizers import build_tokenizer
     from distributed import init_distributed
+    from forward import ForwardBackward
     from loss import build_loss_fn
-    from parallelisms.cp import context_parallel
     from parallelisms.parallel_dims import ParallelDims, layout_checks, uses_loss_parallel
-    from parallelisms.parallelize import build_run_model, init_model
+    from parallelisms.parallelize import build_model, init_model
     from validation import Validator
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -121,22 +121,13 @@ def held_out_loss(checkpoint: Path, config: Path | None, overrides: list[str]) -
         args = run_model_args(cfg)
         vocab_shards = dims.tp if uses_loss_parallel(cfg, dims) else 1
         loss_fn = build_loss_fn(cfg.compile, chunk_tokens=cfg.training.loss_chunk_tokens, vocab_shards=vocab_shards)
-        model, pipeline = build_run_model(cfg, args, dims=dims, mesh=mesh, loss_fn=loss_fn, device=device)
+        model, pipeline = build_model(cfg, args, dims=dims, mesh=mesh, loss_fn=loss_fn, device=device)
         init_model(model, pipeline, device=device)
         load_weights(checkpoint, model, pipeline, args=args, family_name=cfg.model.name)
-        validator = Validator(
-            cfg.validation,
-            data=cfg.data,
-            tokenizer=build_tokenizer(cfg.model.tokenizer_path),
-            tokenizer_path=cfg.model.tokenizer_path,
-            dp_rank=dims.dp_rank(mesh),
-            dp_degree=dims.dp,
-            device=device,
-            loss_fn=loss_fn.cross_entropy_only(),
-            loss_parallel=uses_loss_parallel(cfg, dims),
-            cp=context_parallel(mesh, cfg.parallelism),
-        )
-        loss, tokens, seconds = validator.validate(model, pipeline)
+        forward = ForwardBackward.for_run(cfg, model, pipeline, loss_fn, dims=dims, mesh=mesh, device=device)
+        tokenizer = build_tokenizer(cfg.model.tokenizer_path)
+        validator = Validator(cfg, tokenizer=tokenizer, dp_rank=dims.dp_rank(mesh), dp_degree=dims.dp, forward=forward)
+        loss, tokens, seconds = validator.validate()
         dist.barrier()
         return loss, tokens, seconds, str(validation_path(cfg.validation))
     finally:

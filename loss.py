@@ -1,7 +1,8 @@
 """The loss: next-token cross-entropy in fp32, computed from the final hidden states.
 
-The model stops at its final norm (`model(tokens, skip_output=True)`); the loss applies the output
-projection (`model.project`) itself, because the projection is where the memory goes. A plain loss
+The model hands its final norm's output to the loss instead of projecting it (`ForwardBackward` calls
+`model(inputs, segments=segments, head=functools.partial(loss, model, labels=labels))`); the loss applies
+the output projection (`model.project`) itself, because the projection is where the memory goes. A plain loss
 materialises the logits of the whole micro-batch (tokens x vocab) and cross-entropy upcasts them to
 fp32: at 8B with local batch 2 x seq 8192 and a 128,256-token vocabulary that is 3.9 GiB of bf16
 logits plus a 7.8 GiB fp32 log-softmax kept for backward, and backward's temporaries about as much
@@ -11,8 +12,8 @@ The chunked loss projects and scores `chunk` tokens at a time, each chunk under 
 checkpointing: forward keeps only each chunk's summed loss; backward recomputes one chunk's logits at a
 time. The peak holds one chunk's logits instead of all of them; the price is the output projection's
 forward run twice (at 8B about 2% of a step's FLOPs) and each chunk's kernels. Summing chunk sums in
-another order than one mean is the only difference: fp32 rounding (tests/test_loss.py: 1e-6 relative,
-loss and gradients, with and without loss parallel).
+another order than one mean is the only difference: fp32 rounding (1e-6 relative, loss and gradients:
+tests/test_loss.py in one process, tests/test_parallelisms.py with and without loss parallel).
 
 When to chunk (`chunk_tokens_for`, training.loss_chunk_tokens): by default (-1) only where the
 micro-batch's logits are large enough to matter, more than AUTO_CHUNK_FROM_BYTES (256 MiB) of fp32
@@ -30,19 +31,19 @@ normalises by the global count of non-ignored tokens too).
 
 z-loss (training.z_loss_weight > 0; PaLM, OLMo) adds weight x mean(logsumexp(logits)^2), which keeps
 the softmax normaliser near 1 (its log near 0) and the logits from drifting: it is computed on the same
-chunks, from the same fp32 logits, and reported on its own (`ZLoss.take`), so the logged loss stays
-the cross-entropy that runs without it log. Validation scores the cross-entropy alone.
+chunks, from the same fp32 logits, and reported on its own (`ZLoss.take`), so the logged loss stays the
+cross-entropy, the number a run without z-loss logs. Validation scores the cross-entropy alone.
 
 Under TP with loss parallel the projection's output is a vocabulary-sharded DTensor and both the
 loss and its backward must run under `parallelisms.tp.loss_parallel_context`; the chunks need
 nothing more. Under FSDP the projection's parameters are gathered once per step and their
-gradient reduce-scattered once, however many chunks (tests/test_loss.py counts the collectives).
+gradient reduce-scattered once, however many chunks (tests/test_parallelisms.py counts the collectives).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import KW_ONLY, dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -51,22 +52,16 @@ from torch.utils.checkpoint import checkpoint
 
 from config import Compile
 
-
-def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy summed over the counted labels and divided by the label positions, in fp32
-    whatever the compute dtype: the mean when every label counts (labels of IGNORE_INDEX count for nothing:
-    chat data, data/chat.py), and a micro-batch with no counted label gives 0, not 0 / 0."""
-    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), reduction="sum") / labels.numel()
+Summed = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]  # summed_losses or its torch.compile
 
 
-def _summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float(), labels, reduction="sum")
-
-
-def _summed_cross_entropy_and_z(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed cross-entropy and summed logsumexp(logits)^2 (the z-loss), from one fp32 copy of the logits."""
-    logits = logits.float()
-    return F.cross_entropy(logits, labels, reduction="sum"), torch.logsumexp(logits, dim=-1).square().sum()
+def summed_losses(logits: torch.Tensor, labels: torch.Tensor, *, z: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The cross-entropy of `logits` (..., vocab) against `labels` (...) summed over the counted labels (labels of
+    IGNORE_INDEX count for nothing: chat data, data/chat.py), and with `z` the summed logsumexp(logits)^2 (the
+    z-loss), else None; both from one fp32 copy of the logits, whatever the compute dtype."""
+    logits = logits.flatten(0, -2).float()
+    ce = F.cross_entropy(logits, labels.flatten(), reduction="sum")
+    return ce, torch.logsumexp(logits, dim=-1).square().sum() if z else None
 
 
 class ZLoss:
@@ -102,29 +97,27 @@ def chunk_tokens_for(setting: int, *, tokens: int, vocab: int) -> int:
 @dataclass(frozen=True)
 class Loss:
     """The training loss: `loss(model, h, labels)` projects the final norm's output `h` (bs, seqlen, dim)
-    with `model.project` and returns the cross-entropy against `labels` (bs, seqlen) summed over the counted labels
-    and divided by the label positions (`cross_entropy_loss`): the mean when every label counts."""
+    with `model.project` and returns the cross-entropy against `labels` (bs, seqlen) summed over the counted
+    labels and divided by the label positions (the mean when every label counts; a micro-batch with no counted
+    label gives 0, not 0 / 0), plus z_loss_weight x the z-loss likewise divided when the weight is > 0."""
 
     chunk_tokens: int = 0  # training.loss_chunk_tokens (chunk_tokens_for); 0 = the whole micro-batch at once
-    whole: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_loss
-    summed: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = _summed_cross_entropy
+    _: KW_ONLY
     z_loss_weight: float = 0.0  # training.z_loss_weight
-    summed_with_z: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = (
-        _summed_cross_entropy_and_z
-    )
-    z_loss: ZLoss = field(default_factory=ZLoss)  # what the z-loss was, for the metrics
     vocab_shards: int = 1  # ranks the logits' vocabulary is split over: the TP degree under loss parallel
+    summed: Summed = summed_losses  # or its torch.compile (build_loss_fn)
+    z_loss: ZLoss = field(default_factory=ZLoss)  # what the z-loss was, for the metrics
 
     def __call__(self, model: torch.nn.Module, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         vocab = model.args.vocab_size // self.vocab_shards
         chunk = chunk_tokens_for(self.chunk_tokens, tokens=labels.numel(), vocab=vocab)  # 0: the whole micro-batch
-        if self.z_loss_weight > 0:
-            ce, z = cross_entropy_and_z_loss(model.project, h, labels, chunk_tokens=chunk, summed=self.summed_with_z)
-            self.z_loss.add(z.detach())
-            return ce + self.z_loss_weight * z
-        if chunk == 0:
-            return self.whole(model.project(h), labels)
-        return chunked_cross_entropy_loss(model.project, h, labels, chunk_tokens=chunk, summed=self.summed)
+        with_z = self.z_loss_weight > 0
+        ce, z = chunked_sums(model.project, h, labels, chunk_tokens=chunk, z=with_z, summed=self.summed)
+        if z is None:
+            return ce / labels.numel()
+        z = z / labels.numel()
+        self.z_loss.add(z.detach())
+        return ce / labels.numel() + self.z_loss_weight * z
 
     def cross_entropy_only(self) -> Loss:
         """This loss without its z-loss: what validation scores."""
@@ -135,74 +128,55 @@ def build_loss_fn(
     compile: Compile, *, chunk_tokens: int = 0, z_loss_weight: float = 0.0, vocab_shards: int = 1
 ) -> Loss:
     """The loss of training.loss_chunk_tokens and training.z_loss_weight, on logits whose vocabulary is split over
-    `vocab_shards` ranks (loss parallel); its cross-entropy is compiled when compile.components has "loss" (inductor
+    `vocab_shards` ranks (loss parallel); `summed_losses` is compiled when compile.components has "loss" (inductor
     fuses the fp32 upcast into the log-softmax instead of materialising an fp32 copy of the logits)."""
-    if not (compile.enable and "loss" in compile.components):
-        return Loss(chunk_tokens, z_loss_weight=z_loss_weight, vocab_shards=vocab_shards)
-    return Loss(
-        chunk_tokens,
-        whole=torch.compile(cross_entropy_loss, backend=compile.backend),
-        summed=torch.compile(_summed_cross_entropy, backend=compile.backend),
-        z_loss_weight=z_loss_weight,
-        summed_with_z=torch.compile(_summed_cross_entropy_and_z, backend=compile.backend),
-        vocab_shards=vocab_shards,
-    )
+    summed = summed_losses
+    if compile.enable and "loss" in compile.components:
+        summed = torch.compile(summed_losses, backend=compile.backend)
+    return Loss(chunk_tokens, z_loss_weight=z_loss_weight, vocab_shards=vocab_shards, summed=summed)
 
 
-def chunked_cross_entropy_loss(
+def chunked_sums(
     project: Callable[[torch.Tensor], torch.Tensor],
     h: torch.Tensor,
     labels: torch.Tensor,
     *,
     chunk_tokens: int,
-    summed: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = _summed_cross_entropy,
-) -> torch.Tensor:
-    """cross_entropy_loss(project(h), labels), `chunk_tokens` tokens at a time, never holding more than
-    one chunk's logits (forward and backward)."""
+    z: bool = False,
+    summed: Summed = summed_losses,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """summed(project(h), labels, z=z), `chunk_tokens` tokens at a time, each chunk under activation
+    checkpointing so that forward and backward never hold more than one chunk's logits; 0, or at least all
+    the tokens: one chunk, not recomputed. Plain tensors, also where the logits are DTensors (loss parallel)."""
+    whole = chunk_tokens <= 0 or labels.numel() <= chunk_tokens
+    if whole and not z:
+        # h as it comes: under sequence parallel the projection's TP plan gathers it and reduce-scatters its
+        # gradient. Compiled, these (bs, seqlen) logits and the flattened ones below round differently in the
+        # last bit; the cross-entropy alone has always been scored on these, with the z-loss on those.
+        return _local(summed(project(h), labels, z=False)[0]), None
     if isinstance(h, DTensor):
         # Sequence parallel leaves the final norm's output sharded over the sequence; the projection
         # would gather it anyway. Gather it once here, then split the gathered tokens.
         h = h.redistribute(placements=[Replicate()] * h.device_mesh.ndim)
     tokens, labels = h.flatten(0, 1), labels.flatten()
-    total = torch.zeros((), device=labels.device)
-    for h_chunk, labels_chunk in zip(tokens.split(chunk_tokens), labels.split(chunk_tokens), strict=True):
-        chunk_sum = checkpoint(_project_and_sum, project, summed, h_chunk, labels_chunk, use_reentrant=False)
-        total = total + (chunk_sum.full_tensor() if isinstance(chunk_sum, DTensor) else chunk_sum)
-    return total / labels.numel()
+    if whole:
+        sums = [summed(project(tokens), labels, z=z)]
+    else:
+        chunks = zip(tokens.split(chunk_tokens), labels.split(chunk_tokens), strict=True)
+        sums = [checkpoint(_project_and_sum, project, summed, z, *chunk, use_reentrant=False) for chunk in chunks]
+    return sum(_local(ce) for ce, _ in sums), sum(_local(z_sum) for _, z_sum in sums) if z else None
 
 
 def _project_and_sum(
     project: Callable[[torch.Tensor], torch.Tensor],
-    summed: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    summed: Summed,
+    z: bool,
     h_chunk: torch.Tensor,
     labels_chunk: torch.Tensor,
-) -> torch.Tensor:
-    return summed(project(h_chunk), labels_chunk)
-
-
-def cross_entropy_and_z_loss(
-    project: Callable[[torch.Tensor], torch.Tensor],
-    h: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    chunk_tokens: int,
-    summed: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = _summed_cross_entropy_and_z,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean cross-entropy, mean logsumexp(logits)^2) of project(h) against labels, `chunk_tokens` at a
-    time as chunked_cross_entropy_loss does (0, or at least all the tokens: one chunk, not recomputed)."""
-    if isinstance(h, DTensor):  # sequence parallel: gather once (see chunked_cross_entropy_loss)
-        h = h.redistribute(placements=[Replicate()] * h.device_mesh.ndim)
-    tokens, labels = h.flatten(0, 1), labels.flatten()
-    if chunk_tokens <= 0 or labels.numel() <= chunk_tokens:
-        sums = [_project_and_sum(project, summed, tokens, labels)]
-    else:
-        sums = [
-            checkpoint(_project_and_sum, project, summed, h_chunk, labels_chunk, use_reentrant=False)
-            for h_chunk, labels_chunk in zip(tokens.split(chunk_tokens), labels.split(chunk_tokens), strict=True)
-        ]
-    ce, z = (sum(_local(s[i]) for s in sums) / labels.numel() for i in (0, 1))
-    return ce, z
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return summed(project(h_chunk), labels_chunk, z=z)
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:
+    """A sum over vocabulary shards (a replicated DTensor under loss parallel) as a plain tensor."""
     return value.full_tensor() if isinstance(value, DTensor) else value

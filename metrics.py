@@ -10,14 +10,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from config import Metrics
+from config import JobConfig, Metrics
 from distributed import mean_over_loss_ranks
 from errors import ConfigError
+
+if TYPE_CHECKING:
+    from data.loader import GlobalBatchLoader
 
 # Dense (no sparsity) bf16 tensor-core peak, FLOP/s, by a substring of the device name.
 # Order matters: the first match wins ("H100 NVL" before "H100").
@@ -187,24 +190,22 @@ class LogStep:
 
     def __init__(
         self,
-        logger: MetricsLogger,
+        cfg: JobConfig,
         *,
-        freq: int,
-        total_steps: int,
+        logger: MetricsLogger,
+        loader: GlobalBatchLoader,
         start_step: int,
-        tokens_per_step: int,
         flops_per_token: float,
         device: torch.device,
-        pp_degree: int,
-        z_loss_weight: float,
         lr: Callable[[], float],
-        tokens_per_source: Callable[[], dict[str, int]] | None = None,
     ):
-        self.logger, self.freq, self.total_steps = logger, freq, total_steps
-        self.tokens_per_device = tokens_per_step / dist.get_world_size()
+        t = cfg.training
+        self.logger, self.loader, self.freq, self.total_steps = logger, loader, cfg.metrics.log_freq, t.steps
+        self.seq_len = t.seq_len
+        self.tokens_per_device = loader.global_batch_size * t.seq_len / dist.get_world_size()
         self.flops_per_token, self.peak, self.device = flops_per_token, peak_flops(device), device
-        self.pp_degree, self.z_loss_weight = pp_degree, z_loss_weight
-        self.lr, self.tokens_per_source = lr, tokens_per_source
+        self.pp_degree, self.z_loss_weight = cfg.parallelism.pipeline_parallel_degree, t.z_loss_weight
+        self.lr = lr
         self.first_step = start_step + 1
         self.since, self.since_step = time.perf_counter(), start_step
 
@@ -234,12 +235,19 @@ class LogStep:
                 mfu=100 * self.flops_per_token * tps / self.peak if self.peak else None,
                 memory_gib=peak_memory_gib(self.device),
                 step_time_s=step_time,
-                tokens_per_source=self.tokens_per_source() if self.tokens_per_source else None,
+                tokens_per_source=self._tokens_per_source(),
                 warmup=self.since_step < self.first_step,
             )
         )
         self.since, self.since_step = time.perf_counter(), step
         return False
+
+    def _tokens_per_source(self) -> dict[str, int] | None:
+        """data.mixture: the tokens trained from each source so far."""
+        if self.loader.mixture is None:
+            return None
+        samples = self.loader.samples_per_source()
+        return {name: n * self.seq_len for name, n in zip(self.loader.corpus.names, samples, strict=True)}
 
 
 def _duration(seconds: float) -> str:

@@ -34,6 +34,9 @@ from config import LRScheduler, Optimizer, Training
 from distributed import mean_over_loss_ranks
 from errors import TrainingStopped, warn
 
+# What became of a step's update (SkipStepAdamW.skip_code, a float device scalar holding one of these).
+APPLIED, NONFINITE, SPIKE = 0, 1, 2
+
 
 def build_optimizer(
     o: Optimizer, model: torch.nn.Module, *, training: Training | None = None, pp_degree: int = 1
@@ -88,6 +91,12 @@ class SpikeWindow:
         self.history.copy_(state["history"])
         self.seen = int(state["seen"])
 
+    def load_absent(self) -> None:
+        """A checkpoint saved before the window was checkpointed holds none (CheckpointManager calls this instead of
+        `load_state_dict`): the window starts empty, as a fresh run's does."""
+        self.history.fill_(float("nan"))
+        self.seen = 0
+
 
 class SkipStepAdamW(torch.optim.AdamW):
     """AdamW whose `step_unless_bad` skips non-finite steps and spikes (this module's docstring).
@@ -107,7 +116,7 @@ class SkipStepAdamW(torch.optim.AdamW):
         self.nonfinite = 0  # skipped steps of this process, read on the host
         self.spikes = 0
         self.last_nonfinite: tuple[int, float, float] | None = None  # (step, loss, grad norm)
-        self.skipped: torch.Tensor | None = None  # the last step's: 0 applied, 1 non-finite, 2 spike (device)
+        self.skip_code: torch.Tensor | None = None  # the last step's APPLIED, NONFINITE or SPIKE (device)
         self._reports: list[tuple[int, torch.Tensor, torch.cuda.Event | None]] = []  # not yet read
 
     def step_unless_bad(self, step: int, *, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
@@ -119,12 +128,12 @@ class SkipStepAdamW(torch.optim.AdamW):
         if self.window.sigma > 0:  # one all-reduce of a scalar: the loss of the whole step
             global_loss = mean_over_loss_ranks(loss, pp_degree=self.pp_degree)
             spike = self.window.is_spike(torch.stack([global_loss, grad_norm.detach().float()]))
-            self.skipped = torch.where(finite, spike.float() * 2, 1.0)
-            skip = (self.skipped > 0).float()
-        else:  # three kernels in all, the decision's and the report's
-            self.skipped = skip = (~finite).float()
+            self.skip_code = torch.where(finite, spike.float() * SPIKE, NONFINITE)
+            skip = (self.skip_code != APPLIED).float()
+        else:  # three kernels in all, the decision's and the report's; NONFINITE is 1
+            self.skip_code = skip = (~finite).float()
         self._update_unless(skip)
-        self._report(step, torch.stack([self.skipped, loss.detach().float(), grad_norm.detach().float()]))
+        self._report(step, torch.stack([self.skip_code, loss.detach().float(), grad_norm.detach().float()]))
 
     def _update_unless(self, skip: torch.Tensor) -> None:
         """AdamW's update, unless `skip` (a float32 device scalar) is 1."""
@@ -158,15 +167,15 @@ class SkipStepAdamW(torch.optim.AdamW):
     def _read(self, step: int, values: torch.Tensor, event: torch.cuda.Event | None) -> None:
         if event is not None:
             event.synchronize()  # the copy of an earlier step: already done
-        skipped, loss, grad_norm = values.tolist()
-        if skipped == 2:
+        code, loss, grad_norm = values.tolist()
+        if code == SPIKE:
             self.spikes += 1
             warn(
                 f"training: step {step} had loss {loss:g} (this rank's) and gradient norm {grad_norm:g}, a spike "
                 f"(more than training.skip_spike_sigma = {self.window.sigma:g} standard deviations above the recent "
                 f"steps'); its update was skipped ({self.spikes} so far)"
             )
-        elif skipped == 1:
+        elif code == NONFINITE:
             self.nonfinite += 1
             self.last_nonfinite = (step, loss, grad_norm)
             if self.nonfinite <= self.tolerate_nonfinite:

@@ -1,4 +1,4 @@
-"""Train Llama 3 or Qwen3. Read top to bottom: main() builds a Run, then train() steps it.
+"""Train a model of models/ (Llama 3, Qwen3, OLMo 2). Read top to bottom: main() builds a Run, then train() steps it.
 
 torchrun --nproc_per_node=2 train.py --config configs/debug.toml    # 2 CPU ranks (gloo)
 torchrun --nproc_per_node=8 train.py --config configs/llama3_8b.toml
@@ -10,7 +10,6 @@ WORLD_SIZE=512 python train.py --config configs/llama3_405b.toml --comm.mode=fak
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import os
 import sys
@@ -28,9 +27,8 @@ if __name__ == "__main__":
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
-from checkpoint import CheckpointManager, SaveStep, prepare_dump_folder
+from checkpoint import CheckpointManager, ModelInterop, SaveStep, prepare_dump_folder
 from checkpoint.torchtitan import schedule_disagreement
 from config import (
     Debug,
@@ -52,7 +50,8 @@ from data.mixture import open_mixture
 from data.tokenizers import build_tokenizer
 from distributed import CollectiveTimeout, collective_on_rank0, init_distributed
 from errors import ConfigError, RecipeError, is_rank0, report, writable_folder
-from loss import Loss, build_loss_fn
+from forward import ForwardBackward
+from loss import build_loss_fn
 from metrics import LogStep, MetricsLogger, StepResult
 from models import family
 from muon import build_muon
@@ -60,18 +59,13 @@ from optimizer import (
     SkipStepAdamW,
     StopOnNonfinite,
     build_optimizer,
-    clip_grad_norm_,
     lr_factor,
     set_hyperparameters,
     set_lr,
 )
-from parallelisms.cp import ContextParallel, context_parallel
 from parallelisms.float8 import precompute_scales_after_each_step
-from parallelisms.fsdp import sync_gradients_on
 from parallelisms.parallel_dims import ParallelDims, layout_checks, uses_loss_parallel
-from parallelisms.parallelize import build_run_model, init_model
-from parallelisms.pp import Pipeline
-from parallelisms.tp import loss_parallel_context
+from parallelisms.parallelize import build_model, init_model
 from planning import doctor
 from profiling import ProfileStep, profile_loop
 from validation import ValidateStep, Validator
@@ -130,9 +124,7 @@ class Run:
     """What a run holds once built: the loop only steps it."""
 
     cfg: JobConfig
-    model: torch.nn.Module
-    pipeline: Pipeline | None  # pipeline parallel: this rank's stages and their schedule
-    forward_backward: ForwardBackward  # one micro-batch through the model or the pipeline, CP and loss parallel
+    forward_backward: ForwardBackward  # micro-batches through the model or the pipeline (forward.py)
     optimizer: SkipStepAdamW
     loader: GlobalBatchLoader
     checkpoint: CheckpointManager
@@ -206,7 +198,7 @@ def build(
         z_loss_weight=t.z_loss_weight,
         vocab_shards=dims.tp if uses_loss_parallel(cfg, dims) else 1,
     )
-    model, pipeline = build_run_model(cfg, args, dims=dims, mesh=mesh, loss_fn=loss_fn, device=device)
+    model, pipeline = build_model(cfg, args, dims=dims, mesh=mesh, loss_fn=loss_fn, device=device)
     if cfg.model.print_after_conversion and rank == 0:
         print(model, flush=True)
     init_model(model, pipeline, device=device)
@@ -238,19 +230,9 @@ def build(
         request.done(f"{reason}: stopped during start-up, before step {start_step + 1}; nothing new to save")
         return None
 
-    forward_backward = ForwardBackward(
-        model,
-        loss_fn,
-        device=device,
-        loss_parallel=uses_loss_parallel(cfg, dims),
-        cp=context_parallel(mesh, cfg.parallelism),
-        pipeline=pipeline,
-    )
     run = Run(
         cfg=cfg,
-        model=model,
-        pipeline=pipeline,
-        forward_backward=forward_backward,
+        forward_backward=ForwardBackward.for_run(cfg, model, pipeline, loss_fn, dims=dims, mesh=mesh, device=device),
         optimizer=optimizer,
         loader=loader,
         checkpoint=checkpoint,
@@ -267,7 +249,9 @@ def build(
 def after_step_work(
     run: Run, tokenizer: Any, args: Any, *, dims: ParallelDims, rank: int, groups: list[dist.ProcessGroup | None]
 ) -> list[AfterStep]:
-    """The work after each step, in order: stop on too many bad steps, log, validate, stop, save, profile."""
+    """The work after each step, in order: stop on too many bad steps, the collectives' time-out after the first
+    step, log, validate, stop on request, save, profile, collect garbage (docs/development.md, "Work after a step":
+    why a list)."""
     cfg, t = run.cfg, run.cfg.training
     # Rank 0 logs; a logger that cannot start (wandb without credentials) stops every rank.
     new_logger = lambda enabled: MetricsLogger(  # noqa: E731
@@ -282,51 +266,21 @@ def after_step_work(
     run.resources.callback(logger.close)
     loader, seq_len = run.loader, t.seq_len
     log = LogStep(
-        logger,
-        freq=cfg.metrics.log_freq,
-        total_steps=t.steps,
+        cfg,
+        logger=logger,
+        loader=loader,
         start_step=run.start_step,
-        tokens_per_step=loader.global_batch_size * seq_len,
         flops_per_token=family(cfg.model.name).num_flops_per_token(args, seq_len),
         device=run.forward_backward.device,
-        pp_degree=dims.pp,
-        z_loss_weight=t.z_loss_weight,
         lr=lambda: run.optimizer.param_groups[0]["lr"],
-        tokens_per_source=(
-            (
-                lambda: {
-                    name: n * seq_len for name, n in zip(loader.corpus.names, loader.samples_per_source(), strict=True)
-                }
-            )
-            if cfg.data.mixture
-            else None
-        ),
     )
     work: list[AfterStep] = [StopOnNonfinite(run.optimizer, run.checkpoint), CollectiveTimeout(cfg.comm, groups), log]
     if cfg.validation.enable:
         validator = Validator(
-            cfg.validation,
-            data=cfg.data,
-            tokenizer=tokenizer,
-            tokenizer_path=cfg.model.tokenizer_path,
-            dp_rank=loader.dp_rank,
-            dp_degree=dims.dp,
-            device=run.forward_backward.device,
-            loss_fn=run.forward_backward.loss_fn.cross_entropy_only(),
-            loss_parallel=run.forward_backward.loss_parallel,
-            cp=run.forward_backward.cp,
+            cfg, tokenizer=tokenizer, dp_rank=loader.dp_rank, dp_degree=dims.dp, forward=run.forward_backward
         )
-        work.append(
-            ValidateStep(
-                validator,
-                model=run.model,
-                pipeline=run.pipeline,
-                freq=cfg.validation.freq,
-                total_steps=t.steps,
-                logger=logger,
-                throughput=log,
-            )
-        )
+        every = cfg.validation.freq
+        work.append(ValidateStep(validator, freq=every, total_steps=t.steps, logger=logger, throughput=log))
     profiler = run.resources.enter_context(
         profile_loop(cfg.profiling, dump_folder=cfg.job.dump_folder, rank=rank, start_step=run.start_step)
     )
@@ -415,12 +369,8 @@ def build_checkpoint(
         model=model,
         optimizer=optimizer,
         stateful={"dataloader": loader, "train_state": state, "spike_window": optimizer.window},
-        optional=("spike_window",),
         process_group=process_group,
-        family=family(cfg.model.name),
-        model_args=model_args(cfg.model),
-        hf_assets_path=cfg.model.hf_assets_path,
-        tokenizer_path=cfg.model.tokenizer_path,
+        interop=ModelInterop.from_config(cfg.model),
     )
 
 
@@ -494,74 +444,6 @@ def described(description: str, changed: Sequence[str]) -> str:
 
 
 # ------------------------------------------------------------------ one step
-
-
-class ForwardBackward:
-    """One micro-batch of a training step, forward, loss and backward, as build() chose it for the run's layout:
-    through the model, or through the pipeline schedule's stages (parallelisms/pp.py, which holds the loss
-    function; the loss is on the ranks of the last stage, 0 elsewhere). Context parallel shards each micro-batch
-    (each rank computes its part of every window's tokens; `segments` stays whole) and loss parallel keeps the
-    logits sharded over the vocabulary, both inside. It owns what the step reads of its micro-batches after them:
-    the gradient norm of the parameters they trained and their z-loss."""
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        loss_fn: Loss,
-        *,
-        device: torch.device,
-        loss_parallel: bool,
-        cp: ContextParallel | None,
-        pipeline: Pipeline | None,
-    ):
-        # One line each: a fork that removes context parallel or pipelines deletes its line (docs/development.md, "Removing a part").
-        self.model, self.loss_fn, self.device = model, loss_fn, device
-        self.loss_parallel = loss_parallel
-        self.cp = cp
-        self.pipeline = pipeline
-        self._through = self._through_pipeline if pipeline is not None else self._through_model
-        self._syncing = True  # FSDP's own default: gradients reduced by every backward
-
-    def __call__(self, batch: Batch, *, last: bool) -> torch.Tensor:
-        """The micro-batch's loss over its loss divisor (detached); its gradients added to the parameters'."""
-        inputs, labels, segments, divisor = batch
-        if self.cp is not None:
-            inputs, labels = self.cp.shard(inputs), self.cp.shard(labels)
-        segments = segments.to(self.device) if segments is not None else None
-        with loss_parallel_context(self.loss_parallel):  # cross-entropy on vocabulary shards, backward included
-            loss = self._through(inputs.to(self.device), labels.to(self.device), segments, divisor=divisor, last=last)
-        return (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
-
-    def _through_model(
-        self, inputs: torch.Tensor, labels: torch.Tensor, segments: torch.Tensor | None, *, divisor: float, last: bool
-    ) -> torch.Tensor:
-        if last != self._syncing:  # gradients cross replicas once per step: off before the last micro-batch, on for it
-            sync_gradients_on(self.model, last_microbatch=last)
-            self._syncing = last
-        # The loss applies the output projection itself, inside the model's forward (loss.py).
-        head = functools.partial(self.loss_fn, self.model, labels=labels)
-        loss = self.model(inputs, segments=segments, head=head) / divisor
-        loss.backward()
-        return loss
-
-    def _through_pipeline(
-        self, inputs: torch.Tensor, labels: torch.Tensor, segments: torch.Tensor | None, *, divisor: float, last: bool
-    ) -> torch.Tensor:
-        assert self.pipeline is not None
-        return self.pipeline.step(inputs, labels, segments, scale=1 / divisor)  # its stages sync once per step
-
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """The global gradient norm, the gradients clipped to `max_norm` (pipeline stages add their norms up)."""
-        pp_group = self.pipeline.pp_group if self.pipeline is not None else None
-        return clip_grad_norm_(self.model.parameters(), max_norm, pp_group=pp_group)
-
-    def z_loss(self) -> torch.Tensor | None:
-        """The mean z-loss of the micro-batches since the last call (0 on pipeline stages before the last, which
-        score nothing), None without z-loss."""
-        z_loss = self.loss_fn.z_loss.take()
-        if self.loss_fn.z_loss_weight > 0 and z_loss is None:
-            z_loss = torch.zeros((), device=self.device)
-        return z_loss
 
 
 def train_step(
@@ -684,13 +566,13 @@ class GarbageCollection:
         gc.disable()
         gc.collect(1)
 
-    def step(self, step: int) -> None:
-        """Before step `step` (torchtitan collects at the start of a step)."""
+    def before_step(self, step: int) -> None:
+        """Collect before step `step` where it is due (torchtitan collects at the start of a step)."""
         if step > 1 and step % self.every == 0:
             gc.collect(1)  # the young generations: what a step leaves behind, in milliseconds
 
     def __call__(self, step: int, result: object) -> bool:
-        self.step(step + 1)
+        self.before_step(step + 1)  # the last work after step `step` is the first before the next
         return False
 
     def close(self) -> None:

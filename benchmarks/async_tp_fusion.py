@@ -64,8 +64,7 @@ def count_layout(family: str, ac_mode: str) -> dict[str, Any]:
     compiled graph (forward, backward), the collectives before the pass and what is left after it."""
     import torch._inductor.config as inductor_config
 
-    import models
-    from config import ActivationCheckpoint, Compile, Parallelism
+    from config import ActivationCheckpoint, Compile, JobConfig, Model, Parallelism
     from loss import build_loss_fn
     from parallelisms.async_tp import switch_on_micro_pipeline_tp
     from parallelisms.parallel_dims import ParallelDims
@@ -92,16 +91,18 @@ def count_layout(family: str, ac_mode: str) -> dict[str, Any]:
         post_grad_custom_post_pass=lambda g: after.append(_count(g)),
     ):
         try:
+            cfg = JobConfig(
+                model=Model(name=family),
+                training=dataclasses.replace(TRAINING, local_batch_size=GLOBAL_BATCH),
+                parallelism=parallelism,
+                activation_checkpoint=ac,
+                compile=Compile(enable=True),
+            )
             model, pipeline = build_model(
-                models.family(family),
+                cfg,
                 model_args(family=family),
                 dims=dims,
                 mesh=mesh,
-                training=dataclasses.replace(TRAINING, local_batch_size=GLOBAL_BATCH),
-                parallelism=parallelism,
-                ac=ac,
-                compile=Compile(enable=True),
-                float8=None,
                 loss_fn=build_loss_fn(Compile()),
                 device=torch.device("cpu"),
             )

@@ -70,6 +70,7 @@ from benchmarks import harness
 from benchmarks.harness import MiB, Row
 from config import Optimizer
 from data.loader import Batch
+from forward import ForwardBackward
 from loss import Loss
 from models import with_seq_len
 from models.llama3 import FLAVORS, ModelArgs, Transformer
@@ -77,7 +78,7 @@ from optimizer import build_optimizer
 from parallelisms.fsdp import DTYPES, apply_fsdp
 from parallelisms.parallel_dims import ParallelDims
 from tests.instruments import Collective, CollectiveLog, mesh_group_dims, observe_ops
-from train import ForwardBackward, train_step
+from train import train_step
 
 PROBLEM = "#3 HSDP across nodes"
 LAYOUTS = ("full_shard", "hsdp", "replicate", "hsdp_accum4", "hsdp_accum4_every", "hsdp_accum4_defer")
@@ -157,11 +158,12 @@ def measure(
 
     grad_accum = ACCUM if "_accum4" in layout else 1
     # FSDP2's default, an all-reduce per micro-batch: train.py's deferral taken out.
-    every = mock.patch("train.sync_gradients_on") if layout.endswith("_every") else contextlib.nullcontext()
+    every = mock.patch("forward.sync_gradients_on") if layout.endswith("_every") else contextlib.nullcontext()
 
     def step() -> None:
         microbatches = [Batch(tokens[:, :-1], tokens[:, 1:], None, grad_accum)] * grad_accum
-        forward_backward = ForwardBackward(model, Loss(), device=device, loss_parallel=False, cp=None, pipeline=None)
+        defer = layout.endswith("_defer")  # parallelism.fsdp_defer_reduce_scatter
+        forward_backward = ForwardBackward(model, Loss(), device=device, defer_reduce_scatter=defer)
         with every:
             train_step(1, microbatches, forward_backward, optimizer, max_norm=1.0, stop_request=None)
 

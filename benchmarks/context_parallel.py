@@ -38,7 +38,7 @@ from benchmarks.harness import MiB, Row
 from benchmarks.memory import ActivationCensus
 from config import ActivationCheckpoint, Compile, JobConfig, Parallelism, Training
 from loss import build_loss_fn
-from models import family, with_seq_len
+from models import with_seq_len
 from models.llama3 import FLAVORS
 from parallelisms.cp import context_parallel
 from parallelisms.parallel_dims import ParallelDims
@@ -82,24 +82,12 @@ def measure_rank(args: argparse.Namespace) -> dict[str, Any]:
     with harness.process_group() as device:
         cp_degree = dist.get_world_size()
         cfg = job(cp_degree, args.seq_len)
-        parallelism, training = cfg.parallelism, cfg.training
+        parallelism = cfg.parallelism
         dims = ParallelDims.from_config(parallelism, world_size=cp_degree)
         mesh = dims.build_mesh(device.type)
         shape = model_args(args.n_layers, args.seq_len)
         loss_fn = build_loss_fn(Compile())
-        model, _ = build_model(
-            family("llama3"),
-            shape,
-            dims=dims,
-            mesh=mesh,
-            training=training,
-            parallelism=parallelism,
-            ac=cfg.activation_checkpoint,
-            compile=Compile(),
-            float8=None,
-            loss_fn=loss_fn,
-            device=device,
-        )
+        model, _ = build_model(cfg, shape, dims=dims, mesh=mesh, loss_fn=loss_fn, device=device)
         init_model(model, None, device=device)
         tokens = torch.randint(0, shape.vocab_size, (1, args.seq_len + 1), generator=torch.Generator().manual_seed(0))
         inputs, labels = tokens[:, :-1].to(device), tokens[:, 1:].to(device)

@@ -36,17 +36,18 @@ import torch.distributed as dist
 
 from benchmarks import harness
 from benchmarks.harness import MiB, Row
-from config import ActivationCheckpoint, Compile, Float8Linear, Optimizer, Parallelism, Training
+from config import Compile, JobConfig, Optimizer, Parallelism, QuantizeLinearFloat8, Training
 from data.loader import Batch
+from forward import ForwardBackward
 from loss import Loss
 from models import with_seq_len
-from models.llama3 import FAMILY as LLAMA3
 from models.llama3 import FLAVORS, Transformer
 from optimizer import build_optimizer
 from parallelisms.float8 import float8_problems
+from parallelisms.fsdp import autocast_dtype
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import parallelize_model
-from train import ForwardBackward, train_step
+from train import train_step
 
 PROBLEM = "float8"
 SETUPS = ("bf16", "float8", "float8_all_gather", "float8_rowwise")
@@ -84,31 +85,23 @@ def measure(setup: str, *, args: argparse.Namespace, device: torch.device) -> di
     parallelism = Parallelism(data_parallel_shard_degree=world)
     dims = ParallelDims.from_config(parallelism, world_size=world)
     mesh = dims.build_mesh(device.type)
-    emulate = bool(float8_problems(Float8Linear(), device=device))
+    emulate = bool(float8_problems(QuantizeLinearFloat8(), device=device))
     float8 = None
     if setup == "float8_rowwise":
-        float8 = Float8Linear(recipe_name="rowwise", emulate=emulate)
+        float8 = QuantizeLinearFloat8(recipe_name="rowwise", emulate=emulate)
     elif setup != "bf16":
         gather = setup == "float8_all_gather"
-        float8 = Float8Linear(
+        float8 = QuantizeLinearFloat8(
             enable_fsdp_float8_all_gather=gather, precompute_float8_dynamic_scale_for_fsdp=gather, emulate=emulate
         )
     model_args = dataclasses.replace(with_seq_len(FLAVORS[args.flavor], args.seq_len), n_layers=args.n_layers)
     with torch.device("meta"):
         model = Transformer(model_args)
     training = Training(seq_len=args.seq_len, mixed_precision_param="bfloat16")
-    parallelize_model(
-        model,
-        family=LLAMA3,
-        dims=dims,
-        mesh=mesh,
-        training=training,
-        parallelism=parallelism,
-        ac=ActivationCheckpoint(),
-        compile=Compile(enable=args.compile),
-        float8=float8,
-        device=device,
-    )
+    cfg = JobConfig(training=training, parallelism=parallelism, compile=Compile(enable=args.compile))
+    if float8 is not None:
+        cfg.model.converters, cfg.quantize.linear.float8 = ["quantize.linear.float8"], float8
+    parallelize_model(model, cfg, dims=dims, mesh=mesh, device=device)
     model.to_empty(device=device)
     model.init_weights()
     optimizer = build_optimizer(Optimizer(lr=1e-4), model)
@@ -121,7 +114,8 @@ def measure(setup: str, *, args: argparse.Namespace, device: torch.device) -> di
 
     def step() -> float:
         batch = [Batch(tokens[:, :-1], tokens[:, 1:], None, 1)]
-        forward_backward = ForwardBackward(model, Loss(), device=device, loss_parallel=False, cp=None, pipeline=None)
+        # One rank trains bf16 under autocast (parallelisms/fsdp.py autocast_dtype), as train.py does.
+        forward_backward = ForwardBackward(model, Loss(), device=device, autocast_to=autocast_dtype(dims, training))
         result = train_step(1, batch, forward_backward, optimizer, max_norm=1.0, stop_request=None)
         return result.loss.item()
 

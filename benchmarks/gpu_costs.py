@@ -24,16 +24,16 @@ import torch.distributed as dist
 
 from benchmarks import harness
 from benchmarks.harness import Row
-from config import ActivationCheckpoint, Compile, Optimizer, Parallelism, Training
+from config import ActivationCheckpoint, Compile, JobConfig, Optimizer, Parallelism, Training
 from data.loader import Batch
+from forward import ForwardBackward
 from loss import Loss, build_loss_fn
-from models import family
 from models.llama3 import FLAVORS
 from optimizer import build_optimizer
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import build_model, init_model
 from tests.instruments import count_host_reads
-from train import ForwardBackward, train_step
+from train import train_step
 
 PROBLEM = "GPU costs"
 
@@ -55,26 +55,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         batch = [Batch(tokens[:, :-1], tokens[:, 1:], None, 1)]
 
         def build(compile_: bool, ac: ActivationCheckpoint) -> torch.nn.Module:
+            cfg = JobConfig(
+                training=training, parallelism=parallelism, activation_checkpoint=ac, compile=Compile(enable=compile_)
+            )
             model, _ = build_model(
-                family("llama3"),
-                model_args,
-                dims=dims,
-                mesh=mesh,
-                training=training,
-                parallelism=parallelism,
-                ac=ac,
-                compile=Compile(enable=compile_),
-                float8=None,
-                loss_fn=build_loss_fn(Compile()),
-                device=device,
+                cfg, model_args, dims=dims, mesh=mesh, loss_fn=build_loss_fn(Compile()), device=device
             )
             init_model(model, None, device=device)
             return model
 
         def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-            forward_backward = ForwardBackward(
-                model, Loss(), device=device, loss_parallel=False, cp=None, pipeline=None
-            )
+            forward_backward = ForwardBackward(model, Loss(), device=device)
             train_step(1, batch, forward_backward, optimizer, max_norm=1.0, stop_request=None)
 
         reads = {}

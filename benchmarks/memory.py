@@ -73,10 +73,9 @@ from torch.distributed.tensor import DTensor
 
 from benchmarks import harness
 from benchmarks.harness import MiB, Row
-from config import ActivationCheckpoint, Compile, Parallelism, Training
-from loss import chunked_cross_entropy_loss, cross_entropy_loss
+from config import ActivationCheckpoint, Compile, JobConfig, Training
+from loss import chunked_sums
 from models import with_seq_len
-from models.llama3 import FAMILY as LLAMA3
 from models.llama3 import FLAVORS, ModelArgs, Transformer
 from parallelisms.ac import CheckpointedModule
 from parallelisms.parallel_dims import ParallelDims
@@ -262,16 +261,8 @@ def build(setup: Setup, *, model_args: ModelArgs, mesh: DeviceMesh, device: torc
     )
     with torch.device("meta"):
         model = Transformer(model_args)
-    parallelize_model(
-        model,
-        family=LLAMA3,
-        dims=dims,
-        mesh=mesh,
-        training=training,
-        parallelism=Parallelism(),
-        ac=ac_config(setup.ac),
-        compile=Compile(enable=False),
-    )
+    cfg = JobConfig(training=training, activation_checkpoint=ac_config(setup.ac), compile=Compile(enable=False))
+    parallelize_model(model, cfg, dims=dims, mesh=mesh, device=device)
     if setup.shard != isinstance(model, FSDPModule):
         raise AssertionError(f"{setup}: expected FSDP to be {'on' if setup.shard else 'off'}")
     model.to_empty(device=device)
@@ -441,10 +432,7 @@ def loss_phase(*, tokens: int, dim: int, vocab: int, chunk_tokens: int) -> dict[
     for name, chunk in (("whole", 0), ("chunked", chunk_tokens)):
         start = time.perf_counter()
         with LiveBytes().track() as live:
-            if chunk:
-                loss = chunked_cross_entropy_loss(project, h, labels, chunk_tokens=chunk)
-            else:
-                loss = cross_entropy_loss(project(h), labels)
+            loss = chunked_sums(project, h, labels, chunk_tokens=chunk)[0] / labels.numel()
             loss.backward()
         peaks[name], seconds[name] = live.peak, time.perf_counter() - start
     return {"tokens": tokens, "dim": dim, "vocab": vocab, "chunk_tokens": chunk_tokens,

@@ -34,15 +34,16 @@ from torch.distributed.tensor import Shard, distribute_tensor
 import muon
 from benchmarks import harness
 from benchmarks.harness import MiB, Row
-from config import ActivationCheckpoint, Compile, Optimizer, Parallelism, Training
+from config import JobConfig, Optimizer, Parallelism, Training
 from data.loader import Batch
+from forward import ForwardBackward
 from loss import Loss
 from models import family, with_seq_len
 from optimizer import SpikeWindow, build_optimizer
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import build_model, init_model
 from tests.instruments import CollectiveLog, mesh_group_dims, observe_ops
-from train import ForwardBackward, train_step
+from train import train_step
 
 PROBLEM = "#6 Muon on shards"
 LR = 0.02
@@ -122,10 +123,8 @@ def debug_model(rounds: int, seq_len: int) -> dict[str, Any]:
 
     def build(name: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(0)
-        model, _ = build_model(
-            fam, args, dims=dims, mesh=mesh, training=training, parallelism=parallelism,
-            ac=ActivationCheckpoint(), compile=Compile(), float8=None, loss_fn=Loss(), device=torch.device("cpu"),
-        )  # fmt: skip
+        cfg = JobConfig(training=training, parallelism=parallelism)
+        model, _ = build_model(cfg, args, dims=dims, mesh=mesh, loss_fn=Loss(), device=torch.device("cpu"))
         init_model(model, None, device=torch.device("cpu"))
         if name == "implicit":  # torch.optim.Muon handed the DTensor hidden matrices, AdamW the rest
             hidden = set(muon.hidden_matrix_names(model, fam))
@@ -147,8 +146,7 @@ def debug_model(rounds: int, seq_len: int) -> dict[str, Any]:
     steps: dict[str, Any] = {}
     for name in ("implicit", "Muon", "AdamW"):
         model, optimizer = build(name)
-        forward_backward = ForwardBackward(model, Loss(), device=torch.device("cpu"), loss_parallel=False, cp=None,
-                                           pipeline=None)  # fmt: skip
+        forward_backward = ForwardBackward(model, Loss(), device=torch.device("cpu"))
         step = functools.partial(train_step, microbatches=batch, forward_backward=forward_backward,
                                  optimizer=optimizer, max_norm=1.0, stop_request=None)  # fmt: skip
         step(1)  # lazy init, optimizer state

@@ -42,7 +42,7 @@ layout) and __main__.py (`python -m checkpoint verify`).
 
 from checkpoint.folder import DumpFolderLock, check_folder, prepare_dump_folder, refuse_folder_of_steps
 from checkpoint.hf_export import HF_SIDE_FILES, MODEL_PREFIX, export_hf_folder, load_model_weights
-from checkpoint.manager import CheckpointManager, SaveStep, is_model_only, stager_reusable
+from checkpoint.manager import CheckpointManager, ModelInterop, SaveStep, is_model_only, stager_reusable
 from checkpoint.verify import check_holds, verify, verify_contents
 
 __all__ = [
@@ -50,6 +50,7 @@ __all__ = [
     "MODEL_PREFIX",
     "CheckpointManager",
     "DumpFolderLock",
+    "ModelInterop",
     "SaveStep",
     "check_folder",
     "check_holds",

@@ -7,6 +7,7 @@ import os
 import shutil
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +30,9 @@ from checkpoint.folder import OutOfSpace, complete_checkpoints, log, rank, refus
 from checkpoint.hf_export import export_hf_folder
 from checkpoint.torchtitan import TorchtitanState, is_torchtitan, load_torchtitan
 from checkpoint.verify import check_holds, nonfinite_parameters, verify, verify_contents
-from config import Checkpoint
+from config import Checkpoint, Model, model_args
 from errors import ConfigError
-from models import ModelFamily
+from models import ModelFamily, family
 
 # ---------------------------------------------------------------------- manager
 
@@ -84,6 +85,28 @@ def is_model_only(metadata: Metadata) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class ModelInterop:
+    """What loading and exporting Hugging Face folders and reading torchtitan's checkpoints need of the model:
+    its family, its shape as published (Hugging Face names and config.json), the Hugging Face folder
+    initial_load_in_hf reads when initial_load_path is unset, and the tokenizer folder whose files an export copies."""
+
+    family: ModelFamily
+    args: Any
+    hf_assets_path: str | None = None
+    tokenizer_path: str | None = None
+
+    @classmethod
+    def from_config(cls, cfg: Model) -> ModelInterop:
+        return cls(family(cfg.name), model_args(cfg), cfg.hf_assets_path, cfg.tokenizer_path)
+
+    def side_files(self) -> str | None:
+        """The folder whose tokenizer files a Hugging Face export copies: hf_assets_path's, else a tokenizer_path
+        folder's."""
+        tokenizer = self.tokenizer_path if self.tokenizer_path and Path(self.tokenizer_path).is_dir() else None
+        return self.hf_assets_path or tokenizer
+
+
 class CheckpointManager:
     def __init__(
         self,
@@ -94,27 +117,15 @@ class CheckpointManager:
         optimizer: torch.optim.Optimizer | None,
         stateful: dict[str, Stateful],
         process_group: dist.ProcessGroup | None = None,
-        family: ModelFamily | None = None,
-        model_args: Any = None,
-        hf_assets_path: str | None = None,
-        tokenizer_path: str | None = None,
-        optional: tuple[str, ...] = (),
+        interop: ModelInterop | None = None,
     ):
-        """`stateful`: everything else to save and restore (loader, train state); the keys in `optional` may
-        be missing from checkpoints of earlier versions (they then keep their fresh state).
-        family, model_args: the model's family and its shape as published (Hugging Face names and
-        config.json; default model.args); only Hugging Face loading and export need them.
-        hf_assets_path: the Hugging Face folder initial_load_in_hf reads when initial_load_path is unset.
-        last_save_in_hf copies the tokenizer files of hf_assets_path, else of a tokenizer_path folder."""
+        """`stateful`: everything else to save and restore (loader, train state); a part with a `load_absent()`
+        method may be missing from checkpoints of earlier versions, and is then told so instead of loaded.
+        interop: only Hugging Face loading and export and torchtitan's checkpoints need it."""
         self.cfg = cfg
         self.folder = Path(dump_folder) / cfg.folder
         self.model, self.optimizer = model, optimizer
-        self.family, self.model_args = family, model_args or model.args
-        self.stateful, self.optional = stateful, optional
-        self.hf_assets_path = hf_assets_path
-        self.side_files = hf_assets_path or (
-            tokenizer_path if tokenizer_path and Path(tokenizer_path).is_dir() else None
-        )
+        self.stateful, self.interop = stateful, interop
         # DCP's collectives go over a gloo group so an async save in a background thread
         # never competes with NCCL training collectives; on CPU this is the default group.
         self.process_group = process_group
@@ -123,8 +134,6 @@ class CheckpointManager:
         self.last_saved = -1  # the step of the last save begun (async ones may still be running)
         self._staging: Future | None = None
         self._stager = None
-        # async_with_pinned_mem's StagingOptions (pinned, shared, async, non-blocking), torchtitan 0.2.2's.
-        self.staging_options = (True, True, True, True)
         self._resume_checked: tuple[tuple[int, Path] | None] | None = None  # _resume_from's answer, once found
         self.torchtitan: TorchtitanState | None = None  # what torchtitan's checkpoint said, when one was loaded
         if cfg.async_mode == "async_with_pinned_mem" and not torch.cuda.is_available():
@@ -132,6 +141,10 @@ class CheckpointManager:
                 "checkpoint.async_mode: async_with_pinned_mem stages checkpoints through pinned (page-locked) memory, "
                 'which needs CUDA; use "async" on this machine'
             )
+
+    def _interop(self, act: str) -> ModelInterop:
+        assert self.interop is not None, f"CheckpointManager(interop=...) {act}"
+        return self.interop
 
     # ---------------------------------------------------------------- loading
 
@@ -171,13 +184,15 @@ class CheckpointManager:
         )
 
     def resume_step(self) -> int:
-        """The step `load` resumes from: load_step's or the newest published checkpoint's, else 0."""
+        """The step a run continues from once `load`ed: load_step's or the newest published checkpoint's; 0 for a
+        fresh run, or with train_state in exclude_from_loading (the one way `load` takes a model-only checkpoint
+        of a later step than 0)."""
         found = self._resume_from()
         return found[0] if found and "train_state" not in self.cfg.exclude_from_loading else 0
 
-    def load(self) -> int:
-        """Resume from this run's checkpoint, else initialize the weights from initial_load_path (DCP,
-        or Hugging Face safetensors with initial_load_in_hf). Returns the step to continue from (0: a fresh run)."""
+    def load(self) -> None:
+        """Resume from this run's checkpoint (at `resume_step`), else initialize the weights from initial_load_path
+        (DCP, or Hugging Face safetensors with initial_load_in_hf)."""
         if found := self._resume_from():
             step, path = found
             metadata = verify(path, key="checkpoint.folder")
@@ -191,7 +206,8 @@ class CheckpointManager:
                 )
             model_only = is_model_only(metadata) or weights_only
             if is_torchtitan(metadata):
-                return self._resume_torchtitan(path, metadata, excluded=excluded, model_only=model_only)
+                self._resume_torchtitan(path, metadata, excluded=excluded, model_only=model_only)
+                return
             parts = {} if model_only else {k: v for k, v in self.stateful.items() if k not in excluded}
             optimizer = None if model_only or "optimizer" in excluded else self.optimizer
             self._load(
@@ -203,9 +219,10 @@ class CheckpointManager:
                 load_model="model" not in excluded,
             )
             log(f"resumed from {path}" + (f" (not restored: {', '.join(sorted(excluded))})" if excluded else ""))
-            return step if "train_state" not in excluded and not model_only else 0
+            return
         if self.cfg.initial_load_in_hf:
-            folder = Path(self.cfg.initial_load_path or self.hf_assets_path or "")
+            interop = self._interop("reads Hugging Face folders")
+            folder = Path(self.cfg.initial_load_path or interop.hf_assets_path or "")
             self._load_hf(folder)
             log(f"initialized model weights from the Hugging Face folder {folder}")
         elif self.cfg.initial_load_path is not None:
@@ -217,7 +234,6 @@ class CheckpointManager:
             else:
                 self._load(path, metadata, ModelAndOptimizer(self.model, None), {}, key="checkpoint.initial_load_path")
             log(f"initialized model weights from {path}" + (" (torchtitan's checkpoint)" if self.torchtitan else ""))
-        return 0
 
     def _load(
         self,
@@ -229,8 +245,8 @@ class CheckpointManager:
         key: str,
         load_model: bool = True,
     ) -> None:
-        for name in [name for name in parts if name in self.optional and not _holds_part(metadata, name)]:
-            del parts[name]  # saved by a recipe that did not have it yet: it starts afresh
+        for name in [n for n, part in parts.items() if hasattr(part, "load_absent") and not _holds_part(metadata, n)]:
+            parts.pop(name).load_absent()  # saved by a recipe that did not checkpoint it yet
             log(f"{path} holds no {name} (saved before it was checkpointed): it starts afresh")
         model_state = get_model_state_dict(self.model)
         check_holds(path, metadata, {f"model_and_optimizer.model.{k}": v for k, v in model_state.items()}, key=key)
@@ -248,7 +264,7 @@ class CheckpointManager:
             ) from None
         self._refuse_nonfinite(path, key=key)
 
-    def _resume_torchtitan(self, path: Path, metadata: Metadata, *, excluded: set[str], model_only: bool) -> int:
+    def _resume_torchtitan(self, path: Path, metadata: Metadata, *, excluded: set[str], model_only: bool) -> None:
         """Resume from torchtitan's checkpoint (checkpoint/torchtitan.py): weights, AdamW state and step; each
         stateful part with a `load_torchtitan(state)` takes what it can (the step, the data position), the others
         start afresh."""
@@ -266,15 +282,14 @@ class CheckpointManager:
             self.stateful[name].load_torchtitan(state)
         fresh = sorted(set(self.stateful) - set(taken))
         log(f"resumed from torchtitan's checkpoint {path}" + (f" (afresh: {', '.join(fresh)})" if fresh else ""))
-        return state.step if "train_state" not in excluded and not model_only else 0
 
     def _load_torchtitan(
         self, path: Path, metadata: Metadata, optimizer: torch.optim.Optimizer | None, *, key: str
     ) -> TorchtitanState:
-        assert self.family is not None, "CheckpointManager(family=...) reads torchtitan's checkpoints"
+        interop = self._interop("reads torchtitan's checkpoints")
         check_holds(path, metadata, get_model_state_dict(self.model), key=key)  # torchtitan's weights: top level
         self.torchtitan = load_torchtitan(
-            path, metadata, self.model, optimizer, family=self.family, args=self.model_args, key=key,
+            path, metadata, self.model, optimizer, family=interop.family, args=interop.args, key=key,
             group=self.process_group,
         )  # fmt: skip
         self._refuse_nonfinite(path, key=key)
@@ -288,8 +303,8 @@ class CheckpointManager:
         from models.hf import check_hf_weights, hf_to_ours
 
         key = "checkpoint.initial_load_path" if self.cfg.initial_load_path else "model.hf_assets_path"
-        fam, args = self.family, self.model_args
-        assert fam is not None, "CheckpointManager(family=...) reads Hugging Face folders"
+        interop = self._interop("reads Hugging Face folders")
+        fam, args = interop.family, interop.args
         try:
             check_hf_weights(folder, fam, args)
         except ConfigError as e:
@@ -359,14 +374,14 @@ class CheckpointManager:
         shutil.rmtree(partial, ignore_errors=True)
         begin = time.perf_counter()
         with OutOfSpace(partial):
-            assert self.family is not None, "CheckpointManager(family=...) exports Hugging Face folders"
+            interop = self._interop("exports Hugging Face folders")
             export_hf_folder(
                 self.folder / f"step-{step}",
                 partial,
-                family=self.family,
-                args=self.model_args,
+                family=interop.family,
+                args=interop.args,
                 dtype=getattr(torch, self.cfg.export_dtype),
-                side_files_from=self.side_files,
+                side_files_from=interop.side_files(),
             )
         if target.exists():
             shutil.rmtree(target)
@@ -391,7 +406,13 @@ class CheckpointManager:
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
         if self._stager is None:
-            self._stager = DefaultStager(StagingOptions(*self.staging_options))
+            # Pinned shared memory and non-blocking copies need CUDA, which __init__ requires of this mode; only
+            # cuda_paths' CPU rehearsal of this branch comes here without it, and stages into ordinary memory.
+            cuda = torch.cuda.is_available()
+            options = StagingOptions(
+                use_pinned_memory=cuda, use_shared_memory=cuda, use_async_staging=True, use_non_blocking_copy=cuda
+            )
+            self._stager = DefaultStager(options)
         response = dcp.async_save(
             state,
             storage_writer=ChecksumWriter(partial),

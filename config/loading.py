@@ -29,9 +29,9 @@ from config.sections import (
     REPO,
     SHIPPED_CORPUS,
     SHIPPED_TOKENIZER,
-    Float8Linear,
     JobConfig,
     Model,
+    QuantizeLinearFloat8,
     Training,
     Validation,
     _did_you_mean,
@@ -436,7 +436,7 @@ def run_model_args(cfg: JobConfig) -> Any:
     return dataclasses.replace(with_seq_len(model_args(cfg.model), longest), attn_mask_type=cfg.model.attn_mask_type)
 
 
-def float8_settings(cfg: JobConfig) -> Float8Linear | None:
+def float8_settings(cfg: JobConfig) -> QuantizeLinearFloat8 | None:
     """The float8 linears' settings when [model] converters has them (the one converter validate accepts)."""
     return cfg.quantize.linear.float8 if "quantize.linear.float8" in cfg.model.converters else None
 

@@ -131,7 +131,7 @@ class Training(TorchtitanTraining):
     skip_spike_sigma: float = 0.0
     """Skip the update of a step whose global loss or gradient norm is more than this many standard deviations above the mean of the last training.skip_spike_window steps (OLMo-core's rule; it uses 6). 0 = off. optimizer.py."""
     skip_spike_window: int = 128
-    """Steps the spike rule compares with; none is skipped before the window is full (again after a resume: the window is not checkpointed)."""
+    """Steps the spike rule compares with; none is skipped before the window is full (checkpoints save the window: a resumed run goes on with it)."""
     z_loss_weight: float = 0.0
     """Add this weight x mean(logsumexp(logits)^2) to the loss (PaLM's z-loss; OLMo uses 1e-5): it keeps the output logits' normaliser near 1. Logged on its own as z_loss; 0 = off."""
     loss_chunk_tokens: int = -1
@@ -364,7 +364,7 @@ class Validation(TorchtitanValidation):
 @dataclass
 class Parallelism(TorchtitanParallelism):
     """How the ranks split the work: data parallel (FSDP, HSDP), tensor, pipeline and context parallel. The rules
-    that need the world size or the model are parallelisms/'s (layout_settings names what they read)."""
+    that need the world size or the model are parallelisms/'s (parallel_dims.layout_problems)."""
 
     data_parallel_replicate_degree: int = 1
     """Replicas of the model (HSDP outer dimension, usually the number of nodes)."""
@@ -430,19 +430,6 @@ class Parallelism(TorchtitanParallelism):
                 'here all-gathers the keys and values once per layer (the Llama 3 paper\'s design): use "allgather"'
             )
         return p
-
-    def layout_settings(self) -> dict[str, Any]:
-        """This section as the plain values parallelisms.parallel_dims.layout_problems takes."""
-        return {
-            "pp": self.pipeline_parallel_degree, "dp_replicate": self.data_parallel_replicate_degree,
-            "dp_shard": self.data_parallel_shard_degree, "cp": self.context_parallel_degree,
-            "tp": self.tensor_parallel_degree, "cp_load_balancer": self.context_parallel_load_balancer,
-            "pp_schedule": self.pipeline_parallel_schedule,
-            "pp_microbatch_size": self.pipeline_parallel_microbatch_size,
-            "pp_layers_per_stage": self.pipeline_parallel_layers_per_stage,
-            "pp_first_stage_less_layers": self.pipeline_parallel_first_stage_less_layers,
-            "pp_last_stage_less_layers": self.pipeline_parallel_last_stage_less_layers,
-        }  # fmt: skip
 
 
 @dataclass
@@ -550,8 +537,10 @@ def compile_backends() -> tuple[str, ...]:
     return tuple(sorted({*torch._dynamo.list_backends(exclude_tags=()), "inductor"}))
 
 
+# Named for its section, [quantize.linear.float8], as QuantizeLinear is for [quantize.linear]: torchao's module class is
+# Float8Linear and its config Float8LinearConfig (parallelisms/float8.py uses both).
 @dataclass
-class Float8Linear:
+class QuantizeLinearFloat8:
     """Float8 linear layers (torchao), with the quantize.linear.float8 converter."""
 
     recipe_name: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] | None = None
@@ -570,7 +559,7 @@ class Float8Linear:
 class QuantizeLinear:
     """The linear layers' quantization: float8 here (MX is torchtitan's, refused)."""
 
-    float8: Float8Linear = field(default_factory=Float8Linear)
+    float8: QuantizeLinearFloat8 = field(default_factory=QuantizeLinearFloat8)
     mx: MXLinear = field(default_factory=MXLinear)
 
 
@@ -779,15 +768,6 @@ class JobConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-    def layout_settings(self) -> dict[str, Any]:
-        """What the parallel layout's rules (parallelisms.parallel_dims.layout_problems) read, as plain values: the
-        parallelism keys, the model shape, the sequence lengths and the local batch."""
-        return self.parallelism.layout_settings() | {
-            "args": model_args(self.model), "seq_len": self.training.seq_len,
-            "local_batch_size": self.training.local_batch_size,
-            "validation_seq_len": self.validation.seq_len if self.validation.enable else None,
-        }  # fmt: skip
 
 
 # ------------------------------------------------------ what the sections' checks use

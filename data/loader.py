@@ -126,10 +126,6 @@ class GlobalBatchLoader:
         epoch, index = divmod(j, windows)
         return source, permute(index, windows, self.keys[source] ^ epoch) if self.shuffle else index
 
-    def window_of(self, sample: int) -> int:
-        """Which window of its source sample `sample` reads."""
-        return self.locate(sample)[1]
-
     def sample(self, sample: int) -> Sample:
         """The window that sample `sample` reads: its tokens, document index per token (and chat loss mask)."""
         source, window = self.locate(sample)
@@ -142,8 +138,8 @@ class GlobalBatchLoader:
         segments[0] = 0  # a document that began before the window is this window's document 0
         return Sample(tokens, np.cumsum(segments, dtype=np.int32))
 
-    def labelled(self, first: int, count: int) -> int:
-        """Labels that count in the loss among samples [first, first + count), all ranks together."""
+    def count_labels(self, first: int, count: int) -> int:
+        """How many labels count in the loss among samples [first, first + count), all ranks together."""
         if all(chat is None for chat in self.chat):
             return count * (self.window - 1)
         total = 0
@@ -166,7 +162,7 @@ class GlobalBatchLoader:
         per_micro = self.local_batch_size * self.dp_degree
         # Each rank's label positions in a micro-batch, times the ranks: the global batch's counted labels over
         # that is grad_accum when every label counts.
-        divisor = self.labelled(base, self.global_batch_size) / (per_micro * (self.window - 1))
+        divisor = self.count_labels(base, self.global_batch_size) / (per_micro * (self.window - 1))
         for micro in range(self.grad_accum):
             first = base + micro * per_micro + self.dp_rank * self.local_batch_size
             rows = [self.sample(first + j) for j in range(self.local_batch_size)]

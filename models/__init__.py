@@ -4,10 +4,11 @@ of the repo reaches a family through `family(name)`, a plain `match` on `[model]
 A family folder (models/llama3/, models/qwen3/, models/olmo2/) holds:
 
     model.py     ModelArgs, FLAVORS, the module, its init, num_params and num_flops_per_token
-    plans.py     how tensor parallel splits one block (`tp_plan`) and which linears' outputs
-                 selective op-level AC keeps (`SAC_SAVED_LINEARS`, named, not counted)
+    plans.py     how tensor parallel splits one block (`tp_plan`), which linears' outputs
+                 selective op-level AC keeps (`SAC_SAVED_LINEARS`, named, not counted) and which
+                 weights Muon orthogonalizes (`HIDDEN_MATRICES`)
     hf.py        Hugging Face config.json <-> ModelArgs, weight names, the published repos
-    __init__.py  FAMILY, the ModelFamily below built from those three
+    __init__.py  FAMILY, a ModelFamily (models/family.py) built from those three
 
 and nothing outside it names a module inside a block. What the generic code (train.py,
 parallelisms/, checkpoint/, loss.py, planning/estimate_memory.py, planning/dry_run.py, planning/doctor.py) may rely on is
@@ -19,9 +20,11 @@ the decoder skeleton every family's model has:
                                 (dataclasses.replace) before building
     model.tok_embeddings        nn.Embedding, or None on a pipeline stage without it
     model.layers                nn.ModuleDict of blocks keyed "0", "1", ... (names never depend on
-                                how a pipeline cuts the model); block(h, *extra) -> h, where h is
-                                (bs, seqlen, dim) and the extras are per-forward tensors (the
-                                RoPE table, the attention mask) every rank holds in full
+                                how a pipeline cuts the model); block(h, *extra, kv=None) -> h,
+                                where h is (bs, seqlen, dim), the extras are per-forward tensors
+                                (the RoPE table, the attention mask) every rank holds in full, and
+                                kv is generation's view of the cache for that block (LayerCache,
+                                models/kv_cache.py)
     model.norm, model.output    the final norm and the output projection (None: tied to the
                                 embedding, or a pipeline stage without them)
     model(tokens, segments=None, *, positions=None, head=None, cache=None)

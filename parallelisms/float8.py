@@ -49,12 +49,12 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Pr
 from errors import ConfigError, warn
 
 if TYPE_CHECKING:
-    from config import Float8Linear as Float8Config
+    from config import QuantizeLinearFloat8
 
 TORCHAO_PIN = "torchao==0.18.0"  # pyproject.toml's pin
 
 
-def float8_problems(cfg: Float8Config, *, device: torch.device) -> list[str]:
+def float8_problems(cfg: QuantizeLinearFloat8, *, device: torch.device) -> list[str]:
     """Why float8 cannot run here; empty when it can."""
     if cfg.emulate:
         return []
@@ -80,23 +80,23 @@ def _import_torchao() -> Any:
     return float8
 
 
-def is_tensorwise(cfg: Float8Config) -> bool:
+def is_tensorwise(cfg: QuantizeLinearFloat8) -> bool:
     return cfg.recipe_name in (None, "tensorwise")
 
 
-def converts(module: nn.Module, fqn: str, cfg: Float8Config) -> bool:
+def converts(module: nn.Module, fqn: str, cfg: QuantizeLinearFloat8) -> bool:
     """Whether apply_float8 makes this module float8: a linear outside filter_fqns whose dims are multiples of 16."""
     if not isinstance(module, nn.Linear) or any(name in fqn for name in cfg.filter_fqns):
         return False
     return module.out_features % 16 == 0 and module.in_features % 16 == 0
 
 
-def gathers_float8(cfg: Float8Config, *, fsdp_sharded: bool) -> bool:
+def gathers_float8(cfg: QuantizeLinearFloat8, *, fsdp_sharded: bool) -> bool:
     """Whether FSDP all-gathers the float8 linears' weights in float8 (tensorwise scales only)."""
     return is_tensorwise(cfg) and cfg.enable_fsdp_float8_all_gather and fsdp_sharded
 
 
-def apply_float8(model: nn.Module, cfg: Float8Config, *, device: torch.device, fsdp_sharded: bool) -> list[str]:
+def apply_float8(model: nn.Module, cfg: QuantizeLinearFloat8, *, device: torch.device, fsdp_sharded: bool) -> list[str]:
     """Swap the model's eligible nn.Linear for torchao Float8Linear, in place; returns their names.
 
     fsdp_sharded: FSDP shards the parameters (dp_shard > 1), where the float8 all-gather applies.
@@ -123,9 +123,9 @@ def apply_float8(model: nn.Module, cfg: Float8Config, *, device: torch.device, f
     return [name for name, module in model.named_modules() if isinstance(module, Float8Linear)]
 
 
-def float8_tp_plan(cfg: Float8Config, tp_mesh: DeviceMesh) -> bool:
-    """Whether TP should use torchao's float8 styles: tensorwise scales, and a TP group that can move
-    float8 tensors (NCCL; gloo has no float8 dtype, so on CPU the plain plan runs the float8 linears)."""
+def float8_tp_supported(cfg: QuantizeLinearFloat8, tp_mesh: DeviceMesh) -> bool:
+    """Whether TP can use torchao's float8 styles (adapt_tp_plan): tensorwise scales, and a TP group that can move
+    float8 tensors (NCCL; gloo has no float8 dtype, so on CPU the plain plan runs the float8 linears, with a warning)."""
     if not is_tensorwise(cfg):
         return False
     if "nccl" not in dist.get_backend(tp_mesh.get_group()):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -10,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 if TYPE_CHECKING:
+    from config import Training
     from parallelisms.parallel_dims import ParallelDims
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -21,23 +23,36 @@ def applies_fsdp(dims: ParallelDims, *, param_dtype: str, cpu_offload: bool) -> 
     FSDP where there is something to shard over (data-parallel ranks, or CP's), for CPU offload (its policy is
     FSDP's), and for a compute dtype other than float32 on a job of several ranks without data parallelism (TP or
     PP alone): FSDP over a mesh of one is what gives their parameters a compute dtype (torchtitan trains those in
-    float32). A job of one rank trains its float32 parameters under autocast instead (apply_autocast), as
+    float32). A job of one rank trains its float32 parameters under autocast instead (`autocast_dtype`), as
     torchtitan does: FSDP over one rank would copy every parameter into the compute dtype for forward, again for
     backward, and every gradient out of it, each step, to shard over nobody (benchmarks/vs_torchtitan.py counts it)."""
     mixed = param_dtype != "float32"
     return dims.fsdp_enabled or cpu_offload or (mixed and dims.world_size > 1)
 
 
-def apply_autocast(model: nn.Module, *, param_dtype: torch.dtype, device_type: str) -> None:
-    """Mixed precision without FSDP (one rank, `applies_fsdp`): the model's forward, the loss included (it runs inside
-    it, loss.py), under torch.autocast in `param_dtype`. Parameters, gradients and AdamW's state stay float32, and
-    backward runs outside autocast, as autocast wants: each op's backward runs in the dtype its forward ran in.
+def autocast_dtype(dims: ParallelDims, training: Training) -> torch.dtype | None:
+    """The dtype a job's forward runs in under autocast (`autocast`): training.mixed_precision_param where FSDP does
+    not apply it (a job of one rank, `applies_fsdp`) and it is not float32; None where FSDP's mixed precision gives
+    the parameters their compute dtype, or the job computes in float32."""
+    param_dtype = training.mixed_precision_param
+    if param_dtype == "float32" or applies_fsdp(dims, param_dtype=param_dtype, cpu_offload=training.enable_cpu_offload):
+        return None
+    return DTYPES[param_dtype]
+
+
+def autocast(dtype: torch.dtype | None, device_type: str) -> contextlib.AbstractContextManager:
+    """Mixed precision without FSDP (one rank, `autocast_dtype`): the caller runs the model's forward, the loss
+    included (it runs inside it, loss.py), in this context, under torch.autocast in `dtype`; a context that does
+    nothing for None. Parameters, gradients and AdamW's state stay float32, and backward runs outside the context, as
+    autocast wants: each op's backward runs in the dtype its forward ran in.
 
     Without autocast's cache (cache_enabled=False): with it, every weight's bf16 copy would stay alive until the
     forward ends, the loss included, which is the peak. Without it a weight is cast where it is used (once per
     forward in these models; the output projection once per loss chunk) and its copy lives only while autograd
     keeps it: a block under activation checkpointing casts again in its recomputation and keeps nothing."""
-    model.forward = torch.autocast(device_type, dtype=param_dtype, cache_enabled=False)(model.forward)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=dtype, cache_enabled=False)
 
 
 def reshards_after_forward(policy: str, *, pp_enabled: bool) -> bool:
@@ -57,7 +72,6 @@ def apply_fsdp(
     cpu_offload: bool = False,
     reshard_after_forward: Literal["default", "always", "never"] = "default",
     pp_enabled: bool = False,
-    defer_reduce_scatter: bool = False,
 ) -> None:
     """Shard the embedding and each block as separate units, then the root (norm + output).
 
@@ -77,9 +91,6 @@ def apply_fsdp(
     Under pipeline parallel (pp_enabled, `model` is one stage) "default" means "never": a stage runs
     several micro-batches' forwards before their backwards, and resharding would gather its
     parameters again for each of them (torchtitan's rule).
-
-    defer_reduce_scatter (parallelism.fsdp_defer_reduce_scatter): what sync_gradients_on does with gradient
-    accumulation, kept on the model.
     """
     reshard = reshards_after_forward(reshard_after_forward, pp_enabled=pp_enabled)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
@@ -105,19 +116,18 @@ def apply_fsdp(
     # once more per step for it (counted: 8 all-gathers instead of 7, 10 instead of 8 under
     # "always", tests/test_loss.py). The peak, at the loss, holds these parameters either way.
     fully_shard(model, **kw, reshard_after_forward=False)  # FSDP never reshards the root after forward anyway
-    model.defer_reduce_scatter = defer_reduce_scatter  # read by sync_gradients_on
 
 
-def sync_gradients_on(model: nn.Module, *, last_microbatch: bool) -> None:
-    """Gradients cross replicas once per step, on its last micro-batch (train.py calls this before each backward of
-    a step of several micro-batches).
+def sync_gradients_on(model: nn.Module, *, last_microbatch: bool, defer_reduce_scatter: bool) -> None:
+    """Gradients cross replicas once per step, on its last micro-batch (ForwardBackward calls this before each
+    backward of a step of several micro-batches, with the run's parallelism.fsdp_defer_reduce_scatter).
 
     FSDP2 reduce-scatters and, under HSDP (`data_parallel_replicate_degree` > 1, the replicas usually on other
     nodes), all-reduces every unit's gradient shard after every backward; with gradient accumulation that is one
     all-reduce over the slowest links per micro-batch where one per step is all the step needs. By default each
     micro-batch but the last still reduce-scatters (the gradients stay sharded, memory does not grow) and FSDP sums
     the shards in a buffer of their size (`set_requires_all_reduce(False)`); the last adds its own and all-reduces
-    the sum once. With `parallelism.fsdp_defer_reduce_scatter` (apply_fsdp keeps it on the model) the micro-batches
+    the sum once. With `defer_reduce_scatter` (parallelism.fsdp_defer_reduce_scatter) the micro-batches
     but the last do not reduce-scatter either (`set_requires_gradient_sync(False)`): each unit's gradient stays
     unsharded, summed in reduce_dtype (FSDP2 upcasts it), and the last reduce-scatters and all-reduces the sum once:
     1 / micro-batches the reduce-scatter bytes, for a reduce_dtype copy of the rank's whole parameters held through
@@ -128,7 +138,7 @@ def sync_gradients_on(model: nn.Module, *, last_microbatch: bool) -> None:
     run."""
     if not isinstance(model, FSDPModule):
         return
-    if getattr(model, "defer_reduce_scatter", False):
+    if defer_reduce_scatter:
         model.set_requires_gradient_sync(last_microbatch)
     else:
         model.set_requires_all_reduce(last_microbatch)

@@ -23,10 +23,11 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from config import model_args
 from errors import ConfigError
 from parallelisms.cp import check_cp
 from parallelisms.pp import check_microbatches, split_layers
@@ -131,38 +132,29 @@ class ParallelDims:
         return mesh["dp_replicate"].get_local_rank() * self.dp_shard + mesh["dp_shard"].get_local_rank()
 
 
-def layout_problems(
-    *,
-    world_size: int,
-    args: Any,
-    seq_len: int,
-    local_batch_size: int,
-    validation_seq_len: int | None = None,
-    pp: int,
-    dp_replicate: int,
-    dp_shard: int,
-    cp: int,
-    tp: int,
-    cp_load_balancer: str | None,
-    pp_schedule: str,
-    pp_microbatch_size: int,
-    pp_layers_per_stage: int | None,
-    pp_first_stage_less_layers: int,
-    pp_last_stage_less_layers: int,
-) -> list[str]:
-    """Every problem of the parallel layout for this world and model, from the rules where they live: the degrees
-    (ParallelDims), what TP needs of the shape (check_tp), how CP cuts a window (check_cp), the pipeline's split and
-    micro-batches (pp.py). The run (train.py passes it to load_config; config.layout_settings names the keys) and
-    the memory estimator ask the same rules."""
-    if min(pp, dp_replicate, cp, tp) < 1:
+def layout_problems(cfg: JobConfig, *, world_size: int) -> list[str]:
+    """Every problem of cfg's parallel layout on world_size ranks, from the rules where they live: the degrees
+    (ParallelDims), what TP needs of the model's shape and the sequence (check_tp), how CP cuts a window (check_cp),
+    the pipeline's split and micro-batches (pp.py). The run (train.py passes layout_checks to load_config) and the
+    memory estimator ask the same rules."""
+    par, seq_len = cfg.parallelism, cfg.training.seq_len
+    pp, rep, cp, tp = (
+        par.pipeline_parallel_degree,
+        par.data_parallel_replicate_degree,
+        par.context_parallel_degree,
+        par.tensor_parallel_degree,
+    )
+    if min(pp, rep, cp, tp) < 1:
         return []  # config.validate names the degree; no layout rule can divide by it
-    rules = [lambda: ParallelDims.resolve(world_size=world_size, pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard,
-                                          cp=cp, tp=tp)]  # fmt: skip
+    args = model_args(cfg.model)
+    rules = [lambda: ParallelDims.from_config(par, world_size=world_size)]
     if cp > 1:
         seq_lens = {"training.seq_len": seq_len} | (
-            {"validation.seq_len": validation_seq_len} if validation_seq_len is not None else {}
+            {"validation.seq_len": cfg.validation.seq_len} if cfg.validation.enable else {}
         )
-        rules.append(lambda: check_cp(cp=cp, tp=tp, load_balancer=cp_load_balancer, seq_lens=seq_lens))
+        rules.append(
+            lambda: check_cp(cp=cp, tp=tp, load_balancer=par.context_parallel_load_balancer, seq_lens=seq_lens)
+        )
     if tp > 1:
         rules.append(lambda: check_tp(args, tp_degree=tp, seq_len=seq_len))
     if pp > 1:
@@ -170,15 +162,18 @@ def layout_problems(
             lambda: split_layers(
                 args,
                 pp=pp,
-                schedule=pp_schedule,
-                layers_per_stage=pp_layers_per_stage,
-                first_less=pp_first_stage_less_layers,
-                last_less=pp_last_stage_less_layers,
+                schedule=par.pipeline_parallel_schedule,
+                layers_per_stage=par.pipeline_parallel_layers_per_stage,
+                first_less=par.pipeline_parallel_first_stage_less_layers,
+                last_less=par.pipeline_parallel_last_stage_less_layers,
             )
         )
         rules.append(
             lambda: check_microbatches(
-                pp=pp, schedule=pp_schedule, microbatch_size=pp_microbatch_size, local_batch_size=local_batch_size
+                pp=pp,
+                schedule=par.pipeline_parallel_schedule,
+                microbatch_size=par.pipeline_parallel_microbatch_size,
+                local_batch_size=cfg.training.local_batch_size,
             )
         )
     problems: list[str] = []
@@ -192,7 +187,7 @@ def layout_problems(
 
 def layout_checks(world_size: int) -> Callable[[JobConfig], list[str]]:
     """config.load_config's extra_checks for a run on world_size ranks: the layout's rules, in the config's round."""
-    return lambda cfg: layout_problems(**cfg.layout_settings(), world_size=world_size)
+    return lambda cfg: layout_problems(cfg, world_size=world_size)
 
 
 def uses_loss_parallel(cfg: JobConfig, dims: ParallelDims) -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import warnings
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -12,44 +11,39 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from config import float8_settings
-from models import ModelFamily, family
+from models import family
 from parallelisms.ac import apply_ac
 from parallelisms.async_tp import apply_async_tp
 from parallelisms.compile import apply_compile, inductor_cache_dir
 from parallelisms.cp import apply_cp, context_parallel
-from parallelisms.float8 import adapt_tp_plan, apply_float8, float8_tp_plan
-from parallelisms.fsdp import DTYPES, applies_fsdp, apply_autocast, apply_fsdp
+from parallelisms.float8 import adapt_tp_plan, apply_float8, float8_tp_supported
+from parallelisms.fsdp import DTYPES, applies_fsdp, apply_fsdp
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.pp import Pipeline, pipeline_model
 from parallelisms.tp import apply_tp
 
 if TYPE_CHECKING:
-    from config import ActivationCheckpoint, Compile, Float8Linear, JobConfig, Parallelism, Training
+    from config import JobConfig
     from loss import Loss
 
 
 def parallelize_model(
     model: nn.Module,
+    cfg: JobConfig,
     *,
-    family: ModelFamily,
     dims: ParallelDims,
     mesh: DeviceMesh,
-    training: Training,
-    parallelism: Parallelism,
-    ac: ActivationCheckpoint,
-    compile: Compile,
-    float8: Float8Linear | None = None,
-    device: torch.device | None = None,
-    inductor_cache_root: str | Path | None = None,
+    device: torch.device,
     planning: bool = False,
 ) -> nn.Module:
-    """Apply, in order, float8 -> TP (+ async TP) -> CP -> activation checkpointing -> compile -> FSDP to a (meta) model.
+    """Apply, in order, float8 -> TP (+ async TP) -> CP -> activation checkpointing -> compile -> FSDP to a (meta) model,
+    as the run's config asks: [training], [parallelism], [activation_checkpoint], [compile] and the float8 linears.
 
     The order is not a matter of taste:
-      0. float8 first (when `float8` is given: [model] converters has "quantize.linear.float8"): it
-         swaps modules (nn.Linear -> torchao Float8Linear), and the TP plan, compile and FSDP must all
-         see the final modules: the float8 TP styles apply to Float8Linear only, compile traces their
-         casts, FSDP's float8 all-gather hooks into their weights.
+      0. float8 first (when [model] converters has "quantize.linear.float8"): it swaps modules (nn.Linear ->
+         torchao Float8Linear), and the TP plan, compile and FSDP must all see the final modules: the float8 TP
+         styles apply to Float8Linear only, compile traces their casts, FSDP's float8 all-gather hooks into their
+         weights.
       1. TP: it replaces parameters by DTensors sharded over "tp" and installs the
          input/output redistributions; every later step must see those final parameters.
          Async TP only sets the compiler passes that overlap TP's collectives: on before compile.
@@ -63,29 +57,31 @@ def parallelize_model(
          2.13: one graph, no graph breaks, fullgraph=True).
       4. FSDP last: it turns modules into FSDP units and shards over the data-parallel mesh
          whatever the steps before produced (TP DTensors become 2-D (dp_shard, tp) DTensors).
-         A job of one rank is not sharded; with bf16 parameters its forward runs under autocast
-         (parallelisms/fsdp.py applies_fsdp says which, and why).
-    What is particular to the model comes from its `family`: how TP splits a block (plans.py tp_plan)
+         A job of one rank is not sharded; with bf16 parameters the caller runs its forward under autocast
+         (parallelisms/fsdp.py autocast_dtype says which, and why).
+    What is particular to the model comes from its family (model.name): how TP splits a block (plans.py tp_plan)
     and which linears selective op AC keeps (plans.py SAC_SAVED_LINEARS).
     Under loss parallel (TP on, parallelism.disable_loss_parallel false) the logits are a
     vocabulary-sharded DTensor: compute the loss AND call backward inside
     `parallelisms.tp.loss_parallel_context(True)`.
 
+    device: where the model will train (float8 refuses a device without float8 matmuls).
     planning: a dry run (planning/dry_run.py) on a fake process group: each step checks what it can and lays out the
     parameters; nothing that needs the real machine is switched on.
-    inductor_cache_root: parent folder of the per-recipe inductor caches (see
-    `parallelisms.compile.inductor_cache_dir`); None = TORCHINDUCTOR_CACHE_DIR or inductor's default.
     """
+    fam, training, parallelism = family(cfg.model.name), cfg.training, cfg.parallelism
+    ac, compile = cfg.activation_checkpoint, cfg.compile
+    float8 = float8_settings(cfg)  # None without the converter
     if float8 is not None:
-        apply_float8(model, float8, device=device or torch.device("cpu"), fsdp_sharded=dims.dp_shard > 1)
+        apply_float8(model, float8, device=device, fsdp_sharded=dims.dp_shard > 1)
     if dims.tp_enabled:
         apply_tp(
             model,
             mesh["tp"],
-            block_plan=family.tp_plan,
+            block_plan=fam.tp_plan,
             loss_parallel=not parallelism.disable_loss_parallel,
             seq_len=training.seq_len,
-            adapt_block_plan=adapt_tp_plan if float8 is not None and float8_tp_plan(float8, mesh["tp"]) else None,
+            adapt_block_plan=adapt_tp_plan if float8 is not None and float8_tp_supported(float8, mesh["tp"]) else None,
         )
     if parallelism.enable_async_tensor_parallel:
         apply_async_tp(mesh["tp"], compile_enabled=compile.enable and "model" in compile.components, planning=planning)
@@ -96,7 +92,7 @@ def parallelize_model(
     apply_ac(
         model,
         ac,
-        saved_linears=family.sac_saved_linears,
+        saved_linears=fam.sac_saved_linears,
         recompute_gathers_of=mesh["tp"].get_group().group_name if parallelism.enable_async_tensor_parallel else None,
     )
 
@@ -110,7 +106,7 @@ def parallelize_model(
             "ac_option": ac.selective_ac_option if ac.mode == "selective" else "",
             "float8": (float8.recipe_name or "tensorwise") if float8 is not None else "",
         }
-        apply_compile(model, backend=compile.backend, cache_dir=inductor_cache_dir(recipe, root=inductor_cache_root))
+        apply_compile(model, backend=compile.backend, cache_dir=inductor_cache_dir(recipe))
 
     if applies_fsdp(dims, param_dtype=training.mixed_precision_param, cpu_offload=training.enable_cpu_offload):
         apply_fsdp(
@@ -121,66 +117,11 @@ def parallelize_model(
             cpu_offload=training.enable_cpu_offload,
             reshard_after_forward=parallelism.fsdp_reshard_after_forward,
             pp_enabled=dims.pp_enabled,
-            defer_reduce_scatter=parallelism.fsdp_defer_reduce_scatter,
-        )
-    elif training.mixed_precision_param != "float32":  # one rank
-        apply_autocast(
-            model, param_dtype=DTYPES[training.mixed_precision_param], device_type=(device or torch.device("cpu")).type
         )
     return model
 
 
 def build_model(
-    family: ModelFamily,
-    args: Any,
-    *,
-    dims: ParallelDims,
-    mesh: DeviceMesh,
-    training: Training,
-    parallelism: Parallelism,
-    ac: ActivationCheckpoint,
-    compile: Compile,
-    float8: Float8Linear | None,
-    loss_fn: Loss,
-    device: torch.device,
-    planning: bool = False,
-) -> tuple[torch.nn.Module, Pipeline | None]:
-    """The model on the meta device, parallelized: shapes and shardings, no storage yet (`init_model`).
-    planning: for a dry run (planning/dry_run.py; parallelize_model's argument).
-
-    With pipeline parallel this rank holds some stages, each parallelized on its own; the module returned
-    is then those stages as one (the whole model's parameter names), and the Pipeline runs them."""
-    with torch.device("meta"):
-        model = family.model_cls(args)
-    parallelize = functools.partial(
-        parallelize_model,
-        family=family,
-        dims=dims,
-        mesh=mesh,
-        training=training,
-        parallelism=parallelism,
-        ac=ac,
-        compile=compile,
-        float8=float8,
-        device=device,
-        planning=planning,
-    )
-    if not dims.pp_enabled:
-        return parallelize(model), None
-    pipeline = pipeline_model(
-        model,
-        mesh=mesh,
-        cfg=parallelism,
-        local_batch_size=training.local_batch_size,
-        loss_fn=loss_fn,
-        score_fn=loss_fn.cross_entropy_only(),
-        parallelize=parallelize,
-        device=device,
-    )
-    return pipeline.module, pipeline
-
-
-def build_run_model(
     cfg: JobConfig,
     args: Any,
     *,
@@ -190,23 +131,29 @@ def build_run_model(
     device: torch.device,
     planning: bool = False,
 ) -> tuple[torch.nn.Module, Pipeline | None]:
-    """`build_model` as a run's config asks: its family, its sections and float8 linears, with `args` the run's model
-    args (config.run_model_args, which the caller also needs). train.py and the dry run both build this way, so what
-    the dry run plans is what trains."""
-    return build_model(
-        family(cfg.model.name),
-        args,
-        dims=dims,
+    """The model of cfg's family and shape `args` (config.run_model_args, which the caller also needs) on the meta
+    device, parallelized as cfg asks (parallelize_model): shapes and shardings, no storage yet (`init_model`).
+    train.py and the dry run both build this way, so what the dry run plans is what trains.
+    planning: for a dry run (planning/dry_run.py; parallelize_model's argument).
+
+    With pipeline parallel this rank holds some stages, each parallelized on its own; the module returned
+    is then those stages as one (the whole model's parameter names), and the Pipeline runs them."""
+    with torch.device("meta"):
+        model = family(cfg.model.name).model_cls(args)
+    parallelize = functools.partial(parallelize_model, cfg=cfg, dims=dims, mesh=mesh, device=device, planning=planning)
+    if not dims.pp_enabled:
+        return parallelize(model), None
+    pipeline = pipeline_model(
+        model,
         mesh=mesh,
-        training=cfg.training,
-        parallelism=cfg.parallelism,
-        ac=cfg.activation_checkpoint,
-        compile=cfg.compile,
-        float8=float8_settings(cfg),
+        cfg=cfg.parallelism,
+        local_batch_size=cfg.training.local_batch_size,
         loss_fn=loss_fn,
+        score_fn=loss_fn.cross_entropy_only(),
+        parallelize=parallelize,
         device=device,
-        planning=planning,
     )
+    return pipeline.module, pipeline
 
 
 def init_model(model: torch.nn.Module, pipeline: Pipeline | None, *, device: torch.device) -> None:

@@ -27,7 +27,7 @@ import dataclasses
 import functools
 import importlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -192,9 +192,6 @@ class Pipeline:
         self.has_first = any(s.is_first for s in stages)
         self.has_last = any(s.is_last for s in stages)
         self.module = parts[0] if len(parts) == 1 else _union(parts)
-
-    def parameters(self) -> Iterator[nn.Parameter]:
-        return self.module.parameters()
 
     def step(
         self, inputs: torch.Tensor, labels: torch.Tensor, segments: torch.Tensor | None, *, scale: float

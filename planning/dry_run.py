@@ -52,7 +52,7 @@ from models import family
 from parallelisms.float8 import converts, gathers_float8
 from parallelisms.fsdp import DTYPES, applies_fsdp, reshards_after_forward
 from parallelisms.parallel_dims import ParallelDims
-from parallelisms.parallelize import build_run_model
+from parallelisms.parallelize import build_model
 from parallelisms.pp import check_microbatches, rank_stages, stage_layers
 from planning import doctor
 from planning.memory import (
@@ -96,7 +96,7 @@ def run(cfg: JobConfig) -> int:
         )
         lines += [f"activation_checkpoint.mode = auto: {choice.describe()}", ""] if choice is not None else []
         args = run_model_args(cfg)
-        model, pipeline = build_run_model(  # as train.py builds it
+        model, pipeline = build_model(  # as train.py builds it
             cfg, args, dims=dims, mesh=mesh, loss_fn=Loss(), device=torch.device("cpu"), planning=True
         )
         parts = pipeline.parts if pipeline else [model]

@@ -14,7 +14,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 
-from config import Training
+from config import JobConfig, Model, Training
 from models import with_seq_len
 from parallelisms.parallel_dims import ParallelDims
 from planning.memory import Setup, ac_section, estimate_rank
@@ -191,15 +191,21 @@ def fake_job_memory(job: Setup, *, pp_rank: int = 0, device: str = "cpu") -> dic
             f"fake_job_memory: a process group of {dist.get_world_size()} ranks runs, the job has {job.ngpu}"
         )
     try:
-        training = Training(
-            seq_len=job.seq_len,
-            local_batch_size=job.local_batch_size,
-            mixed_precision_param=job.param_dtype,
-            mixed_precision_reduce=job.reduce_dtype,
-            enable_cpu_offload=job.cpu_offload,
-            loss_chunk_tokens=job.chunk_tokens,
+        # The job's sections as a run's config holds them (the family by name, no converter, nothing compiled).
+        cfg = JobConfig(
+            model=Model(name=job.family),
+            training=Training(
+                seq_len=job.seq_len,
+                local_batch_size=job.local_batch_size,
+                mixed_precision_param=job.param_dtype,
+                mixed_precision_reduce=job.reduce_dtype,
+                enable_cpu_offload=job.cpu_offload,
+                loss_chunk_tokens=job.chunk_tokens,
+            ),
+            parallelism=job.parallelism,
+            activation_checkpoint=ac_section(job),
+            compile=Compile(enable=False),
         )
-        ac = ac_section(job)
         dims = ParallelDims.from_config(job.parallelism, world_size=job.ngpu)
         mesh = dims.build_mesh(device)
         with torch.device("meta"):
@@ -207,16 +213,7 @@ def fake_job_memory(job: Setup, *, pp_rank: int = 0, device: str = "cpu") -> dic
         if job.pp > 1:
             stages, g = job.stages, pp_rank
             model = stage_module(model, stages[g], first=g == 0, last=g == len(stages) - 1)
-        model = parallelize_model(
-            model,
-            family=job.fam,
-            dims=dims,
-            mesh=mesh,
-            training=training,
-            parallelism=job.parallelism,
-            ac=ac,
-            compile=Compile(enable=False),
-        )
+        model = parallelize_model(model, cfg, dims=dims, mesh=mesh, device=torch.device(device))
         return fake_step_memory(
             model,
             optimizer_factory=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True),

@@ -92,7 +92,7 @@ class Setup:
     def of(cls, cfg: JobConfig, ngpu: int, *, cuda: bool, rmsnorm: RMSNorm | None = None) -> Setup:
         """A loaded config on `ngpu` CUDA GPUs or CPU ranks. ConfigError for a shape the layout cannot split, which
         the run itself refuses with its own message."""
-        problems = layout_problems(**cfg.layout_settings(), world_size=ngpu)
+        problems = layout_problems(cfg, world_size=ngpu)
         if problems:
             raise ConfigError(*problems)
         training, ac, par = cfg.training, cfg.activation_checkpoint, cfg.parallelism

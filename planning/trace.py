@@ -218,7 +218,7 @@ def trace_costs(
     parallelized as a run does it (the family's TP plan over `tp_mesh`, `apply_ac`; the loss.py loss of
     `loss_chunk_tokens` and `z_loss`, on vocabulary shards with `loss_parallel`), watched op by op: in `dtype`
     parameters as FSDP's mixed precision gives them, or with `autocast` in float32 parameters under autocast to
-    `dtype`, as one rank trains (parallelisms/fsdp.py apply_autocast; its casts are activations then).
+    `dtype`, as one rank trains (parallelisms/fsdp.py autocast; its casts are activations then).
 
     Saved bytes are storages an op created that are still alive once forward is over (what autograd, a
     checkpoint or selective AC's cache hold), parameters and buffers not counted. So every term is
@@ -229,16 +229,14 @@ def trace_costs(
     """
     from config import ActivationCheckpoint
     from loss import Loss
+    from parallelisms import fsdp
     from parallelisms.ac import apply_ac
-    from parallelisms.fsdp import apply_autocast
     from parallelisms.tp import apply_tp, loss_parallel_context
 
     one = dataclasses.replace(args, n_layers=1, max_seq_len=seq_len, attn_mask_type="causal")
     with torch.device("meta"):
         model = family.model_cls(one).to(torch.float32 if autocast else dtype)
     model.init_buffers(torch.device("meta"))  # float32 again, as in training: FSDP's mixed precision casts parameters
-    if autocast:
-        apply_autocast(model, param_dtype=dtype, device_type="cpu")
     if tp_mesh is not None:
         apply_tp(model, tp_mesh, block_plan=family.tp_plan, loss_parallel=loss_parallel, seq_len=seq_len)
     if ac != "none":
@@ -257,7 +255,8 @@ def trace_costs(
         with loss_parallel_context(tp_mesh is not None and loss_parallel):
             with observe_ops(watch.on_op):
                 loss_fn = Loss(loss_chunk_tokens, z_loss_weight=1.0 if z_loss else 0.0)
-                loss = model(tokens, head=functools.partial(loss_fn, model, labels=labels))
+                with fsdp.autocast(dtype if autocast else None, "cpu"):
+                    loss = model(tokens, head=functools.partial(loss_fn, model, labels=labels))
             watch.phase = "after"
             saved, final_norm = watch.saved(block), watch.saved(model.norm)
             if rmsnorm == "fused":

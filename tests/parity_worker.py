@@ -34,10 +34,20 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import DeviceMesh
 
 import models
-from config import ActivationCheckpoint, Compile, Float8Linear, Optimizer, Parallelism, Training
+from config import (
+    ActivationCheckpoint,
+    Compile,
+    JobConfig,
+    Model,
+    Optimizer,
+    Parallelism,
+    QuantizeLinearFloat8,
+    Training,
+)
 from data.chat import IGNORE_INDEX
 from data.loader import Batch
 from distributed import mean_over_loss_ranks
+from forward import ForwardBackward
 from loss import Loss, build_loss_fn
 from models import with_seq_len
 from models.llama3 import FLAVORS, ModelArgs
@@ -52,7 +62,7 @@ from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import build_model, init_model
 from parallelisms.pp import Pipeline
 from tests.instruments import CollectiveLog, count_host_reads, mesh_group_dims, observe_ops
-from train import ForwardBackward, train_step
+from train import train_step
 
 TINY: ModelArgs = with_seq_len(
     dataclasses.replace(FLAVORS["debugmodel"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128), 32
@@ -110,7 +120,7 @@ Z_LOSS_WEIGHT = 1e-2  # the tiny model's z-loss is about 24 (logsumexp near log 
 TRAINING = Training(seq_len=SEQ_LEN, mixed_precision_param="float32")
 # float8 linears as a CPU runs them (high-precision matmuls on float8-cast operands), tensorwise, under FSDP the
 # weights all-gathered in float8; Layout.float8 = "precompute" computes their scales once after each optimizer step.
-FLOAT8 = Float8Linear(emulate=True, enable_fsdp_float8_all_gather=True)
+FLOAT8 = QuantizeLinearFloat8(emulate=True, enable_fsdp_float8_all_gather=True)
 
 
 @dataclass(frozen=True)
@@ -141,7 +151,7 @@ class Layout:
     float8: str = ""
 
     @property
-    def float8_linear(self) -> Float8Linear | None:
+    def float8_linear(self) -> QuantizeLinearFloat8 | None:
         """[quantize.linear.float8] of this layout; None without float8."""
         if not self.float8:
             return None
@@ -283,7 +293,7 @@ def random_segments(*, seed: int = 2) -> torch.Tensor:
 
 def one_process(model: nn.Module) -> ForwardBackward:
     """train.py's forward-backward of one CPU process: no TP, CP or pipeline, the whole logits at once."""
-    return ForwardBackward(model, Loss(), device=torch.device("cpu"), loss_parallel=False, cp=None, pipeline=None)
+    return ForwardBackward(model, Loss(), device=torch.device("cpu"))
 
 
 def micro_batches(tokens: torch.Tensor, count: int = 1) -> list[Batch]:
@@ -321,6 +331,7 @@ def train(
     mesh: DeviceMesh | None = None,
     cp: ContextParallel | None = None,
     grad_accum: int = 1,
+    defer_reduce_scatter: bool = False,
     muon: str = "",
     precompute_float8_scales: bool = False,
 ) -> tuple[list[float], list[float]]:
@@ -352,7 +363,13 @@ def train(
     loss_fn = build_loss_fn(Compile(), chunk_tokens=loss_chunk_tokens, z_loss_weight=z_loss_weight)
     device = torch.device("cpu")
     forward_backward = ForwardBackward(
-        model, loss_fn, device=device, loss_parallel=loss_parallel, cp=cp, pipeline=pipeline
+        model,
+        loss_fn,
+        device=device,
+        loss_parallel=loss_parallel,
+        cp=cp,
+        pipeline=pipeline,
+        defer_reduce_scatter=defer_reduce_scatter,
     )
     losses, times = [], []
     breaks_before, graphs_before = graph_breaks(), compiled_graphs()
@@ -510,18 +527,22 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
     )
     dims = ParallelDims.from_config(parallelism, world_size=world)
     mesh = dims.build_mesh("cpu")
+    cfg = JobConfig(
+        model=Model(name=layout.family),
+        training=dataclasses.replace(TRAINING, local_batch_size=GLOBAL_BATCH // dims.dp),
+        parallelism=parallelism,
+        activation_checkpoint=layout.ac,
+        compile=Compile(enable=layout.compile),
+    )
+    if layout.float8_linear is not None:
+        cfg.model.converters, cfg.quantize.linear.float8 = ["quantize.linear.float8"], layout.float8_linear
     # As train.py builds it (pipeline stages included); init_model fills the RoPE buffer, the weights come from
     # the reference next.
     model, pipeline = build_model(
-        models.family(layout.family),
+        cfg,
         model_args(block_causal=layout.block_causal, family=layout.family),
         dims=dims,
         mesh=mesh,
-        training=dataclasses.replace(TRAINING, local_batch_size=GLOBAL_BATCH // dims.dp),
-        parallelism=parallelism,
-        ac=layout.ac,
-        compile=Compile(enable=layout.compile),
-        float8=layout.float8_linear,
         loss_fn=build_loss_fn(Compile(), chunk_tokens=layout.loss_chunk_tokens, z_loss_weight=z_loss_weight),
         device=torch.device("cpu"),
     )
@@ -561,6 +582,7 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
             mesh=None if layout.compile else mesh,
             cp=context_parallel(mesh, parallelism),
             grad_accum=layout.grad_accum,
+            defer_reduce_scatter=layout.defer_reduce_scatter,
             muon=layout.muon,
             precompute_float8_scales=layout.float8 == "precompute",
         )

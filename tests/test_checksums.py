@@ -150,7 +150,8 @@ def test_a_damaged_checkpoint_is_never_loaded(tmp_path: Path, capsys: pytest.Cap
     # The newest at resume: set aside, and the one before resumes.
     resumed = manager(dump)
     capsys.readouterr()
-    assert resumed.load() == 1
+    resumed.load()
+    assert resumed.resume_step() == 1
     (warning,) = capsys.readouterr().err.splitlines()
     assert warning.startswith(f"warning: checkpoint.folder: skipped step 2, it is damaged ({ckpt / 'step-2'}/__0_0")
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-1", "step-2.damaged"]
@@ -178,7 +179,8 @@ def test_a_checkpoint_saved_before_checksums_loads_with_one_warning(
     capsys.readouterr()
     for _ in range(2):
         resumed = manager(dump)
-        assert resumed.load() == 4
+        resumed.load()
+        assert resumed.resume_step() == 4
     assert all(torch.equal(v, weights[4][k]) for k, v in resumed.model.state_dict().items())
     assert capsys.readouterr().err == (
         f"warning: checkpoint.folder: {step} has no {MANIFEST} (saved by torchtitan, or before this recipe recorded checksums): its files "

@@ -422,16 +422,21 @@ def test_inputs_labels_and_segments(corpus: TokenCorpus) -> None:
     assert torch.equal(segments, torch.cumsum(bos, dim=1).int())
 
 
+def windows_read(ld: GlobalBatchLoader, samples: range) -> list[int]:
+    """Which window of its source each of `samples` reads."""
+    return [ld.locate(k)[1] for k in samples]
+
+
 def test_shuffle_is_a_seeded_permutation_that_changes_every_epoch(corpus: TokenCorpus) -> None:
     for size in (1, 2, 7, 100, 1001):
         assert sorted(permute(i, size, 5) for i in range(size)) == list(range(size))
     ld = loader(corpus, local=1, global_=1, shuffle=True, seed=1)
     n = ld.num_windows
-    first, second = [ld.window_of(k) for k in range(n)], [ld.window_of(n + k) for k in range(n)]
+    first, second = windows_read(ld, range(n)), windows_read(ld, range(n, 2 * n))
     assert sorted(first) == sorted(second) == list(range(n))
     assert first != list(range(n)) and first != second
-    assert first == [loader(corpus, local=1, global_=1, shuffle=True, seed=1).window_of(k) for k in range(n)]
-    assert first != [loader(corpus, local=1, global_=1, shuffle=True, seed=2).window_of(k) for k in range(n)]
+    assert first == windows_read(loader(corpus, local=1, global_=1, shuffle=True, seed=1), range(n))
+    assert first != windows_read(loader(corpus, local=1, global_=1, shuffle=True, seed=2), range(n))
 
 
 def test_loader_state_resumes_exactly_on_another_world_size_and_refuses_other_data(corpus: TokenCorpus) -> None:
@@ -527,7 +532,7 @@ def test_a_mixture_reads_each_source_as_alone_and_a_small_source_repeats_without
     small = [window for source, window in located if source == 1]
     assert (len(big), len(small)) == (2000, 1000)  # 2 : 1 in every run of 3 samples
     # The first source reads what it reads alone, the same permutations, epoch after epoch.
-    assert big == [alone.window_of(k) for k in range(2000)]
+    assert big == windows_read(alone, range(2000))
     # The small one goes through 333 epochs of 3 windows meanwhile, each epoch a permutation of its own.
     epochs = [small[i : i + 3] for i in range(0, 999, 3)]
     assert all(sorted(e) == [0, 1, 2] for e in epochs) and len({tuple(e) for e in epochs}) > 1
@@ -605,6 +610,7 @@ def test_the_data_forms_commands_of_docs_data_md_run_as_written(tmp_path: Path) 
     held_out = len((REPO / "assets/corpus/stories_validation.jsonl").read_text().splitlines())
     assert f"wrote {out}/stories-dict-validation: {held_out} documents" in proc.stdout  # the split's, not train's
     # Unprepared: data.path reads its train split, validation.dataset_path its validation split.
+    from forward import ForwardBackward
     from loss import Loss
     from validation import Validator
 
@@ -614,8 +620,9 @@ def test_the_data_forms_commands_of_docs_data_md_run_as_written(tmp_path: Path) 
     )
     data, tokenizer = dataclasses.replace(cfg.data, cache_folder=cache), build_tokenizer("assets/tokenizer")
     assert open_corpus(data, tokenizer, "assets/tokenizer").manifest["documents"] == 6028
-    validator = Validator(cfg.validation, data=data, tokenizer=tokenizer, tokenizer_path="assets/tokenizer", dp_rank=0,
-                          dp_degree=1, device=torch.device("cpu"), loss_fn=Loss(), loss_parallel=False)  # fmt: skip
+    forward = ForwardBackward(torch.nn.Module(), Loss(), device=torch.device("cpu"))
+    cfg.data = data
+    validator = Validator(cfg, tokenizer=tokenizer, dp_rank=0, dp_degree=1, forward=forward)
     assert validator.loader.corpus.manifest["documents"] == held_out
     # `hf download`'s layout of fineweb-edu's sample-10BT, with its README's configuration.
     assert (

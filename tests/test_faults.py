@@ -36,7 +36,7 @@ from errors import ConfigError
 from metrics import StepResult
 from models import family
 from muon import build_muon
-from optimizer import SkipStepAdamW, SpikeWindow, build_optimizer, lr_factor
+from optimizer import APPLIED, NONFINITE, SPIKE, SkipStepAdamW, SpikeWindow, build_optimizer, lr_factor
 from tests.conftest import TINY, losses
 from tests.launch import REPO, free_port, python, torchrun, two_at_a_time
 from tests.parity_worker import GLOBAL_BATCH, SEQ_LEN, build_tiny, micro_batches, one_process, random_batch
@@ -89,13 +89,13 @@ def test_a_nonfinite_step_changes_neither_weights_nor_optimizer_state(implementa
     batch, forward_backward = micro_batches(random_batch()), one_process(model)
     step = dict(max_norm=1.0, stop_request=None)
     train_step(1, batch, forward_backward, optimizer, **step)
-    assert optimizer.skipped.item() == 0
+    assert optimizer.skip_code.item() == APPLIED
     with torch.no_grad():
         model.layers["0"].attention.wq.weight[0, 0] = float("nan")  # what a corrupted shard would do
     before = {k: v.clone() for k, v in model.state_dict().items()}
     state = {k: {n: t.clone() for n, t in s.items()} for k, s in optimizer.state.items()}
     result = train_step(2, batch, forward_backward, optimizer, **step)
-    assert optimizer.skipped.item() == 1 and not torch.isfinite(result.loss)  # 1: non-finite
+    assert optimizer.skip_code.item() == NONFINITE and not torch.isfinite(result.loss)
     for name, value in model.state_dict().items():
         assert torch.allclose(value, before[name], rtol=0, atol=0, equal_nan=True), name
     for param, saved in state.items():
@@ -115,7 +115,7 @@ def test_a_loss_spike_is_skipped_and_the_run_goes_on_as_if_it_had_never_come(cap
     def run(
         *, guard: bool, spike_at: int | None, steps: int = 36, resume_at: int | None = None
     ) -> tuple[nn.Module, SkipStepAdamW, list[tuple[StepResult, float]]]:
-        """(model, optimizer, [(result, skipped)]); with resume_at, the optimizer's spike window goes through
+        """(model, optimizer, [(result, skip code)]); with resume_at, the optimizer's spike window goes through
         a checkpoint's state_dict into a new optimizer at that step, as a resumed run's does."""
         model = build_tiny()
         training = Training(skip_spike_sigma=6 if guard else 0, skip_spike_window=8)
@@ -131,7 +131,7 @@ def test_a_loss_spike_is_skipped_and_the_run_goes_on_as_if_it_had_never_come(cap
             if i != spike_at or guard:  # the reference run never takes the spike's step
                 batch = garbage if i == spike_at else ordinary
                 result = train_step(i + 1, batch, one_process(model), optimizer, max_norm=1.0, stop_request=None)
-                results.append((result, optimizer.skipped.item()))
+                results.append((result, optimizer.skip_code.item()))
         return model, optimizer, results
 
     init_distributed(Comm(), dump_folder="unused")  # the guard's all-reduce of the loss
@@ -141,12 +141,12 @@ def test_a_loss_spike_is_skipped_and_the_run_goes_on_as_if_it_had_never_come(cap
         resumed_model, _, resumed = run(guard=True, spike_at=30, resume_at=25)
     finally:
         dist.destroy_process_group()
-    assert [i for i, (_, skipped) in enumerate(results) if skipped] == [30]  # and none of the learned pattern's
-    assert results[30][1] == 2 and results[30][0].loss > 3 * results[29][0].loss  # finite (2: a spike)
+    assert [i for i, (_, code) in enumerate(results) if code != APPLIED] == [30]  # and none of the learned pattern's
+    assert results[30][1] == SPIKE and results[30][0].loss > 3 * results[29][0].loss  # finite: a spike
     for name, value in guarded.state_dict().items():
         assert torch.equal(value, reference.state_dict()[name]), name
         assert torch.equal(value, resumed_model.state_dict()[name]), name  # the window came through the resume
-    assert [skipped for _, skipped in resumed] == [skipped for _, skipped in results]
+    assert [code for _, code in resumed] == [code for _, code in results]
     for param, ref in zip(guarded_opt.param_groups[0]["params"], reference_opt.param_groups[0]["params"], strict=True):
         for name, value in guarded_opt.state[param].items():
             assert torch.equal(value, reference_opt.state[ref][name]), name  # moments and step counts too
@@ -167,6 +167,33 @@ def test_a_resumed_run_without_the_spike_window_would_skip_other_steps() -> None
     restored = SpikeWindow(4, sigma=6, device=torch.device("cpu"))
     restored.load_state_dict({k: v.clone() for k, v in window.state_dict().items()})
     assert restored.is_spike(torch.tensor([9.0, 0.5])) and not fresh.is_spike(torch.tensor([9.0, 0.5]))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_checkpoint_saved_before_the_spike_window_was_checkpointed_resumes_with_an_empty_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """The window has `load_absent`: a checkpoint without it resumes, the window empty, as a fresh run's, said once."""
+    model = build_tiny()
+    saved = CheckpointManager(
+        Checkpoint(enable=True), dump_folder=str(tmp_path), model=model,
+        optimizer=torch.optim.AdamW(model.parameters()), stateful={},
+    )  # fmt: skip
+    saved.save(3)
+    window = SpikeWindow(4, sigma=6, device=torch.device("cpu"))
+    for loss in (1.0, 1.01):
+        window.is_spike(torch.tensor([loss, 0.5]))
+    resumed = CheckpointManager(
+        Checkpoint(enable=True), dump_folder=str(tmp_path), model=model,
+        optimizer=torch.optim.AdamW(model.parameters()), stateful={"spike_window": window},
+    )  # fmt: skip
+    capsys.readouterr()
+    resumed.load()
+    assert resumed.resume_step() == 3 and window.seen == 0 and torch.isnan(window.history).all()
+    step = tmp_path / "checkpoint" / "step-3"
+    assert (
+        f"{step} holds no spike_window (saved before it was checkpointed): it starts afresh" in capsys.readouterr().out
+    )
 
 
 class _StopAt:

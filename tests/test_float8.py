@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from config import Float8Linear
+from config import QuantizeLinearFloat8
 from errors import ConfigError
 from models.llama3 import FLAVORS, Transformer
 from parallelisms.float8 import apply_float8, float8_problems
@@ -21,7 +21,7 @@ from tests.launch import torchrun, two_at_a_time
 from tests.parity_worker import TINY as TINY_ARGS
 from tests.parity_worker import build_tiny, random_batch, train
 
-EMULATE = Float8Linear(emulate=True)
+EMULATE = QuantizeLinearFloat8(emulate=True)
 FLOAT8 = ["--model.converters=quantize.linear.float8", "--quantize.linear.float8.emulate"]
 CPU = torch.device("cpu")
 
@@ -60,10 +60,10 @@ def test_each_recipe_trains_close_to_high_precision(recipe: str) -> None:
 
 
 def test_float8_is_refused_where_it_cannot_run() -> None:
-    (problem,) = float8_problems(Float8Linear(), device=CPU)
+    (problem,) = float8_problems(QuantizeLinearFloat8(), device=CPU)
     assert problem == "float8 matmuls need a CUDA GPU of compute capability 8.9 or more, and this runs on cpu"
     with pytest.raises(ConfigError) as e:
-        apply_float8(build_tiny(), Float8Linear(), device=CPU, fsdp_sharded=False)
+        apply_float8(build_tiny(), QuantizeLinearFloat8(), device=CPU, fsdp_sharded=False)
     assert str(e.value).endswith(
         "remove quantize.linear.float8 (or set quantize.linear.float8.emulate = true to test it in high precision)"
     )

@@ -8,9 +8,10 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from config import Compile
-from loss import Loss, build_loss_fn, chunk_tokens_for, chunked_cross_entropy_loss, cross_entropy_loss
+from loss import Loss, build_loss_fn, chunk_tokens_for, chunked_sums, summed_losses
 from models.llama3 import Transformer
 from tests.instruments import LiveBytes
 from tests.parity_worker import TINY, build_tiny, random_batch
@@ -27,19 +28,25 @@ def _loss_and_grads(
     return loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
+def _plain(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The loss as torchtitan writes it: fp32 cross-entropy summed and divided by the label positions."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), reduction="sum") / labels.numel()
+
+
 def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["output", "tied"])
 def test_chunked_loss_is_the_plain_loss(tied: bool) -> None:
-    """4 rows x 32 tokens in chunks of 1, 16, 48 (uneven last chunk) and 128 (one chunk = the plain path)."""
+    """4 rows x 32 tokens in chunks of 1, 16, 48 (uneven last chunk) and 128 (one chunk = the plain path); the
+    plain path is the plain formula to the bit."""
     torch.manual_seed(0)
     model = Transformer(dataclasses.replace(TINY, tie_word_embeddings=tied))
     model.init_weights()
     tokens = random_batch()
     loss, grads = _loss_and_grads(model, tokens, chunk_tokens=0)
-    assert loss == pytest.approx(cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:]).item(), rel=1e-7)
+    assert loss == _plain(model(tokens[:, :-1]), tokens[:, 1:]).item()
     for chunk in (1, 16, 48, 128):
         chunked, chunked_grads = _loss_and_grads(model, tokens, chunk_tokens=chunk)
         assert chunked == pytest.approx(loss, rel=1e-6), chunk
@@ -58,10 +65,7 @@ def test_chunked_loss_holds_one_chunk_of_logits() -> None:
     peaks = {}
     for chunk in (0, 512):
         with LiveBytes().track() as live:
-            if chunk:
-                loss = chunked_cross_entropy_loss(project, h, labels, chunk_tokens=chunk)
-            else:
-                loss = cross_entropy_loss(project(h), labels)
+            loss = chunked_sums(project, h, labels, chunk_tokens=chunk)[0] / labels.numel()
             loss.backward()
         peaks[chunk] = live.peak
     logits = tokens * vocab * 4  # fp32 here: the logits and their log-softmax are the same size
@@ -72,14 +76,17 @@ def test_chunked_loss_holds_one_chunk_of_logits() -> None:
     assert peaks[0] / peaks[512] > 5
 
 
+@pytest.mark.parametrize("chunk_tokens", [0, 16])
 @pytest.mark.parametrize("z_loss_weight", [0.0, 0.1])
-def test_compiled_loss_component(z_loss_weight: float) -> None:
+def test_compiled_loss_component(z_loss_weight: float, chunk_tokens: int) -> None:
     model = build_tiny()
     tokens = random_batch()
     compiled = build_loss_fn(
-        Compile(enable=True, components=["loss"], backend="eager"), chunk_tokens=16, z_loss_weight=z_loss_weight
+        Compile(enable=True, components=["loss"], backend="eager"),
+        chunk_tokens=chunk_tokens,
+        z_loss_weight=z_loss_weight,
     )
-    plain = build_loss_fn(Compile(), chunk_tokens=16, z_loss_weight=z_loss_weight)
+    plain = build_loss_fn(Compile(), chunk_tokens=chunk_tokens, z_loss_weight=z_loss_weight)
     labels = tokens[:, 1:]
     a = model(tokens[:, :-1], head=lambda h: compiled(model, h, labels))
     b = model(tokens[:, :-1], head=lambda h: plain(model, h, labels))
@@ -132,10 +139,10 @@ def test_by_default_only_large_logits_are_chunked() -> None:
 
     calls = []
 
-    def whole(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def summed(logits: torch.Tensor, labels: torch.Tensor, *, z: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         calls.append(logits.shape)
-        return cross_entropy_loss(logits, labels)
+        return summed_losses(logits, labels, z=z)
 
     model, tokens = build_tiny(), random_batch()
-    Loss(-1, whole=whole)(model, torch.randn(*tokens[:, 1:].shape, TINY.dim), tokens[:, 1:])
+    Loss(-1, summed=summed)(model, torch.randn(*tokens[:, 1:].shape, TINY.dim), tokens[:, 1:])
     assert calls == [(*tokens[:, 1:].shape, TINY.vocab_size)]  # the tiny model's logits: one call, whole

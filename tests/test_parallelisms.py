@@ -177,11 +177,12 @@ def test_compiled_layouts_use_their_recipe_cache_folder(
 
 def test_one_rank_trains_under_autocast_not_fsdp() -> None:
     """parallelisms/fsdp.py applies_fsdp: bf16 parameters on one rank are float32 parameters trained under autocast
-    (torchtitan's one-GPU mixed precision), not FSDP over one rank; every other bf16 layout is FSDP's. The loss is
-    the one autocast gives, and parameters and gradients stay float32."""
-    from config import Compile, Parallelism, Training
+    (torchtitan's one-GPU mixed precision), not FSDP over one rank; every other bf16 layout is FSDP's, and
+    autocast_dtype says which dtype a forward autocasts to (none where FSDP or float32 applies). The loss is the one
+    autocast gives, and parameters and gradients stay float32."""
+    from config import JobConfig, Parallelism, Training
     from loss import Loss
-    from parallelisms.fsdp import applies_fsdp
+    from parallelisms.fsdp import applies_fsdp, autocast, autocast_dtype
     from parallelisms.parallel_dims import ParallelDims
     from parallelisms.parallelize import parallelize_model
 
@@ -194,22 +195,19 @@ def test_one_rank_trains_under_autocast_not_fsdp() -> None:
     assert applies_fsdp(dims(2, tensor_parallel_degree=2), param_dtype="bfloat16", cpu_offload=False)
     assert not applies_fsdp(dims(2, tensor_parallel_degree=2), param_dtype="float32", cpu_offload=False)
     assert applies_fsdp(dims(2), param_dtype="float32", cpu_offload=False)
+    bf16, fp32 = Training(mixed_precision_param="bfloat16"), Training(mixed_precision_param="float32")
+    assert autocast_dtype(dims(1), bf16) is torch.bfloat16
+    assert autocast_dtype(dims(1), fp32) is None
+    assert autocast_dtype(dims(1), Training(enable_cpu_offload=True)) is None  # FSDP's mixed precision
+    assert autocast_dtype(dims(2), bf16) is autocast_dtype(dims(2, tensor_parallel_degree=2), bf16) is None
 
     reference, model = build_tiny(), build_tiny()
-    parallelize_model(
-        model,
-        family=LLAMA3,
-        dims=dims(1),
-        mesh=None,
-        training=Training(mixed_precision_param="bfloat16"),
-        parallelism=Parallelism(),
-        ac=ActivationCheckpoint(mode="none"),
-        compile=Compile(),
-    )
+    parallelize_model(model, JobConfig(training=bf16), dims=dims(1), mesh=None, device=torch.device("cpu"))
     tokens, loss_fn = random_batch(), Loss()
     projections = []
     model.layers["0"].attention.wq.register_forward_hook(lambda m, i, out: projections.append(out.dtype))
-    loss = model(tokens[:, :-1], head=lambda h: loss_fn(model, h, tokens[:, 1:]))
+    with autocast(autocast_dtype(dims(1), bf16), "cpu"):
+        loss = model(tokens[:, :-1], head=lambda h: loss_fn(model, h, tokens[:, 1:]))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         expected = reference(tokens[:, :-1], head=lambda h: loss_fn(reference, h, tokens[:, 1:]))
     assert projections == [torch.bfloat16] and loss.dtype == torch.float32

@@ -115,7 +115,7 @@ LAYERS = (
     ("models",),
     ("config",),
     ("parallelisms", "data", "loss", "optimizer", "muon", "distributed", "metrics", "profiling", "stop"),
-    ("checkpoint", "validation"),
+    ("checkpoint", "forward", "validation"),
     ("planning",),
     ("train", "eval", "generate", "lm_eval_adapter"),
 )

@@ -302,7 +302,7 @@ def test_gc_runs_every_gc_freq_steps_on_every_rank_and_only_then(monkeypatch: py
         steps = []
         for step in range(1, 8):
             before = len(collected)
-            schedule.step(step)
+            schedule.before_step(step)
             steps += [step] * (len(collected) - before)
         assert steps == [3, 6] and collected == [1, 1, 1]  # one at start-up, then every 3 steps
     finally:
@@ -313,33 +313,26 @@ def test_gc_runs_every_gc_freq_steps_on_every_rank_and_only_then(monkeypatch: py
 
 
 def test_compile_components_choose_what_is_compiled() -> None:
-    from config import ActivationCheckpoint, Compile, Parallelism, Training
-    from loss import build_loss_fn, cross_entropy_loss
-    from models.llama3 import FAMILY as LLAMA3
+    from config import Compile, JobConfig, Parallelism, Training
+    from loss import build_loss_fn, summed_losses
     from models.llama3 import FLAVORS, Transformer
     from parallelisms.parallel_dims import ParallelDims
     from parallelisms.parallelize import parallelize_model
 
-    assert build_loss_fn(Compile(enable=True, components=["model"])).whole is cross_entropy_loss
-    compiled = build_loss_fn(Compile(enable=True, components=["loss"], backend="eager")).whole
-    assert compiled is not cross_entropy_loss
+    assert build_loss_fn(Compile(enable=True, components=["model"])).summed is summed_losses
+    compiled = build_loss_fn(Compile(enable=True, components=["loss"], backend="eager")).summed
+    assert compiled is not summed_losses
     logits, labels = torch.randn(2, 8, 32), torch.randint(0, 32, (2, 8))
-    assert torch.equal(compiled(logits, labels), cross_entropy_loss(logits, labels))
+    assert torch.equal(compiled(logits, labels, z=False)[0], summed_losses(logits, labels, z=False)[0])
 
     def blocks_compiled(components: list[str]) -> bool:
         with torch.device("meta"):
             model = Transformer(FLAVORS["debugmodel"])
         dims = ParallelDims.from_config(Parallelism(), world_size=1)
-        parallelize_model(
-            model,
-            family=LLAMA3,
-            dims=dims,
-            mesh=None,
-            training=Training(mixed_precision_param="float32"),
-            parallelism=Parallelism(),
-            ac=ActivationCheckpoint(),
-            compile=Compile(enable=True, components=components),
+        cfg = JobConfig(
+            training=Training(mixed_precision_param="float32"), compile=Compile(enable=True, components=components)
         )
+        parallelize_model(model, cfg, dims=dims, mesh=None, device=torch.device("cpu"))
         return all(block._compiled_call_impl is not None for block in model.layers.values())
 
     assert blocks_compiled(["model", "loss"]) and not blocks_compiled(["loss"])

@@ -210,14 +210,14 @@ def test_what_torchtitans_checkpoint_says_is_read_and_what_disagrees_is_one_line
     with pytest.raises(ConfigError, match=r"was trained by torchtitan with Adam .* does not carry over; start from"):
         load_torchtitan(adam, verify(adam), *built(), family=fam, args=args, key="checkpoint.folder")
     # Muon cannot continue AdamW's moments: one line that names both ways on, nothing loaded.
-    from checkpoint import CheckpointManager
+    from checkpoint import CheckpointManager, ModelInterop
     from config import Checkpoint, Optimizer
     from muon import build_muon
 
     muon_model = built()[0]
     manager = CheckpointManager(
         Checkpoint(enable=True), dump_folder=str(tmp_path), model=muon_model,
-        optimizer=build_muon(Optimizer(name="Muon"), muon_model, fam), stateful={}, family=fam, model_args=args,
+        optimizer=build_muon(Optimizer(name="Muon"), muon_model, fam), stateful={}, interop=ModelInterop(fam, args),
     )  # fmt: skip
     with pytest.raises(ConfigError, match=r'with AdamW\'s state, and optimizer.name is "Muon": set checkpoint.exclude'):
         manager._resume_torchtitan(path, metadata, excluded=set(), model_only=False)

@@ -60,7 +60,7 @@ def test_throughput_and_eta_leave_out_validations_and_saves(
 
     import checkpoint.manager
     import metrics
-    from config import Metrics
+    from config import JobConfig, Metrics, Training
     from validation import ValidateStep
 
     clock = SimpleNamespace(now=0.0)
@@ -70,7 +70,7 @@ def test_throughput_and_eta_leave_out_validations_and_saves(
     monkeypatch.setattr(metrics.dist, "get_world_size", lambda: 1)
     monkeypatch.setattr(metrics, "mean_over_loss_ranks", lambda value, pp_degree: value)
 
-    def validate(model: object, pipeline: object) -> tuple[float, int, float]:
+    def validate() -> tuple[float, int, float]:
         clock.now += 50
         return 2.5, 1000, 50.0
 
@@ -78,15 +78,17 @@ def test_throughput_and_eta_leave_out_validations_and_saves(
         clock.now += 30
 
     logger = metrics.MetricsLogger(Metrics(), dump_folder=str(tmp_path), total_steps=100, start_step=0, enabled=True)
+    cfg = JobConfig(metrics=Metrics(log_freq=10), training=Training(steps=100, seq_len=100))
+    loader = SimpleNamespace(global_batch_size=10, mixture=None)  # 1000 tokens per step
     log = metrics.LogStep(
-        logger, freq=10, total_steps=100, start_step=0, tokens_per_step=1000, flops_per_token=1.0,
-        device=torch.device("cpu"), pp_degree=1, z_loss_weight=0.0, lr=lambda: 1e-3,
+        cfg, logger=logger, loader=loader, start_step=0, flops_per_token=1.0, device=torch.device("cpu"),
+        lr=lambda: 1e-3,
     )  # fmt: skip
     validator = SimpleNamespace(validate=validate, seconds=50.0)
     ckpt = SimpleNamespace(poll=lambda: None, should_save=lambda step, last: step == 10, save=save)
     work = [
         log,
-        ValidateStep(validator, model=None, pipeline=None, freq=50, total_steps=100, logger=logger, throughput=log),
+        ValidateStep(validator, freq=50, total_steps=100, logger=logger, throughput=log),
         checkpoint.SaveStep(ckpt, total_steps=100, throughput=log),
     ]
     result = metrics.StepResult(loss=torch.tensor(2.0), grad_norm=torch.tensor(1.0))

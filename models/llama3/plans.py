@@ -12,10 +12,11 @@ parallelisms/tp.py):
     ffn_norm, feed_forward  same pattern     w1, w3 colwise (hidden/tp), w2 rowwise
 
 Selective op AC (parallelisms/ac.py) recomputes a checkpointed block in backward except the
-outputs of the ops worth keeping: attention and TP's reduce-scatters (kept for every family), and
-the matmuls of the linears named here. wq, wv, w1 and w2 keep theirs; wk, wo and w3 are recomputed,
-about 37% of an 8B block's matmul FLOPs for about half of the matmul outputs' memory (the choice
-torchtitan makes by keeping every other matmul of this block).
+outputs of the ops it keeps for every family (parallelisms.ac._SAVE_OPS: the attention kernels,
+the collectives but async TP's all-gathers, float8's amax) and of the matmuls of the linears named
+here. wq, wv, w1 and w2 keep theirs; wk, wo and w3 are recomputed, about 37% of an 8B block's
+matmul FLOPs for about half of the matmul outputs' memory (the choice torchtitan makes by keeping
+every other matmul of this block).
 """
 
 from __future__ import annotations

@@ -32,9 +32,11 @@ backward the gradient of that statistic is all-reduced the same way, again (bs, 
 DTensor's implicit redistribution, the backward would reduce-scatter the full-width gradient instead
 (tests/test_olmo2.py counts both). The weight's gradient stays on its shard: no reduction over TP.
 
-Selective op AC (parallelisms/ac.py) keeps the outputs of attention, TP's reduce-scatters and the
-matmuls of the linears named here: as for Llama, wq, wv, w1 and w2 keep theirs; wk, wo and w3 are
-recomputed.
+Selective op AC (parallelisms/ac.py) recomputes a checkpointed block in backward except the
+outputs of the ops it keeps for every family (parallelisms.ac._SAVE_OPS: the attention kernels,
+the collectives but async TP's all-gathers, float8's amax; the QK-norms' all-reduce above is one
+of them) and of the matmuls of the linears named here. As for Llama, wq, wv, w1 and w2 keep
+theirs; wk, wo and w3 are recomputed.
 """
 
 from __future__ import annotations

@@ -26,9 +26,10 @@ dimension is not what is split here; the style is used for what it does: shard t
 dim and replicate the weight. use_local_output hands RoPE and attention plain local tensors again.
 
 Selective op AC (parallelisms/ac.py) recomputes a checkpointed block in backward except the
-outputs of the ops worth keeping: attention and TP's reduce-scatters (kept for every family), and
-the matmuls of the linears named here. As for Llama, wq, wv, w1 and w2 keep theirs; wk, wo and w3
-are recomputed (and with wk, the cheap k_norm after it).
+outputs of the ops it keeps for every family (parallelisms.ac._SAVE_OPS: the attention kernels,
+the collectives but async TP's all-gathers, float8's amax) and of the matmuls of the linears named
+here. As for Llama, wq, wv, w1 and w2 keep theirs; wk, wo and w3 are recomputed (and with wk, the
+cheap k_norm after it).
 """
 
 from __future__ import annotations

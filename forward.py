@@ -1,0 +1,166 @@
+"""One micro-batch through the run's layout, written once for every caller: training's forward and backward
+(`ForwardBackward.__call__`, train.py's train_step) and scoring's forward alone (`ForwardBackward.score`:
+validation.py's held-out loss, and any later evaluation during training).
+
+What both need of the layout is here and nowhere else: context parallel shards each micro-batch over the "cp"
+ranks (each rank computes its part of every window's tokens; `segments` stays whole), the tensors move to the
+device, loss parallel keeps the logits sharded over the vocabulary (cross-entropy and its backward under
+`loss_parallel_context`), a job of one rank with a bf16 compute dtype runs its forward under autocast
+(parallelisms/fsdp.py `autocast`), the pipeline schedule replaces the model call under pipeline parallel (the
+loss is then on the ranks of the last stage, 0 elsewhere), and a loss that comes back as a DTensor (replicated
+over the TP ranks) is made a plain tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from data.chat import IGNORE_INDEX
+from data.loader import Batch
+from loss import Loss
+from optimizer import clip_grad_norm_
+from parallelisms.cp import ContextParallel, context_parallel
+from parallelisms.fsdp import autocast, autocast_dtype, sync_gradients_on
+from parallelisms.parallel_dims import ParallelDims, uses_loss_parallel
+from parallelisms.pp import Pipeline
+from parallelisms.tp import loss_parallel_context
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from config import JobConfig
+
+
+class ForwardBackward:
+    """Micro-batches through the model as build() laid it out, or through the pipeline schedule's stages
+    (parallelisms/pp.py, which holds the loss function). It owns what a training step reads of its micro-batches
+    after them: the gradient norm of the parameters they trained and their z-loss."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        loss_fn: Loss,
+        *,
+        device: torch.device,
+        loss_parallel: bool = False,
+        cp: ContextParallel | None = None,
+        pipeline: Pipeline | None = None,
+        defer_reduce_scatter: bool = False,
+        autocast_to: torch.dtype | None = None,
+    ):
+        # One line each: a fork that removes context parallel or pipelines deletes its line (docs/development.md,
+        # "Removing a part").
+        self.model, self.loss_fn, self.device = model, loss_fn, device
+        self.score_fn = loss_fn.cross_entropy_only()  # what scoring reports: the cross-entropy, no z-loss
+        self.loss_parallel = loss_parallel
+        self.cp = cp
+        self.pipeline = pipeline
+        self.defer_reduce_scatter = defer_reduce_scatter  # parallelism.fsdp_defer_reduce_scatter (sync_gradients_on)
+        self.autocast_to = autocast_to  # one rank's compute dtype where FSDP's mixed precision does not apply
+        self._syncing = True  # FSDP's own default: gradients reduced by every backward
+
+    @classmethod
+    def for_run(
+        cls,
+        cfg: JobConfig,
+        model: torch.nn.Module,
+        pipeline: Pipeline | None,
+        loss_fn: Loss,
+        *,
+        dims: ParallelDims,
+        mesh: DeviceMesh,
+        device: torch.device,
+    ) -> ForwardBackward:
+        """The forward path of a run built from `cfg` (train.py, eval.py)."""
+        return cls(
+            model,
+            loss_fn,
+            device=device,
+            loss_parallel=uses_loss_parallel(cfg, dims),
+            cp=context_parallel(mesh, cfg.parallelism),
+            pipeline=pipeline,
+            defer_reduce_scatter=cfg.parallelism.fsdp_defer_reduce_scatter,
+            autocast_to=autocast_dtype(dims, cfg.training),
+        )
+
+    def __call__(self, batch: Batch, *, last: bool) -> torch.Tensor:
+        """Training: the micro-batch's loss over its loss divisor (detached); its gradients added to the
+        parameters'. `last`: the step's last micro-batch, whose backward reduces the step's gradients."""
+        inputs, labels, segments, divisor = self._placed(batch)
+        with loss_parallel_context(self.loss_parallel):  # cross-entropy on vocabulary shards, backward included
+            if self.pipeline is not None:
+                return _whole(self.pipeline.step(inputs, labels, segments, scale=1 / divisor)).detach()
+            if last != self._syncing:  # gradients cross replicas once per step: off before the last micro-batch
+                sync_gradients_on(self.model, last_microbatch=last, defer_reduce_scatter=self.defer_reduce_scatter)
+                self._syncing = last
+            # The loss applies the output projection itself, inside the model's forward (loss.py).
+            head = functools.partial(self.loss_fn, self.model, labels=labels)
+            with autocast(self.autocast_to, self.device.type):
+                loss = self.model(inputs, segments=segments, head=head) / divisor
+            loss.backward()
+        return _whole(loss).detach()
+
+    @contextlib.contextmanager
+    def scoring(self) -> Iterator[None]:
+        """Around `score` calls: the model in eval mode and no autograd, back in training mode afterwards."""
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            self.model.train()
+
+    def score(self, batch: Batch, *, rows: int) -> torch.Tensor:
+        """Forward only (inside `scoring()`): [cross-entropy summed over the counted labels of the first `rows`
+        rows, their count] on this rank, a device tensor. Every rank calls it for every batch (FSDP, TP and the
+        pipeline need all of them), `rows` 0 where a rank's rows lie past the end of the data; the sums of the
+        ranks of a TP group are equal, those of a CP group are parts of each window, and under PP only the last
+        stage's ranks hold any: all-reduced, they count alike in numerator and denominator."""
+        inputs, labels, segments, _ = self._placed(batch)
+        # The losses are sums over the counted labels divided by the label positions (loss.py): times the
+        # positions, the sums. Chat data counts a few labels of each row; the count stays on the device.
+        positions, counted = labels.shape[1], (labels[:rows] != IGNORE_INDEX).sum()
+        with loss_parallel_context(self.loss_parallel):
+            if self.pipeline is not None:  # the schedule's eval; the sum of each micro-batch's loss x scored rows
+                loss_rows, _ = self.pipeline.eval(inputs, labels, segments, rows=rows)
+                summed, counted = loss_rows * positions, counted * self.pipeline.has_last
+            else:
+                head = functools.partial(self._scored, rows, labels[:rows])
+                with autocast(self.autocast_to, self.device.type):
+                    summed = _whole(self.model(inputs, segments=segments, head=head)) * (rows * positions)
+        return torch.stack([summed.float(), counted.float()])
+
+    def _scored(self, rows: int, labels: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return self.score_fn(self.model, h[:rows], labels) if rows else torch.zeros((), device=self.device)
+
+    def _placed(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, float]:
+        """The micro-batch as this rank computes it: its context-parallel part, on the device."""
+        inputs, labels, segments, divisor = batch
+        if self.cp is not None:
+            inputs, labels = self.cp.shard(inputs), self.cp.shard(labels)
+        segments = segments.to(self.device) if segments is not None else None
+        return inputs.to(self.device), labels.to(self.device), segments, divisor
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """The global gradient norm, the gradients clipped to `max_norm` (pipeline stages add their norms up)."""
+        pp_group = self.pipeline.pp_group if self.pipeline is not None else None
+        return clip_grad_norm_(self.model.parameters(), max_norm, pp_group=pp_group)
+
+    def z_loss(self) -> torch.Tensor | None:
+        """The mean z-loss of the micro-batches since the last call (0 on pipeline stages before the last, which
+        score nothing), None without z-loss."""
+        z_loss = self.loss_fn.z_loss.take()
+        if self.loss_fn.z_loss_weight > 0 and z_loss is None:
+            z_loss = torch.zeros((), device=self.device)
+        return z_loss
+
+
+def _whole(loss: torch.Tensor) -> torch.Tensor:
+    """A loss computed on DTensors (loss parallel: replicated over the TP ranks) as a plain tensor."""
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
