@@ -5,10 +5,9 @@ validation.py's held-out loss, and any later evaluation during training).
 What both need of the layout is here and nowhere else: context parallel shards each micro-batch over the "cp"
 ranks (each rank computes its part of every window's tokens; `segments` stays whole), the tensors move to the
 device, loss parallel keeps the logits sharded over the vocabulary (cross-entropy and its backward under
-`loss_parallel_context`), a job of one rank with a bf16 compute dtype runs its forward under autocast
-(parallelisms/fsdp.py `autocast`), the pipeline schedule replaces the model call under pipeline parallel (the
-loss is then on the ranks of the last stage, 0 elsewhere), and a loss that comes back as a DTensor (replicated
-over the TP ranks) is made a plain tensor.
+`loss_parallel_context`; loss.py returns plain tensors), a job of one rank with a bf16 compute dtype runs its
+forward under autocast (parallelisms/fsdp.py `autocast`), and the pipeline schedule replaces the model call under
+pipeline parallel (the loss is then on the ranks of the last stage, 0 elsewhere).
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from data.chat import IGNORE_INDEX
 from data.loader import Batch
@@ -95,7 +93,7 @@ class ForwardBackward:
         inputs, labels, segments, divisor = self._placed(batch)
         with loss_parallel_context(self.loss_parallel):  # cross-entropy on vocabulary shards, backward included
             if self.pipeline is not None:
-                return _whole(self.pipeline.step(inputs, labels, segments, scale=1 / divisor)).detach()
+                return self.pipeline.step(inputs, labels, segments, scale=1 / divisor).detach()
             if last != self._syncing:  # gradients cross replicas once per step: off before the last micro-batch
                 sync_gradients_on(self.model, last_microbatch=last, defer_reduce_scatter=self.defer_reduce_scatter)
                 self._syncing = last
@@ -104,7 +102,7 @@ class ForwardBackward:
             with autocast(self.autocast_to, self.device.type):
                 loss = self.model(inputs, segments=segments, head=head) / divisor
             loss.backward()
-        return _whole(loss).detach()
+        return loss.detach()
 
     @contextlib.contextmanager
     def scoring(self) -> Iterator[None]:
@@ -133,7 +131,7 @@ class ForwardBackward:
             else:
                 head = functools.partial(self._scored, rows, labels[:rows])
                 with autocast(self.autocast_to, self.device.type):
-                    summed = _whole(self.model(inputs, segments=segments, head=head)) * (rows * positions)
+                    summed = self.model(inputs, segments=segments, head=head) * (rows * positions)
         return torch.stack([summed.float(), counted.float()])
 
     def _scored(self, rows: int, labels: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -159,8 +157,3 @@ class ForwardBackward:
         if self.loss_fn.z_loss_weight > 0 and z_loss is None:
             z_loss = torch.zeros((), device=self.device)
         return z_loss
-
-
-def _whole(loss: torch.Tensor) -> torch.Tensor:
-    """A loss computed on DTensors (loss parallel: replicated over the TP ranks) as a plain tensor."""
-    return loss.full_tensor() if isinstance(loss, DTensor) else loss

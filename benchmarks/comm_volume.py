@@ -148,7 +148,6 @@ def measure(
         param_dtype=param_dtype,
         reduce_dtype=reduce_dtype,
         reshard_after_forward=reshard_after_forward,
-        defer_reduce_scatter=layout.endswith("_defer"),  # parallelism.fsdp_defer_reduce_scatter
     )
     model.to_empty(device=device)
     model.init_weights()
