@@ -52,29 +52,39 @@ def export_hf_folder(
     the token ids and whose tokenizer files and generation_config.json are copied (those names are returned).
     """
     # Imported here: Hugging Face interop, which a run without HF folders never needs.
-    from models.hf import DEFAULT_MAX_SHARD_BYTES, hf_config, hf_to_ours, plan_shards, write_hf_folder
+    from models.hf import DEFAULT_MAX_SHARD_BYTES, hf_config, hf_sources, plan_shards, write_hf_folder
 
     metadata = verify(checkpoint)  # read without running anything from the folder
     verify_contents(checkpoint, alone=True)  # rank 0 alone when a run exports its last step
     shapes = parameter_shapes(family, args)
     check_holds(checkpoint, metadata, {MODEL_PREFIX + n: torch.empty(s, device="meta") for n, s in shapes.items()})
     stored = metadata.state_dict_metadata
-    ours_to_hf = {ours: hf for hf, ours in hf_to_ours(family, args).items()}
+    sources = hf_sources(family, args)  # HF name -> (our name, its index along dim 0 when stacked from several)
     stored_dtype = {n: stored[MODEL_PREFIX + n].properties.dtype for n in shapes}
-    out_dtype = {ours_to_hf[n]: dtype or stored_dtype[n] for n in shapes}
-    sizes = {ours_to_hf[n]: shapes[n].numel() * out_dtype[ours_to_hf[n]].itemsize for n in shapes}
-    hf_to_name = {hf: ours for ours, hf in ours_to_hf.items()}
+    out_dtype = {hf: dtype or stored_dtype[ours] for hf, (ours, _) in sources.items()}
+    by_parameter: dict[str, list[str]] = {}
+    for hf, (ours, _) in sources.items():
+        by_parameter.setdefault(ours, []).append(hf)
+    # An HF tensor of a stacked parameter is one index of its dim 0.
+    hf_shapes = {hf: shapes[ours] if index is None else shapes[ours][1:] for hf, (ours, index) in sources.items()}
+    sizes = {hf: hf_shapes[hf].numel() * out_dtype[hf].itemsize for n in shapes for hf in by_parameter[n]}
 
     def load_shard(names: list[str]) -> dict[str, torch.Tensor]:
-        # DCP reads only the keys asked for, so memory holds this shard and nothing more.
-        state = {
-            MODEL_PREFIX + hf_to_name[h]: torch.empty(shapes[hf_to_name[h]], dtype=stored_dtype[hf_to_name[h]])
-            for h in names
-        }
+        # DCP reads only the keys asked for, so memory holds this shard's parameters and nothing more (a stacked
+        # parameter whole, for its slices in the shard).
+        needed = dict.fromkeys(sources[h][0] for h in names)
+        state = {MODEL_PREFIX + n: torch.empty(shapes[n], dtype=stored_dtype[n]) for n in needed}
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
-        return {h: state[MODEL_PREFIX + hf_to_name[h]].to(out_dtype[h]) for h in names}
+
+        def tensor(h: str) -> torch.Tensor:
+            ours, index = sources[h]
+            whole = state[MODEL_PREFIX + ours]
+            # A slice is copied: safetensors refuses tensors that share memory.
+            return (whole if index is None else whole[index].clone()).to(out_dtype[h])
+
+        return {h: tensor(h) for h in names}
 
     source = Path(side_files_from) if side_files_from is not None else None
     token_ids: dict[str, int] = {}

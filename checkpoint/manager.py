@@ -300,7 +300,7 @@ class CheckpointManager:
         reader), converting to the parameters' dtype as it copies."""
         from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-        from models.hf import check_hf_weights, hf_to_ours
+        from models.hf import check_hf_weights, hf_sources, load_hf_weights, stacked
 
         key = "checkpoint.initial_load_path" if self.cfg.initial_load_path else "model.hf_assets_path"
         interop = self._interop("reads Hugging Face folders")
@@ -309,10 +309,16 @@ class CheckpointManager:
             check_hf_weights(folder, fam, args)
         except ConfigError as e:
             raise ConfigError(*(f"{key}: {problem}" for problem in e.problems)) from None
-        state = get_model_state_dict(self.model)
-        hf_state = {hf: state[ours] for hf, ours in hf_to_ours(fam, args).items()}
-        dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(str(folder)), process_group=self.process_group)
-        set_model_state_dict(self.model, state)
+        sources = hf_sources(fam, args)
+        if stacked(sources):
+            # DCP's reader fills whole tensors, and a parameter stacked from several HF tensors (an MoE's experts)
+            # is none: every rank reads each tensor and keeps its shard (models/hf.py).
+            load_hf_weights(self.model, folder, fam, args)
+        else:
+            state = get_model_state_dict(self.model)
+            hf_state = {hf: state[ours] for hf, (ours, _) in sources.items()}
+            dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(str(folder)), process_group=self.process_group)
+            set_model_state_dict(self.model, state)
         self._refuse_nonfinite(folder, key=key)
 
     def _refuse_nonfinite(self, path: Path, *, key: str) -> None:

@@ -464,6 +464,7 @@ def validate(cfg: JobConfig) -> list[str]:
     return [
         *_default_only(cfg),
         *m.problems(seq_len=t.seq_len, validation_seq_len=cfg.validation.seq_len if cfg.validation.enable else None),
+        *(family(m.name).config_problems(cfg) if m.name in NAMES else []),  # what the family cannot train yet
         *t.problems(),
         *cfg.optimizer.problems(),
         *cfg.lr_scheduler.problems(training_steps=t.steps),

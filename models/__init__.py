@@ -50,7 +50,7 @@ import torch
 from errors import ConfigError
 from models.family import ModelFamily  # (its own module: the family folders import it)
 
-NAMES = ("llama3", "qwen3", "olmo2")  # the arms of `family`, for messages and --help
+NAMES = ("llama3", "qwen3", "olmo2", "qwen3_moe")  # the arms of `family`, for messages and --help
 
 
 def family(name: str) -> ModelFamily:
@@ -62,6 +62,8 @@ def family(name: str) -> ModelFamily:
             from models.qwen3 import FAMILY
         case "olmo2":
             from models.olmo2 import FAMILY
+        case "qwen3_moe":
+            from models.qwen3_moe import FAMILY
         case _:
             raise ConfigError(f"model.name: unknown model family {name!r}; choose from {', '.join(NAMES)}")
     return FAMILY

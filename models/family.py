@@ -32,13 +32,17 @@ class ModelFamily:
     num_flops_per_token: Callable[[Any, int], int]
     """num_flops_per_token(args, seq_len): training FLOPs per token, the MFU numerator."""
     hf: ModuleType
-    """The family's hf.py: model_args_from_hf_config, hf_config, TOP_LEVEL, PER_LAYER, PUBLISHED, MODEL_TYPE."""
+    """The family's hf.py: model_args_from_hf_config, hf_config, TOP_LEVEL, PER_LAYER, STACKED_PER_LAYER, PUBLISHED,
+    MODEL_TYPE."""
     torchtitan_interleaved: Callable[[Any], dict[str, int]]
     """The weights torchtitan 0.2.2's model of this family holds in RoPE's interleaved layout, as {name inside a
     block: heads}: within each head their rows are ours permuted (checkpoint/torchtitan.py); {} when none."""
     hidden_matrices: tuple[str, ...]
     """Linears (names inside a block) whose weights Muon orthogonalizes (optimizer.name = "Muon", muon.py); every
     other parameter (embedding, output, norms) takes AdamW."""
+    config_problems: Callable[[Any], list[str]] = lambda cfg: []
+    """config_problems(job_config): what of a run's JobConfig the family cannot train yet, one ConfigError line each
+    naming the key and the fix (config validation asks with every other rule); none for a dense family."""
     training_chat_templates: Mapping[str, str] = field(default_factory=dict)
     """Chat templates the family's published tokenizers ship (tokenizer_config.json's chat_template, the exact text)
     -> a training variant of each: the same rendering, with {% generation %} marks around what the assistant says

@@ -3,14 +3,16 @@ sharded `model-0000k-of-0000n.safetensors` with `model.safetensors.index.json` (
 next to them are read by data/tokenizers.py, not here).
 
 What differs between families (config.json's fields, weight names) is the family's hf.py, reached
-as `fam.hf`: MODEL_TYPE, model_args_from_hf_config, hf_config, TOP_LEVEL and PER_LAYER (weight names),
-PUBLISHED, IGNORED_WEIGHT_SUFFIXES. This file reads and writes, checks names and shapes, and picks the family
+as `fam.hf`: MODEL_TYPE, model_args_from_hf_config, hf_config, TOP_LEVEL and PER_LAYER (weight names one to one),
+STACKED_PER_LAYER (our parameters stored as one tensor per index of their dim 0: an MoE's experts), PUBLISHED,
+IGNORED_WEIGHT_SUFFIXES. This file reads and writes, checks names and shapes, and picks the family
 of a folder from its model_type.
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -29,13 +31,33 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 2**30  # what transformers' save_pretrained uses
 
 
 def hf_to_ours(fam: ModelFamily, args: Any) -> dict[str, str]:
-    """HF weight name -> our parameter name, for every weight a model of `args` has: the family's TOP_LEVEL names
-    (lm_head.weight only when the output is not tied to the embedding) and its PER_LAYER names in each layer."""
+    """HF weight name -> our parameter name, for every weight a model of `args` stores one to one: the family's
+    TOP_LEVEL names (lm_head.weight only when the output is not tied to the embedding) and its PER_LAYER names in each
+    layer. (All of them but a family's STACKED_PER_LAYER parameters: `hf_sources` covers those too.)"""
     tied = args.tie_word_embeddings
     names = {hf: ours for hf, ours in fam.hf.TOP_LEVEL.items() if not (tied and hf == "lm_head.weight")}
     for i in range(args.n_layers):
         names |= {f"model.layers.{i}.{hf}.weight": f"layers.{i}.{ours}.weight" for hf, ours in fam.hf.PER_LAYER.items()}
     return names
+
+
+def hf_sources(fam: ModelFamily, args: Any) -> dict[str, tuple[str, int | None]]:
+    """HF weight name -> (our parameter name, the index along its dim 0 that the HF tensor is, or None for the whole
+    parameter), for every weight of a model of `args`: `hf_to_ours` whole, and the family's STACKED_PER_LAYER
+    parameters one HF tensor per index (an MoE's experts, stored one tensor each on the hub)."""
+    sources: dict[str, tuple[str, int | None]] = {hf: (ours, None) for hf, ours in hf_to_ours(fam, args).items()}
+    if fam.hf.STACKED_PER_LAYER:
+        shapes = parameter_shapes(fam, args)
+        for i in range(args.n_layers):
+            for hf, ours in fam.hf.STACKED_PER_LAYER.items():
+                name = f"layers.{i}.{ours}"
+                sources |= {f"model.layers.{i}.{hf.format(e)}": (name, e) for e in range(shapes[name][0])}
+    return sources
+
+
+def stacked(sources: dict[str, tuple[str, int | None]]) -> bool:
+    """Whether some parameter of `hf_sources` is stacked from several HF tensors (no one-to-one copy of names)."""
+    return any(index is not None for _, index in sources.values())
 
 
 # ------------------------------------------------------------------------- config
@@ -119,38 +141,49 @@ def check_hf_weights(path: str | Path, fam: ModelFamily, args: Any) -> None:
     from safetensors import safe_open
 
     folder = Path(path)
-    names, shapes = hf_to_ours(fam, args), parameter_shapes(fam, args)
+    sources, shapes = hf_sources(fam, args), parameter_shapes(fam, args)
+    # An HF tensor of a stacked parameter is one index of its dim 0.
+    expected = {hf: tuple(shapes[ours] if index is None else shapes[ours][1:]) for hf, (ours, index) in sources.items()}
     seen: set[str] = set()
     for file in _weight_files(folder):
         with safe_open(str(file), framework="pt") as f:
             for hf_name in f.keys():  # noqa: SIM118 (safe_open is no dict)
                 if _ignored(fam, args, hf_name):
                     continue
-                if hf_name not in names:
+                if hf_name not in expected:
                     raise ConfigError(f"{file}: unexpected weight {hf_name}; is this a {fam.name} model of this size?")
                 shape = tuple(f.get_slice(hf_name).get_shape())
-                if shape != tuple(shapes[names[hf_name]]):
+                if shape != expected[hf_name]:
                     raise ConfigError(
-                        f"{file}: {hf_name} has shape {shape}, the model expects {tuple(shapes[names[hf_name]])}; "
-                        "check model.flavor"
+                        f"{file}: {hf_name} has shape {shape}, the model expects {expected[hf_name]}; check model.flavor"
                     )
                 seen.add(hf_name)
-    if missing := [name for name in names if name not in seen]:
+    if missing := [name for name in expected if name not in seen]:
         raise ConfigError(f"{folder}: {len(missing)} weights missing, e.g. {missing[0]}; is the download complete?")
 
 
 def read_hf_weights(path: str | Path, fam: ModelFamily, args: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """(our name, tensor) for every weight of an HF folder, one tensor at a time, checked against
-    `args` first (`check_hf_weights`)."""
+    """(our name, tensor) for every weight of an HF folder, one tensor at a time (a stacked parameter once all its
+    HF tensors are read, in whichever files they are), checked against `args` first (`check_hf_weights`)."""
     from safetensors import safe_open
 
     check_hf_weights(path, fam, args)
-    names = hf_to_ours(fam, args)
+    sources = hf_sources(fam, args)
+    sizes = Counter(ours for ours, index in sources.values() if index is not None)
+    parts: dict[str, dict[int, torch.Tensor]] = {}  # a stacked parameter's HF tensors read so far, by index
     for file in _weight_files(Path(path)):
         with safe_open(str(file), framework="pt") as f:
             for hf_name in f.keys():  # noqa: SIM118 (safe_open is no dict)
-                if hf_name in names:
-                    yield names[hf_name], f.get_tensor(hf_name)
+                if hf_name not in sources:
+                    continue
+                ours, index = sources[hf_name]
+                if index is None:
+                    yield ours, f.get_tensor(hf_name)
+                    continue
+                parts.setdefault(ours, {})[index] = f.get_tensor(hf_name)
+                if len(parts[ours]) == sizes[ours]:
+                    read = parts.pop(ours)
+                    yield ours, torch.stack([read[i] for i in range(sizes[ours])])
 
 
 def from_hf(
@@ -254,15 +287,30 @@ def to_hf(
     state = model.state_dict()
     if any(isinstance(t, DTensor) for t in state.values()):
         raise ValueError("to_hf: the model is sharded (DTensor); save a checkpoint and use scripts/convert_hf.py to-hf")
-    ours_to_hf = {ours: hf for hf, ours in hf_to_ours(fam, args).items()}
-    if set(state) != set(ours_to_hf):
-        raise ValueError(f"to_hf: the model's weights do not match args ({sorted(set(state) ^ set(ours_to_hf))[:3]})")
-    hf_state = {ours_to_hf[name]: t if dtype is None else t.to(dtype) for name, t in state.items()}
+    sources = hf_sources(fam, args)
+    if set(state) != {ours for ours, _ in sources.values()}:
+        different = sorted(set(state) ^ {ours for ours, _ in sources.values()})
+        raise ValueError(f"to_hf: the model's weights do not match args ({different[:3]})")
     out_dtype = dtype or next(iter(state.values())).dtype
-    sizes = {name: t.numel() * t.element_size() for name, t in hf_state.items()}
+
+    def tensor(hf: str) -> torch.Tensor:
+        ours, index = sources[hf]
+        # A stacked parameter's slice is copied: safetensors refuses tensors that share memory.
+        t = state[ours] if index is None else state[ours][index].clone()
+        return t if dtype is None else t.to(dtype)
+
+    def nbytes(hf: str) -> int:
+        ours, index = sources[hf]
+        t = state[ours] if index is None else state[ours][index]
+        return t.numel() * (dtype or t.dtype).itemsize
+
+    by_parameter: dict[str, list[str]] = {}
+    for hf, (ours, _) in sources.items():
+        by_parameter.setdefault(ours, []).append(hf)
+    sizes = {hf: nbytes(hf) for name in state for hf in by_parameter[name]}  # in the model's order
     write_hf_folder(
         path,
         config=hf_config(fam, args, dtype=out_dtype),
         shards=plan_shards(sizes, max_shard_bytes=max_shard_bytes),
-        load_shard=lambda names: {name: hf_state[name] for name in names},
+        load_shard=lambda names: {name: tensor(name) for name in names},
     )

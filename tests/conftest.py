@@ -60,6 +60,8 @@ SHIPPED: dict[str, Launch] = {
     "configs/qwen3_8b.toml": Launch(8, gpus_per_node=8),
     "configs/olmo2_debug.toml": Launch(2),
     "configs/olmo2_7b.toml": Launch(8, gpus_per_node=8),
+    "configs/qwen3_moe_debug.toml": Launch(2),
+    "configs/qwen3_moe_30b_a3b.toml": Launch(8, gpus_per_node=8),
 }
 
 

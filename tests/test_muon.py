@@ -53,7 +53,8 @@ def test_one_process_steps_as_torch_optim_muon_and_adamw() -> None:
     assert moved == hidden and len(hidden) == 7 * len(model.layers)
 
 
-@pytest.mark.parametrize("name", NAMES)
+# qwen3_moe's experts are 3-D, which Muon refuses (tests/test_qwen3_moe.py).
+@pytest.mark.parametrize("name", [name for name in NAMES if name != "qwen3_moe"])
 def test_each_family_names_its_hidden_matrices(name: str) -> None:
     """Every block's attention and MLP projections, 2-D; embedding, output and every norm (QK-norms too) take AdamW."""
     fam = family(name)

@@ -49,7 +49,8 @@ def test_the_guide_adds_a_family_that_passes_its_parity_and_tp_count(tmp_path: P
     init = copy / "models/__init__.py"
     init.write_text(
         init.read_text().replace(
-            'NAMES = ("llama3", "qwen3", "olmo2")', 'NAMES = ("llama3", "qwen3", "olmo2", "mymodel")'
+            'NAMES = ("llama3", "qwen3", "olmo2", "qwen3_moe")',
+            'NAMES = ("llama3", "qwen3", "olmo2", "qwen3_moe", "mymodel")',
         )
     )
     edit(

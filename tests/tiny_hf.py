@@ -1,4 +1,4 @@
-"""Tiny random Hugging Face models and folders (Llama, Qwen3, OLMo 2) for tests, and the helpers their parity tests
+"""Tiny random Hugging Face models and folders (Llama, Qwen3, OLMo 2, Qwen3 MoE) for tests, and the helpers their parity tests
 share: no downloads, made in a second."""
 
 from __future__ import annotations
@@ -12,7 +12,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM, Olmo2Config, Olmo2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from tests.launch import REPO
 
@@ -56,6 +65,23 @@ OLMO2_BASE = dict(
     rope_theta=500_000.0,
     rms_norm_eps=1e-6,
 )
+# Qwen3's, with 8 experts of width 32 in every block, 2 per token (dimensions that are multiples of 4: the grouped
+# matmul's CPU kernel needs rows of a multiple of 16 bytes).
+QWEN3_MOE_BASE = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    moe_intermediate_size=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    vocab_size=512,
+    max_position_embeddings=256,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+)
 
 
 @torch.no_grad()
@@ -72,8 +98,8 @@ def unit_scale_init_(model: nn.Module, *, seed: int, gain_noise: float = 0.2) ->
             p.copy_(1 + gain_noise * noise)
         elif "embed" in name:  # embed_tokens, tok_embeddings
             p.copy_(noise)
-        else:  # (out, in) projections: unit variance out for unit variance in
-            p.copy_(noise * p.shape[1] ** -0.5)
+        else:  # (out, in) projections, or (experts, out, in): unit variance out for unit variance in
+            p.copy_(noise * p.shape[-1] ** -0.5)
 
 
 # Each family's transformers model, config class and tiny config, one row each (`[model] name` -> row).
@@ -81,6 +107,7 @@ HF_MODELS = {
     "llama3": (LlamaForCausalLM, LlamaConfig, BASE),
     "qwen3": (Qwen3ForCausalLM, Qwen3Config, QWEN3_BASE),
     "olmo2": (Olmo2ForCausalLM, Olmo2Config, OLMO2_BASE),
+    "qwen3_moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig, QWEN3_MOE_BASE),
 }
 
 

@@ -58,6 +58,7 @@ PER_LAYER = {
     "input_layernorm": "attention_norm",
     "post_attention_layernorm": "ffn_norm",
 }
+STACKED_PER_LAYER: dict[str, str] = {}  # every weight is one HF tensor (models.hf.hf_sources: an MoE's experts are not)
 
 
 def model_args_from_hf_config(cfg: dict[str, Any], *, source: str) -> ModelArgs:

@@ -57,6 +57,7 @@ PER_LAYER = {
     "post_attention_layernorm": "post_attention_norm",
     "post_feedforward_layernorm": "post_ffn_norm",
 }
+STACKED_PER_LAYER: dict[str, str] = {}  # every weight is one HF tensor (models.hf.hf_sources: an MoE's experts are not)
 # transformers' Olmo2Config defaults, which a config.json that omits the key gets (num_key_value_heads
 # null or absent: multi-head; head_dim absent: hidden_size / num_attention_heads, as Olmo2Attention reads it).
 _DEFAULTS = {

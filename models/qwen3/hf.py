@@ -62,6 +62,7 @@ PER_LAYER = {
     "input_layernorm": "attention_norm",
     "post_attention_layernorm": "ffn_norm",
 }
+STACKED_PER_LAYER: dict[str, str] = {}  # every weight is one HF tensor (models.hf.hf_sources: an MoE's experts are not)
 # transformers' Qwen3Config defaults, which a config.json that omits the key gets (note head_dim:
 # 128, not hidden_size / num_attention_heads; and num_key_value_heads: 32, null meaning multi-head).
 _DEFAULTS = {
