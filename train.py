@@ -420,8 +420,10 @@ def print_banner(
     if cfg.job.description:
         print(described(cfg.job.description, changed), flush=True)
     corpus = f"mixture of {', '.join(data.mixture)}" if data.mixture else data.path
+    fam = family(cfg.model.name)
+    active = f" ({fam.active_params(args) / 1e6:,.1f}M active)" if fam.active_params else ""
     print(
-        f"{model_label(cfg)}: {family(cfg.model.name).num_params(args) / 1e6:,.1f}M parameters | world "
+        f"{model_label(cfg)}: {fam.num_params(args) / 1e6:,.1f}M parameters{active} | world "
         f"{dims.world_size} = " + (f"pp {dims.pp} x " if dims.pp_enabled else "") + f"{dims.describe()} | global batch "
         f"{loader.global_batch_size} x {t.seq_len} tokens, grad accumulation {loader.grad_accum} | "
         f"{loader.corpus.num_tokens:,} tokens of {corpus}{' (chat)' if data.chat else ''} | device {device.type} | "
@@ -606,7 +608,8 @@ def config_summary(cfg: JobConfig) -> str:
         to_toml(cfg, notes={"job.print_config": "at a run's start-up (--print-config prints it whatever this says)"}),
         "# derived",
         f"# model: {model_label(cfg)}",
-        f"# parameters: {fam.num_params(args):,} ({fam.num_params(args, exclude_embedding=True):,} without embedding)",
+        f"# parameters: {fam.num_params(args):,} ({fam.num_params(args, exclude_embedding=True):,} without embedding)"
+        + (f"; {fam.active_params(args):,} active per token" if fam.active_params else ""),
         f"# training FLOPs per token at seq_len {t.seq_len}: {fam.num_flops_per_token(args, t.seq_len):.4g}",
         f"# tokens per step: {global_batch * t.seq_len:,} (global batch {global_batch} x seq_len {t.seq_len}; "
         f"data-parallel degree {dims.dp}, {which})",

@@ -40,6 +40,9 @@ class ModelFamily:
     hidden_matrices: tuple[str, ...]
     """Linears (names inside a block) whose weights Muon orthogonalizes (optimizer.name = "Muon", muon.py); every
     other parameter (embedding, output, norms) takes AdamW."""
+    active_params: Callable[..., int] | None = None
+    """active_params(args): the parameters one token runs through, where that is fewer than all (a mixture of
+    experts); None for a dense family."""
     config_problems: Callable[[Any], list[str]] = lambda cfg: []
     """config_problems(job_config): what of a run's JobConfig the family cannot train yet, one ConfigError line each
     naming the key and the fix (config validation asks with every other rule); none for a dense family."""

@@ -189,6 +189,15 @@ def test_debugmodel_parameter_count_matches_module() -> None:
     assert FAMILY.flavor_aliases["debugmodel_moe"] == "debugmodel"
 
 
+def test_print_config_states_the_active_parameters() -> None:
+    """--print-config (and the banner, from the same family field) say how many parameters a token runs through."""
+    from train import config_summary
+
+    summary = config_summary(load_config(["--config", "configs/qwen3_moe_30b_a3b.toml"]))
+    assert "# parameters: 30,532,122,624 (" in summary and "; 3,353,032,704 active per token" in summary
+    assert family("llama3").active_params is None  # a dense family says nothing more
+
+
 # ------------------------------------------------------------- config mapping
 
 

@@ -18,6 +18,7 @@ FAMILY = ModelFamily(
     hidden_matrices=plans.HIDDEN_MATRICES,
     num_params=num_params,
     num_flops_per_token=num_flops_per_token,
+    active_params=active_params,
     hf=hf,
     # torchtitan's Qwen3 rotates halves, as this one does. (Its MoE checkpoints name the router moe.router.gate and
     # hold a load-balancing expert_bias: reading them is for issue 65's later parts.)
