@@ -308,15 +308,18 @@ def _numel(module: nn.Module) -> int:
 
 # torch.utils.flop_counter's formulas (matmuls, attention, forward and backward), plus the CPU's flash attention, which
 # this machine's trace runs and which PyTorch 2.13 has no formula for: the same count as CUDA's (q, k, v come first).
-_FLOPS = {
-    **flop_counter.flop_registry,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: flop_counter.flop_registry[
-        torch.ops.aten._scaled_dot_product_flash_attention
-    ],
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: flop_counter.flop_registry[
+# Looked up at each op, not copied at import, so that formulas registered later count too (a family's custom ops:
+# models/qwen3_moe's grouped matmuls).
+_AS_CUDA = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: torch.ops.aten._scaled_dot_product_flash_attention,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: (
         torch.ops.aten._scaled_dot_product_flash_attention_backward
-    ],
+    ),
 }
+
+
+def _flop_formula(packet: Any) -> Any:
+    return flop_counter.flop_registry.get(_AS_CUDA.get(packet, packet))
 
 
 class _Watch:
@@ -401,7 +404,7 @@ class _Watch:
             part = "block" if self.phase.startswith("block") else self.part
             self.comm[part][kind] += times * tensor.numel() * tensor.element_size()
         if self.phase.endswith("backward"):
-            if self.phase == "block backward" and (formula := _FLOPS.get(op.overloadpacket)) is not None:
+            if self.phase == "block backward" and (formula := _flop_formula(op.overloadpacket)) is not None:
                 self.backward_flops += formula(*args, **kwargs, out_val=out)
             return
         for t in torch.utils._pytree.tree_leaves(out):

@@ -430,3 +430,20 @@ def test_the_debug_config_trains_alike_on_one_process_fsdp_pp_and_from_an_hf_fol
     for name in runs:
         got = losses(tmp_path / name)
         assert sorted(got) == [1, 2, 3, 4] and max(abs(got[s] - reference[s]) for s in got) <= 1e-5, (name, got)
+
+
+def test_the_estimator_counts_the_experts_in_what_ac_recomputes() -> None:
+    """planning/trace.py looks the FLOP formulas up at each op, so the family's grouped matmuls (custom ops registered
+    when the family imports) count: full AC recomputes one block's forward as FlopCounterMode counts it, plus the
+    attention forward that the flash backward reruns (without the experts it counted 2/3 of a debug block)."""
+    from planning.trace import block_costs
+
+    args, batch, seq = with_seq_len(FLAVORS["debugmodel"], 64), 2, 64
+    full = block_costs(FAMILY, args, batch=batch, seq_len=seq, dtype=torch.float32, ac="full")
+    model = Transformer(args)
+    model.init_weights()
+    with FlopCounterMode(display=False) as counter:
+        model(torch.randint(0, args.vocab_size, (batch, seq)))
+    output = 2 * batch * seq * args.dim * args.vocab_size
+    attention = 4 * batch * seq * seq * args.n_heads * args.head_dim
+    assert full.recompute_flops == (counter.get_total_flops() - output) // args.n_layers + attention
