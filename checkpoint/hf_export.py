@@ -52,7 +52,15 @@ def export_hf_folder(
     the token ids and whose tokenizer files and generation_config.json are copied (those names are returned).
     """
     # Imported here: Hugging Face interop, which a run without HF folders never needs.
-    from models.hf import DEFAULT_MAX_SHARD_BYTES, hf_config, hf_sources, plan_shards, write_hf_folder
+    from models.hf import (
+        DEFAULT_MAX_SHARD_BYTES,
+        hf_config,
+        hf_shapes,
+        hf_sources,
+        hf_tensor,
+        plan_shards,
+        write_hf_folder,
+    )
 
     metadata = verify(checkpoint)  # read without running anything from the folder
     verify_contents(checkpoint, alone=True)  # rank 0 alone when a run exports its last step
@@ -62,12 +70,7 @@ def export_hf_folder(
     sources = hf_sources(family, args)  # HF name -> (our name, its index along dim 0 when stacked from several)
     stored_dtype = {n: stored[MODEL_PREFIX + n].properties.dtype for n in shapes}
     out_dtype = {hf: dtype or stored_dtype[ours] for hf, (ours, _) in sources.items()}
-    by_parameter: dict[str, list[str]] = {}
-    for hf, (ours, _) in sources.items():
-        by_parameter.setdefault(ours, []).append(hf)
-    # An HF tensor of a stacked parameter is one index of its dim 0.
-    hf_shapes = {hf: shapes[ours] if index is None else shapes[ours][1:] for hf, (ours, index) in sources.items()}
-    sizes = {hf: hf_shapes[hf].numel() * out_dtype[hf].itemsize for n in shapes for hf in by_parameter[n]}
+    sizes = {hf: shape.numel() * out_dtype[hf].itemsize for hf, shape in hf_shapes(sources, shapes).items()}
 
     def load_shard(names: list[str]) -> dict[str, torch.Tensor]:
         # DCP reads only the keys asked for, so memory holds this shard's parameters and nothing more (a stacked
@@ -77,14 +80,7 @@ def export_hf_folder(
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
-
-        def tensor(h: str) -> torch.Tensor:
-            ours, index = sources[h]
-            whole = state[MODEL_PREFIX + ours]
-            # A slice is copied: safetensors refuses tensors that share memory.
-            return (whole if index is None else whole[index].clone()).to(out_dtype[h])
-
-        return {h: tensor(h) for h in names}
+        return {h: hf_tensor(state[MODEL_PREFIX + sources[h][0]], sources[h][1], out_dtype[h]) for h in names}
 
     source = Path(side_files_from) if side_files_from is not None else None
     token_ids: dict[str, int] = {}

@@ -60,6 +60,24 @@ def stacked(sources: dict[str, tuple[str, int | None]]) -> bool:
     return any(index is not None for _, index in sources.values())
 
 
+def hf_shapes(sources: dict[str, tuple[str, int | None]], shapes: dict[str, torch.Size]) -> dict[str, torch.Size]:
+    """HF weight name -> its shape, in the order of our parameters in `shapes` (the order files are written in): a
+    stacked parameter's HF tensors are one index of its dim 0 each."""
+    by_parameter: dict[str, list[tuple[str, int | None]]] = {}
+    for hf, (ours, index) in sources.items():
+        by_parameter.setdefault(ours, []).append((hf, index))
+    return {
+        hf: shapes[ours] if index is None else shapes[ours][1:] for ours in shapes for hf, index in by_parameter[ours]
+    }
+
+
+def hf_tensor(whole: torch.Tensor, index: int | None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The HF tensor `hf_sources` names in our parameter `whole`: all of it, or its slice at `index` along dim 0,
+    copied (safetensors refuses tensors that share memory); in `dtype` when given."""
+    t = whole if index is None else whole[index].clone()
+    return t if dtype is None else t.to(dtype)
+
+
 # ------------------------------------------------------------------------- config
 
 
@@ -141,9 +159,7 @@ def check_hf_weights(path: str | Path, fam: ModelFamily, args: Any) -> None:
     from safetensors import safe_open
 
     folder = Path(path)
-    sources, shapes = hf_sources(fam, args), parameter_shapes(fam, args)
-    # An HF tensor of a stacked parameter is one index of its dim 0.
-    expected = {hf: tuple(shapes[ours] if index is None else shapes[ours][1:]) for hf, (ours, index) in sources.items()}
+    expected = {hf: tuple(shape) for hf, shape in hf_shapes(hf_sources(fam, args), parameter_shapes(fam, args)).items()}
     seen: set[str] = set()
     for file in _weight_files(folder):
         with safe_open(str(file), framework="pt") as f:
@@ -292,25 +308,11 @@ def to_hf(
         different = sorted(set(state) ^ {ours for ours, _ in sources.values()})
         raise ValueError(f"to_hf: the model's weights do not match args ({different[:3]})")
     out_dtype = dtype or next(iter(state.values())).dtype
-
-    def tensor(hf: str) -> torch.Tensor:
-        ours, index = sources[hf]
-        # A stacked parameter's slice is copied: safetensors refuses tensors that share memory.
-        t = state[ours] if index is None else state[ours][index].clone()
-        return t if dtype is None else t.to(dtype)
-
-    def nbytes(hf: str) -> int:
-        ours, index = sources[hf]
-        t = state[ours] if index is None else state[ours][index]
-        return t.numel() * (dtype or t.dtype).itemsize
-
-    by_parameter: dict[str, list[str]] = {}
-    for hf, (ours, _) in sources.items():
-        by_parameter.setdefault(ours, []).append(hf)
-    sizes = {hf: nbytes(hf) for name in state for hf in by_parameter[name]}  # in the model's order
+    shapes = hf_shapes(sources, {name: t.shape for name, t in state.items()})
+    sizes = {hf: shape.numel() * (dtype or state[sources[hf][0]].dtype).itemsize for hf, shape in shapes.items()}
     write_hf_folder(
         path,
         config=hf_config(fam, args, dtype=out_dtype),
         shards=plan_shards(sizes, max_shard_bytes=max_shard_bytes),
-        load_shard=lambda names: {name: tensor(name) for name in names},
+        load_shard=lambda names: {name: hf_tensor(state[sources[name][0]], sources[name][1], dtype) for name in names},
     )
