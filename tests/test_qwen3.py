@@ -26,7 +26,14 @@ from models import family, with_seq_len
 from models.hf import from_hf, hf_to_ours, model_args_from_hf, to_hf
 from models.qwen3 import FAMILY, FLAVORS, Transformer, num_flops_per_token, num_params
 from models.qwen3.hf import PUBLISHED, hf_config
-from tests.tiny_hf import batch, logits_and_grads, tiny_hf_model, unit_scale_init_, write_config
+from tests.tiny_hf import (
+    batch,
+    check_transformers_round_trip,
+    logits_and_grads,
+    tiny_hf_model,
+    unit_scale_init_,
+    write_config,
+)
 
 TOL = 1e-4
 SEQ = 64
@@ -95,25 +102,7 @@ def test_weights_out_to_transformers_and_back_in(tied: bool, tmp_path: Path) -> 
     to_hf(model, FAMILY, args, tmp_path / "exported", max_shard_bytes=50_000)  # several shards + index
     assert (tmp_path / "exported" / "model.safetensors.index.json").is_file()
 
-    hf, info = AutoModelForCausalLM.from_pretrained(
-        tmp_path / "exported", output_loading_info=True, attn_implementation="eager"
-    )
-    assert isinstance(hf, Qwen3ForCausalLM)
-    assert not any(info.values()), info  # no missing, unexpected or mismatched weights
-    tokens, _ = batch(args.vocab_size)
-    with torch.no_grad():
-        diff = (hf(tokens).logits - model(tokens)).abs().max().item()
-    assert diff <= TOL, diff
-    hf.save_pretrained(tmp_path / "resaved")
-
-    ours = model.state_dict()
-    for folder in ("exported", "resaved"):
-        back, back_args = from_hf(tmp_path / folder)
-        assert back_args == args, folder
-        theirs = back.state_dict()
-        assert theirs.keys() == ours.keys(), folder
-        for name, tensor in ours.items():
-            assert torch.equal(theirs[name], tensor), (folder, name)
+    check_transformers_round_trip(model, args, tmp_path / "exported", hf_class=Qwen3ForCausalLM, tol=TOL)
 
 
 # ---------------------------------------------------------- published sizes

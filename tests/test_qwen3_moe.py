@@ -28,7 +28,14 @@ from models.hf import from_hf, hf_to_ours, model_args_from_hf, to_hf
 from models.qwen3_moe import FAMILY, FLAVORS, Transformer, active_params, num_flops_per_token, num_params
 from models.qwen3_moe.hf import PUBLISHED, hf_config
 from models.qwen3_moe.model import GroupedExperts, Routing, combine, dispatch
-from tests.tiny_hf import batch, logits_and_grads, tiny_hf_model, unit_scale_init_, write_config
+from tests.tiny_hf import (
+    batch,
+    check_transformers_round_trip,
+    logits_and_grads,
+    tiny_hf_model,
+    unit_scale_init_,
+    write_config,
+)
 
 TOL = 1e-4  # tests/test_qwen3.py's
 # GQA and MHA, tied and untied, norm_topk_prob on and off, 1 to 4 experts per token out of 6 to 16.
@@ -112,25 +119,7 @@ def test_weights_out_to_transformers_and_back_in(tmp_path: Path) -> None:
     assert any(len(f) > 1 for f in files.values())  # a parameter's experts in two files: read back whole
     assert not any("gate_up_proj" in name for name in weight_map)
 
-    hf, info = AutoModelForCausalLM.from_pretrained(
-        tmp_path / "exported", output_loading_info=True, attn_implementation="eager"
-    )
-    assert isinstance(hf, Qwen3MoeForCausalLM)
-    assert not any(info.values()), info  # no missing, unexpected or mismatched weights
-    tokens, _ = batch(args.vocab_size)
-    with torch.no_grad():
-        diff = (hf(tokens).logits - model(tokens)).abs().max().item()
-    assert diff <= TOL, diff
-    hf.save_pretrained(tmp_path / "resaved")
-
-    ours = model.state_dict()
-    for folder in ("exported", "resaved"):
-        back, back_args = from_hf(tmp_path / folder)
-        assert back_args == args, folder
-        theirs = back.state_dict()
-        assert theirs.keys() == ours.keys(), folder
-        for name, tensor in ours.items():
-            assert torch.equal(theirs[name], tensor), (folder, name)
+    check_transformers_round_trip(model, args, tmp_path / "exported", hf_class=Qwen3MoeForCausalLM, tol=TOL)
 
 
 # ---------------------------------------------------------- published sizes

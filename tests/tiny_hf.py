@@ -198,3 +198,30 @@ def write_config(folder: Path, config: dict) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config))
     return folder
+
+
+def check_transformers_round_trip(model: nn.Module, args: Any, exported: Path, *, hf_class: type, tol: float) -> None:
+    """`exported` (to_hf of `model`) loads in transformers as `hf_class` with no weight missing, unexpected or
+    mismatched, and gives `model`'s logits within `tol`; that folder and what transformers' save_pretrained writes of
+    it read back here (models/hf.py from_hf) as the same args and, bit for bit, the same weights."""
+    from transformers import AutoModelForCausalLM
+
+    from models.hf import from_hf
+
+    hf, info = AutoModelForCausalLM.from_pretrained(exported, output_loading_info=True, attn_implementation="eager")
+    assert isinstance(hf, hf_class), type(hf)
+    assert not any(info.values()), info
+    tokens, _ = batch(args.vocab_size)
+    with torch.no_grad():
+        diff = (hf(tokens).logits - model(tokens)).abs().max().item()
+    assert diff <= tol, diff
+    resaved = exported.with_name(exported.name + "-resaved")
+    hf.save_pretrained(resaved)
+    ours = model.state_dict()
+    for folder in (exported, resaved):
+        back, back_args = from_hf(folder)
+        assert back_args == args, folder
+        theirs = back.state_dict()
+        assert theirs.keys() == ours.keys(), folder
+        for name, tensor in ours.items():
+            assert torch.equal(theirs[name], tensor), (folder, name)
