@@ -270,7 +270,8 @@ def clip_grad_norm_(
     """Global L2 gradient norm (and clipping to max_norm > 0) over plain or DTensor grads.
 
     With sharded (DTensor) gradients the per-shard norms are partial results; `full_tensor()`
-    reduces them across ranks, so every rank clips by the same, true global norm. Pipeline stages
+    reduces them across ranks, so every rank clips by the same, true global norm; gradients on different meshes
+    (expert parallel's experts) add their norms up in squares. Pipeline stages
     hold different parameters: their squared norms add up over `pp_group`.
 
     Without FSDP, the gradients of the weights TP leaves whole (the norms') come out of backward as partial sums
@@ -279,13 +280,21 @@ def clip_grad_norm_(
     """
     parameters = [p for p in parameters if p.grad is not None]
     reduce_partial_grads(parameters)
-    total_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters], foreach=True)
-    if isinstance(total_norm, DTensor):
-        total_norm = total_norm.full_tensor()
+    # One norm per mesh (expert parallel's experts live on a mesh of their own: parallelisms/ep.py), reduced over
+    # its ranks, then added up in squares.
+    by_mesh: dict[object, list[torch.Tensor]] = {}  # mesh (None: plain tensors) -> its parameters
+    for p in parameters:
+        by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    if not by_mesh:  # a pipeline stage without gradients: 0
+        by_mesh[None] = []
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True) for group in by_mesh.values()]
+    norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
+    total_norm = norms[0] if len(norms) == 1 else torch.stack(norms).square().sum().sqrt()
     if pp_group is not None:
         total_norm = total_norm**2
         dist.all_reduce(total_norm, group=pp_group)
         total_norm = total_norm.sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=True)
+        for group in by_mesh.values():  # a foreach op takes the tensors of one mesh
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm, foreach=True)
     return total_norm

@@ -12,7 +12,7 @@ forward and backward, each rank on its head-tail chunks (parallelisms/cp.py). Me
     parameters excluded), against estimate_memory.activation_bytes of the same job (Setup.cp);
   * the bytes of the keys and values all-gathered (the gathered tensors, forward) and of their gradients
     reduce-scattered (backward), from the functional collectives the dispatcher runs (FSDP's own all-gathers
-    are c10d calls and not counted), against estimate_memory.cp_kv_bytes x blocks.
+    are c10d calls and not counted), against planning.exchanges.cp_kv_bytes x blocks.
 
 A rank's queries shrink with cp, its saved keys and values do not (they span the window): that is why the
 saved bytes fall by less than cp and why the all-gathered bytes grow with it ((cp - 1) / cp of them cross
@@ -43,7 +43,8 @@ from models.llama3 import FLAVORS
 from parallelisms.cp import context_parallel
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import build_model, init_model
-from planning.memory import Setup, activation_bytes, cp_kv_bytes
+from planning.exchanges import cp_kv_bytes
+from planning.memory import Setup, activation_bytes
 from tests.instruments import observe_ops
 
 PROBLEM = "context parallel"

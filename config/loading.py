@@ -36,6 +36,7 @@ from config.sections import (
     Validation,
     _did_you_mean,
     _importable,
+    has_experts,
     model_args,
 )
 from config.torchtitan import (
@@ -377,6 +378,7 @@ def resolve(cfg: JobConfig) -> None:
     """Settings that follow from others, written in: afterwards every field holds what the run uses."""
     m, t, d = cfg.model, cfg.training, cfg.data
     if m.name in NAMES:
+        m.name = _family_of_torchtitan_flavor(m.name, m.flavor)
         m.flavor = family(m.name).flavor_aliases.get(m.flavor, m.flavor)
     if m.tokenizer_path is None:
         m.tokenizer_path = m.hf_assets_path or SHIPPED_TOKENIZER
@@ -393,6 +395,15 @@ def resolve(cfg: JobConfig) -> None:
         cfg.debug.seed = 42
     cfg.model.converters = ["quantize.linear.float8" if c == "float8" else c for c in cfg.model.converters]
     resolve_input_paths(cfg)
+
+
+def _family_of_torchtitan_flavor(name: str, flavor: str) -> str:
+    """The family of `flavor` under [model] name `name`: torchtitan 0.2.2 files its Qwen3 MoE flavors (30B-A3B, ...)
+    under name = "qwen3", which are this recipe's qwen3_moe (its flavor_aliases name them); otherwise `name`."""
+    own = family(name)
+    if flavor in own.flavors or flavor in own.flavor_aliases:
+        return name
+    return next((other for other in NAMES if flavor in family(other).flavor_aliases), name)
 
 
 def resolve_input_paths(cfg: JobConfig) -> None:
@@ -465,6 +476,8 @@ def validate(cfg: JobConfig) -> list[str]:
         *_default_only(cfg),
         *m.problems(seq_len=t.seq_len, validation_seq_len=cfg.validation.seq_len if cfg.validation.enable else None),
         *(family(m.name).config_problems(cfg) if m.name in NAMES else []),  # what the family cannot train yet
+        *_moe_problems(cfg),
+        *_dense_problems(cfg),
         *t.problems(),
         *cfg.optimizer.problems(),
         *cfg.lr_scheduler.problems(training_steps=t.steps),
@@ -482,6 +495,29 @@ def validate(cfg: JobConfig) -> list[str]:
         *cfg.data.problems(training_dataset=t.dataset, attn_mask_type=m.attn_mask_type),
         *cfg.validation.problems(training=t, pp=cfg.parallelism.pipeline_parallel_degree),
     ]
+
+
+def _dense_problems(cfg: JobConfig) -> list[str]:
+    """What a model without experts refuses: expert parallel (its degree's other rules need the world size,
+    parallelisms/parallel_dims.py layout_problems)."""
+    name, ep = cfg.model.name, cfg.parallelism.expert_parallel_degree
+    if ep == 1 or name not in NAMES or family(name).experts_module:
+        return []
+    moe = ", ".join(n for n in NAMES if family(n).experts_module)
+    return [
+        f"parallelism.expert_parallel_degree: {ep} asks for expert parallel, and {name} has no experts (a mixture of "
+        f"experts: model.name = {moe}); remove the key or set it to 1"
+    ]
+
+
+def _moe_problems(cfg: JobConfig) -> list[str]:
+    """[model.moe]'s rules, for a family that exists (the model rules name the others); a family's flavors are all
+    mixtures of experts or none."""
+    m = cfg.model
+    if m.name not in NAMES:
+        return []
+    experts = has_experts(next(iter(family(m.name).flavors.values())))
+    return m.moe.problems(model=m.name, experts=experts, last_save_in_hf=cfg.checkpoint.last_save_in_hf)
 
 
 def _flavor_layers(m: Model) -> int | None:

@@ -64,6 +64,54 @@ class Job(TorchtitanJob):
 
 
 @dataclass
+class ModelMoE:
+    """A mixture of experts' load balancing in training (models/moe.py, docs/failures.md #7); nothing for a dense model."""
+
+    router_aux_loss_coef: float = optional_part("models/moe.py", 0.001)
+    """Weight of the load-balancing loss num_experts x sum_e f_e x P_e, per MoE layer, averaged over the layers (f_e: the fraction of tokens routed to expert e, P_e: its mean router probability; transformers' name, Qwen3 MoE's value). Logged as moe_aux_loss; 0 = off."""
+    aux_loss_scope: Literal["global_batch", "microbatch"] = optional_part("models/moe.py", "global_batch")
+    """Over what f counts: global_batch, a whole global batch (every rank's micro-batches; the previous step's, so that every layout trains alike); microbatch, each rank's micro-batch alone, which keeps experts from specializing (docs/failures.md #7)."""
+    load_balance_coeff: float = optional_part("models/moe.py", 0.0)
+    """Auxiliary-loss-free balancing (DeepSeek V3; torchtitan's MoE argument): after each step every expert's bias on the top-k choice moves this much toward the mean load (torchtitan uses 1e-3). Checkpointed; 0 = off."""
+
+    def problems(self, *, model: str, experts: bool, last_save_in_hf: bool) -> list[str]:
+        """The weights are >= 0; a dense model (`experts` False) is given no setting; a model with expert biases is
+        not exported to Hugging Face, whose Qwen3MoeForCausalLM has no place for them."""
+        p = [
+            f"model.moe.{key}: must be >= 0 (0 = off), got {getattr(self, key)}"
+            for key in ("router_aux_loss_coef", "load_balance_coeff")
+            if getattr(self, key) < 0
+        ]
+        if not experts:
+            default = ModelMoE()
+            p += [
+                f"model.moe.{f.name}: model.name = {model!r} has no mixture of experts; remove the key"
+                for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(default, f.name)
+            ]
+        elif self.load_balance_coeff > 0 and last_save_in_hf:
+            p.append(
+                "model.moe.load_balance_coeff: the expert biases move which experts a token picks, and a Hugging Face "
+                "folder of this family has no place for them; set checkpoint.last_save_in_hf = false, or this to 0"
+            )
+        return p
+
+    def applied_to(self, args: Any) -> Any:
+        """The shape `args` with these settings, where it is a mixture of experts'."""
+        if not has_experts(args):
+            return args
+        from models.moe import MoEBalance  # (only a mixture of experts has a use for it)
+
+        balance = MoEBalance(self.router_aux_loss_coef, self.aux_loss_scope, self.load_balance_coeff)
+        return dataclasses.replace(args, balance=balance)
+
+
+def has_experts(args: Any) -> bool:
+    """Whether a ModelArgs is a mixture of experts' (it has models/moe.py's `balance`)."""
+    return any(f.name == "balance" for f in dataclasses.fields(args))
+
+
+@dataclass
 class Model:
     """Which model: its family, size or Hugging Face folder, tokenizer, converters and attention mask."""
 
@@ -83,6 +131,7 @@ class Model:
     """Print the model (rank 0) after the converters ran."""
     attn_mask_type: Literal["causal", "block_causal"] = "causal"
     """causal: every token sees all earlier tokens of its window; block_causal: only those of its own document (FlexAttention on CUDA)."""
+    moe: ModelMoE = field(default_factory=ModelMoE)
 
     def problems(self, *, seq_len: int, validation_seq_len: int | None) -> list[str]:
         """The family and flavor exist, the Hugging Face folder agrees, the model takes the training (and held-out)
@@ -392,6 +441,8 @@ class Parallelism(TorchtitanParallelism):
     """Blocks fewer in the first stage, which also holds the embedding (with pipeline_parallel_degree > 1)."""
     pipeline_parallel_last_stage_less_layers: int = 1
     """Blocks fewer in the last stage, which also holds the output and loss (with pipeline_parallel_degree > 1)."""
+    expert_parallel_degree: int = optional_part("parallelisms/ep.py", 1)
+    """Ranks a mixture of experts' routed experts are split over (expert parallel, parallelisms/ep.py): each holds experts / ep of every MoE block's and receives their tokens by all-to-all. The ranks are data-parallel, context-parallel and tensor-parallel ranks (each holds its own tokens at the experts); FSDP shards the experts over the ranks the other degrees leave."""
     context_parallel_degree: int = optional_part("parallelisms/cp.py", 1)
     """Ranks each sequence is split over (context parallel, parallelisms/cp.py): each holds 1/cp of every window's tokens and all-gathers the keys and values."""
     context_parallel_load_balancer: str | None = optional_part("parallelisms/cp.py", "headtail")
@@ -406,6 +457,7 @@ class Parallelism(TorchtitanParallelism):
             "tensor_parallel_degree",
             "pipeline_parallel_degree",
             "context_parallel_degree",
+            "expert_parallel_degree",
         ):
             if (degree := getattr(self, key)) < 1:
                 p.append(f"parallelism.{key}: must be >= 1, got {degree}")
@@ -782,14 +834,15 @@ DATASETS = {
 
 
 def model_args(cfg: Model) -> Any:
-    """The model shape this config names: the flavor, or hf_assets_path's config.json with shape_from_hf_config."""
+    """The model shape this config names: the flavor, or hf_assets_path's config.json with shape_from_hf_config; a
+    mixture of experts' with [model.moe]'s balancing."""
     fam = family(cfg.name)
     if not cfg.shape_from_hf_config:
-        return fam.flavors[cfg.flavor]
+        return cfg.moe.applied_to(fam.flavors[cfg.flavor])
     # Imported here: reading HF configs is interop, which a flavor-only run never needs.
     from models.hf import model_args_from_hf
 
-    return model_args_from_hf(fam, cfg.hf_assets_path or "")
+    return cfg.moe.applied_to(model_args_from_hf(fam, cfg.hf_assets_path or ""))
 
 
 def selective_ac_every(option: str) -> int | None:

@@ -39,8 +39,8 @@ def refusal(key: str, f: dataclasses.Field, value: Any, default: Any, *, model: 
 # torchtitan's converters other than quantize.linear.float8, refused by name (model.converters).
 OTHER_CONVERTERS = {
     "quantize.linear.mx": "MX (microscaling) linears, a Blackwell format",
-    "quantize.grouped_mm.float8": "float8 grouped GEMMs for MoE experts ({model} has none)",
-    "quantize.grouped_mm.mx": "MX grouped GEMMs for MoE experts ({model} has none)",
+    "quantize.grouped_mm.float8": "float8 grouped GEMMs for MoE experts",
+    "quantize.grouped_mm.mx": "MX grouped GEMMs for MoE experts",
 }
 
 # torchtitan's names of earlier releases, and where the key lives now (here and in torchtitan v0.2.2).
@@ -113,21 +113,19 @@ class TorchtitanParallelism:
     pipeline_parallel_schedule_csv: str | None = unsupported("a pipeline schedule from a CSV file", "")
     """torchtitan's custom pipeline schedule; refused unless empty."""
     pipeline_parallel_expert_parallel_overlap: bool = True
-    """torchtitan's MoE option; ignored (no experts here)."""
+    """torchtitan's MoE option (DualPipeV's overlap of stages with expert parallel's all-to-all); ignored."""
     module_fqns_per_model_part: list[list[str]] | None = unsupported("hand-written pipeline stages", None)
     """torchtitan's manual pipeline split; refused unless unset."""
-    expert_parallel_degree: int = unsupported("expert parallel ({model} has no experts)", 1)
+    expert_tensor_parallel_degree: int = unsupported("expert tensor parallel (each expert split over TP ranks)", 1)
     """torchtitan's MoE option; refused unless 1."""
-    expert_tensor_parallel_degree: int = unsupported("expert tensor parallel ({model} has no experts)", 1)
-    """torchtitan's MoE option; refused unless 1."""
-    expert_parallel_comm_backend: Literal["standard", "deepep"] = "standard"
-    """torchtitan's MoE option; ignored (no experts here)."""
+    expert_parallel_comm_backend: Literal["standard", "deepep"] = unsupported("DeepEP's all-to-all kernels", "standard")
+    """torchtitan's MoE option; refused unless "standard" (all_to_all_single, parallelisms/ep.py)."""
 
 
 @dataclass
 class TorchtitanActivationCheckpoint:
     per_op_sac_force_recompute_mm_shapes_by_fqns: list[str] = field(default_factory=lambda: ["moe.router.gate"])
-    """torchtitan's MoE option; ignored (no experts here)."""
+    """torchtitan's MoE option; ignored (op SAC here keeps what models/<family>/plans.py names)."""
     memory_budget: float = 0.5
     """torchtitan's memory_budget mode (mode = memory_budget is refused); ignored."""
     visualize_memory_budget_pareto: bool = unsupported("the memory_budget mode", False)
@@ -156,7 +154,7 @@ class TorchtitanMetrics:
 
 @dataclass
 class TorchtitanDebug:
-    moe_force_load_balance: bool = unsupported("MoE load balancing ({model} has no experts)", False)
+    moe_force_load_balance: bool = unsupported("routing forced to balance (torchtitan's benchmarking option)", False)
     """torchtitan's MoE option; refused unless false."""
 
 
@@ -178,19 +176,19 @@ class MXLinear:
 
 @dataclass
 class Float8GroupedMM:
-    """torchtitan's float8 MoE expert GEMMs (the models here have no experts)."""
+    """torchtitan's float8 MoE expert GEMMs (refused)."""
 
-    fqns: list[str] = unsupported("float8 grouped GEMMs (MoE experts; {model} has none)", [])
+    fqns: list[str] = unsupported("float8 grouped GEMMs for MoE experts", [])
     """torchtitan's MoE option; refused unless empty."""
 
 
 @dataclass
 class MXGroupedMM:
-    """torchtitan's MX MoE expert GEMMs (the models here have no experts)."""
+    """torchtitan's MX MoE expert GEMMs (refused)."""
 
     recipe_name: Literal["mxfp8"] = "mxfp8"
     """torchtitan's MoE option; ignored."""
-    fqns: list[str] = unsupported("MX grouped GEMMs (MoE experts; {model} has none)", [])
+    fqns: list[str] = unsupported("MX grouped GEMMs for MoE experts", [])
     """torchtitan's MoE option; refused unless empty."""
 
 

@@ -43,6 +43,15 @@ class ModelFamily:
     active_params: Callable[..., int] | None = None
     """active_params(args): the parameters one token runs through, where that is fewer than all (a mixture of
     experts); None for a dense family."""
+    num_experts: Callable[[Any], int] = lambda args: 0
+    """num_experts(args): the routed experts of each MoE block, which expert parallel splits over its ranks; 0 for a
+    dense family."""
+    experts_per_token: Callable[[Any], int] = lambda args: 0
+    """experts_per_token(args): how many experts each token is routed to (top-k), which sets the rows expert
+    parallel's all-to-all moves; 0 for a dense family."""
+    experts_module: str = ""
+    """Where a block holds its routed experts (name inside a block, e.g. "moe.experts"): a module of 3-D weights
+    (experts, out, in) and forward(rows sorted by expert, tokens_per_expert), what parallelisms/ep.py splits."""
     config_problems: Callable[[Any], list[str]] = lambda cfg: []
     """config_problems(job_config): what of a run's JobConfig the family cannot train yet, one ConfigError line each
     naming the key and the fix (config validation asks with every other rule); none for a dense family."""
@@ -50,3 +59,12 @@ class ModelFamily:
     """Chat templates the family's published tokenizers ship (tokenizer_config.json's chat_template, the exact text)
     -> a training variant of each: the same rendering, with {% generation %} marks around what the assistant says
     (data/chat.py: how a template that renders earlier turns differently once more follow is trained on)."""
+    torchtitan_names: Mapping[str, str] = field(default_factory=dict)
+    """Weights (names inside a block) that torchtitan 0.2.2's model of this family names otherwise, {ours: theirs}, the
+    tensors alike (Qwen3 MoE's router: torchtitan's moe.router.gate.weight); their AdamW moments are renamed with
+    them (checkpoint/torchtitan.py)."""
+    torchtitan_zero_buffers: Callable[[Any], dict[str, tuple[int, ...]]] = lambda args: {}
+    """torchtitan_zero_buffers(args): buffers (names inside a block: shapes) that torchtitan 0.2.2's model of this family
+    may hold and that change nothing while zero (Qwen3 MoE's load-balancing moe.expert_bias). Where this recipe's model
+    holds none by that name, torchtitan's checkpoint is read only when it holds zeros there, and an export writes
+    zeros (float32)."""

@@ -4,7 +4,7 @@ Modes (config section [activation_checkpoint]):
     none                        keep every activation
     full                        keep only each block's input; recompute the whole block in backward
     selective, option "op"      recompute the block, but keep the outputs of the expensive ops:
-                                attention, TP's collectives (_SAVE_OPS) and the matmuls of the
+                                attention, TP's and EP's collectives (_SAVE_OPS) and the matmuls of the
                                 linears the family names (plans.py SAC_SAVED_LINEARS)
     selective, option k         full AC on every k-th block only (1 = full)
     per_block                   each block its own: "none", "op" or "full" (activation_checkpoint.per_block)
@@ -64,11 +64,27 @@ _SAVE_OPS: frozenset[torch._ops.OpOverload] = frozenset(
         # A block's all-reduce: a norm's statistic over a TP-split dimension, (bs, seqlen, 1) float32, 4 bytes a token
         # to keep against a collective's latency to send again (tests/test_parallelisms.py counts it per family).
         torch.ops._c10d_functional.all_reduce.default,
+        # Expert parallel's exchange of counts and of tokens (parallelisms/ep.py), both ways: recomputing would send
+        # the rows again. (The host still reads the kept counts in the recomputation: no communication.)
+        torch.ops._c10d_functional.all_to_all_single.default,
+        torch.ops._c10d_functional_autograd.all_to_all_single.default,
         # The amax of float8 scaling: cheap to keep, a full reduction to recompute.
         aten.max.default,
     }
 )
 _ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
+# An FSDP unit inside a checkpointed block (expert parallel's experts, parallelisms/fsdp.py) marks its hooks with
+# record_function, and its hooks do not run the same times in the recomputation as in forward (it gathers, prefetches
+# and casts its inputs differently in backward): op SAC, which counts every op of the block to match recomputed ops
+# with saved ones, refuses the block ("invocation index 3 ... not found in storage"). The marks compute nothing, and
+# PyTorch's selective checkpointing lets ops of that kind through unmatched: detach, which AC itself adds
+# (torch.utils.checkpoint.SAC_IGNORED_OPS, a module-level set of PyTorch 2.13); the profiler's marks join them.
+torch.utils.checkpoint.SAC_IGNORED_OPS |= {
+    torch.ops.profiler._record_function_enter.default,
+    torch.ops.profiler._record_function_enter_new.default,
+    torch.ops.profiler._record_function_exit.default,
+    torch.ops.profiler._record_function_exit._RecordFunction,
+}
 # The matmul of a linear layer (plain, with bias, float8); kept when the linear is one the family names.
 _MATMUL_OPS: frozenset[torch._ops.OpOverload] = frozenset(
     {aten.mm.default, aten.addmm.default, aten._scaled_mm.default}

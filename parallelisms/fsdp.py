@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 if TYPE_CHECKING:
     from config import Training
@@ -72,6 +73,7 @@ def apply_fsdp(
     cpu_offload: bool = False,
     reshard_after_forward: Literal["default", "always", "never"] = "default",
     pp_enabled: bool = False,
+    experts: tuple[str, DeviceMesh] | None = None,
 ) -> None:
     """Shard the embedding and each block as separate units, then the root (norm + output).
 
@@ -91,6 +93,12 @@ def apply_fsdp(
     Under pipeline parallel (pp_enabled, `model` is one stage) "default" means "never": a stage runs
     several micro-batches' forwards before their backwards, and resharding would gather its
     parameters again for each of them (torchtitan's rule).
+
+    experts: (name inside a block, mesh) of expert parallel's experts (parallelisms/ep.py), each block's a unit of its
+    own over that mesh (the ranks ep leaves), before the block. Their gradients arrive summed over the ep ranks by
+    the all-to-all's backward, so FSDP divides them by `mesh`'s size, the data-parallel ranks the other gradients are
+    averaged over, not by their own mesh's. Sharded on dim 0 (experts) where each ep rank's experts split evenly over
+    that mesh, else on dim 1 (torchtitan's rule: a padded shard of whole experts would gather more than it holds).
     """
     reshard = reshards_after_forward(reshard_after_forward, pp_enabled=pp_enabled)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
@@ -109,6 +117,21 @@ def apply_fsdp(
         # 8B: docs/benchmarks.md); its gradient is reduce-scattered as any other.
         model.tok_embeddings.set_unshard_in_backward(False)
     for block in model.layers.values():
+        if experts is not None:
+            name, experts_mesh = experts
+            module = block.get_submodule(name)
+            local = next(module.parameters()).to_local().shape[0]  # this ep rank's experts
+            dim = 0 if local % experts_mesh.shape[-1] == 0 else 1
+            fully_shard(
+                module,
+                **{**kw, "mesh": experts_mesh},
+                reshard_after_forward=reshard,
+                shard_placement_fn=lambda _, dim=dim: Shard(dim),
+            )
+            module.set_gradient_divide_factor(mesh.size())
+            if experts_mesh.device_type == "cpu" and experts_mesh.size() > 1:
+                # gloo has no PREMUL_SUM: sum, then divide. (Not on one rank: PyTorch 2.13 would divide twice.)
+                module.set_force_sum_reduction_for_comms(True)
         fully_shard(block, **kw, reshard_after_forward=reshard)
     # The final norm and the output projection stay in the root unit, which FSDP never reshards
     # between forward and backward: the chunked loss (loss.py) calls the projection once per chunk

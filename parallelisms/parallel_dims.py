@@ -14,6 +14,12 @@ FSDP shards parameters over dp_shard x cp (`fsdp_mesh`, torchtitan's rule): the 
 compute on different tokens with the same weights, so their gradients are averaged like data
 parallel's, and sharding over them costs nothing more.
 
+Expert parallel (ep, parallelisms/ep.py) is not a sixth dimension: its ranks are ranks that hold different tokens at
+a mixture of experts, the dp_shard x cp x tp ranks of a replica (under sequence parallel each TP rank holds its own
+part of the sequence there). `expert_meshes` lays those out again as ("efsdp", "ep"), ep innermost: each rank holds
+experts / ep of every block's experts, and FSDP shards them over the efsdp = dp_shard x cp x tp / ep ranks left
+(torchtitan's layout with expert_tensor_parallel_degree 1).
+
 A rank's data-parallel index is `dp_rank(mesh)`; the TP ranks of one group, the CP ranks of one
 group and the PP ranks of one pipeline share it and so read the same micro-batch.
 """
@@ -29,7 +35,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from config import model_args
 from errors import ConfigError
+from models import family
 from parallelisms.cp import check_cp
+from parallelisms.ep import check_ep
 from parallelisms.pp import check_microbatches, split_layers
 from parallelisms.tp import check_tp
 
@@ -45,6 +53,7 @@ class ParallelDims:
     world_size: int
     pp: int = 1
     cp: int = 1
+    ep: int = 1
 
     @classmethod
     def from_config(cls, cfg: Parallelism, *, world_size: int) -> ParallelDims:
@@ -56,10 +65,13 @@ class ParallelDims:
             dp_shard=cfg.data_parallel_shard_degree,
             cp=cfg.context_parallel_degree,
             tp=cfg.tensor_parallel_degree,
+            ep=cfg.expert_parallel_degree,
         )
 
     @classmethod
-    def resolve(cls, *, world_size: int, pp: int, dp_replicate: int, dp_shard: int, cp: int, tp: int) -> ParallelDims:
+    def resolve(
+        cls, *, world_size: int, pp: int, dp_replicate: int, dp_shard: int, cp: int, tp: int, ep: int = 1
+    ) -> ParallelDims:
         """Resolve dp_shard = -1 (parallelism.data_parallel_shard_degree) and check that the degrees fill the world."""
         rep, shard = dp_replicate, dp_shard
         if shard == -1:
@@ -76,12 +88,19 @@ class ParallelDims:
                 f"{pp * rep * shard * cp * tp} ranks, but the world size is {world_size}; make the degrees multiply "
                 "to the number of processes (data_parallel_shard_degree = -1 takes whatever is left)"
             )
-        return cls(pp=pp, dp_replicate=rep, dp_shard=shard, tp=tp, world_size=world_size, cp=cp)
+        if (shard * cp * tp) % ep:
+            raise ConfigError(
+                f"parallelism.expert_parallel_degree: {ep} does not divide data_parallel_shard_degree {shard} x "
+                f"context_parallel_degree {cp} x tensor_parallel_degree {tp} = {shard * cp * tp}, the ranks of a "
+                f"replica that hold their own tokens at the experts; use a divisor of {shard * cp * tp}"
+            )
+        return cls(pp=pp, dp_replicate=rep, dp_shard=shard, tp=tp, world_size=world_size, cp=cp, ep=ep)
 
     def describe(self) -> str:
-        """The layout as start-up and the dry run print it: "replicate R x shard S x [cp C x ]tp T"."""
+        """The layout as start-up and the dry run print it: "replicate R x shard S x [cp C x ]tp T[ (ep E)]"."""
         cp = f"cp {self.cp} x " if self.cp_enabled else ""
-        return f"replicate {self.dp_replicate} x shard {self.dp_shard} x {cp}tp {self.tp}"
+        ep = f" (ep {self.ep})" if self.ep_enabled else ""
+        return f"replicate {self.dp_replicate} x shard {self.dp_shard} x {cp}tp {self.tp}{ep}"
 
     @property
     def dp(self) -> int:
@@ -109,6 +128,15 @@ class ParallelDims:
     def pp_enabled(self) -> bool:
         return self.pp > 1
 
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def efsdp(self) -> int:
+        """The ranks of a replica that shard each expert parallel rank's experts with FSDP (the module docstring)."""
+        return self.dp_shard * self.cp * self.tp // self.ep
+
     def build_mesh(self, device_type: str) -> DeviceMesh:
         return init_device_mesh(
             device_type,
@@ -127,6 +155,18 @@ class ParallelDims:
             warnings.filterwarnings("ignore", message="Slicing a flattened dim")
             return mesh["dp_replicate", "dp_shard_cp"]
 
+    def expert_meshes(self, mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh]:
+        """(the "ep" mesh the experts are split over, the mesh FSDP shards them over: "efsdp", under "dp_replicate"
+        for HSDP), from `mesh`'s dp_shard x cp x tp ranks laid out again as ("efsdp", "ep") (the module docstring).
+        Private DeviceMesh methods of PyTorch 2.13 (_flatten, _unflatten, _concatenate), as torchtitan uses them; the
+        meshes share `mesh`'s root, so FSDP composes with the experts' ep sharding as with TP's."""
+        tokens = mesh["dp_shard", "cp", "tp"]._flatten("dp_shard_cp_tp")
+        sparse = tokens._unflatten(0, (self.efsdp, self.ep), ("efsdp", "ep"))
+        efsdp = (
+            DeviceMesh._concatenate([mesh["dp_replicate"], sparse["efsdp"]]) if self.hsdp_enabled else sparse["efsdp"]
+        )
+        return sparse["ep"], efsdp
+
     def dp_rank(self, mesh: DeviceMesh) -> int:
         """This rank's index among the dp_replicate x dp_shard data-parallel ranks."""
         return mesh["dp_replicate"].get_local_rank() * self.dp_shard + mesh["dp_shard"].get_local_rank()
@@ -135,16 +175,18 @@ class ParallelDims:
 def layout_problems(cfg: JobConfig, *, world_size: int) -> list[str]:
     """Every problem of cfg's parallel layout on world_size ranks, from the rules where they live: the degrees
     (ParallelDims), what TP needs of the model's shape and the sequence (check_tp), how CP cuts a window (check_cp),
+    what expert parallel needs of the experts and the run (check_ep),
     the pipeline's split and micro-batches (pp.py). The run (train.py passes layout_checks to load_config) and the
     memory estimator ask the same rules."""
     par, seq_len = cfg.parallelism, cfg.training.seq_len
-    pp, rep, cp, tp = (
+    pp, rep, cp, tp, ep = (
         par.pipeline_parallel_degree,
         par.data_parallel_replicate_degree,
         par.context_parallel_degree,
         par.tensor_parallel_degree,
+        par.expert_parallel_degree,
     )
-    if min(pp, rep, cp, tp) < 1:
+    if min(pp, rep, cp, tp, ep) < 1:
         return []  # config.validate names the degree; no layout rule can divide by it
     args = model_args(cfg.model)
     rules = [lambda: ParallelDims.from_config(par, world_size=world_size)]
@@ -157,6 +199,9 @@ def layout_problems(cfg: JobConfig, *, world_size: int) -> list[str]:
         )
     if tp > 1:
         rules.append(lambda: check_tp(args, tp_degree=tp, seq_len=seq_len))
+    if ep > 1 and (experts := family(cfg.model.name).num_experts(args)):  # a dense family is refused with the config
+        compiled = cfg.compile.enable and "model" in cfg.compile.components
+        rules.append(lambda: check_ep(ep=ep, num_experts=experts, compiled=compiled))
     if pp > 1:
         rules.append(
             lambda: split_layers(

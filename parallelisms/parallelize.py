@@ -16,6 +16,7 @@ from parallelisms.ac import apply_ac
 from parallelisms.async_tp import apply_async_tp
 from parallelisms.compile import apply_compile, inductor_cache_dir
 from parallelisms.cp import apply_cp, context_parallel
+from parallelisms.ep import apply_ep
 from parallelisms.float8 import adapt_tp_plan, apply_float8, float8_tp_supported
 from parallelisms.fsdp import DTYPES, applies_fsdp, apply_fsdp
 from parallelisms.parallel_dims import ParallelDims
@@ -36,7 +37,7 @@ def parallelize_model(
     device: torch.device,
     planning: bool = False,
 ) -> nn.Module:
-    """Apply, in order, float8 -> TP (+ async TP) -> CP -> activation checkpointing -> compile -> FSDP to a (meta) model,
+    """Apply, in order, float8 -> TP -> EP (+ async TP) -> CP -> activation checkpointing -> compile -> FSDP to a (meta) model,
     as the run's config asks: [training], [parallelism], [activation_checkpoint], [compile] and the float8 linears.
 
     The order is not a matter of taste:
@@ -47,6 +48,8 @@ def parallelize_model(
       1. TP: it replaces parameters by DTensors sharded over "tp" and installs the
          input/output redistributions; every later step must see those final parameters.
          Async TP only sets the compiler passes that overlap TP's collectives: on before compile.
+      1a. EP splits each block's experts over the "ep" ranks (parallelisms/ep.py), once TP has given each rank its own
+         tokens at the MoE, before FSDP shards each rank's experts over the ranks left.
       1b. CP wraps each attention core (parallelisms/cp.py) before AC and compile see the block, so
          its all-gather of keys and values is part of the checkpointed and compiled region.
       2. AC before compile: compile then traces the checkpointed block, so the recomputation
@@ -83,6 +86,11 @@ def parallelize_model(
             seq_len=training.seq_len,
             adapt_block_plan=adapt_tp_plan if float8 is not None and float8_tp_supported(float8, mesh["tp"]) else None,
         )
+    experts = None  # (name inside a block, the mesh FSDP shards them over) under expert parallel
+    if dims.ep_enabled:
+        ep_mesh, experts_fsdp_mesh = dims.expert_meshes(mesh)
+        apply_ep(model, ep_mesh, experts=fam.experts_module)
+        experts = (fam.experts_module, experts_fsdp_mesh)
     if parallelism.enable_async_tensor_parallel:
         apply_async_tp(mesh["tp"], compile_enabled=compile.enable and "model" in compile.components, planning=planning)
     if (cp := context_parallel(mesh, parallelism)) is not None:
@@ -117,6 +125,7 @@ def parallelize_model(
             cpu_offload=training.enable_cpu_offload,
             reshard_after_forward=parallelism.fsdp_reshard_after_forward,
             pp_enabled=dims.pp_enabled,
+            experts=experts,
         )
     return model
 

@@ -9,14 +9,15 @@ and on what would merely run badly, and lives here:
 
     nodes (CUDA)   TP groups that cross nodes; HSDP inside one node; HSDP shard groups that are not
                    one node; FSDP across nodes where HSDP would keep the all-gathers inside a node
-                   (docs/failures.md #3)
+                   (docs/failures.md #3); expert-parallel groups whose all-to-alls cross nodes
     precision      bf16 on a CPU without bf16 instructions; bf16 gradient reduction
     toolchain      no C++ compiler for inductor's CPU backend; autotuned kernels under determinism
     async TP       rowwise float8 under async TP, whose all-gathers the fusion pass cannot match
                    (docs/failures.md #4)
     offload        CPU offload on a machine without CUDA (docs/failures.md #5)
     memory         parameters, gradients, optimizer state and activations per rank (planning/estimate_memory.py)
-                   against the device memory of a rank; mode "auto"'s choice of activation checkpointing
+                   against the device memory of a rank; mode "auto"'s choice of activation checkpointing; under
+                   expert parallel, how unbalanced a routing the rank has room for (no token is dropped)
     data           a run that would read its corpus many times over; a tokenizer whose vocabulary
                    is far smaller than the model's embedding (most of it never trained)
 
@@ -34,7 +35,7 @@ import shutil
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -45,6 +46,9 @@ from data.inputs import input_problems
 from data.tokenizers import build_tokenizer
 from errors import ConfigError, is_rank0, warn
 from parallelisms.parallel_dims import ParallelDims, layout_checks
+
+if TYPE_CHECKING:
+    from planning.memory import Setup
 
 Severity = Literal["error", "warning", "note"]
 GiB = 2**30
@@ -114,7 +118,8 @@ def check_recipe(
         dims = ParallelDims.from_config(cfg.parallelism, world_size=world_size)
     except ConfigError as e:  # the run's own rule, reported by the pre-flight
         return [Finding("error", *problem.split(": ", 1)) for problem in e.problems]
-    findings = _nodes(dims, machine) + _precision(cfg, machine) + _toolchain(cfg, machine) + _async_tp(cfg)
+    findings = _nodes(dims, machine) + _expert_parallel_nodes(dims, machine)
+    findings += _precision(cfg, machine) + _toolchain(cfg, machine) + _async_tp(cfg)
     findings += _offload(cfg, machine)
     findings += _memory(cfg, dims, machine, tp_mesh=tp_mesh) + _data(cfg, dims)
     return sorted(findings, key=lambda f: f.severity != "error")  # stable: errors first, in check order
@@ -217,6 +222,21 @@ def _nodes(dims: ParallelDims, machine: Machine) -> list[Finding]:
         )
         return [Finding("warning", "parallelism.data_parallel_replicate_degree", message)]
     return []
+
+
+def _expert_parallel_nodes(dims: ParallelDims, machine: Machine) -> list[Finding]:
+    """Expert parallel's all-to-alls inside a node. Its groups are `ep` consecutive ranks (ParallelDims.expert_meshes:
+    ep innermost of a replica's dp_shard x cp x tp ranks, which are consecutive), so one crosses nodes where ep does
+    not divide the node. Checked on CUDA only, as `_nodes`."""
+    n, ep = machine.gpus_per_node, dims.ep
+    if not machine.cuda or n is None or n < 1 or ep == 1 or (ep <= n and n % ep == 0):
+        return []
+    message = (
+        f"expert-parallel groups of {ep} ranks cross the nodes of {n} GPUs, so every MoE block's all-to-alls (its "
+        f"tokens to their experts and back, forward and backward) go over the inter-node link; use a divisor of {n} "
+        "(FSDP shards each rank's experts over the ranks left)"
+    )
+    return [Finding("warning", "parallelism.expert_parallel_degree", message)]
 
 
 # --------------------------------------------------------------------- precision
@@ -365,7 +385,7 @@ def _memory(cfg: JobConfig, dims: ParallelDims, machine: Machine, *, tp_mesh: De
         have = machine.device_memory_gib / ranks
         what = f"{have:.1f} GiB ({machine.device_memory_gib:.1f} GiB of host memory shared by {ranks} rank(s))"
     if need <= have:
-        return findings
+        return findings + _routing_skew(job, need=need, have=have, what=what, tp_mesh=tp_mesh)
     return findings + [
         Finding(
             "error",
@@ -375,6 +395,33 @@ def _memory(cfg: JobConfig, dims: ParallelDims, machine: Machine, *, tp_mesh: De
             "checkpointing, a smaller local_batch_size or seq_len, or a smaller flavor",
         )
     ]
+
+
+def _routing_skew(job: Setup, *, need: float, have: float, what: str, tp_mesh: DeviceMesh | None) -> list[Finding]:
+    """Under expert parallel no token is dropped (no capacity factor, parallelisms/ep.py): the rows a rank's experts
+    receive, and the buffers that hold them, follow the routing. Balanced routing fits (`need` GiB of `have`); the
+    worst routing sends all of the ep group's tokens x top_k to one rank's experts in every block. Where that does not
+    fit: how many times the balanced rows the rank has room for, found on the estimate (Setup.ep_load)."""
+    from planning.memory import estimate  # (as _memory: the estimator loads only when this check runs)
+
+    if job.ep == 1:
+        return []
+    total = lambda load: estimate(dataclasses.replace(job, ep_load=load), tp_mesh=tp_mesh)["total"] / GiB  # noqa: E731
+    worst = total(float(job.ep))
+    if worst <= have:
+        return []
+    fits, over = 1.0, float(job.ep)  # the estimate grows with the load: bisect to a tenth of the balanced rows
+    while over - fits > 0.1:
+        mid = (fits + over) / 2
+        fits, over = (mid, over) if total(mid) <= have else (fits, mid)
+    message = (
+        f"no token is dropped (no capacity factor), so a rank holds what routing sends its experts: about {need:.1f} "
+        f"GiB balanced, {worst:.1f} GiB with all {job.ep} ranks' tokens x top_k on its experts, and a rank has "
+        f"{what}: room for {fits:.1f}x the balanced rows (the log's moe load, max/mean tokens per expert, must stay "
+        "below it); keep model.moe.router_aux_loss_coef or load_balance_coeff on, or use full AC or a smaller "
+        "local_batch_size"
+    )
+    return [Finding("warning", "parallelism.expert_parallel_degree", message)]
 
 
 # ------------------------------------------------------------------------- data

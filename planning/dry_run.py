@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import time
 from collections import Counter
 from typing import Any
@@ -49,16 +50,17 @@ from config import (
 from data.inputs import input_problems
 from loss import Loss
 from models import family
+from parallelisms.ep import all_to_all_bytes
 from parallelisms.float8 import converts, gathers_float8
 from parallelisms.fsdp import DTYPES, applies_fsdp, reshards_after_forward
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import build_model
 from parallelisms.pp import check_microbatches, rank_stages, stage_layers
 from planning import doctor
+from planning.exchanges import cp_kv_bytes
 from planning.memory import (
     GiB,
     Setup,
-    cp_kv_bytes,
     estimate,
     hidden_matrices,
     job_costs,
@@ -153,8 +155,11 @@ def plan_lines(
             + ")"
         )
     lines += ["", "groups of rank 0 (ranks; how many such groups):"]
-    for name in mesh.mesh_dim_names:
-        ranks = mesh[name].mesh.flatten().tolist()
+    groups = {name: mesh[name] for name in mesh.mesh_dim_names}
+    if dims.ep_enabled:  # expert parallel's layout of the dp_shard x cp x tp ranks (ParallelDims.expert_meshes)
+        groups["ep"], groups["efsdp"] = dims.expert_meshes(mesh)
+    for name, group in groups.items():
+        ranks = group.mesh.flatten().tolist()
         shown = ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
         lines.append(f"  {name:<13} {len(ranks):>4} ranks [{shown}]; {dims.world_size // len(ranks)} groups")
     even = total / dims.world_size * dims.dp_replicate
@@ -236,14 +241,13 @@ def _comm(
     cp        context parallel: per block of the rank's stages and micro-batch, an all-gather of the window's keys and
               values forward, a reduce-scatter of their gradients backward, and another all-gather where AC recomputes
               the block (not under op SAC, which keeps the gathered tensors).
-    dp_repl.  HSDP: an all-reduce of the gradient shards once per step, whatever the micro-batches (train.py defers it
-              to the last, parallelisms/fsdp.py sync_gradients_on; pipeline stages sync once anyway).
+    dp_repl.  HSDP: an all-reduce of the gradient shards once per step (parallelisms/fsdp.py sync_gradients_on).
     tp        the family's TP plan's collectives as one traced block runs them (planning.trace.block_costs: forward,
               backward, AC's recomputation) per block and micro-batch, the embedding's and head's (first and last
               stage), and the all-reduce of the gradients of the weights TP leaves whole (the norms'), per micro-batch.
     pp        each micro-batch's activations forward and their gradients backward across each stage boundary.
-    norm      the gradient norm's all-reduces: one float32 per parameter tensor of the rank (`norm_values`: so many
-              instead) over each dimension that shards parameters, one over the pipeline stages.
+    norm      the gradient norm's all-reduces: a float32 per parameter tensor of the rank (`norm_values`: so many instead)
+              over each dimension that shards parameters, one over the pipeline stages. ep, efsdp: `_ep`.
     muon      optimizer.name = "Muon": its exchange of the hidden matrices' blocks (`_muon`, muon.py).
     """
     t, par, args = cfg.training, cfg.parallelism, job.args
@@ -259,8 +263,7 @@ def _comm(
     blocks, first, last = sum(len(layers[s]) for s in ours), 0 in ours, len(layers) - 1 in ours
     modes = [mode for s in ours for mode in layer_modes(job, layers[s])]  # each block's AC
     costs = job_costs(job, tp_mesh=tp_mesh)  # parameters counted on one TP rank
-    held = blocks * costs.block_params + first * costs.embedding_params + last * costs.root_params
-    held_tensors = sum(n * k for n, k in zip((blocks, first, last), _param_tensors(cfg.model.name, args), strict=True))
+    held, held_tensors = _dense_held(cfg, dims, costs, args, blocks=blocks, first=first, last=last)
     resharded = reshards_after_forward(par.fsdp_reshard_after_forward, pp_enabled=pp > 1)
     gathers = 2 * grad_accum if resharded else (1 if pp > 1 else grad_accum)
     syncs = 1 if pp > 1 or par.fsdp_defer_reduce_scatter else grad_accum
@@ -306,6 +309,8 @@ def _comm(
         _add(out, "cp", kinds, what)  # to FSDP's line when it shards over the CP ranks alone
     if muon := _muon(cfg, dims, args, blocks=blocks, fsdp_dim=fsdp_dim):
         _add(out, *muon)  # to FSDP's or TP's line when Muon's group is theirs
+    for line in _ep(cfg, dims, job, costs, blocks, modes, grad_accum, gathers, syncs):  # expert parallel's lines
+        _add(out, *line)
     if pp > 1:  # rank 0's stages: each but the last sends activations, each but the first gradients
         crossings = sum(s != len(layers) - 1 for s in ours) + sum(s != 0 for s in ours)
         boundary = local_tokens / tp * args.dim * param_bytes
@@ -315,6 +320,100 @@ def _comm(
             "micro-batch (activations forward, their gradients backward)",
         )
     return out
+
+
+def _dense_held(
+    cfg: JobConfig, dims: ParallelDims, costs: BlockCosts, args: Any, *, blocks: int, first: bool, last: bool
+) -> tuple[int, int]:
+    """Parameters and parameter tensors of rank 0's stages that FSDP shards over the dense mesh: all of them, but
+    expert parallel's experts, which have a mesh and lines of their own (`_ep`)."""
+    tensors = _param_tensors(cfg.model.name, args)
+    held = blocks * costs.block_params + first * costs.embedding_params + last * costs.root_params
+    held_tensors = sum(n * k for n, k in zip((blocks, first, last), tensors, strict=True))
+    if dims.ep_enabled:
+        held -= blocks * costs.experts_params
+        held_tensors -= blocks * _expert_tensors(cfg.model.name, args)
+    return held, held_tensors
+
+
+def _ep(
+    cfg: JobConfig,
+    dims: ParallelDims,
+    job: Setup,
+    costs: BlockCosts,
+    blocks: int,
+    modes: list[str],
+    grad_accum: int,
+    gathers: int,
+    syncs: int,
+) -> list[tuple[str, Counter[str], str]]:
+    """Expert parallel's bytes (parallelisms/ep.py), as (line, bytes by kind, what): each MoE block and forward
+    (micro-batch) sends the rows of its tokens routed to other ranks' experts and receives theirs, forward (dispatch
+    and combine) and backward, and again in a full-AC block's recomputation (op SAC keeps the exchanged tensors),
+    for routing as balanced as can be: tokens x top_k x (ep - 1) / ep rows each way (`all_to_all_bytes`; a skewed
+    routing sends more, the metrics' expert load says how skewed). The experts' FSDP: each rank's experts gathered
+    and their gradients reduce-scattered over the efsdp ranks (replicas all-reduce them under HSDP), their gradient
+    norm all-reduced over the ep x efsdp ranks. Nothing without expert parallel."""
+    if not dims.ep_enabled:
+        return []
+    t, fam, args = cfg.training, family(cfg.model.name), job.args
+    param_bytes, reduce_bytes = DTYPES[t.mixed_precision_param].itemsize, DTYPES[t.mixed_precision_reduce].itemsize
+    ring = lambda g: (g - 1) / g  # noqa: E731
+    ep, efsdp = dims.ep, dims.efsdp
+    tokens = t.local_batch_size * t.seq_len // (dims.cp * dims.tp)  # at the MoE: each TP rank its own sequence part
+    rows = tokens * fam.experts_per_token(args) * (ep - 1) / ep / job.microbatches  # each way, per forward
+    sent = functools.partial(
+        all_to_all_bytes, sent_rows=rows, received_rows=rows, dim=args.dim, element_size=param_bytes,
+        num_experts=fam.num_experts(args), ep=ep,
+    )  # fmt: skip
+    forwards = job.microbatches * grad_accum  # of every block of the rank
+    a2a = forwards * (blocks * sent() + modes.count("full") * sent(backward=False))
+    held = blocks * costs.experts_params / ep  # this rank's experts, before FSDP shards them
+    fsdp_applied = applies_fsdp(dims, param_dtype=t.mixed_precision_param, cpu_offload=t.enable_cpu_offload)
+    norm = ring(efsdp * ep) * 2 * 4 * blocks * _expert_tensors(cfg.model.name, args)
+    ep_line, efsdp_line, tokens_line = _expert_lines(dims)
+    lines = [
+        (ep_line, Counter(all_to_all=a2a), "expert parallel: tokens to their experts and back, all-to-all"),
+        (tokens_line, Counter(all_reduce=norm), "the experts' gradient norm"),
+    ]
+    if fsdp_applied and efsdp > 1:
+        kinds = Counter(
+            all_gather=ring(efsdp) * gathers * held * param_bytes,
+            reduce_scatter=ring(efsdp) * syncs * reduce_bytes * held,
+        )
+        lines.append((efsdp_line, kinds, "FSDP of each rank's experts over the ranks expert parallel leaves"))
+    if fsdp_applied and dims.hsdp_enabled:
+        all_reduce = Counter(all_reduce=2 * ring(dims.dp_replicate) * reduce_bytes * held / efsdp)
+        lines.append(("dp_replicate", all_reduce, "the experts' gradient shards"))
+    return lines
+
+
+def _expert_lines(dims: ParallelDims) -> tuple[str, str, str]:
+    """The lines of rank 0's ep group, its efsdp group and the two together (ParallelDims.expert_meshes: ep
+    consecutive ranks of dp_shard x cp x tp, efsdp every ep-th), each named after the mesh dimension(s) whose ranks
+    it is, as FSDP's line is ("tp" where the TP ranks are the ep ranks), else "ep" and "efsdp"."""
+    shard, cp, tp, ep = dims.dp_shard, dims.cp, dims.tp, dims.ep
+    split = [name for name, size in (("dp_shard", shard), ("cp", cp), ("tp", tp)) if size > 1]
+    tokens = split[0] if len(split) == 1 else "dp_shard_cp" if tp == 1 else "dp_shard_cp_tp"
+    ep_line = (
+        "tp"
+        if ep == tp
+        else ("cp" if tp == 1 else "cp_tp")
+        if ep == cp * tp
+        else tokens
+        if ep == shard * cp * tp
+        else "ep"
+    )
+    efsdp_line = "dp_shard" if ep == cp * tp else "cp" if ep == tp and shard == 1 else "efsdp"
+    return ep_line, efsdp_line, tokens
+
+
+def _expert_tensors(name: str, args: Any) -> int:
+    """Parameter tensors of one block's experts (the family's experts_module); 0 for a dense family."""
+    fam = family(name)
+    if not fam.experts_module:
+        return 0
+    return len(list(one_block_model(name, args).layers["0"].get_submodule(fam.experts_module).parameters()))
 
 
 def _tp_kinds(

@@ -53,9 +53,10 @@ def _heading(job: Setup, e: dict[str, Any], pp_rank: int | None) -> str:
     """The job in one line; under PP a second one: the schedule and the rank broken down."""
     shard = f"shard {job.shard // job.cp} x cp {job.cp}" if job.cp > 1 else f"shard {job.shard}"
     pp = f"pp {job.pp} x " if job.pp > 1 else ""
+    ep = f" (ep {job.ep} x efsdp {job.efsdp})" if job.ep > 1 else ""
     heading = (
         f"{job.family} {job.flavor}: {job.fam.num_params(job.args) / 1e9:.2f}B params | {job.ngpu} GPUs = "
-        f"{pp}replicate {job.replicate} x {shard} x tp {job.tp} | local batch {job.local_batch_size} x "
+        f"{pp}replicate {job.replicate} x {shard} x tp {job.tp}{ep} | local batch {job.local_batch_size} x "
         f"{job.seq_len} tokens, grad accumulation {job.grad_accum} | params {job.param_dtype}, reduce "
         f"{job.reduce_dtype} | AC {job.ac} | RMSNorm {job.rmsnorm}" + (" | CPU offload" if job.cpu_offload else "")
     )
@@ -79,6 +80,8 @@ def _state_rows(job: Setup, e: dict[str, Any]) -> list[str]:
     else:
         grads = "reduce-scattered block by block in backward"
         units = f"norm+output unit {e['output_unit'] / GiB:.2f}, + 2 blocks x {e['block_unit'] / GiB:.2f}"
+        if job.ep > 1:
+            units += f" (this rank's experts {e['experts_unit'] / GiB:.2f} of it)"
         gathered = f"{units} in backward"
         unsharded = _row("root unit's gradient", e["root_grad"], "unsharded, param_dtype, loss backward to the end")
     deferred = []
@@ -86,8 +89,11 @@ def _state_rows(job: Setup, e: dict[str, Any]) -> list[str]:
         grads = "reduce-scattered in the step's last micro-batch"
         what = "unsharded, reduce_dtype, first backward to the step's last (fsdp_defer_reduce_scatter)"
         deferred = [_row("gradient accumulators", e["accumulators"], what)]
+    sharded = "4 B per parameter of the rank / (shard x tp)"
+    if job.ep > 1:
+        sharded = f"4 B per parameter: the dense ones / (shard x tp), the experts / (ep {job.ep} x efsdp {job.efsdp})"
     return [
-        _row("sharded fp32 params", e["params"], "4 B per parameter of the rank / (shard x tp)"),
+        _row("sharded fp32 params", e["params"], sharded),
         _row("AdamW state (2 x fp32)", e["adam"])
         if not job.muon
         else _row("Muon + AdamW state", e["adam"], "fp32: Muon's momentum of the hidden matrices, AdamW's 2 moments"),
@@ -104,8 +110,9 @@ def _activation_rows(job: Setup, e: dict[str, Any]) -> list[str]:
     checkpointed = f", {e['act_per_block_checkpointed'] / GiB:.3f} checkpointed" if job.ac != "none" else ""
     held = f", {e['microbatches_held']} micro-batch(es) of them held" if job.pp > 1 else ""
     per_block = f"per micro-batch{held}; per block {e['act_per_block_no_ac'] / GiB:.3f} without AC{checkpointed}"
+    exchange = f" + EP rows in flight {e['ep_exchange'] / GiB:.2f}" if job.ep > 1 else ""
     block_backward = (
-        f"recompute {e['recompute'] / GiB:.2f} + activation grads {e['grad_acts'] / GiB:.2f} "
+        f"recompute {e['recompute'] / GiB:.2f} + activation grads {e['grad_acts'] / GiB:.2f}{exchange} "
         f"+ unsharded grads/RS {e['rs_buffers'] / GiB:.2f}"
     )
     rows = [
@@ -114,7 +121,18 @@ def _activation_rows(job: Setup, e: dict[str, Any]) -> list[str]:
         _row("logits + loss buffers", e["loss_buffers"], _loss_note(job)),
         _row("one block's backward", e["block_backward"], block_backward),
     ]
+    if job.ep > 1:
+        rows.append(_row("expert-parallel exchange", e["ep_exchange"], _exchange_note(job, e)))
     return rows + ([_row("pp send/recv buffers", e["pp_buffers"])] if job.pp > 1 else [])
+
+
+def _exchange_note(job: Setup, e: dict[str, Any]) -> str:
+    """What expert parallel's all-to-all moves per MoE block and where its rows are counted."""
+    load = "balanced routing" if job.ep_load == 1 else f"{job.ep_load:g} x balanced routing's rows"
+    return (
+        f"per MoE block, {e['ep_rows']:,.0f} rows of {job.args.dim} received ({load}; no capacity factor: skew grows "
+        "them); op SAC keeps both ways' rows"
+    )
 
 
 def _loss_note(job: Setup) -> str:
@@ -155,6 +173,11 @@ def _peak_rows(job: Setup, e: dict[str, Any]) -> list[str]:
 
 def fake_breakdown(job: Setup, pp_rank: int = 0) -> str:
     """fake_job_memory's categories at its peak next to the formula's allocated peak, for the same rank (MiB)."""
+    if job.ep > 1:
+        raise ValueError(
+            "expert parallel reads its all-to-all's split sizes from the routing, which fake tensors do not have; "
+            "the formulas' estimate is the breakdown above"
+        )
     start = time.perf_counter()
     fake = fake_job_memory(job, pp_rank=pp_rank)
     seconds = time.perf_counter() - start
@@ -272,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.fake_step:
         try:
             print(fake_breakdown(job, 0 if args.pp_rank is None else args.pp_rank))
-        except ValueError as e:  # a job the fake step cannot run (interleaved schedules, context parallel)
+        except ValueError as e:  # a job the fake step cannot run (interleaved schedules, context parallel, EP)
             print(f"error: --fake-step: {e}", file=sys.stderr)
             return 2
     return 0

@@ -1,7 +1,7 @@
 """The memory of one GPU of a training setup, per pipeline rank, allocated and reserved, term by term: `Setup` (a
-run's config on its ranks, `Setup.of` or `setup`), `estimate` (the worst rank) and `estimate_rank`, from the job's shapes and a trace of one block of its model
-(planning/trace.py). How each term is modelled: docs/planning.md, "How the estimator counts". The command is
-planning/estimate_memory.py."""
+run's config on its ranks, `Setup.of` or `setup`), `estimate` (the worst rank) and `estimate_rank`, from the job's
+shapes and a trace of one block of its model (planning/trace.py; what context and expert parallel exchange:
+planning/exchanges.py). How each term is modelled: docs/planning.md, "How the estimator counts"."""
 
 from __future__ import annotations
 
@@ -32,10 +32,10 @@ from parallelisms.ac import block_modes
 from parallelisms.fsdp import applies_fsdp
 from parallelisms.parallel_dims import ParallelDims, layout_problems
 from parallelisms.pp import SCHEDULES, rank_stages, stage_layers
+from planning.exchanges import cp_kv_bytes, ep_bytes
 from planning.trace import BlockCosts, RMSNorm, block_costs
 
 GiB = 2**30
-
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 AC_MODES = ("none", "full", "selective-op", "selective-2")
 # Compute-stream bytes the caching allocator reserves beyond the allocated peak, as a share of it:
@@ -61,6 +61,9 @@ class Setup:
     replicate: int
     cp: int  # context_parallel_degree (parallelisms/cp.py): each rank holds seq_len / cp of every window
     pp: int
+    # expert_parallel_degree (parallelisms/ep.py): a mixture of experts' routed experts split over ep ranks, each rank's
+    # sharded by FSDP over the efsdp ranks left (ParallelDims.efsdp); 1 without expert parallel
+    ep: int
     seq_len: int
     local_batch_size: int
     # Micro-batches per optimizer step: training.global_batch_size / (local_batch_size x dp). From the
@@ -87,6 +90,10 @@ class Setup:
     # them alive holds T x V/tp more elements in param_dtype through the loss backward.
     logits_kept_in_backward: bool = False
     ac_blocks: tuple[str, ...] = ()  # activation_checkpoint.per_block, for ac "per_block": "none", "op" or "full" each
+    # Under expert parallel, the rows each MoE block's experts on this rank receive, as a multiple of balanced
+    # routing's (its ep group's tokens x top_k / ep): 1 balanced; up to ep where routing sends all of the group's rows
+    # to this rank's experts. No capacity factor drops any (parallelisms/ep.py): the experts' buffers grow with it.
+    ep_load: float = 1.0
 
     @classmethod
     def of(cls, cfg: JobConfig, ngpu: int, *, cuda: bool, rmsnorm: RMSNorm | None = None) -> Setup:
@@ -107,6 +114,7 @@ class Setup:
             replicate=dims.dp_replicate,
             cp=dims.cp,
             pp=dims.pp,
+            ep=dims.ep,
             seq_len=training.seq_len,
             local_batch_size=training.local_batch_size,
             grad_accum=grad_accum_steps(
@@ -145,6 +153,12 @@ class Setup:
     def shard(self) -> int:
         """The ranks FSDP shards parameters over: dp_shard x cp."""
         return self.ngpu // (self.pp * self.tp * self.replicate)
+
+    @property
+    def efsdp(self) -> int:
+        """Under expert parallel, the ranks FSDP shards each rank's experts over: dp_shard x cp x tp / ep
+        (ParallelDims.efsdp); without it the experts are sharded as the rest of their block, over `shard`."""
+        return self.shard * self.tp // self.ep if self.ep > 1 else self.shard
 
     @property
     def local_seq_len(self) -> int:
@@ -206,6 +220,7 @@ SHORT_KEYS = {
     "replicate": "parallelism.data_parallel_replicate_degree",
     "cp": "parallelism.context_parallel_degree",
     "pp": "parallelism.pipeline_parallel_degree",
+    "ep": "parallelism.expert_parallel_degree",
     "pp_schedule": "parallelism.pipeline_parallel_schedule",
     "pp_microbatch_size": "parallelism.pipeline_parallel_microbatch_size",
     "pp_layers_per_stage": "parallelism.pipeline_parallel_layers_per_stage",
@@ -348,7 +363,7 @@ def mode_costs(
 ) -> dict[str, BlockCosts]:
     """block_costs of one micro-batch of `job` through one block, in its param_dtype, for each block AC mode in
     `modes` ("none", "op", "full"). Under context parallel the block is traced on this rank's tokens, and attention's
-    keys and values span the whole window (`cp_kv_bytes`)."""
+    keys and values span the whole window (`cp_kv_bytes`); under expert parallel a block keeps what `ep_bytes` says."""
     extra, costs = cp_kv_bytes(job), {}
     for mode in modes:
         traced = block_costs(
@@ -366,8 +381,9 @@ def mode_costs(
             z_loss=job.z_loss_weight > 0,
             autocast=job.autocast,
         )
-        kept = traced.kept + (extra["kept"] if mode == "op" else 0)
-        costs[mode] = dataclasses.replace(traced, saved=traced.saved + extra["saved"], kept=kept)
+        ep = ep_bytes(job, traced)
+        kept = traced.kept + (extra["kept"] + ep["kept"] if mode == "op" else 0)
+        costs[mode] = dataclasses.replace(traced, saved=traced.saved + extra["saved"] + ep["saved"], kept=kept)
     return costs
 
 
@@ -376,25 +392,6 @@ def job_costs(job: Setup, *, tp_mesh: DeviceMesh | None = None) -> BlockCosts:
     from the others' in what a block keeps (`kept`) and in the recomputation's collectives and FLOPs."""
     mode = _main_mode(job)
     return mode_costs(job, (mode,), tp_mesh=tp_mesh)[mode]
-
-
-def cp_kv_bytes(job: Setup) -> dict[str, int]:
-    """What context parallel adds to one block's activations (parallelisms/cp.py), per micro-batch: attention
-    saves its keys and values for the whole window instead of this rank's 1/cp of it, expanded to the query
-    heads (grouped-query attention repeats them before SDPA): `saved`; an op-SAC block keeps the all-gather's output,
-    the window's keys and values at the KV heads, so that backward does not gather again: `kept`; one
-    all-gather's payload, the window's keys and values: `gathered`; on CPU ranks, SDPA's dense additive mask of
-    this rank's queries x the window, one per forward (models/attention.py; CUDA's BlockMask is a few KiB): `mask`.
-    All 0 without context parallel."""
-    if job.cp == 1:
-        return dict.fromkeys(("saved", "kept", "gathered", "mask"), 0)
-    args, param_bytes = job.args, DTYPE_BYTES[job.param_dtype]
-    batch, window = job.microbatch_tokens // job.local_seq_len, job.seq_len
-    head_bytes = batch * args.head_dim * param_bytes
-    saved = 2 * head_bytes * (window - job.local_seq_len) * (args.n_heads // job.tp)
-    gathered = 2 * head_bytes * window * (args.kv_heads // job.tp)
-    mask = batch * job.local_seq_len * window * param_bytes if job.allocator == "cpu" else 0
-    return {"saved": saved, "kept": gathered, "gathered": gathered, "mask": mask}
 
 
 def activation_bytes(job: Setup, *, tp_mesh: DeviceMesh | None = None) -> dict[str, int]:
@@ -427,18 +424,26 @@ def activation_bytes(job: Setup, *, tp_mesh: DeviceMesh | None = None) -> dict[s
 
 @dataclass(frozen=True)
 class _RankParams:
-    """The parameters of one pp rank as TP left them, before FSDP shards them (the family's plan splits a block's
-    matmul weights, the skeleton's the vocabulary). A tied model's one matrix lives in the root unit
-    (parallelisms/fsdp.py)."""
+    """The parameters of one pp rank as TP and expert parallel left them, before FSDP shards them (the family's plan
+    splits a block's matmul weights, the skeleton's the vocabulary, expert parallel a block's routed experts). A tied
+    model's one matrix lives in the root unit (parallelisms/fsdp.py)."""
 
     stages: list[list[int]]
     """The blocks of every (virtual) pipeline stage of the job; one stage of all blocks without PP."""
     local: list[int]
     """The stages this rank runs."""
-    block: int
+    block: float
+    """One block as FSDP gathers it on this rank: TP's shards of its dense part and this rank's experts (experts / ep;
+    TP does not split them)."""
+    experts: float
+    """Of `block`, this rank's routed experts; 0 for a dense family."""
     embedding: int
     root: int
     """The root unit: final norm + output projection (or the tied matrix)."""
+    shard: int
+    """The ranks FSDP shards the dense parameters over (Setup.shard)."""
+    experts_shard: int
+    """The ranks FSDP shards this rank's experts over (Setup.efsdp)."""
 
     @property
     def last_stage(self) -> int:
@@ -455,16 +460,44 @@ class _RankParams:
         return sum(self.of_stage(stage) for stage in self.local)
 
     @property
-    def largest_unit(self) -> int:
+    def sharded(self) -> float:
+        """Of all the rank's stages, the parameters its FSDP shards hold: the dense ones / shard, the experts / the
+        ranks that shard them (under expert parallel each rank's own experts / efsdp: the block's / (dp_shard x cp x
+        tp), where TP splits the dense part only)."""
+        blocks = sum(len(self.stages[stage]) for stage in self.local)
+        experts = blocks * self.experts
+        return (self.total - experts) / self.shard + experts / self.experts_shard
+
+    @property
+    def sharded_block(self) -> float:
+        """One block's parameters in this rank's FSDP shards."""
+        return (self.block - self.experts) / self.shard + self.experts / self.experts_shard
+
+    @property
+    def largest_unit(self) -> float:
         """The largest FSDP unit of the rank: a block, or the embedding or root unit where the rank has them."""
         return max([self.block] + [self.embedding] * (0 in self.local) + [self.root] * (self.last_stage in self.local))
+
+    @property
+    def largest_shard(self) -> float:
+        """The shards of the rank's largest FSDP unit (a block's: its dense part's and its experts' together)."""
+        ends = [self.embedding] * (0 in self.local) + [self.root] * (self.last_stage in self.local)
+        return max([self.sharded_block] + [n / self.shard for n in ends])
 
 
 def _rank_params(job: Setup, costs: BlockCosts, pp_rank: int) -> _RankParams:
     stages = job.stages
     local = rank_stages(pp_rank, pp=job.pp, stages=len(stages)) if job.pp > 1 else [0]
+    experts = costs.experts_params / job.ep  # the trace's block holds every expert: TP leaves them whole
     return _RankParams(
-        stages, local, block=costs.block_params, embedding=costs.embedding_params, root=costs.root_params
+        stages,
+        local,
+        block=costs.block_params - costs.experts_params + experts,
+        experts=experts,
+        embedding=costs.embedding_params,
+        root=costs.root_params,
+        shard=job.shard,
+        experts_shard=job.efsdp,
     )
 
 
@@ -495,7 +528,7 @@ class _ShardedState:
 
 
 def _sharded_state(job: Setup, params: _RankParams) -> _ShardedState:
-    master, grads, adam = (n * params.total / job.shard for n in (4, 4, 8))
+    master, grads, adam = (n * params.sharded for n in (4, 4, 8))
     adam -= 4 * _hidden(job, params) / job.shard  # Muon keeps one momentum for a hidden matrix, AdamW two moments
     on_gpu = not job.cpu_offload
     return _ShardedState(
@@ -504,7 +537,7 @@ def _sharded_state(job: Setup, params: _RankParams) -> _ShardedState:
         adam=adam,
         on_gpu=on_gpu,
         static=master + adam if on_gpu else 0.0,
-        block_grads=4 * params.block / job.shard if on_gpu else 0.0,
+        block_grads=4 * params.sharded_block if on_gpu else 0.0,
         # (deferred reduce-scatters make no shards before the step's last micro-batch)
         earlier_grads=grads if on_gpu and job.grad_accum > 1 and not job.defers_reduce_scatter else 0.0,
     )
@@ -600,6 +633,10 @@ class _Transients:
     """A block backward's activation gradients."""
     reduce_scatter_inputs: float
     """A block's unsharded gradient in param_dtype and its reduce_dtype copy."""
+    exchange: float
+    """Expert parallel's rows in flight in a block's backward (`ep_bytes`)."""
+    exchange_rows: float
+    """The rows (token, choice pairs) each MoE block's experts on this rank receive (`ep_bytes`)."""
     root_grad: float
     """The root unit's unsharded gradient, from the loss backward to the end."""
     pp_buffers: float
@@ -608,9 +645,10 @@ class _Transients:
     """Zero bubble: per block, what its weight gradients need between a micro-batch's input and weight backward."""
 
 
-def _transients(job: Setup, costs: BlockCosts) -> _Transients:
+def _transients(job: Setup, costs: BlockCosts, params: _RankParams) -> _Transients:
     tp, tokens, vocab, dim = job.tp, job.microbatch_tokens, job.args.vocab_size, job.args.dim
     param_bytes, reduce_bytes = DTYPE_BYTES[job.param_dtype], DTYPE_BYTES[job.reduce_dtype]
+    ep = ep_bytes(job, costs)
     # Start of the loss backward, in fp32 per logit: the saved log-softmax (4, counted with the activations) plus,
     # for the fused cross-entropy (tp 1), nll's gradient and log-softmax's gradient (4 + 4); under loss parallel
     # (tp > 1) torch's DTensor backward builds zeros_like(x), exp(x), their sum and the product (up to 4 x 4
@@ -634,7 +672,9 @@ def _transients(job: Setup, costs: BlockCosts) -> _Transients:
         # Without FSDP (one rank) a gradient is float32 in .grad as soon as backward makes it: under autocast a
         # block's param_dtype gradients before their casts, and the output projection's from the loss backward on.
         reduce_scatter_inputs=(param_bytes + reduce_bytes if job.fsdp else param_bytes if job.autocast else 0)
-        * costs.block_params,
+        * params.block,
+        exchange=ep["exchange"],
+        exchange_rows=ep["received_rows"],
         root_grad=(param_bytes if job.fsdp else 4) * costs.root_params,
         pp_buffers=2 * param_bytes * tokens * dim / tp if job.pp > 1 else 0.0,
         weight_grad_inputs=costs.matmul_inputs,
@@ -708,7 +748,8 @@ class _Replay:
             transients.reduce_scatter_inputs if first or not self.accumulates else self.param_bytes * params.block
         )
         for j, i in enumerate(reversed(range(len(blocks)))):
-            transient = acts.no_ac - blocks[i] + transients.activation_grads + unsharded  # recompute + gradients
+            # recompute + gradients (+ expert parallel's rows in flight)
+            transient = acts.no_ac - blocks[i] + transients.activation_grads + transients.exchange + unsharded
             done = j * done_each
             value = self.gathered["block"] + base + done + root_grad + remaining + transient
             shards = state.earlier_grads + (0.0 if self.accumulates else done)
@@ -737,7 +778,7 @@ def estimate_rank(job: Setup, pp_rank: int = 0, *, tp_mesh: DeviceMesh | None = 
     costs = job_costs(job, tp_mesh=tp_mesh)
     params = _rank_params(job, costs, pp_rank)
     state = _sharded_state(job, params)
-    acts, transients = _activations(job, costs, params.stages, tp_mesh=tp_mesh), _transients(job, costs)
+    acts, transients = _activations(job, costs, params.stages, tp_mesh=tp_mesh), _transients(job, costs, params)
     replay = _Replay(
         job, params=params, state=state, gathered=_gathered_params(job, params), acts=acts, transients=transients
     )
@@ -768,7 +809,7 @@ def _peak(job: Setup, replay: _Replay) -> dict[str, float | str]:
     params, state, phases = replay.params, replay.state, replay.phases
     peak_phase, peak_value, _, peak_where = replay.worst()
     allocated = state.static + peak_value
-    rs_pool = state.grads if state.on_gpu else 4 * params.largest_unit / job.shard
+    rs_pool = state.grads if state.on_gpu else 4 * params.largest_shard
     ag_pool = DTYPE_BYTES[job.param_dtype] * max(params.largest_unit, 2 * params.block)
     compute = max(value - shards for value, shards, _ in phases.values())
     if not job.fsdp:  # one rank: no FSDP streams, the gradients are the compute stream's
@@ -793,6 +834,7 @@ def _report(job: Setup, pp_rank: int, replay: _Replay) -> dict[str, float | int 
     params, state, acts, transients, phases = replay.params, replay.state, replay.acts, replay.transients, replay.phases
     param_bytes, reduce_bytes = DTYPE_BYTES[job.param_dtype], DTYPE_BYTES[job.reduce_dtype]
     recompute = max(acts.no_ac - min(acts.blocks(g), default=acts.no_ac) for g in params.local)  # the worst block's
+    block_backward = recompute + transients.activation_grads + transients.exchange + transients.reduce_scatter_inputs
     peak = _peak(job, replay)
     overhead = job.overhead_gib * GiB
     return {
@@ -820,10 +862,13 @@ def _report(job: Setup, pp_rank: int, replay: _Replay) -> dict[str, float | int 
         "root_grad": transients.root_grad,
         "accumulators": reduce_bytes * params.total if job.accumulates_unsharded else 0.0,
         "pp_buffers": transients.pp_buffers,
-        "block_backward": recompute + transients.activation_grads + transients.reduce_scatter_inputs,
+        "block_backward": block_backward,
         "recompute": recompute,
         "grad_acts": transients.activation_grads,
         "rs_buffers": transients.reduce_scatter_inputs,
+        "ep_exchange": transients.exchange,
+        "ep_rows": transients.exchange_rows,
+        "experts_unit": param_bytes * params.experts,
         **{f"{kind}_phase": phases.get(kind, (0.0,))[0] for kind in ("loss", "block", "embedding")},
         "muon_step_phase": phases.get("optimizer step", (0.0,))[0],
         **{f"{kind}_phase_at": phases.get(kind, (0.0, 0.0, "-"))[2] for kind in ("loss", "block", "embedding")},

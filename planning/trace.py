@@ -66,6 +66,12 @@ class BlockCosts:
     tp_replicated: tuple[int, int] = (0, 0)
     """Parameters TP leaves whole on every rank (the norms' weights), of a block and of the root unit: their gradients
     are all-reduced over the TP ranks by every micro-batch's backward."""
+    experts_params: int = 0
+    """Of block_params, the routed experts' (the family's experts_module): what expert parallel splits over its ranks
+    and FSDP shards over the ranks it leaves; 0 for a dense family."""
+    experts_saved: int = 0
+    """Of `saved`, what the routed experts keep for backward, their input rows included (tokens x top_k of this rank,
+    as the trace routes them): what grows with the rows that routing sends to a rank's experts; 0 for a dense family."""
     backward_flops: int = 0
     """FLOPs of one block's backward on this rank (matmuls and attention, torch.utils.flop_counter's formulas),
     the AC mode's recomputation included."""
@@ -133,7 +139,10 @@ def block_costs(
                 )
         traced[m] = _TRACES[key]
     recompute = traced[mode].backward_flops - traced["none"].backward_flops
-    return dataclasses.replace(traced[mode], saved=traced["none"].saved, recompute_flops=recompute)
+    none = traced["none"]
+    return dataclasses.replace(
+        traced[mode], saved=none.saved, experts_saved=none.experts_saved, recompute_flops=recompute
+    )
 
 
 @contextlib.contextmanager
@@ -246,7 +255,8 @@ def trace_costs(
     if rmsnorm == "fused":
         _warn_unfused_norms(family, block)
     tp = tp_mesh.size() if tp_mesh is not None else 1
-    watch = _Watch(model, block, tp=tp)
+    experts = block.get_submodule(family.experts_module) if family.experts_module else None
+    watch = _Watch(model, block, tp=tp, experts=experts)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")
         watch.skip |= {_key(_local(t)) for t in [*model.parameters(), *model.buffers()]}
@@ -259,6 +269,7 @@ def trace_costs(
                     loss = model(tokens, head=functools.partial(loss_fn, model, labels=labels))
             watch.phase = "after"
             saved, final_norm = watch.saved(block), watch.saved(model.norm)
+            experts_saved = watch.saved(experts) if experts is not None else 0
             if rmsnorm == "fused":
                 final_norm += watch.fused_correction(model.norm)
                 if ac == "none":
@@ -281,6 +292,8 @@ def trace_costs(
         tp_embedding=dict(watch.comm["embedding"]),
         tp_head=dict(watch.comm["head"]),
         tp_replicated=(_replicated_numel(block), _replicated_numel(model.norm)) if tp_mesh is not None else (0, 0),
+        experts_params=_numel(experts) if experts is not None else 0,
+        experts_saved=experts_saved,
         backward_flops=watch.backward_flops,
     )
 
@@ -334,7 +347,7 @@ class _Watch:
         "all_reduce": ("all_reduce", "in", 2),
     }
 
-    def __init__(self, model: nn.Module, block: nn.Module, *, tp: int):
+    def __init__(self, model: nn.Module, block: nn.Module, *, tp: int, experts: nn.Module | None = None):
         self.phase = "forward"  # forward, block forward, after, backward, block backward
         self.part = "embedding"  # outside the block: before it in forward (after it in backward), or the head
         self.skip: set[int] = set()
@@ -347,6 +360,7 @@ class _Watch:
         self.backward_flops = 0
         self.block = block
         watched = [block, model.norm, *(m for m in block.modules() if isinstance(m, nn.RMSNorm))]
+        watched += [experts] if experts is not None else []
         for module in dict.fromkeys(watched):
             module.register_forward_pre_hook(self._enter)
             module.register_forward_hook(self._exit)

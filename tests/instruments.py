@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import itertools
 import traceback
+import weakref
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -19,8 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 
 from planning.trace import observe_ops
@@ -243,29 +244,34 @@ class LiveBytes:
     """Bytes of the tensors created inside `track()` that are still alive, and their peak.
 
     Every op output's storage is remembered through a weak reference; after each op the storages
-    still alive are summed. The peak is thus what the ops of the block held at once on top of what
-    existed before it (inputs, parameters), temporaries and autograd's saved tensors included.
+    still alive are summed, each at its size then: FSDP frees a gathered parameter by resizing its
+    storage to 0 bytes and grows it again to gather it, the storage object living on. The peak is thus
+    what the ops of the block held at once on top of what existed before it (inputs, parameters),
+    temporaries and autograd's saved tensors included.
     Eager mode, one thread (CPU backward runs on the caller's thread): what the tests and
     `make bench` use to weigh the loss on machines without a CUDA allocator to ask.
     """
 
     def __init__(self, existing: Iterable[torch.Tensor] = ()) -> None:
-        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        # Keyed by the Python storage object, unique per live storage (an address is not: a resized storage moves).
+        self.live: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self.peak = 0
         # Tensors from before the block, which in-place ops return as their outputs: not counted.
         self.existing = {t.untyped_storage().data_ptr() for t in existing}
 
     def _on_op(self, op: torch._ops.OpOverload, args: Any, kwargs: Any, out: Any) -> None:
         for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
-                if t.untyped_storage().data_ptr() in self.existing:
-                    continue
+            # Wrappers without storage of their own (DTensor, a functional collective's AsyncCollectiveTensor): the
+            # tensor they wrap is an op's output, counted there.
+            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor | AsyncCollectiveTensor):
                 storage = t.untyped_storage()
-                known = self.live.get(storage.data_ptr())
-                if known is None or known[0].expired():  # an address freed and given out again
-                    self.live[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
-        self.live = {ptr: (ref, n) for ptr, (ref, n) in self.live.items() if not ref.expired()}
-        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
+                if storage.data_ptr() in self.existing:
+                    continue
+                known = self.live.get(id(storage))
+                if known is None or known() is not storage:  # an id of a dead object given out again
+                    self.live[id(storage)] = weakref.ref(storage)
+        self.live = {key: ref for key, ref in self.live.items() if ref() is not None}
+        self.peak = max(self.peak, sum(ref().nbytes() for ref in self.live.values()))  # type: ignore[union-attr]
 
     @contextlib.contextmanager
     def track(self) -> Iterator[LiveBytes]:

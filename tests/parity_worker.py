@@ -53,6 +53,7 @@ from models import with_seq_len
 from models.llama3 import FLAVORS, ModelArgs
 from models.olmo2 import FAMILY as OLMO2
 from models.qwen3 import FAMILY as QWEN3
+from models.qwen3_moe import FAMILY as QWEN3_MOE
 from muon import build_muon
 from optimizer import build_optimizer
 from parallelisms.async_tp import SummedMatmuls
@@ -95,8 +96,24 @@ TINY_OLMO2 = with_seq_len(
     ),
     32,
 )
+# The fourth: a mixture of experts, 4 experts of 2 per token, what expert parallel splits.
+TINY_QWEN3_MOE = with_seq_len(
+    dataclasses.replace(
+        QWEN3_MOE.flavors["debugmodel"],
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        moe_hidden_dim=32,
+        num_experts=4,
+        top_k=2,
+        vocab_size=128,
+    ),
+    32,
+)
 # Every family's tiny shape, one row each: the reference, the layouts (Layout.family) and the dry-run tests read it.
-TINY_SHAPES = {"llama3": TINY, "qwen3": TINY_QWEN3, "olmo2": TINY_OLMO2}
+TINY_SHAPES = {"llama3": TINY, "qwen3": TINY_QWEN3, "olmo2": TINY_OLMO2, "qwen3_moe": TINY_QWEN3_MOE}
 # Each family's all-reduces per block and direction under its TP plan, beyond sequence parallel's all-gathers and
 # reduce-scatters: OLMo 2's QK-norms over column-split projections all-reduce a (bs, seqlen, 1) float32 statistic
 # (models/olmo2/plans.py). The TP count (tests/test_parallelisms.py) and the async-TP fusion count read it.
@@ -104,7 +121,12 @@ TP_STATISTICS = {
     "llama3": 0,
     "qwen3": 0,
     "olmo2": 2,
+    "qwen3_moe": 0,
 }
+# Each family's sequence-parallel all-gathers per block forward (each mirrored by a reduce-scatter, and both again in
+# backward): before the attention and before the MLP; Qwen3 MoE's MoE none (each TP rank routes its own tokens to
+# expert parallel's ranks, models/qwen3_moe/plans.py).
+TP_GATHERS = {"llama3": 2, "qwen3": 2, "olmo2": 2, "qwen3_moe": 1}
 STEPS = 5
 GLOBAL_BATCH = 4
 SEQ_LEN = 32
@@ -139,6 +161,7 @@ class Layout:
     family: str = "llama3"  # [model] name: its row of TINY_SHAPES
     z_loss: bool = False  # training.z_loss_weight = Z_LOSS_WEIGHT
     cp: int = 1  # parallelism.context_parallel_degree (load-balanced: each rank holds 2 chunks of SEQ_LEN / 2cp)
+    ep: int = 1  # parallelism.expert_parallel_degree (family "qwen3_moe")
     cp_load_balance: bool = True  # parallelism.context_parallel_load_balancer "headtail", else "none"
     chat: bool = False  # chat_labels(): only some labels count, unevenly over rows (block_causal documents too)
     grad_accum: int = 1  # micro-batches per step: each rank's rows split into this many
@@ -260,8 +283,24 @@ CHAT_LAYOUTS: dict[str, Layout] = {
     "tp2_chat_chunked_loss": Layout(tp=2, chat=True, block_causal=True, loss_chunk_tokens=16),
     "pp2_chat": Layout(pp=2, chat=True, block_causal=True),
 }
+# Qwen3 MoE's experts split over 2 ranks (parallelisms/ep.py), last in each launch: ParallelDims.expert_meshes
+# flattens dp_shard x cp x tp on the (process-wide) root mesh, and DTensor then reduces FSDP x TP gradient norms over
+# that flattened group, so a dense FSDP x TP layout run after EP with TP would send its norms otherwise than alone.
+EP_LAYOUTS: dict[str, Layout] = {
+    # Alone, with FSDP sharding each rank's experts over the ranks left, with pipeline stages, with TP's ranks as the
+    # ep ranks (sequence parallel gives each its own tokens); one read of the all-to-all's split sizes per MoE block
+    # and forward.
+    "qwen3_moe_ep2": Layout(dp_shard=2, ep=2, family="qwen3_moe"),
+    "qwen3_moe_ep2_fsdp2": Layout(dp_shard=4, ep=2, family="qwen3_moe"),
+    "qwen3_moe_ep2_pp2": Layout(pp=2, dp_shard=2, ep=2, family="qwen3_moe"),
+    # op SAC keeps the exchanged rows (parallelisms/ac.py _SAVE_OPS); full AC sends them again.
+    "qwen3_moe_ep2_op_sac": Layout(dp_shard=2, ep=2, ac=OP_SAC, family="qwen3_moe"),
+    "qwen3_moe_ep2_fsdp2_full_ac": Layout(dp_shard=4, ep=2, ac=FULL, family="qwen3_moe"),
+    "qwen3_moe_ep2_tp2": Layout(dp_shard=2, tp=2, ep=2, family="qwen3_moe"),
+}
 LAYOUTS |= CHAT_LAYOUTS
 LAYOUTS |= CP_LAYOUTS
+LAYOUTS |= EP_LAYOUTS
 
 
 # ------------------------------------------------------------------- shared pieces
@@ -334,6 +373,8 @@ def train(
     defer_reduce_scatter: bool = False,
     muon: str = "",
     precompute_float8_scales: bool = False,
+    grad_norms: list[float] | None = None,
+    expert_meshes: tuple[DeviceMesh, DeviceMesh] | None = None,
 ) -> tuple[list[float], list[float]]:
     """`steps` steps of train.py's `train_step` on `tokens` (this rank's slice); (losses, seconds per step).
     counts: filled with what decides GPU speed: the host reads of the last step, the graphs dynamo compiled
@@ -353,6 +394,9 @@ def train(
     if precompute_float8_scales:  # as train.py (quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp)
         precompute_scales_after_each_step(optimizer, model)
     group_dims = mesh_group_dims(mesh) if mesh is not None else None
+    if group_dims is not None and expert_meshes:  # expert parallel's groups, where no dimension has their ranks
+        for name, sub in zip(("ep", "efsdp"), expert_meshes, strict=True):
+            group_dims.setdefault(tuple(dist.get_process_group_ranks(sub.get_group(sub.ndim - 1))), name)
     labels = tokens[:, 1:] if labels is None else labels
     # The rows as `grad_accum` micro-batches (a divisor of counted labels holds for all of them: the step's).
     rows = [torch.arange(len(tokens)).tensor_split(grad_accum)[i] for i in range(grad_accum)]
@@ -385,7 +429,10 @@ def train(
             count_host_reads(torch.device("cpu")) as reads,
             observe_ops(log) if last and group_dims is not None else contextlib.nullcontext(),
         ):
-            loss = train_step(step + 1, batch, forward_backward, optimizer, max_norm=MAX_NORM, stop_request=None).loss
+            result = train_step(step + 1, batch, forward_backward, optimizer, max_norm=MAX_NORM, stop_request=None)
+        loss = result.loss
+        if grad_norms is not None:
+            grad_norms.append(result.grad_norm.item())
         if last and counts is not None:
             counts["host_reads"] = dict(reads)
             # Bytes this rank sent in the step, by mesh dimension, and its collectives (what the dry run predicts).
@@ -440,8 +487,10 @@ def write_reference(path: Path) -> dict:
     model = build_tiny()
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     tokens = random_batch()
-    losses, times = train(model, tokens)
+    grad_norms: list[float] = []
+    losses, times = train(model, tokens, grad_norms=grad_norms)
     ref = {"initial": initial, "tokens": tokens, "losses": losses, "times": times, "final": model.state_dict()}
+    ref["grad_norms"] = grad_norms
     # The same start, with attention kept inside the documents of random_segments().
     block = build_tiny(block_causal=True)
     ref["segments"] = random_segments()
@@ -451,7 +500,8 @@ def write_reference(path: Path) -> dict:
     for family in [name for name in TINY_SHAPES if name != "llama3"]:
         other = build_tiny(family=family)
         ref[family] = {"initial": {k: v.clone() for k, v in other.state_dict().items()}}
-        ref[family]["losses"], ref[family]["times"] = train(other, tokens)
+        ref[family]["grad_norms"] = []
+        ref[family]["losses"], ref[family]["times"] = train(other, tokens, grad_norms=ref[family]["grad_norms"])
         ref[family]["final"] = other.state_dict()
         block = build_tiny(block_causal=True, family=family)
         block.load_state_dict(ref[family]["initial"])
@@ -524,6 +574,7 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
         pipeline_parallel_schedule=layout.schedule,
         context_parallel_degree=layout.cp,
         context_parallel_load_balancer="headtail" if layout.cp_load_balance else "none",
+        expert_parallel_degree=layout.ep,
     )
     dims = ParallelDims.from_config(parallelism, world_size=world)
     mesh = dims.build_mesh("cpu")
@@ -566,6 +617,7 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
     passes: dict[str, list] = {}
     if layout.summed_matmuls:
         passes["post_grad_custom_pre_pass"] = [SummedMatmuls()]
+    grad_norms: list[float] = []
     with torch._inductor.config.patch(**passes):
         losses, times = train(
             model,
@@ -585,6 +637,8 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
             defer_reduce_scatter=layout.defer_reduce_scatter,
             muon=layout.muon,
             precompute_float8_scales=layout.float8 == "precompute",
+            grad_norms=grad_norms,
+            expert_meshes=dims.expert_meshes(mesh) if dims.ep_enabled else None,
         )
     counts["summed_matmuls"] = sum(p.rewrites for p in passes.get("post_grad_custom_pre_pass", []))
     family = ref if layout.family == "llama3" else ref[layout.family]
@@ -609,6 +663,10 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
         "losses": losses,
         "max_loss_diff": max(abs(a - b) for a, b in zip(losses, expected["losses"], strict=True)),
         "max_param_diff": param_diff.item(),
+        # Relative, where the reference kept its norms (a family's plain causal run, AdamW).
+        "max_grad_norm_diff": max(
+            (abs(a - b) / b for a, b in zip(grad_norms, expected.get("grad_norms", []), strict=False)), default=None
+        ),
         # Step 1 includes lazy initialization (FSDP) and compilation.
         "step_time_s": sum(times[1:]) / len(times[1:]),
         "param_types": sorted({type(p).__name__ for p in model.parameters()}),

@@ -3,6 +3,7 @@ clean on the machines they are written for."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shutil
 import subprocess
@@ -244,6 +245,53 @@ def test_memory_fit_on_gpus(llama3_stand_ins: tuple[Path, Path]) -> None:
 def test_the_debug_model_fits() -> None:
     cfg = load_config(["--config", "configs/debug.toml"])
     assert check(cfg, world_size=2, device_memory_gib=4.0) == []
+
+
+# ------------------------------------------------------------------ expert parallel
+
+
+def moe(**keys: Any) -> JobConfig:
+    """recipe() of the Qwen3 MoE debug model (8 experts, 2 per token; 8 x 2048 tokens a rank)."""
+    return recipe(model__name="qwen3_moe", model__flavor="debugmodel", **keys)
+
+
+def test_expert_parallel_groups_across_nodes_are_a_warning() -> None:
+    """Expert parallel's groups are consecutive ranks: on nodes of 4 GPUs, ep 8 sends every MoE block's all-to-alls
+    over the inter-node link, ep 4 and 2 keep them in a node. CPU ranks (pretend nodes): nothing to say."""
+    ep = ("warning", "parallelism.expert_parallel_degree")
+    nodes_of_4 = dict(machine=GPUS, gpus_per_node=4)
+    across = check(moe(parallelism__expert_parallel_degree=8), world_size=8, **nodes_of_4)
+    (finding,) = [f for f in across if (f.severity, f.key) == ep]
+    assert finding.message.startswith("expert-parallel groups of 8 ranks cross the nodes of 4 GPUs, so every MoE")
+    assert "use a divisor of 4" in finding.message
+    for degree in (4, 2):
+        assert ep not in keys(check(moe(parallelism__expert_parallel_degree=degree), world_size=8, **nodes_of_4))
+    assert ep not in keys(check(moe(parallelism__expert_parallel_degree=8), world_size=8, gpus_per_node=4))
+
+
+def test_routing_beyond_what_a_rank_has_room_for_is_a_warning() -> None:
+    """No token is dropped under expert parallel: a rank that routing sends its whole ep group's rows holds them all.
+    Where balanced routing fits and that does not, a warning says how far from balanced routing may go (the largest
+    Setup.ep_load that fits, to a tenth); where even that fits, nothing; where balanced routing does not fit, the
+    memory error alone. Two CPU ranks share the host's memory."""
+    from planning.memory import GiB, Setup, estimate
+
+    cfg = moe(parallelism__expert_parallel_degree=2)
+    job = Setup.of(cfg, 2, cuda=False)
+    total = lambda load: estimate(dataclasses.replace(job, ep_load=load))["total"] / GiB  # noqa: E731
+    balanced, worst = total(1.0), total(2.0)
+    have = (balanced + worst) / 2  # a rank's share of the host
+    (finding,) = check(cfg, world_size=2, device_memory_gib=2 * have)
+    assert (finding.severity, finding.key) == ("warning", "parallelism.expert_parallel_degree")
+    assert finding.message.startswith(
+        f"no token is dropped (no capacity factor), so a rank holds what routing sends its experts: about "
+        f"{balanced:.1f} GiB balanced, {worst:.1f} GiB with all 2 ranks' tokens x top_k on its experts"
+    )
+    room = float(re.search(r"room for ([\d.]+)x the balanced rows", finding.message)[1])
+    assert total(room - 0.1) <= have < total(room + 0.2)  # the bisection's tenth, rounded
+    assert "model.moe.router_aux_loss_coef" in finding.message and "\n" not in finding.message
+    assert check(cfg, world_size=2, device_memory_gib=2 * worst + 0.1) == []
+    assert keys(check(cfg, world_size=2, device_memory_gib=2 * balanced - 0.1)) == [("error", "memory")]
 
 
 # ------------------------------------------------------------------------- data

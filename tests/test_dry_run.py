@@ -109,6 +109,7 @@ def layout_plan(layout: Layout) -> tuple[JobConfig, ParallelDims, Setup]:
         pipeline_parallel_degree=layout.pp,
         pipeline_parallel_schedule=layout.schedule,
         context_parallel_degree=layout.cp,
+        expert_parallel_degree=layout.ep,
     )
     dims = ParallelDims.from_config(cfg.parallelism, world_size=layout.world_size)
     cfg.training = dataclasses.replace(
@@ -137,11 +138,23 @@ def test_the_dry_runs_communication_is_what_each_layout_sends(
     """Bytes rank 0 sent in one training step, by mesh dimension and collective (what the dispatcher ran,
     tests.instruments.CollectiveLog), against the dry run's for the same layout and model (dry_run.comm_by_kind,
     whose sums per dimension are its printed lines): within 1%, the gradient norm's all-reduces included, with
-    gradient accumulation too (the replicas' all-reduce once per step, TP's collectives per micro-batch)."""
+    gradient accumulation too (the replicas' all-reduce once per step, TP's collectives per micro-batch), but
+    expert parallel's all-to-all, which the routing decides."""
     layout = LAYOUTS[name]
     measured = {key: nbytes for key, nbytes in parity(layout.world_size)[name]["sent_by_op"].items() if nbytes}
     cfg, dims, job = layout_plan(layout)
     predicted = comm_by_kind(cfg, dims, job, grad_accum=layout.grad_accum)
+    for key in [key for key in predicted if key.endswith(" all_to_all")]:
+        # Expert parallel's exchange is planned for balanced routing; the tiny model's, on rank 0, within 4% of it.
+        sent, planned = measured.pop(key, 0), predicted.pop(key)
+        assert abs(sent - planned) <= 0.04 * planned, (key, sent, planned)
+    if layout.ep > 1:
+        # Expert parallel flattens dp_shard x cp x tp (ParallelDims.expert_meshes), and DTensor reduces the FSDP x TP
+        # gradient norms over that group or over each dimension, as it decided earlier in the process: the norms'
+        # all-reduces (a float32 per tensor) compared in sum.
+        measured["all_reduce"], predicted["all_reduce"] = (
+            sum(d.pop(k) for k in [k for k in d if k.endswith(" all_reduce")]) for d in (measured, predicted)
+        )
     assert measured.keys() == predicted.keys(), (measured, predicted)
     for key, nbytes in predicted.items():
         assert abs(measured[key] - nbytes) <= 0.01 * nbytes, (key, measured, predicted)
@@ -201,8 +214,9 @@ def test_the_floor_table_in_the_docs_is_what_the_layouts_send(parity: Callable[[
         layout = LAYOUTS[name]
         cfg, dims, job = layout_plan(layout)
         floor, excesses = floored[name]
-        sent = sum(results[name]["sent_by_op"].values())
-        assert sum(floor.values()) <= sent, (name, floor, sent)
+        # (Expert parallel's all-to-all is planned for balanced routing, which a rank may send a little less than.)
+        sent = sum(n for key, n in results[name]["sent_by_op"].items() if not key.endswith(" all_to_all"))
+        assert sum(n for key, n in floor.items() if not key.endswith(" all_to_all")) <= sent, (name, floor, sent)
         assert sum(floor.values()) + sum(sum(added.values()) for added in excesses.values()) == pytest.approx(
             sum(comm_by_kind(cfg, dims, job, grad_accum=layout.grad_accum).values())
         )

@@ -1,8 +1,11 @@
 """The memory estimator (planning/estimate_memory.py): torchtitan's published peaks, when gradients exist, the
-direction of each technique's effect, pipeline parallel per rank, the command line, and the activation
-terms spelled out by hand.
+direction of each technique's effect, pipeline parallel per rank, expert parallel against two gloo ranks, the command
+line, and the activation terms spelled out by hand.
 
 benchmarks/test_memory.py checks the same activation formulas against bytes measured per rank.
+
+    torchrun --nproc_per_node=2 tests/test_estimate_memory.py   (the expert-parallel test's ranks: one JSON line each
+                                                                 per layout)
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from config import Optimizer, load_config
 from errors import ConfigError
 from models import family, with_seq_len
 from models.llama3 import FLAVORS
+from models.moe import MoEBalance
 from muon import build_muon
 from planning import estimate_memory, trace
 from planning.estimate_memory import breakdown
@@ -31,9 +35,11 @@ from planning.memory import (
     hidden_matrices,
     mode_costs,
     setup,
+    short_overrides,
 )
 from tests.instruments import LiveBytes
-from tests.launch import python
+from tests.launch import python, torchrun
+from tests.parity_worker import TINY_QWEN3_MOE
 
 ARGS = with_seq_len(FLAVORS["debugmodel"], 256)
 BATCH, SEQ = 4, 256
@@ -424,3 +430,159 @@ def test_the_budget_of_auto_is_set_or_90_percent_of_the_gpu_and_refused_without_
     proc = python("-m", "planning.estimate_memory", "--ac", "auto")
     assert proc.returncode == 2 and proc.stderr.startswith('error: --ac: "auto" is chosen block by block where the job')
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------------------ expert parallel
+
+
+QWEN3_MOE_30B = dict(config="configs/qwen3_moe_30b_a3b.toml", overrides=["--compile.enable=false"])
+
+
+def test_expert_parallel_splits_the_experts_and_shards_the_rest_of_them() -> None:
+    """Qwen3-30B-A3B on 64 GPUs: with expert parallel 8 each rank holds 16 of every block's 128 experts and FSDP shards
+    them over the 8 efsdp ranks; TP 2 splits the attention, not the experts, which are spread over the 64 ranks all the
+    same. Either way the ranks' fp32 shards add up to the model (TP's replicated norms and router twice), and FSDP
+    gathers a block's dense part and this rank's 16 experts, not its 128."""
+    fam = family("qwen3_moe")
+    args = fam.flavors["qwen3_moe_30b_a3b"]
+    experts = 3 * args.num_experts * args.moe_hidden_dim * args.dim  # of one block
+    plain, ep8, tp2 = (estimate(setup(64, ep=ep, tp=tp, **QWEN3_MOE_30B)) for ep, tp in ((1, 1), (8, 1), (8, 2)))
+    for e in (plain, ep8, tp2):
+        assert 64 * e["params"] == pytest.approx(4 * fam.num_params(args), rel=1e-3)
+    assert ep8["experts_unit"] == 2 * experts / 8  # bfloat16
+    assert plain["block_unit"] - ep8["block_unit"] == 2 * experts * 7 / 8
+    assert ep8["rs_buffers"] == (2 + 4) * ep8["block_unit"] / 2  # the block's gradient, bf16 and its fp32 copy
+    assert "(ep 8 x efsdp 8)" in breakdown(setup(64, ep=8, **QWEN3_MOE_30B))
+
+
+def test_expert_parallel_buffers_follow_the_routing(capsys: pytest.CaptureFixture[str]) -> None:
+    """The exchange's bytes (planning.exchanges.ep_bytes) of 30B-A3B's 4,096 tokens x 8 choices per rank and block: balanced routing
+    saves what the block saves without expert parallel; op SAC keeps both all-to-alls' rows (bf16, 2,048 wide); a rank
+    that routing sends more rows holds its experts' buffers that many times, up to its whole ep group's, and the peak
+    grows with them. The fake-tensor step cannot route (its split sizes are data): refused in one line."""
+    jobs = {ep: setup(64, ep=ep, **QWEN3_MOE_30B) for ep in (1, 8)}
+    none = {ep: mode_costs(job, ("none",))["none"] for ep, job in jobs.items()}
+    op = {ep: mode_costs(job, ("op",))["op"] for ep, job in jobs.items()}
+    rows = 4096 * 8
+    assert none[8].saved == none[1].saved and none[8].experts_saved > 0.3 * none[8].saved
+    assert op[8].kept - op[1].kept == 2 * rows * 2048 * 2 + 128 * 8  # + the counts per expert, int64
+    loads = [1.0, 2.0, 4.0, 8.0]
+    skewed = [estimate(dataclasses.replace(jobs[8], ep_load=load)) for load in loads]
+    assert [e["ep_rows"] for e in skewed] == [load * rows for load in loads]
+    assert all(a["total"] < b["total"] for a, b in zip(skewed, skewed[1:], strict=False))
+    grown = dataclasses.replace(jobs[8], ac="none", ep_load=8.0)
+    assert activation_bytes(grown)["per_block_no_ac"] == none[8].saved + 7 * none[8].experts_saved
+    argv = ["--config", "configs/qwen3_moe_30b_a3b.toml", "--ngpu", "64", "--ep", "8", "--compile.enable", "false"]
+    assert estimate_memory.main(argv) == 0
+    assert "expert-parallel exchange" in capsys.readouterr().out
+    assert estimate_memory.main([*argv, "--fake-step"]) == 2
+    assert capsys.readouterr().err.startswith("error: --fake-step: expert parallel reads its all-to-all's split sizes")
+
+
+@dataclasses.dataclass(frozen=True)
+class EPLayout:
+    """A layout of 2 ranks for the tiny Qwen3 MoE (4 experts, 2 per token), and the 2 experts every token is routed
+    to: one of each rank's under ep 2 (rank 0 holds experts 0 and 1) is balanced routing; both of rank 0's is the
+    most an ep group can send one rank (Setup.ep_load 2 there, 0 on rank 1)."""
+
+    ep: int = 2
+    tp: int = 1
+    ac: str = "none"
+    experts: tuple[int, int] = (0, 2)
+
+    def keys(self) -> dict[str, object]:
+        """The job's keys, by the estimator's short names (SHORT_KEYS): float32 on CPU, local batch 16 x 32 tokens."""
+        return dict(
+            model="qwen3_moe", flavor="debugmodel", seq_len=32, local_batch_size=16, param_dtype="float32",
+            loss_chunk_tokens=0, tp=self.tp, ep=self.ep, ac=self.ac,
+        )  # fmt: skip
+
+    def ep_load(self, rank: int) -> float:
+        if self.ep == 1 or self.experts[0] // 2 != self.experts[1] // 2:
+            return 1.0
+        return 2.0 if rank == self.experts[0] // 2 else 0.0
+
+
+EP_LAYOUTS = {
+    "fsdp2": EPLayout(ep=1),  # without expert parallel: FSDP gathers every expert
+    "ep2": EPLayout(),
+    "ep2_routed_to_rank_0": EPLayout(experts=(0, 1)),
+    "ep2_tp2": EPLayout(tp=2),  # TP splits the attention, not the experts: 4 ranks' worth of sharding for them
+    "ep2_op_sac": EPLayout(ac="selective-op"),  # op SAC keeps both all-to-alls' rows
+}
+# The routing is fixed by the expert bias (models/moe.py), which adds 1 to the scores of the layout's experts for the
+# choice: more than any probability differs. No load-balancing loss.
+EP_ARGS = dataclasses.replace(TINY_QWEN3_MOE, balance=MoEBalance(load_balance_coeff=1e-3))
+
+
+def test_expert_parallel_against_two_ranks() -> None:
+    """What a rank holds under expert parallel, measured on 2 gloo ranks (one launch, every layout of EP_LAYOUTS):
+    its parameters and AdamW's moments, bytes for bytes (each rank's experts / (dp_shard x tp), the rest / dp_shard),
+    and the peak of the bytes a micro-batch's forward and backward hold beyond them (tests.instruments.LiveBytes),
+    within 3% of the estimate's allocated peak less that state, as the fake step's test has it: the experts FSDP
+    gathers (this rank's), the rows of each block's all-to-all in flight and, under op SAC, kept, and the experts'
+    buffers of a rank that routing sends every row. Without expert parallel, the dense estimate of before."""
+    proc = torchrun(__file__, nproc=2, timeout=300)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert sorted((r["layout"], r["rank"]) for r in rows) == sorted((n, k) for n in EP_LAYOUTS for k in (0, 1))
+    for r in rows:
+        layout = EP_LAYOUTS[r["layout"]]
+        job = setup(2, cuda=False, args=EP_ARGS, **layout.keys())
+        e = estimate(dataclasses.replace(job, ep_load=layout.ep_load(r["rank"])))
+        assert (r["params"], r["adam"]) == (e["params"], e["adam"]), (r, e["params"], e["adam"])
+        predicted = e["allocator_peak"] - e["params"] - e["adam"]
+        assert abs(r["peak"] / predicted - 1) < 0.03, (r, predicted)
+    # What the rank that receives every row holds beyond balanced routing: the experts' buffers of one more rank's rows
+    # in each block (its peak, the second block's backward, holds both blocks' saved rows).
+    peak = {(r["layout"], r["rank"]): r["peak"] for r in rows}
+    assert peak["ep2_routed_to_rank_0", 0] > 1.15 * peak["ep2", 0]
+    assert peak["ep2_routed_to_rank_0", 1] < peak["ep2", 1] / 1.15
+
+
+def _ep_worker() -> None:
+    """One rank of test_expert_parallel_against_two_ranks: per layout, the model built as train.py builds it, one step
+    (AdamW's state exists from then on), then one micro-batch's forward and backward measured."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from data.loader import Batch
+    from forward import ForwardBackward
+    from loss import build_loss_fn
+    from optimizer import build_optimizer
+    from parallelisms.parallel_dims import ParallelDims
+    from parallelisms.parallelize import build_model, init_model
+
+    dist.init_process_group("gloo")
+    cpu = torch.device("cpu")
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
+    for name, layout in EP_LAYOUTS.items():
+        cfg = load_config(short_overrides(layout.keys()))
+        dims = ParallelDims.from_config(cfg.parallelism, world_size=dist.get_world_size())
+        mesh = dims.build_mesh("cpu")
+        loss_fn = build_loss_fn(cfg.compile, chunk_tokens=cfg.training.loss_chunk_tokens)
+        model, _ = build_model(cfg, EP_ARGS, dims=dims, mesh=mesh, loss_fn=loss_fn, device=cpu)
+        init_model(model, None, device=cpu)
+        bias = torch.zeros(EP_ARGS.num_experts)
+        bias[list(layout.experts)] = 1.0
+        for block in model.layers.values():
+            block.moe.balance.expert_bias.copy_(bias)
+        forward_backward = ForwardBackward.for_run(cfg, model, None, loss_fn, dims=dims, mesh=mesh, device=cpu)
+        optimizer = build_optimizer(cfg.optimizer, model)
+        generator = torch.Generator().manual_seed(dims.dp_rank(mesh))
+        tokens = torch.randint(0, EP_ARGS.vocab_size, (cfg.training.local_batch_size, 33), generator=generator)
+        batch = Batch(tokens[:, :-1], tokens[:, 1:], None, 1)
+        forward_backward(batch, last=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        params = [local(p) for p in model.parameters()]
+        moments = [local(state[k]) for state in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
+        with LiveBytes([*params, *moments, *model.buffers()]).track() as live:
+            forward_backward(batch, last=True)
+        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+        row = {"layout": name, "rank": dist.get_rank(), "params": nbytes(params), "adam": nbytes(moments)}
+        print(json.dumps({**row, "peak": live.peak}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _ep_worker()

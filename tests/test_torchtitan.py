@@ -225,12 +225,12 @@ def problems(argv: list[str]) -> list[str]:
 
 
 def test_a_key_asking_for_what_this_recipe_does_not_do_is_refused_and_a_neutral_value_accepted() -> None:
-    cfg = load_config(["--parallelism.expert_parallel_degree=1", "--memory_estimation.enable=false"])
-    assert cfg.parallelism.expert_parallel_degree == 1
-    (problem,) = problems(["--parallelism.expert_parallel_degree=2"])
+    cfg = load_config(["--parallelism.expert_tensor_parallel_degree=1", "--memory_estimation.enable=false"])
+    assert cfg.parallelism.expert_tensor_parallel_degree == 1
+    (problem,) = problems(["--parallelism.expert_tensor_parallel_degree=2"])
     assert problem == (
-        "parallelism.expert_parallel_degree: 2 asks for expert parallel (llama3 has no experts), which this recipe "
-        "does not do; remove the key or set it to 1"
+        "parallelism.expert_tensor_parallel_degree: 2 asks for expert tensor parallel (each expert split over TP "
+        "ranks), which this recipe does not do; remove the key or set it to 1"
     )
     (problem,) = problems(["--model.converters=quantize.linear.mx"])
     assert problem.startswith("model.converters: 'quantize.linear.mx' asks for MX (microscaling) linears")
@@ -261,6 +261,11 @@ def test_flavors_and_datasets_by_torchtitans_names() -> None:
     assert load_config(["--model.flavor=8B", "--training.seq_len=64"]).model.flavor == "llama3_8b"
     (problem,) = problems(["--model.flavor=9B"])
     assert problem.startswith("model.flavor: unknown llama3 flavor '9B'") and "8B, 70B, 405B" in problem
+    # torchtitan files its Qwen3 MoE flavors under [model] name = "qwen3": here they are the qwen3_moe family's.
+    for flavor, ours in (("30B-A3B", "qwen3_moe_30b_a3b"), ("debugmodel_moe", "debugmodel")):
+        m = load_config(["--model.name=qwen3", f"--model.flavor={flavor}", "--memory_estimation.enable=false"]).model
+        assert (m.name, m.flavor) == ("qwen3_moe", ours)
+    assert load_config(["--model.name=qwen3", "--model.flavor=debugmodel"]).model.name == "qwen3"
     cfg = load_config(["--training.dataset=c4"])
     assert (cfg.data.path, cfg.data.format, cfg.data.name, cfg.data.split) == ("allenai/c4", "hub", "en", "train")
     (problem,) = problems(["--training.dataset=c4_test"])  # torchtitan's test folder, not in this folder

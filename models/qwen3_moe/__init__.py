@@ -19,10 +19,17 @@ FAMILY = ModelFamily(
     num_params=num_params,
     num_flops_per_token=num_flops_per_token,
     active_params=active_params,
+    num_experts=lambda args: args.num_experts,
+    experts_per_token=lambda args: args.top_k,
+    experts_module="moe.experts",
     hf=hf,
-    # torchtitan's Qwen3 rotates halves, as this one does. (Its MoE checkpoints name the router moe.router.gate and
-    # hold a load-balancing expert_bias: reading them is for issue 65's later parts.)
+    # torchtitan 0.2.2's Qwen3 (torchtitan/models/qwen3, its MoE from torchtitan/models/moe) rotates halves, as this one
+    # does; its experts' w1, w2, w3 are these (experts, out, in), its router an nn.Linear named gate (the same
+    # (experts, dim) weight), and its blocks hold a float32 expert_bias (experts,) for load balancing, added to the
+    # scores the top-k picks from, as models/moe.py's: zero, it changes no choice (tests/test_torchtitan_moe.py).
     torchtitan_interleaved=lambda args: {},
+    torchtitan_names={"moe.router.weight": "moe.router.gate.weight", "moe.balance.expert_bias": "moe.expert_bias"},
+    torchtitan_zero_buffers=lambda args: {"moe.expert_bias": (args.num_experts,)},
     config_problems=plans.config_problems,
 )
 
