@@ -21,6 +21,7 @@ from errors import ConfigError
 
 if TYPE_CHECKING:
     from data.loader import GlobalBatchLoader
+    from models.moe import Balancer
 
 # Dense (no sparsity) bf16 tensor-core peak, FLOP/s, by a substring of the device name.
 # Order matters: the first match wins ("H100 NVL" before "H100").
@@ -79,6 +80,10 @@ class StepMetrics:
     step_time_s: float
     z_loss: float | None = None  # training.z_loss_weight > 0: the z-loss, unweighted (`loss` is the cross-entropy)
     tokens_per_source: dict[str, int] | None = None  # data.mixture: tokens trained from each source so far
+    # A mixture of experts that balances (models/moe.py): the load-balancing loss, unweighted, as [model.moe] counts
+    # it, and per MoE layer the max / mean of the tokens per expert over the step's global batch.
+    moe_aux_loss: float | None = None
+    moe_load: dict[int, float] | None = None
     warmup: bool = False  # the first steps of a process: tps and mfu include start-up (compilation, allocation)
 
 
@@ -143,6 +148,7 @@ class MetricsLogger:
             f"step {m.step:>{width}}/{self.total_steps} ({100 * m.step / self.total_steps:3.0f}%)"
             f" | loss {m.loss:7.4f}"
             + (f" | z_loss {m.z_loss:.4g}" if m.z_loss is not None else "")
+            + (_moe(m.moe_aux_loss, m.moe_load) if m.moe_load else "")
             + f" | grad_norm {m.grad_norm:7.3f} | lr {m.lr:.2e}"
             f" | tps/rank {m.tps:,.0f}{' (warm-up)' if m.warmup else ''} | mfu {mfu} | mem {m.memory_gib:.2f} GiB"
             f" | step {m.step_time_s * 1000:.0f} ms | eta {_duration(eta)}",
@@ -152,6 +158,9 @@ class MetricsLogger:
         if m.z_loss is not None:
             scalars["z_loss"] = m.z_loss
         scalars |= {f"tokens_{name}": tokens for name, tokens in (m.tokens_per_source or {}).items()}
+        if m.moe_load:
+            scalars["moe_aux_loss"] = m.moe_aux_loss
+            scalars |= {f"moe_load_{layer}": load for layer, load in m.moe_load.items()}
         self._write(m.step, scalars)
 
     def pause(self, seconds: float) -> None:
@@ -198,9 +207,11 @@ class LogStep:
         flops_per_token: float,
         device: torch.device,
         lr: Callable[[], float],
+        routing: Balancer | None = None,
     ):
         t = cfg.training
         self.logger, self.loader, self.freq, self.total_steps = logger, loader, cfg.metrics.log_freq, t.steps
+        self.routing = routing  # a mixture of experts' balancing, which has the step's routing (models/moe.py)
         self.seq_len = t.seq_len
         self.tokens_per_device = loader.global_batch_size * t.seq_len / dist.get_world_size()
         self.flops_per_token, self.peak, self.device = flops_per_token, peak_flops(device), device
@@ -221,6 +232,7 @@ class LogStep:
         z_loss = None
         if result.z_loss is not None:
             z_loss = mean_over_loss_ranks(result.z_loss, pp_degree=self.pp_degree).item()
+        routing = self.routing.summary() if self.routing is not None else None
         now = time.perf_counter()
         step_time = (now - self.since) / (step - self.since_step)
         tps = self.tokens_per_device / step_time
@@ -236,6 +248,8 @@ class LogStep:
                 memory_gib=peak_memory_gib(self.device),
                 step_time_s=step_time,
                 tokens_per_source=self._tokens_per_source(),
+                moe_aux_loss=routing.aux_loss if routing is not None else None,
+                moe_load=routing.load if routing is not None else None,
                 warmup=self.since_step < self.first_step,
             )
         )
@@ -248,6 +262,12 @@ class LogStep:
             return None
         samples = self.loader.samples_per_source()
         return {name: n * self.seq_len for name, n in zip(self.loader.corpus.names, samples, strict=True)}
+
+
+def _moe(aux_loss: float | None, load: dict[int, float]) -> str:
+    """The console's routing: the load-balancing loss and the most unbalanced layer's max / mean tokens per expert."""
+    worst = max(load, key=load.__getitem__)
+    return f" | moe aux {aux_loss:.4f} load {load[worst]:.2f} (layer {worst})"
 
 
 def _duration(seconds: float) -> str:

@@ -54,6 +54,7 @@ from forward import ForwardBackward
 from loss import build_loss_fn
 from metrics import LogStep, MetricsLogger, StepResult
 from models import family
+from models.moe import Balancer
 from muon import build_muon
 from optimizer import (
     SkipStepAdamW,
@@ -218,7 +219,13 @@ def build(
     if (float8 := float8_settings(cfg)) is not None and float8.precompute_float8_dynamic_scale_for_fsdp:
         precompute_scales_after_each_step(optimizer, model)
     state = TrainState(settings=schedule_settings(cfg))
-    checkpoint = build_checkpoint(cfg, model, optimizer, loader, state, process_group=checkpoint_group)
+    # A mixture of experts' load balancing (models/moe.py), None otherwise: a rank's step is cut into micro-batches
+    # (and the pipeline's), and its sequences at the experts over the TP ranks (sequence parallel).
+    pieces = loader.grad_accum * (pipeline.n_microbatches if pipeline is not None else 1) * dims.tp
+    balancer = Balancer.of(model, args, pieces_per_step=pieces)
+    checkpoint = build_checkpoint(
+        cfg, model, optimizer, loader, state, process_group=checkpoint_group, balancer=balancer
+    )
     if (start_step := resume_step(cfg, checkpoint)) is None:
         return None
     if rank == 0:
@@ -242,16 +249,25 @@ def build(
         after_step=[],
         resources=contextlib.ExitStack(),
     )
-    run.after_step = after_step_work(run, tokenizer, args, dims=dims, rank=rank, groups=[None, ctrl_group])
+    run.after_step = after_step_work(
+        run, tokenizer, args, dims=dims, rank=rank, groups=[None, ctrl_group], balancer=balancer
+    )
     return run
 
 
 def after_step_work(
-    run: Run, tokenizer: Any, args: Any, *, dims: ParallelDims, rank: int, groups: list[dist.ProcessGroup | None]
+    run: Run,
+    tokenizer: Any,
+    args: Any,
+    *,
+    dims: ParallelDims,
+    rank: int,
+    groups: list[dist.ProcessGroup | None],
+    balancer: Balancer | None = None,
 ) -> list[AfterStep]:
     """The work after each step, in order: stop on too many bad steps, the collectives' time-out after the first
-    step, log, validate, stop on request, save, profile, collect garbage (docs/development.md, "Work after a step":
-    why a list)."""
+    step, a mixture of experts' load balancing, log, validate, stop on request, save, profile, collect garbage
+    (docs/development.md, "Work after a step": why a list)."""
     cfg, t = run.cfg, run.cfg.training
     # Rank 0 logs; a logger that cannot start (wandb without credentials) stops every rank.
     new_logger = lambda enabled: MetricsLogger(  # noqa: E731
@@ -273,8 +289,12 @@ def after_step_work(
         flops_per_token=family(cfg.model.name).num_flops_per_token(args, seq_len),
         device=run.forward_backward.device,
         lr=lambda: run.optimizer.param_groups[0]["lr"],
+        routing=balancer,
     )
-    work: list[AfterStep] = [StopOnNonfinite(run.optimizer, run.checkpoint), CollectiveTimeout(cfg.comm, groups), log]
+    work: list[AfterStep] = [StopOnNonfinite(run.optimizer, run.checkpoint), CollectiveTimeout(cfg.comm, groups)]
+    if balancer is not None:  # before the log, which reads the step's routing from it
+        work.append(balancer)
+    work.append(log)
     if cfg.validation.enable:
         validator = Validator(
             cfg, tokenizer=tokenizer, dp_rank=loader.dp_rank, dp_degree=dims.dp, forward=run.forward_backward
@@ -360,15 +380,19 @@ def build_checkpoint(
     state: TrainState,
     *,
     process_group: dist.ProcessGroup,
+    balancer: Balancer | None = None,
 ) -> CheckpointManager:
     """What a checkpoint holds: weights and optimizer, the data position, the step, RNG and settings, and
-    the spike window (which checkpoints of earlier versions lack)."""
+    the spike window and a mixture of experts' last counts (which checkpoints of earlier versions lack)."""
+    stateful: dict[str, Any] = {"dataloader": loader, "train_state": state, "spike_window": optimizer.window}
+    if balancer is not None:
+        stateful["moe_balance"] = balancer
     return CheckpointManager(
         cfg.checkpoint,
         dump_folder=cfg.job.dump_folder,
         model=model,
         optimizer=optimizer,
-        stateful={"dataloader": loader, "train_state": state, "spike_window": optimizer.window},
+        stateful=stateful,
         process_group=process_group,
         interop=ModelInterop.from_config(cfg.model),
     )

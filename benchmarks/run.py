@@ -48,6 +48,7 @@ from benchmarks import (
     metadata,
     muon,
     recompute,
+    moe_balance,
     vs_torchtitan,
 )
 from benchmarks.harness import Row
@@ -65,6 +66,7 @@ BENCHMARKS = {
         muon,
         context_parallel,
         data_pipeline,
+        moe_balance,
         float8,
         gpu_costs,
         generation,
@@ -78,8 +80,8 @@ BENCHMARKS = {
 # progress lines' estimate of the rest, scaled by how the run is going. "train" is --train-rows' part on CPU.
 SECONDS = {
     "recompute": 24, "metadata": 15, "comm_volume": 28, "compile_cache": 66, "async_tp_fusion": 40, "memory": 33,
-    "muon": 16, "context_parallel": 50, "data_pipeline": 33, "float8": 11, "gpu_costs": 22, "generation": 60,
-    "vs_torchtitan": 300, "checkpoint_checksums": 21, "train": 150,
+    "muon": 16, "moe_balance": 10, "context_parallel": 50, "data_pipeline": 33, "float8": 11, "gpu_costs": 22, "generation": 60,
+    "vs_torchtitan": 360, "checkpoint_checksums": 21, "train": 150,
 }  # fmt: skip
 # make bench's settings where they are not the benchmark's own defaults, so that the whole run stays within 12
 # minutes on 2 cores (docs/benchmarks.md#make-bench): fewer tokens, rounds, steps or megabytes than a run of the
@@ -87,7 +89,7 @@ SECONDS = {
 FLAGS = {
     # Most of this part is the 126M model's no-cache decode: a forward over the whole sequence per new token.
     "generation": ["--new-tokens", "32", "--rounds", "2"],
-    # A round is 8 launches of 2 ranks (4 layouts x 2 trainers, which go first in turn); steps 3 and 4 are timed.
+    # A round is 10 launches of 2 ranks (5 layouts x 2 trainers, which go first in turn); steps 3 and 4 are timed.
     "vs_torchtitan": ["--rounds", "2", "--steps", "4"],
     # The corpus tokenized with 1 and with 2 workers; the timed steps of causal vs block-causal attention.
     "data_pipeline": ["--mb", "20", "--attn-steps", "3"],

@@ -17,7 +17,9 @@ the decoder skeleton every family's model has:
     model.args                  its ModelArgs; the generic code reads dim, n_layers, n_heads,
                                 kv_heads, head_dim, vocab_size, max_seq_len, tie_word_embeddings
                                 and attn_mask_type, and sets max_seq_len and attn_mask_type
-                                (dataclasses.replace) before building
+                                (dataclasses.replace) before building; a mixture of experts'
+                                args also have `balance` (models/moe.py), which config's
+                                [model.moe] sets
     model.tok_embeddings        nn.Embedding, or None on a pipeline stage without it
     model.layers                nn.ModuleDict of blocks keyed "0", "1", ... (names never depend on
                                 how a pipeline cuts the model); block(h, *extra, kv=None) -> h,

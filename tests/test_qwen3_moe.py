@@ -264,12 +264,20 @@ def test_unrepresentable_configs_are_refused_naming_each_field(tmp_path: Path) -
 def test_what_the_family_cannot_train_yet_is_refused_one_line_each() -> None:
     base = ["--config", "configs/qwen3_moe_debug.toml"]
     with pytest.raises(ConfigError) as info:
-        load_config([*base, "--parallelism.tensor_parallel_degree=2", "--optimizer.name=Muon"])
+        load_config(
+            [
+                *base,
+                "--parallelism.tensor_parallel_degree=2",
+                "--parallelism.expert_parallel_degree=1",
+                "--optimizer.name=Muon",
+            ]
+        )
     mine = [p for p in info.value.problems if "qwen3_moe" in p]
     assert len(mine) == 2 and mine[0].startswith("parallelism.tensor_parallel_degree: 2"), mine
     assert mine[1].startswith("optimizer.name: Muon"), mine
     assert load_config(base).model.name == "qwen3_moe"  # the debug config itself passes
-    assert family("qwen3").config_problems(load_config([*base, "--model.name=qwen3"])) == []  # dense: nothing
+    dense = load_config([*base, "--model.name=qwen3", "--parallelism.expert_parallel_degree=1"])
+    assert family("qwen3").config_problems(dense) == []  # dense: nothing
 
 
 def test_family_match_arm_and_aliases() -> None:
@@ -384,13 +392,14 @@ def test_greedy_generation_equals_transformers(tmp_path: Path) -> None:
 TRAIN = [
     "--config", "configs/qwen3_moe_debug.toml", "--training.steps=4", "--training.seq_len=64",
     "--training.global_batch_size=8", "--training.local_batch_size=2", "--debug.deterministic", "--metrics.log_freq=1",
-    "--lr_scheduler.warmup_steps=1",
+    "--lr_scheduler.warmup_steps=1", "--parallelism.expert_parallel_degree=1",  # the config's EP 2: a run below
 ]  # fmt: skip
 
 
-def test_the_debug_config_trains_alike_on_one_process_fsdp_pp_and_from_an_hf_folder(tmp_path: Path) -> None:
-    """One seed; one process; then one launch of 2 ranks running FSDP, PP and FSDP from the seed written as a Hugging
-    Face folder (experts out one tensor each, and read back sharded): the same losses, falling."""
+def test_the_debug_config_trains_alike_on_one_process_fsdp_ep_pp_and_from_an_hf_folder(tmp_path: Path) -> None:
+    """One seed; one process; then one launch of 2 ranks running FSDP, FSDP with expert parallel 2 (the config's
+    own layout), PP and FSDP from the seed written as a Hugging Face folder (experts out one tensor each, and read
+    back sharded): the same losses, falling."""
     from checkpoint import export_hf_folder
     from tests.conftest import losses
     from tests.launch import python, torchrun
@@ -404,6 +413,7 @@ def test_the_debug_config_trains_alike_on_one_process_fsdp_pp_and_from_an_hf_fol
     assert one.returncode == 0, one.stderr[-3000:]
     runs = {
         "fsdp": [f"--checkpoint.initial_load_path={step0}"],
+        "ep": [f"--checkpoint.initial_load_path={step0}", "--parallelism.expert_parallel_degree=2"],
         "pp": [
             f"--checkpoint.initial_load_path={step0}", "--parallelism.pipeline_parallel_degree=2",
             "--parallelism.pipeline_parallel_microbatch_size=1",

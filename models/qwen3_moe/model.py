@@ -19,9 +19,10 @@ can put its all-to-alls between them (issue 65):
   * combine: back to token order, each token's outputs summed with its routing weights (in float32).
 
 Nothing is recorded on the module: the forward is a pure function of (parameters, tokens), so activation
-checkpointing reruns it safely (docs/failures.md #2). What a load-balancing loss or a router statistic needs
-(each block's router probabilities and tokens per expert) is the router's output, `Routing`: a caller that
-wants it installs a forward hook on `layers[i].moe.router` and keeps what it receives.
+checkpointing reruns it safely (docs/failures.md #2). Load balancing in training (args.balance, models/moe.py) keeps
+its statistics in autograd's gradient of a leaf, which a recomputed forward does not add to again, and adds an
+expert bias to the router's choice when on; what a router statistic needs (each block's router probabilities and
+tokens per expert) is the router's output, `Routing`.
 
 Every block is an MoE block: the published configs have decoder_sparse_step 1 and no mlp_only_layers, and hf.py
 refuses the others. The attention, its QK-norm, RoPE and the rest of the skeleton are Qwen3's, copied.
@@ -40,6 +41,7 @@ from torch.utils.flop_counter import register_flop_formula
 
 from models.attention import AttentionMask, ScaledDotProductAttention, attention_mask
 from models.kv_cache import KVCache, LayerCache, check_inference
+from models.moe import LoadBalance, MoEBalance
 from models.rope import apply_rope, rope_table
 
 
@@ -60,6 +62,9 @@ class ModelArgs:
     max_seq_len: int = 32768  # longest sequence the flavor supports (RoPE table length)
     tie_word_embeddings: bool = False
     attn_mask_type: str = "causal"  # or "block_causal": attention stays inside each packed document
+    # Load balancing and routing statistics in training (models/moe.py), config's [model.moe]; None (a flavor, a
+    # Hugging Face folder): transformers' function alone.
+    balance: MoEBalance | None = None
 
     @property
     def kv_heads(self) -> int:
@@ -223,11 +228,16 @@ class Router(nn.Module):
         # A bare weight, not an nn.Linear: no converter (float8) may lower the router's precision.
         self.weight = nn.Parameter(torch.empty(args.num_experts, args.dim))
 
-    def forward(self, x: torch.Tensor) -> Routing:
-        """x (tokens, dim) -> Routing."""
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> Routing:
+        """x (tokens, dim) -> Routing. bias (experts,): added to the probabilities for the choice of the top_k only
+        (models/moe.py's expert bias); the routing weights stay the probabilities."""
         logits = F.linear(x.float(), self.weight.float())  # (tokens, experts)
         probs = logits.softmax(dim=-1)
-        weights, expert_ids = probs.topk(self.top_k, dim=-1)  # (tokens, top_k)
+        if bias is None:
+            weights, expert_ids = probs.topk(self.top_k, dim=-1)  # (tokens, top_k)
+        else:
+            expert_ids = (probs + bias).topk(self.top_k, dim=-1).indices
+            weights = probs.gather(1, expert_ids)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         flat = expert_ids.flatten()
@@ -278,24 +288,32 @@ class GroupedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    """The sparse MLP: route, dispatch, the experts, combine (the module docstring's four steps)."""
+    """The sparse MLP: route, dispatch, the experts, combine (the module docstring's four steps), and in training
+    the load balancing of args.balance (models/moe.py)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.router = Router(args)
         self.experts = GroupedExperts(args)
+        self.balance = (
+            LoadBalance(args.num_experts, args.balance, moe_layers=args.n_layers) if args.balance is not None else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (bs, seqlen, dim) -> (bs, seqlen, dim)."""
         tokens = x.flatten(0, 1)  # (tokens, dim)
-        routing = self.router(tokens)
+        routing = self.router(tokens, bias=self.balance.expert_bias if self.balance is not None else None)
         routed, order = dispatch(tokens, routing.expert_ids)  # (tokens * top_k, dim)
-        out = self.experts(routed, routing.tokens_per_expert)
-        return combine(out, order, routing.weights).to(x.dtype).view_as(x)
+        out = combine(self.experts(routed, routing.tokens_per_expert), order, routing.weights)
+        if self.balance is not None:  # the load-balancing loss's gradient, the step's statistics (models/moe.py)
+            out = self.balance(out, routing.probs, routing.tokens_per_expert)
+        return out.to(x.dtype).view_as(x)
 
     def init_weights(self, init_std: float) -> None:
         self.router.init_weights(init_std)
         self.experts.init_weights(init_std)
+        if self.balance is not None:
+            self.balance.init_buffers()
 
 
 class TransformerBlock(nn.Module):
