@@ -117,6 +117,7 @@ def test_the_busy_shape_is_one_model_in_both_trainers(
     import json
 
     from torchtitan.models.llama3 import llama3_args
+    from torchtitan.models.qwen3 import qwen3_args
     from torchtitan.protocols.train_spec import get_train_spec
 
     from config import load_config, run_model_args
@@ -135,7 +136,8 @@ def test_the_busy_shape_is_one_model_in_both_trainers(
     (flavor,) = [a.removeprefix("--model.flavor=") for a in titans_argv if a.startswith("--model.flavor=")]
     assert "--activation_checkpoint.mode=full" in titans_argv
     assert f"--training.seq_len={64 if rehearse else 4096}" in titans_argv
-    monkeypatch.setitem(llama3_args, flavor, None)  # put back as it was after the test
+    monkeypatch.setitem(llama3_args, flavor, None)  # put back as they were after the test
+    monkeypatch.setitem(qwen3_args, vs_torchtitan.MOE_FLAVOR, None)
     register_flavors(json.loads(shape.env()[FLAVORS_ENV]))
     theirs = get_train_spec("llama3").model_args[flavor]
     with torch.device("meta"):
@@ -179,7 +181,7 @@ def test_a_layout_gives_each_trainer_its_own_arguments_and_a_shared_run_runs_onc
         )
     assert "--activation_checkpoint.selective_ac_option=op" in args("torchtitan", "fsdp2_compile_auto", gpu)
     assert "--activation_checkpoint.mode=none" in args("torchtitan", "fsdp2_compile_auto_vs_no_ac", gpu)
-    for layout in vs_torchtitan.DEFAULT_LAYOUTS:  # the same overrides for both, no budget
+    for layout in set(vs_torchtitan.DEFAULT_LAYOUTS) - vs_torchtitan.OWN_MODEL:  # the same overrides, no budget
         assert vs_torchtitan.layout_args(layout, "recipe") == vs_torchtitan.layout_args(layout, "torchtitan")
         assert not any("memory_budget" in a for a in args("recipe", layout, cpu))
     # This recipe reads its side: auto with the budget on CPU.
@@ -220,3 +222,45 @@ def test_a_rehearsal_of_the_busy_shape(tmp_path: Path) -> None:
     # Memory is not compared here: on CPU both figures are the process's peak resident memory (ru_maxrss), at this
     # size mostly the interpreter and its libraries, and torchtitan's moved from 0.78 to 0.88 GiB between runs; a GPU
     # run compares the allocators' peaks (make bench-gpu).
+
+
+@pytest.mark.parametrize("cuda", [False, True], ids=["cpu", "gpu"])
+def test_the_moe_layout_is_one_model_in_both_trainers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], cuda: bool
+) -> None:
+    """`moe_fsdp2`: this recipe reads qwen3_moe's debugmodel, torchtitan (its own config parser, from the same argv but
+    the model's name) its qwen3 model with the flavor the harness registers: the same parameters on the meta device,
+    balancing off, and its experts as the loop over experts on CPU, its grouped matmuls on a GPU. The busy shape
+    leaves the layout out."""
+    from torchtitan.config import ConfigManager
+    from torchtitan.models.qwen3 import qwen3_args
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from config import load_config, run_model_args
+    from models import family
+    from tests.torchtitan_trainer import FLAVORS_ENV, register_flavors
+
+    folder = user_folder(tmp_path)
+    monkeypatch.chdir(folder)
+    shape = vs_torchtitan.shape_of("debug", cuda=cuda, rehearse=False)
+    layout = "moe_fsdp2"
+    ours = load_config(vs_torchtitan.trainer_args("recipe", layout, folder=folder, steps=3, shape=shape))
+    titans = ConfigManager().parse_args(vs_torchtitan.trainer_args("torchtitan", layout, folder=folder, steps=3,
+                                                                   shape=shape))  # fmt: skip
+    assert (ours.model.name, ours.model.flavor) == ("qwen3_moe", "debugmodel")
+    assert (titans.model.name, titans.model.flavor) == ("qwen3", vs_torchtitan.MOE_FLAVOR)
+    monkeypatch.setitem(qwen3_args, vs_torchtitan.MOE_FLAVOR, None)  # put back as it was after the test
+    register_flavors(json.loads(shape.env()[FLAVORS_ENV]))
+    spec = get_train_spec("qwen3")
+    theirs = spec.model_args[vs_torchtitan.MOE_FLAVOR]
+    assert (theirs.moe_args.use_grouped_mm, theirs.moe_args.load_balance_coeff) == (cuda, None)
+    with torch.device("meta"):
+        n_ours = sum(p.numel() for p in family("qwen3_moe").model_cls(run_model_args(ours)).parameters())
+        n_theirs = sum(p.numel() for p in spec.model_cls(theirs).parameters())
+    assert n_ours == n_theirs == family("qwen3_moe").num_params(run_model_args(ours)) == 5_777_920
+    if not cuda:  # the busy shape names its model itself: the layout is left out, said so, nothing run
+        out = tmp_path / "busy.json"
+        argv = ["--shape", "busy", "--rehearse", "--nproc", "1", "--layouts", layout, "--out", str(out)]
+        assert vs_torchtitan.main(argv) == 0
+        assert layout not in json.loads(out.read_text())["results"]
+        assert f"{layout}: left out, a layout with its own model is the debug shape's" in capsys.readouterr().out

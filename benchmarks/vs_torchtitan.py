@@ -9,7 +9,8 @@ folder laid out as torchtitan's repository expects (tests/assets/tokenizer: the 
 tests/assets/c4_test: the shipped corpus), with the same command-line overrides: the model shape,
 optimizer, schedule, batch shapes, settings and data source are one file's. torchtitan runs
 unchanged through tests/torchtitan_trainer.py (what it needs on CPU is said there). Layouts (LAYOUTS: the
-overrides both get; the first four are the default, make bench's):
+overrides both get; fsdp2, tp2, the two compiled ones with op SAC and full AC, and moe_fsdp2 are the default, make
+bench's):
 
     fsdp2                        FSDP 2 (AC on every 2nd block, as the TOML has it)
     tp2                          TP 2 with loss parallel
@@ -17,8 +18,19 @@ overrides both get; the first four are the default, make bench's):
     fsdp2_compile_full_ac        FSDP 2 + compile + full AC (--activation_checkpoint.mode=full, both trainers' key)
     fsdp2_compile_auto           FSDP 2 + compile; this recipe's auto AC against torchtitan's default, op SAC
     fsdp2_compile_auto_vs_no_ac  FSDP 2 + compile; this recipe's auto AC against torchtitan without AC
+    moe_fsdp2                    FSDP 2 of Qwen3 MoE: this recipe's debugmodel (5.8M parameters, 3.4M active: 8 experts
+                                 of 2 per token in each of 4 blocks) in both, as this recipe's qwen3_moe and torchtitan's
+                                 qwen3 model (a flavor of its registry, MOE_FLAVOR), balancing off on both sides; the
+                                 debug shape's only
 
-The last two give each trainer its own setting (OWN_ARGS): this recipe's activation_checkpoint.mode = "auto"
+The Qwen3 MoE layout gives each trainer its own name of the model (OWN_ARGS, MOE_MODEL); torchtitan computes its
+experts with its grouped matmuls on a GPU (its default), and on CPU with its loop over experts, one matmul per
+expert and projection, its only path there: its grouped matmuls pad each expert's rows with a Triton kernel, and cast
+to bfloat16 whatever the parameters' dtype. This recipe's are grouped matmuls everywhere (models/qwen3_moe). From the
+same weights and batches the two give the same losses (tests/test_torchtitan_moe.py); here, on 2 ranks, they read
+their documents in different orders, as in the Llama layouts.
+
+The auto AC layouts give each trainer its own setting (OWN_ARGS): this recipe's activation_checkpoint.mode = "auto"
 (block by block the least recompute whose estimated peak fits activation_checkpoint.memory_budget_gib, by default
 90% of the GPU's memory; on CPU ranks the harness gives it CPU_AC_BUDGET_GIB) has no torchtitan counterpart, so it
 meets torchtitan's default and torchtitan's best layout that fits the busy shape on one GPU (no AC). What auto chose
@@ -91,7 +103,7 @@ from benchmarks import harness
 from benchmarks.count_kernels import COUNTED_STEP, KINDS
 from benchmarks.harness import Row
 from models import family
-from tests.torchtitan_trainer import FLAVORS_ENV, user_folder
+from tests.torchtitan_trainer import FLAVORS_ENV, MOE_FLAVOR, qwen3_moe_flavor, user_folder
 
 PROBLEM = "vs torchtitan"
 OP_SAC = ["--activation_checkpoint.selective_ac_option=op"]  # the TOML's mode is selective
@@ -103,21 +115,32 @@ LAYOUTS = {  # the overrides both trainers get
     "fsdp2_compile_full_ac": ["--compile.enable", "--activation_checkpoint.mode=full"],
     "fsdp2_compile_auto": ["--compile.enable"],
     "fsdp2_compile_auto_vs_no_ac": ["--compile.enable"],
+    "moe_fsdp2": [],
+}
+# Qwen3 MoE: this recipe's debugmodel (8 experts, 2 per token) in both trainers, torchtitan's qwen3 model taking it as
+# a flavor registered under MOE_FLAVOR (tests/torchtitan_trainer.py, FLAVORS_ENV); no balancing on either side (this
+# recipe's load-balancing loss off, torchtitan's load_balance_coeff None).
+MOE_MODEL = {
+    "recipe": ["--model.name=qwen3_moe", "--model.flavor=debugmodel", "--model.moe.router_aux_loss_coef=0"],
+    "torchtitan": ["--model.name=qwen3", f"--model.flavor={MOE_FLAVOR}"],
 }
 # What one trainer gets on top in a layout: this recipe's auto AC against torchtitan's default (op SAC) and against
-# its best layout that fits (no AC, at the busy shape on one GPU).
+# its best layout that fits (no AC, at the busy shape on one GPU); each trainer's name of the MoE model.
 OWN_ARGS = {
     "fsdp2_compile_auto": {"recipe": AUTO_AC, "torchtitan": OP_SAC},
     "fsdp2_compile_auto_vs_no_ac": {"recipe": AUTO_AC, "torchtitan": ["--activation_checkpoint.mode=none"]},
+    "moe_fsdp2": MOE_MODEL,
 }
 LABELS = {  # n: ranks
     "fsdp2": "FSDP {n}", "tp2": "TP 2", "fsdp2_compile_op_sac": "FSDP {n} + compile + op SAC",
     "fsdp2_compile_full_ac": "FSDP {n} + compile + full AC",
     "fsdp2_compile_auto": "FSDP {n} + compile, auto AC vs torchtitan's op SAC",
     "fsdp2_compile_auto_vs_no_ac": "FSDP {n} + compile, auto AC vs torchtitan's no AC",
+    "moe_fsdp2": "Qwen3 MoE, FSDP {n}",
 }  # fmt: skip
-DEFAULT_LAYOUTS = ["fsdp2", "tp2", "fsdp2_compile_op_sac", "fsdp2_compile_full_ac"]  # make bench's, on CPU
+DEFAULT_LAYOUTS = ["fsdp2", "tp2", "fsdp2_compile_op_sac", "fsdp2_compile_full_ac", "moe_fsdp2"]  # make bench's, on CPU
 NEEDS_RANKS = {"tp2": 2}
+OWN_MODEL = {"moe_fsdp2"}  # layouts that name their model: the debug shape's only
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _TITAN_STEP = re.compile(
     r"step:\s*(\d+)\s+loss:\s*([\d.]+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+).*?mfu:\s*([\d.]+)%"
@@ -181,6 +204,7 @@ class Shape:
     local_batch: int | None = None
     float32: bool = False  # on CPU: float32 parameters (bf16 matmuls there are slow)
     ac_budget_gib: float | None = None  # auto AC's budget without a CUDA device (None: its default, from the GPU's)
+    grouped_mm: bool = False  # torchtitan's MoE experts as its grouped matmuls (a GPU's), else its loop over experts
 
     def args(self, trainer: str) -> list[str]:
         out = [f"--training.seq_len={self.seq_len}"] if self.seq_len else []
@@ -194,10 +218,14 @@ class Shape:
         return out
 
     def env(self) -> dict[str, str]:
-        """The environment of torchtitan's process: the busy shape as a flavor of its registry."""
-        if self.model is None:
-            return {}
-        return {FLAVORS_ENV: json.dumps({flavor_name(self.model): torchtitan_flavor(self.model)})}
+        """The environment of torchtitan's process: the busy shape as a flavor of its Llama 3 registry, this recipe's
+        Qwen3 MoE debugmodel as one of its qwen3 registry (MOE_FLAVOR), with torchtitan's grouped-matmul experts where
+        they run (a GPU: they pad each expert's rows with a Triton kernel) and its loop over experts elsewhere."""
+        moe = qwen3_moe_flavor(family("qwen3_moe").flavors["debugmodel"], grouped_mm=self.grouped_mm)
+        flavors: dict[str, Any] = {"qwen3": {MOE_FLAVOR: moe}}
+        if self.model is not None:
+            flavors["llama3"] = {flavor_name(self.model): torchtitan_flavor(self.model)}
+        return {FLAVORS_ENV: json.dumps(flavors)}
 
     def prepare(self, folder: Path) -> None:
         """The busy shape's config.json in `folder`, for this recipe (model.shape_from_hf_config)."""
@@ -226,10 +254,13 @@ def shape_of(name: str, *, cuda: bool, rehearse: bool, layers: int = BUSY_LAYERS
     float32 = not (cuda or bf16)
     budget = None if cuda else CPU_AC_BUDGET_GIB
     if rehearse:
-        return Shape(name, model, REHEARSAL["seq_len"], REHEARSAL["local_batch"], float32=float32, ac_budget_gib=budget)
+        return Shape(name, model, REHEARSAL["seq_len"], REHEARSAL["local_batch"], float32=float32, ac_budget_gib=budget,
+                     grouped_mm=cuda)  # fmt: skip
     if name == "busy":
-        return Shape(name, model, BUSY_SEQ_LEN, BUSY_LOCAL_BATCH, float32=float32, ac_budget_gib=budget)
-    return Shape(name) if cuda else Shape(name, seq_len=256, float32=float32, ac_budget_gib=budget)
+        return Shape(
+            name, model, BUSY_SEQ_LEN, BUSY_LOCAL_BATCH, float32=float32, ac_budget_gib=budget, grouped_mm=cuda
+        )
+    return Shape(name, grouped_mm=True) if cuda else Shape(name, seq_len=256, float32=float32, ac_budget_gib=budget)
 
 
 def dump_folder(folder: Path, trainer: str, layout: str) -> Path:
@@ -341,6 +372,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     layouts = [layout for layout in args.layouts if NEEDS_RANKS.get(layout, 1) <= nproc]
     for layout in sorted(set(args.layouts) - set(layouts)):
         print(f"{layout}: left out, it needs {NEEDS_RANKS[layout]} ranks and this run has {nproc}", flush=True)
+    if shape.model is not None and (own := [layout for layout in layouts if layout in OWN_MODEL]):
+        layouts = [layout for layout in layouts if layout not in own]
+        print(f"{', '.join(own)}: left out, a layout with its own model is the debug shape's", flush=True)
     if not cuda:
         dtype = "float32" if shape.float32 else "bfloat16 parameters (--bf16)"
         print(f"no GPU: {dtype} on CPU ranks, MFU not measured (n/a)", flush=True)

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from checkpoint.checksums import ChecksumWriter
 from checkpoint.folder import OutOfSpace, complete_checkpoints, log, rank, refuse_all_damaged, set_aside
 from checkpoint.hf_export import export_hf_folder
-from checkpoint.torchtitan import TorchtitanState, is_torchtitan, load_torchtitan
+from checkpoint.torchtitan import TorchtitanState, is_torchtitan, load_torchtitan, torchtitan_named
 from checkpoint.verify import check_holds, nonfinite_parameters, verify, verify_contents
 from config import Checkpoint, Model, model_args
 from errors import ConfigError
@@ -287,7 +287,8 @@ class CheckpointManager:
         self, path: Path, metadata: Metadata, optimizer: torch.optim.Optimizer | None, *, key: str
     ) -> TorchtitanState:
         interop = self._interop("reads torchtitan's checkpoints")
-        check_holds(path, metadata, get_model_state_dict(self.model), key=key)  # torchtitan's weights: top level
+        # torchtitan's weights: top level, under its names
+        check_holds(path, metadata, torchtitan_named(interop.family, get_model_state_dict(self.model)), key=key)
         self.torchtitan = load_torchtitan(
             path, metadata, self.model, optimizer, family=interop.family, args=interop.args, key=key,
             group=self.process_group,

@@ -24,6 +24,12 @@ permuted within each head on the way in and back on the way out; the family says
 (ModelFamily.torchtitan_interleaved). The permutation is a relabelling of each head's q and k features:
 attention scores, and so every loss, are the same.
 
+Names and buffers: where torchtitan's model of a family names a weight otherwise (Qwen3 MoE's router, its
+moe.router.gate), the weight and its moments are read and written under torchtitan's name
+(ModelFamily.torchtitan_names). A buffer torchtitan's model holds and this recipe's does not, inert while zero (Qwen3
+MoE's load-balancing expert_bias, ModelFamily.torchtitan_zero_buffers), is read only to refuse a checkpoint that holds
+it nonzero, and written as zeros, so that torchtitan's model, which asks for it, finds it.
+
 Out, the data position is written when torchtitan's loader would read this run's token stream: one prepared
 corpus, unshuffled, not chat. torchtitan gives each data-parallel rank a contiguous slice of the documents
 (datasets' `shard(contiguous=True)`) and packs each rank's BOS + document + EOS stream into windows of
@@ -98,6 +104,58 @@ def interleaved_weights(fam: ModelFamily, args: Any, names: Any) -> dict[str, in
     return {n: inside[n.split(".", 2)[2]] for n in names if n.startswith("layers.") and n.split(".", 2)[2] in inside}
 
 
+# ------------------------------------------------------------------ names
+
+
+def torchtitan_name(fam: ModelFamily, name: str) -> str:
+    """This recipe's weight `name` as torchtitan's model of the family names it (ModelFamily.torchtitan_names)."""
+    if not name.startswith("layers."):
+        return name
+    _, layer, inside = name.split(".", 2)
+    return f"layers.{layer}.{fam.torchtitan_names.get(inside, inside)}"
+
+
+def torchtitan_named(fam: ModelFamily, state: dict[str, Any]) -> dict[str, Any]:
+    """`state` (weights by name, or AdamW's flat "state.<name>.<k>" and "param_groups.<name>.<k>") under torchtitan's
+    names, the same values."""
+
+    def renamed(key: str) -> str:
+        for prefix in ("state.", "param_groups."):
+            if key.startswith(prefix):
+                name, k = key.removeprefix(prefix).rsplit(".", 1)
+                return f"{prefix}{torchtitan_name(fam, name)}.{k}"
+        return torchtitan_name(fam, key)
+
+    return {renamed(key): value for key, value in state.items()}
+
+
+def zero_buffers(fam: ModelFamily, args: Any, weights: Any) -> dict[str, tuple[int, ...]]:
+    """{torchtitan's name: shape} of the buffers torchtitan's model may hold that change nothing while zero, where the
+    model whose state dict holds `weights` has none that torchtitan names so (ModelFamily.torchtitan_zero_buffers)."""
+    inside = fam.torchtitan_zero_buffers(args)
+    held = {torchtitan_name(fam, n) for n in weights}
+    layers = sorted({int(n.split(".")[1]) for n in weights if n.startswith("layers.")})
+    named = {f"layers.{i}.{buffer}": shape for i in layers for buffer, shape in inside.items()}
+    return {name: shape for name, shape in named.items() if name not in held}
+
+
+def _refuse_nonzero_buffers(path: Path, metadata: Metadata, buffers: dict[str, tuple[int, ...]], *, key: str,
+                            group: dist.ProcessGroup | None) -> None:  # fmt: skip
+    """One line if torchtitan's checkpoint holds any of `buffers` nonzero: this run's model, without them, would route
+    otherwise than the model that was saved."""
+    stored = {n: torch.empty(shape) for n, shape in buffers.items() if n in metadata.state_dict_metadata}
+    if not stored:
+        return
+    dcp.load(stored, checkpoint_id=str(path), process_group=group, no_dist=not dist.is_initialized())
+    nonzero = [n for n, t in stored.items() if t.any()]
+    if nonzero:
+        raise ConfigError(
+            f"{key}: {path} holds torchtitan's load-balancing {nonzero[0].split('.', 2)[2]} nonzero ({len(nonzero)} "
+            f"blocks, e.g. {nonzero[0]}), which moves its routing, and this run's model has no expert bias; set "
+            "model.moe.load_balance_coeff > 0 (torchtitan's default is 0.001) to load and train it"
+        )
+
+
 # ------------------------------------------------------------------ in
 
 
@@ -160,12 +218,14 @@ def load_torchtitan(
             f"(checkpoint.initial_load_path = {path}) or add optimizer to checkpoint.exclude_from_loading"
         )
     weights = get_model_state_dict(model)
-    to_load: dict[str, Any] = dict(weights)
+    _refuse_nonzero_buffers(path, metadata, zero_buffers(family, args, weights), key=key, group=group)
+    # Loaded in place under torchtitan's names: `weights` and `flat` hold them under this recipe's.
+    to_load: dict[str, Any] = torchtitan_named(family, weights)
     flat: dict[str, Any] = {}
     if optimizer is not None:
         flat = get_optimizer_state_dict(model, optimizer, options=FLAT)
         # The moments and step are loaded; the param_groups are compared (read_state), this run's own are kept.
-        to_load["optimizer"] = {k: v for k, v in flat.items() if k.startswith("state.")}
+        to_load["optimizer"] = torchtitan_named(family, {k: v for k, v in flat.items() if k.startswith("state.")})
     try:
         dcp.load(to_load, checkpoint_id=str(path), process_group=group, no_dist=not dist.is_initialized())
     except Exception as e:  # DCP gathers every rank's read errors into one exception on all ranks
@@ -215,7 +275,8 @@ def torchtitan_state_dict(
     def layout(name: str, t: torch.Tensor) -> torch.Tensor:
         return to_interleaved(t, rope[name]) if name in rope else t
 
-    out: dict[str, Any] = {name: layout(name, t) for name, t in weights.items()}
+    out: dict[str, Any] = torchtitan_named(family, {name: layout(name, t) for name, t in weights.items()})
+    out |= {name: torch.zeros(shape) for name, shape in zero_buffers(family, args, weights).items()}
     if optimizer is None:
         return out
     group = {k.removeprefix("param_groups."): v for k, v in optimizer.items() if k.startswith("param_groups.")}
@@ -226,7 +287,7 @@ def torchtitan_state_dict(
             flat[f"state.{name}.{k}"] = layout(name, t) if k in _MOMENTS else t
         flat |= {f"param_groups.{name}.{k}": v for k, v in group.items() if k != "params"}
         flat |= {f"param_groups.{name}.lr": next_lr, f"param_groups.{name}.initial_lr": lr}
-    out["optimizer"] = flat
+    out["optimizer"] = torchtitan_named(family, flat)
     # torch's LambdaLR after `step` scheduler steps, as torchtitan's LRSchedulersContainer saves its first one.
     out["lr_scheduler"] = {"base_lrs": [lr], "last_epoch": step, "_step_count": step + 1, "_is_initial": False,
                            "_get_lr_called_within_step": False, "_last_lr": [next_lr]}  # fmt: skip
