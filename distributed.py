@@ -1,6 +1,7 @@
 """The process group of a run and what every rank does together outside the model: start the group (NCCL on CUDA,
-gloo on CPU), bound how long a collective may wait, run a step on rank 0 alone that stops every rank if it fails, and
-average a loss over the ranks that hold one. train.py, eval.py and the optimizer's step gate share these."""
+gloo on CPU), bound how long a collective may wait, run a step on rank 0 alone or on every rank that stops every rank
+if it fails, and average a loss over the ranks that hold one. train.py, eval.py, the optimizer's step gate and the
+preparation of raw data share these."""
 
 from __future__ import annotations
 
@@ -77,6 +78,36 @@ def collective_on_rank0(fn: Callable[[], T], *, rank: int) -> T | None:
     dist.broadcast_object_list(failed, src=0)
     if failed[0]:
         kind, problems = failed[0]
+        raise kind(*problems)
+    return result
+
+
+def collective_on_every_rank(fn: Callable[[], T]) -> T:
+    """A collective: every rank runs `fn` (which may do nothing on some), and when it failed on any rank, every rank
+    raises. A rank that left alone would leave the others waiting in their next collective until gloo's "Connection
+    closed by peer" traceback (NCCL's time-out) ends them.
+
+    A RecipeError is raised on every rank as the lowest failing rank raised it, so that rank 0 prints it once; any
+    other exception goes on up its own rank with its traceback, and the others raise a RecipeError naming that rank.
+    Without a process group of several ranks it is `fn()`."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return fn()
+    error: Exception | None = None
+    try:
+        result = fn()
+    except Exception as e:
+        error = e
+    told: tuple[type[RecipeError], list[str]] | None = None
+    if isinstance(error, RecipeError):
+        told = (type(error), error.problems)
+    elif error is not None:
+        told = (RecipeError, [f"rank {dist.get_rank()} failed ({type(error).__name__}: {error}); see its traceback"])
+    everyone: list[tuple[type[RecipeError], list[str]] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, told)
+    if error is not None and not isinstance(error, RecipeError):
+        raise error
+    if found := next((t for t in everyone if t), None):
+        kind, problems = found
         raise kind(*problems)
     return result
 

@@ -10,7 +10,9 @@ and the FLAGS below; the multi-process ones start torchrun themselves) and its m
 that JSON into `Row`s: a problem of docs/failures.md, a metric, its value on the broken setup and on the fix.
 This script prints them as one table and writes `<out>/bench.json` (the rows and every
 benchmark's results) and `<out>/bench.png`: one panel per problem, showing the headline metric
-(the first one its rows() returns) for each setup of those rows, broken and fixed in two colors.
+(the first one its rows() returns) for each setup of those rows, broken and fixed in two colors, and
+under it the row's note where the bars alone would mislead (block-causal attention: the fix is the slower side
+on CPU).
 
 While it measures it prints one line as each part starts (`part 3/13 comm_volume: starting | elapsed 0m36s |
 estimated rest 9m40s`) and one as it ends, nothing else: a part's own output goes to `<out>/<name>.log`, and
@@ -46,9 +48,9 @@ from benchmarks import (
     harness,
     memory,
     metadata,
+    moe_balance,
     muon,
     recompute,
-    moe_balance,
     vs_torchtitan,
 )
 from benchmarks.harness import Row
@@ -64,9 +66,9 @@ BENCHMARKS = {
         async_tp_fusion,
         memory,
         muon,
+        moe_balance,
         context_parallel,
         data_pipeline,
-        moe_balance,
         float8,
         gpu_costs,
         generation,
@@ -213,7 +215,8 @@ def format_table(rows: list[Row]) -> str:
         " ".join(c.rjust(w) if i in numbers else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True)))
         for line in cells
     ]
-    return "\n".join([lines[0], "-" * len(lines[0]), *(line.rstrip() for line in lines[1:])])
+    notes = [f"note, {r.problem}: {' '.join(r.note.splitlines())}" for r in rows if r.note]
+    return "\n".join([lines[0], "-" * len(lines[0]), *(line.rstrip() for line in lines[1:]), *notes])
 
 
 # -------------------------------------------------------------------------- chart
@@ -234,6 +237,7 @@ class Panel:
     metric: str
     unit: str
     bars: list[Bar]
+    note: str = ""  # under the bars: what they alone would mislead about (harness.Row.note)
 
 
 def panels(rows: list[Row]) -> list[Panel]:
@@ -253,7 +257,8 @@ def panels(rows: list[Row]) -> list[Panel]:
             values.setdefault(r.fixed, r.fixed_value)
         bars = [Bar(label, value, broken=label not in fixes) for label, value in values.items()]
         bars.sort(key=lambda bar: not bar.broken)  # stable: the order within each kind stays
-        out.append(Panel(problem, headline[0].metric, headline[0].unit, bars))
+        note = next((r.note for r in headline if r.note), "")
+        out.append(Panel(problem, headline[0].metric, headline[0].unit, bars, note))
     return out
 
 
@@ -293,6 +298,9 @@ def draw_panel(ax: Any, panel: Panel) -> None:
     metric = textwrap.fill(f"{panel.metric} ({panel.unit})" if panel.unit else panel.metric, 40)
     ax.text(0, 1.02, metric, transform=ax.transAxes, va="bottom", fontsize=12, color="0.3")
     ax.set_title(panel.problem, loc="left", fontsize=15, fontweight="bold", pad=42)
+    if panel.note:  # in the gap above the next row's title: two lines fit
+        note = "\n".join(textwrap.fill(line, 48) for line in panel.note.splitlines())
+        ax.text(0, -0.02, note, transform=ax.transAxes, va="top", fontsize=11, color="0.3")
 
 
 def plot(rows: list[Row], path: Path) -> None:

@@ -23,3 +23,10 @@ def test_data_pipeline_benchmark(tmp_path: Path) -> None:
     assert [(r.problem, r.unit) for r in rows] == [
         ("data preparation", "MB/s"), ("data preparation", "B"), ("block-causal attention", "ms"),
     ]  # fmt: skip
+    # The block-causal panel says which side was the faster here (CPU: a dense mask) and where block_causal differs.
+    ms = results["attention"]["ms"]
+    faster = min(ms, key=ms.get)
+    assert rows[2].note.splitlines() == [
+        f"CPU, a dense mask: {faster} is {max(ms.values()) / ms[faster]:.2f}x faster.",
+        "GPU, FlexAttention: make bench-gpu.",
+    ]

@@ -23,7 +23,7 @@ ROWS = [
     Row("#3 HSDP", "bytes crossing nodes", "MiB", "FULL_SHARD", 96.0, "HSDP", 44.0),
     Row("#3 HSDP", "bytes crossing nodes", "MiB", "replication", 66.0, "HSDP", 44.0),
     Row("#3 HSDP", "step time", "ms", "FULL_SHARD", 9.0, "HSDP", 5.0),  # not the headline: not charted
-    Row("#4 cache", "graphs served", "graphs", "shared", 2, "keyed", 0),
+    Row("#4 cache", "graphs served", "graphs", "shared", 2, "keyed", 0, note="CPU: keyed.\nGPU: keyed too."),
     *(Row("#5 memory", "device memory", "MiB", before, 2.0**-i, after, 2.0 ** -(i + 1))
       for i, (before, after) in enumerate(itertools.pairwise(STAIRCASE))),
 ]  # fmt: skip
@@ -38,6 +38,9 @@ def test_one_panel_per_problem_with_its_headline_setups_broken_first() -> None:
     assert [(b.value, b.broken) for b in cache.bars] == [(2, True), (0, False)]
     assert [b.label for b in memory.bars] == STAIRCASE
     assert [b.broken for b in memory.bars] == [True, False, False, False]
+    # A row's note (what the bars alone would mislead about) goes under its panel and after the table.
+    assert (hsdp.note, cache.note) == ("", "CPU: keyed.\nGPU: keyed too.")
+    assert run.format_table(ROWS).splitlines()[-1] == "note, #4 cache: CPU: keyed. GPU: keyed too."
 
 
 def test_plot_only_redraws_from_bench_json(tmp_path: Path) -> None:
@@ -45,6 +48,8 @@ def test_plot_only_redraws_from_bench_json(tmp_path: Path) -> None:
     assert run.main(["--plot-only", "--out", str(tmp_path)]) == 0
     assert (tmp_path / "bench.png").read_bytes().startswith(b"\x89PNG")
     assert [Row.from_json(r) for r in json.loads((tmp_path / "bench.json").read_text())["rows"]] == ROWS
+    older = {k: v for k, v in ROWS[0].to_json().items() if k != "note"}  # a bench.json from before notes
+    assert Row.from_json(older) == ROWS[0]
 
 
 def test_plot_only_without_a_bench_json_is_one_line(tmp_path: Path, capsys) -> None:

@@ -8,8 +8,10 @@ the shard's `doc_ends`.
 `[data] path` may name a prepared folder (it has a manifest.json), or raw files. Raw files are
 prepared at start-up into a cache folder keyed on the files, the tokenizer and the format, with
 the ranks dividing the chunks; where the cache folder is not shared between nodes, each node
-prepares its own copy. Raw data too large for that (minutes of tokenizing) is refused with the
-exact `scripts/prepare_data.py` command.
+prepares its own copy. The folder appears under its key only once complete (a folder of the run's
+own, renamed), so a refused, failed or killed preparation leaves nothing the next start reads or
+trips on. Raw data too large for that (minutes of tokenizing) is refused with the exact
+`scripts/prepare_data.py` command.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import uuid
 from pathlib import Path
 from typing import Any
@@ -39,29 +42,36 @@ CACHE_CHUNK_BYTES = 2**20
 
 
 class TokenCorpus:
-    """A prepared folder's token stream: `read(start, n)` and `doc_starts(start, n)` in O(1)."""
+    """A prepared folder's token stream: `read(start, n)` and `doc_starts(start, n)` in O(1).
 
-    def __init__(self, folder: Path, *, key: str = "data.path"):
+    key: the config key that named the folder, for errors. cached_from: `data.path PATH` when the folder is
+    train.py's cache of that raw data: the fix for a damaged one is then to delete it (the next start prepares it
+    again), not a preparation by hand."""
+
+    def __init__(self, folder: Path, *, key: str = "data.path", cached_from: str | None = None):
         self.folder = folder
+        again = (
+            f"delete {folder}, the cache of {cached_from}: the next start prepares it again"
+            if cached_from
+            else "prepare the data again"
+        )
         try:
             self.manifest: dict[str, Any] = json.loads((folder / "manifest.json").read_text())
         except (OSError, json.JSONDecodeError) as e:
-            raise ConfigError(f"{key}: {folder}/manifest.json is unreadable ({e}); prepare the data again") from None
+            raise ConfigError(f"{key}: {folder}/manifest.json is unreadable ({e}); {again}") from None
         if self.manifest.get("format") != FORMAT:
             raise ConfigError(
                 f"{key}: {folder} was prepared in format {self.manifest.get('format')!r}, this recipe reads {FORMAT!r}; "
-                "prepare it again with scripts/prepare_data.py"
+                f"{again if cached_from else 'prepare it again with scripts/prepare_data.py'}"
             )
         self.tokens, self.doc_ends = [], []
         # Chat data (data/chat.py): per token, 1 where the loss counts it (an assistant's token), else 0.
         self.loss_masks: list[np.ndarray] | None = [] if self.manifest.get("chat") else None
         for shard in self.manifest["shards"]:
-            tokens, ends = (self._open(folder / shard[f"{kind}_file"], key) for kind in ("tokens", "doc_ends"))
-            mask = self._open(folder / shard["loss_mask_file"], key) if self.loss_masks is not None else tokens
+            tokens, ends = (self._open(folder / shard[f"{kind}_file"], key, again) for kind in ("tokens", "doc_ends"))
+            mask = self._open(folder / shard["loss_mask_file"], key, again) if self.loss_masks is not None else tokens
             if len(tokens) != shard["tokens"] or len(ends) != shard["documents"] or len(mask) != len(tokens):
-                raise ConfigError(
-                    f"{key}: {folder / shard['tokens_file']} does not match the manifest; prepare the data again"
-                )
+                raise ConfigError(f"{key}: {folder / shard['tokens_file']} does not match the manifest; {again}")
             self.tokens.append(tokens)
             self.doc_ends.append(ends)
             if self.loss_masks is not None:
@@ -72,11 +82,11 @@ class TokenCorpus:
         self.fingerprint: str = self.manifest["fingerprint"]
 
     @staticmethod
-    def _open(path: Path, key: str) -> np.ndarray:
+    def _open(path: Path, key: str, again: str) -> np.ndarray:
         try:
             return np.load(path, mmap_mode="r")
         except (OSError, ValueError) as e:
-            raise ConfigError(f"{key}: {path} is missing or damaged ({e}); prepare the data again") from None
+            raise ConfigError(f"{key}: {path} is missing or damaged ({e}); {again}") from None
 
     def read(self, start: int, length: int) -> np.ndarray:
         """Tokens [start, start + length) of the stream as int64."""
@@ -152,13 +162,16 @@ def open_corpus(cfg: Data, tokenizer: Tokenizer, tokenizer_path: str, *, key: st
             f"{key}: {cfg.path} is {source.input_bytes / 2**20:,.0f} MiB of raw text: too much to tokenize at every "
             f"start; prepare it once with `{prepare_command(cfg, tokenizer_path)}`, then set {key} to that --output folder"
         )
+    from distributed import collective_on_every_rank
+
     # Another chat template renders other tokens: another cache folder.
     chat = chat_renderer(tokenizer_path).fingerprint if cfg.chat else None
     cache = cache_folder(cfg, tokenizer, source.describe(), chat=chat)
-    if not is_prepared(cache):
-        writable_folder(cache, key="data.cache_folder")
-        _prepare_shared(source, tokenizer_path, cache)
-    corpus = TokenCorpus(cache, key=key)
+    if not _prepared_on_every_rank(cache):
+        prepare_cache(source, tokenizer_path, cache)
+    # A damaged cache on one node only is refused on every rank.
+    named = f"{key} {cfg.path}"
+    corpus = collective_on_every_rank(lambda: TokenCorpus(cache, key="data.cache_folder", cached_from=named))
     if nulls := corpus.manifest["null_documents"]:
         total = nulls + corpus.manifest["documents"]
         warn(f"{key}: {nulls:,} of {total:,} documents of {cfg.path} have no text (null); they are skipped")
@@ -215,51 +228,87 @@ def cache_folder(cfg: Data, tokenizer: Tokenizer, source: dict[str, Any], *, cha
     return Path(cfg.cache_folder).expanduser() / digest
 
 
-def _prepare_shared(source: Any, tokenizer_path: str, cache: Path) -> None:
-    """Every rank tokenizes its share of the chunks into `cache`; then one writes the manifest.
+def _prepared_on_every_rank(cache: Path) -> bool:
+    """Whether every rank finds `cache` prepared (a collective under torch.distributed). A node-local cache may be
+    prepared on some nodes only (a node new to the job): then every rank takes part in preparing it, or the ranks
+    that found theirs would go on alone and the others would wait for them in their first collective."""
+    import torch.distributed as dist
 
-    Where the ranks do not all see one folder (a node-local cache on several nodes), each node
-    prepares its own copy: its ranks share the chunks, its local rank 0 writes the manifest.
+    here = is_prepared(cache)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return here
+    everyone = [False] * dist.get_world_size()
+    dist.all_gather_object(everyone, here)
+    return all(everyone)
+
+
+def prepare_cache(source: Source, tokenizer_path: str, cache: Path) -> None:
+    """Every rank tokenizes its share of the chunks; one writes the manifest and publishes the folder as `cache`.
+
+    The work goes into a folder of this run's own beside `cache` (`<cache key>.partial-<run id>`), renamed to `cache`
+    once its manifest is written: a refused or failed preparation removes its folder, a killed one leaves it under a
+    name no run reads, and two runs that prepare the same data at once each write their own (the later keeps the
+    earlier's: the same key, the same tokens). A step that can fail on some ranks only stops every rank with the same
+    error (distributed.collective_on_every_rank), so that rank 0 tells it once and no rank is left waiting for another.
+
+    Where the ranks do not all see one folder (a node-local cache on several nodes), each node prepares its own copy:
+    its ranks share the chunks, its local rank 0 writes the manifest and publishes it.
     """
     import torch.distributed as dist
 
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        chunks = tokenize(source, tokenizer_path, cache, workers=0, chunk_bytes=CACHE_CHUNK_BYTES, progress=_log)
-        write_manifest(cache, chunks=chunks)
-        return
-    cache.mkdir(parents=True, exist_ok=True)
-    probe = [f".shared-{uuid.uuid4().hex}" if dist.get_rank() == 0 else ""]
-    dist.broadcast_object_list(probe, src=0)
-    if dist.get_rank() == 0:
-        (cache / probe[0]).touch()
-    dist.barrier()
-    seen = [False] * dist.get_world_size()
-    dist.all_gather_object(seen, (cache / probe[0]).exists())
-    dist.barrier()
-    if dist.get_rank() == 0:
-        (cache / probe[0]).unlink()
-    if all(seen):  # one folder for everyone
-        rank, ranks, leader = dist.get_rank(), dist.get_world_size(), dist.get_rank() == 0
-    else:  # one folder per node
-        rank, ranks = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        leader = rank == 0
-    if leader:
-        begin(source, tokenizer_path, cache, chunk_bytes=CACHE_CHUNK_BYTES)  # prepare.json, before any rank checks it
-    dist.barrier()
-    chunks, problems = 0, None
+    from distributed import collective_on_every_rank as together
+
+    several = dist.is_initialized() and dist.get_world_size() > 1
+    rank, ranks = (dist.get_rank(), dist.get_world_size()) if several else (0, 1)
+    run_id = [uuid.uuid4().hex[:12] if rank == 0 else ""]
+    if several:
+        dist.broadcast_object_list(run_id, src=0)
+    partial = cache.with_name(f"{cache.name}.partial-{run_id[0]}")
+    leader = rank == 0
+
+    def begin_here() -> None:
+        begin(source, tokenizer_path, partial, chunk_bytes=CACHE_CHUNK_BYTES)  # prepare.json, before any rank reads it
+
+    def check_and_begin() -> None:
+        writable_folder(cache.parent, key="data.cache_folder")
+        if cache.exists() and not is_prepared(cache):  # publishing renames a complete folder: never half of one
+            raise ConfigError(
+                f"data.cache_folder: {cache}, the cache of {source.key} {source.path}, holds an unfinished "
+                "preparation (no manifest.json) that an older version of this recipe left; delete that folder, then "
+                "start again"
+            )
+        if leader:
+            begin_here()
+
     try:
-        chunks = tokenize(
-            source, tokenizer_path, cache, workers=0, chunk_bytes=CACHE_CHUNK_BYTES, share=(rank, ranks), progress=_log
-        )
-    except ConfigError as e:  # bad input in this rank's chunks: every rank must stop, not wait
-        problems = e.problems
-    everyone: list[list[str] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, problems)
-    if found := next((p for p in everyone if p), None):
-        raise ConfigError(*found)
-    if leader:
-        write_manifest(cache, chunks=chunks)
-    dist.barrier()
+        together(check_and_begin)
+        if several:
+            seen = [False] * ranks
+            dist.all_gather_object(seen, (partial / "prepare.json").is_file())
+            if not all(seen):  # one folder per node
+                rank, ranks = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+                leader = rank == 0
+                together(lambda: begin_here() if leader and not seen[dist.get_rank()] else None)
+        chunks = together(
+            lambda: tokenize(
+                source, tokenizer_path, partial, workers=0, chunk_bytes=CACHE_CHUNK_BYTES, share=(rank, ranks),
+                progress=_log,
+            )
+        )  # fmt: skip
+        together(lambda: _publish(partial, cache, chunks=chunks, key=source.key) if leader else None)
+    finally:
+        if leader:  # every rank is done with it: each step above ends on every rank together
+            shutil.rmtree(partial, ignore_errors=True)
+
+
+def _publish(partial: Path, cache: Path, *, chunks: int, key: str) -> None:
+    """Write `partial`'s manifest, then rename it to `cache`, unless another run published `cache` meanwhile."""
+    write_manifest(partial, chunks=chunks, key=key)
+    try:
+        os.rename(partial, cache)
+    except OSError:  # `cache` exists: the other run's copy is kept (this one is removed)
+        if not is_prepared(cache):
+            raise
 
 
 def _log(message: str) -> None:

@@ -265,9 +265,10 @@ def _tokenize(
     return reading
 
 
-def write_manifest(output: Path, *, chunks: int) -> dict[str, Any]:
+def write_manifest(output: Path, *, chunks: int, key: str = "--source") -> dict[str, Any]:
     """manifest.json from prepare.json and the shard records: the corpus is complete. The shards in source
-    order: chunks 0..chunks-1, each chunk's parts up to the one its record calls the last."""
+    order: chunks 0..chunks-1, each chunk's parts up to the one its record calls the last. key: the setting that
+    named the source (train.py's data.path), for the error when it holds no documents."""
     the_plan = json.loads((output / "prepare.json").read_text())
     shards = []
     for index in range(chunks):
@@ -292,7 +293,10 @@ def write_manifest(output: Path, *, chunks: int) -> dict[str, Any]:
         "shards": shards,
     }
     if manifest["tokens"] == 0:
-        raise ConfigError(f"{the_plan['source']['path']}: holds no documents; point it at a non-empty dataset")
+        nulls = f" (only {manifest['null_documents']:,} null ones)" if manifest["null_documents"] else ""
+        raise ConfigError(
+            f"{key}: {the_plan['source']['path']} holds no documents{nulls}; point it at a non-empty dataset"
+        )
     _write_json(output / "manifest.json", manifest)
     return manifest
 

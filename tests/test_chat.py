@@ -303,6 +303,49 @@ def test_chat_settings_that_cannot_work_are_one_line(prepared: Path, tmp_path: P
         assert problem in refused.value.problems, refused.value.problems
 
 
+FORGETFUL = (  # drops earlier replies once more turns follow: refused (test_what_cannot_be_rendered_is_one_line)
+    "{% for m in messages %}{% if m['role'] != 'assistant' or loop.last %}<{{ m['role'] }}>{{ m['content'] }}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def test_a_template_refused_while_the_cache_is_prepared_leaves_it_empty_and_is_told_once_on_two_ranks(
+    tmp_path: Path,
+) -> None:
+    """A new user's path: the chat template is refused while train.py prepares raw chat data into the cache, and they
+    try again with the same tokenizer files copied to another folder, on 2 ranks. The refusal leaves nothing in the
+    cache, so the second try is refused for the same reason, not for a half-made folder the first left (its tokenizer
+    path differs, its cache key does not); rank 0 tells it in one line, and rank 1, which tokenized nothing (the corpus
+    is one chunk, rank 0's), prints nothing: it leaves with rank 0 instead of failing in a collective rank 0 left."""
+    first = tokenizer_folder(tmp_path, FORGETFUL)
+    cache = tmp_path / "cache"
+    refusal = r"data.chat: the chat template of {} renders the turns before assistant turn 2 of document 0 of {}"
+    with pytest.raises(ConfigError, match="^" + refusal.format(first, CHAT)):
+        open_corpus(Data(path=str(CHAT), chat=True, cache_folder=str(cache)), build_tokenizer(str(first)), str(first))
+    assert list(cache.iterdir()) == []
+    copied = tmp_path / "copied"
+    copied.mkdir()
+    for file in first.iterdir():
+        (copied / file.name).write_bytes(file.read_bytes())
+    proc = torchrun(
+        "train.py",
+        "--config",
+        "configs/debug.toml",
+        f"--model.tokenizer_path={copied}",
+        f"--data.path={CHAT}",
+        "--data.chat",
+        "--model.attn_mask_type=block_causal",
+        f"--data.cache_folder={cache}",
+        f"--job.dump_folder={tmp_path / 'run'}",
+        nproc=2,
+        check=False,
+    )
+    told = [line for line in proc.stderr.splitlines() if not line.startswith("warning: ")]
+    assert proc.returncode != 0 and len(told) == 1, proc.stderr[-3000:]
+    assert re.match("^error: " + refusal.format(copied, CHAT), told[0]), told
+    assert list(cache.iterdir()) == []
+
+
 # ------------------------------------------------------------------ the command, against transformers
 
 

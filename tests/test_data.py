@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 from config import Data, load_config
-from data.corpus import MAX_RAW_BYTES, TokenCorpus, open_corpus
+from data.corpus import MAX_RAW_BYTES, TokenCorpus, open_corpus, prepare_cache
 from data.inputs import input_problems
 from data.loader import GlobalBatchLoader, permute
 from data.mixture import BLOCK, MixedCorpus, Mixture, open_mixture
@@ -307,6 +308,109 @@ def test_raw_data_is_cached_and_too_much_of_it_is_refused_with_the_command(tmp_p
     assert f"scripts/prepare_data.py --source {big} --split train --text-column text --tokenizer byte" in line
 
 
+def test_the_cache_holds_only_complete_preparations_and_its_problems_name_data_cache_folder(tmp_path: Path) -> None:
+    """A preparation appears in the cache once complete, under its key and nothing else; a refused one leaves the
+    cache as it was. What can still stand in the way (a half-made folder an older version left, a damaged one) is
+    refused in one line naming data.cache_folder, the folder, the data it caches and the fix, which works."""
+    cache = tmp_path / "cache"
+    path = write_jsonl(tmp_path / "d.jsonl", TEXTS)
+    data = Data(path=str(path), cache_folder=str(cache))
+    corpus = open_corpus(data, BYTE, "byte")
+    folder = corpus.folder
+    assert list(cache.iterdir()) == [folder] and corpus.read(0, corpus.num_tokens).tolist() == stream(TEXTS)
+    # Another run that prepared the same data at the same time publishes after this one: this one's copy is kept.
+    manifest = (folder / "manifest.json").read_bytes()
+    prepare_cache(find_source(str(path)), "byte", folder)
+    assert list(cache.iterdir()) == [folder] and (folder / "manifest.json").read_bytes() == manifest
+
+    nulls = tmp_path / "nulls.jsonl"
+    nulls.write_text('{"text": null}\n{"text": null}\n')
+    with pytest.raises(ConfigError, match=rf"^data.path: {nulls} holds no documents \(only 2 null ones\); point it"):
+        open_corpus(Data(path=str(nulls), cache_folder=str(cache)), BYTE, "byte")
+    assert list(cache.iterdir()) == [folder]
+
+    (folder / shard_name(0, "tokens")).unlink()
+    fix = f"delete {folder}, the cache of data.path {path}: the next start prepares it again"
+    with pytest.raises(ConfigError) as damaged:
+        open_corpus(data, BYTE, "byte")
+    (line,) = damaged.value.problems
+    assert line.startswith(f"data.cache_folder: {folder / shard_name(0, 'tokens')} is missing or damaged (")
+    assert line.endswith(fix), line
+    for file in folder.iterdir():  # an older version's refused preparation: what it wrote before the refusal
+        if file.name != "prepare.json":
+            file.unlink()
+    with pytest.raises(ConfigError) as left:
+        open_corpus(data, BYTE, "byte")
+    assert left.value.problems == [
+        f"data.cache_folder: {folder}, the cache of data.path {path}, holds an unfinished preparation (no "
+        "manifest.json) that an older version of this recipe left; delete that folder, then start again"
+    ]
+    (folder / "prepare.json").unlink()
+    folder.rmdir()
+    assert open_corpus(data, BYTE, "byte").read(0, corpus.num_tokens).tolist() == stream(TEXTS)
+
+
+def test_a_step_that_fails_on_one_rank_stops_every_rank_with_one_error() -> None:
+    """distributed.collective_on_every_rank, which each step of the cache's preparation runs in, on 2 ranks as threads
+    over torch's threaded process group: a RecipeError on rank 1 alone is raised on both ranks as itself (rank 0
+    prints it); another exception goes on up its own rank, and the other raises a RecipeError naming that rank."""
+    import threading
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.multi_threaded_pg import _install_threaded_pg, _uninstall_threaded_pg
+
+    from distributed import collective_on_every_rank
+    from errors import RecipeError
+
+    def fails_on(failing: int, error: Exception) -> Callable[[int], int]:
+        def step(rank: int) -> int:
+            if rank == failing:
+                raise error
+            return rank
+
+        return step
+
+    cases = {
+        "none": fails_on(-1, ConfigError("unused")),
+        "config": fails_on(1, ConfigError("data.chat: refused", "data.path: refused too")),
+        "bug": fails_on(0, OSError(28, "No space left on device")),
+    }
+    outcome: dict[tuple[str, int], object] = {}
+    store = dist.HashStore()
+
+    def rank(r: int) -> None:
+        dist.init_process_group("threaded", rank=r, world_size=2, store=store)
+        try:
+            for name, step in cases.items():
+                try:
+                    outcome[name, r] = collective_on_every_rank(lambda: step(r))  # noqa: B023 (called at once)
+                except Exception as e:
+                    outcome[name, r] = e
+        finally:
+            dist.destroy_process_group()
+
+    _install_threaded_pg()
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)  # each thread its own group registry
+    try:
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+        _uninstall_threaded_pg()
+    assert (outcome["none", 0], outcome["none", 1]) == (0, 1)
+    for r in range(2):
+        refused = outcome["config", r]
+        assert type(refused) is ConfigError and refused.problems == ["data.chat: refused", "data.path: refused too"]
+    assert isinstance(outcome["bug", 0], OSError)
+    told = outcome["bug", 1]
+    assert type(told) is RecipeError and told.problems == [
+        "rank 0 failed (OSError: [Errno 28] No space left on device); see its traceback"
+    ]
+
+
 def test_prepare_data_script(tmp_path: Path) -> None:
     source = write_jsonl(tmp_path / "d.jsonl", TEXTS)
     prepared, no_source, no_tokenizer = two_at_a_time(
@@ -350,7 +454,7 @@ def test_an_unwritable_cache_folder_is_one_line(tmp_path: Path) -> None:
     source = write_jsonl(tmp_path / "d.jsonl", TEXTS)
     cfg = Data(path=str(source), cache_folder="/proc/nope")
     with pytest.raises(
-        ConfigError, match=r"^data.cache_folder: cannot write to /proc/nope/\w+ \(.*\); choose a writable folder$"
+        ConfigError, match=r"^data.cache_folder: cannot write to /proc/nope \(.*\); choose a writable folder$"
     ):
         open_corpus(cfg, build_tokenizer("byte"), "byte")
 
