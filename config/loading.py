@@ -36,7 +36,6 @@ from config.sections import (
     Validation,
     _did_you_mean,
     _importable,
-    has_experts,
     model_args,
 )
 from config.torchtitan import (
@@ -516,7 +515,7 @@ def _moe_problems(cfg: JobConfig) -> list[str]:
     m = cfg.model
     if m.name not in NAMES:
         return []
-    experts = has_experts(next(iter(family(m.name).flavors.values())))
+    experts = bool(family(m.name).experts_module)
     return m.moe.problems(model=m.name, experts=experts, last_save_in_hf=cfg.checkpoint.last_save_in_hf)
 
 

@@ -97,18 +97,11 @@ class ModelMoE:
         return p
 
     def applied_to(self, args: Any) -> Any:
-        """The shape `args` with these settings, where it is a mixture of experts'."""
-        if not has_experts(args):
-            return args
+        """A mixture of experts' shape `args` with these settings (its `balance`, models/moe.py)."""
         from models.moe import MoEBalance  # (only a mixture of experts has a use for it)
 
         balance = MoEBalance(self.router_aux_loss_coef, self.aux_loss_scope, self.load_balance_coeff)
         return dataclasses.replace(args, balance=balance)
-
-
-def has_experts(args: Any) -> bool:
-    """Whether a ModelArgs is a mixture of experts' (it has models/moe.py's `balance`)."""
-    return any(f.name == "balance" for f in dataclasses.fields(args))
 
 
 @dataclass
@@ -837,12 +830,16 @@ def model_args(cfg: Model) -> Any:
     """The model shape this config names: the flavor, or hf_assets_path's config.json with shape_from_hf_config; a
     mixture of experts' with [model.moe]'s balancing."""
     fam = family(cfg.name)
-    if not cfg.shape_from_hf_config:
-        return cfg.moe.applied_to(fam.flavors[cfg.flavor])
-    # Imported here: reading HF configs is interop, which a flavor-only run never needs.
-    from models.hf import model_args_from_hf
+    if cfg.shape_from_hf_config:
+        # Imported here: reading HF configs is interop, which a flavor-only run never needs.
+        from models.hf import model_args_from_hf
 
-    return cfg.moe.applied_to(model_args_from_hf(fam, cfg.hf_assets_path or ""))
+        args = model_args_from_hf(fam, cfg.hf_assets_path or "")
+    else:
+        args = fam.flavors[cfg.flavor]
+    if fam.experts_module:  # a mixture of experts
+        args = cfg.moe.applied_to(args)
+    return args
 
 
 def selective_ac_every(option: str) -> int | None:
