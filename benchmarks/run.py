@@ -81,9 +81,9 @@ BENCHMARKS = {
 # Each part's expected wall seconds on 2 idle CPU cores (a Python loop of 10^7 additions in about 0.7 s): the
 # progress lines' estimate of the rest, scaled by how the run is going. "train" is --train-rows' part on CPU.
 SECONDS = {
-    "recompute": 24, "metadata": 15, "comm_volume": 28, "compile_cache": 66, "async_tp_fusion": 40, "memory": 33,
-    "muon": 16, "moe_balance": 10, "context_parallel": 50, "data_pipeline": 33, "float8": 11, "gpu_costs": 22, "generation": 60,
-    "vs_torchtitan": 360, "checkpoint_checksums": 21, "train": 150,
+    "recompute": 20, "metadata": 12, "comm_volume": 28, "compile_cache": 66, "async_tp_fusion": 40, "memory": 30,
+    "muon": 18, "moe_balance": 8, "context_parallel": 40, "data_pipeline": 30, "float8": 11, "gpu_costs": 18,
+    "generation": 45, "vs_torchtitan": 300, "checkpoint_checksums": 20, "train": 150,
 }  # fmt: skip
 # make bench's settings where they are not the benchmark's own defaults, so that the whole run stays within 12
 # minutes on 2 cores (docs/benchmarks.md#make-bench): fewer tokens, rounds, steps or megabytes than a run of the
