@@ -1,5 +1,5 @@
 """Expert parallel: each MoE block's routed experts split over the "ep" ranks, every token sent to the rank of its
-expert and back by all-to-all (issue 65, parallelism.expert_parallel_degree).
+expert and back by all-to-all (parallelism.expert_parallel_degree).
 
 An experts module holds 3-D weights (experts, out, in) and runs forward(x, tokens_per_expert) over rows sorted by
 expert (models/qwen3_moe/model.py GroupedExperts). `apply_ep` shards those weights over the ep ranks on dim 0, so

@@ -8,7 +8,7 @@ Shape legend used in the comments:
 
 What differs from Qwen3 dense (models/qwen3/model.py), and nothing else does: every block's MLP is a sparse
 mixture of experts (Qwen3MoeSparseMoeBlock in transformers), in four steps kept apart so that expert parallelism
-can put its all-to-alls between them (issue 65):
+puts its all-to-alls between them (parallelisms/ep.py):
 
   * route: a linear router scores every expert in float32, softmax over the experts, the top_k per token, their
     probabilities renormalized to sum to 1 when norm_topk_prob (every published size). No capacity factor: no
@@ -208,8 +208,8 @@ class Attention(nn.Module):
 
 
 class Routing(NamedTuple):
-    """Where a block's router sends its tokens: what dispatch and combine need, and what a load-balancing loss
-    (issue 65) reads."""
+    """Where a block's router sends its tokens: what dispatch and combine need, and what the load balancing
+    (models/moe.py) reads."""
 
     probs: torch.Tensor  # (tokens, experts) float32: the softmax over every expert
     expert_ids: torch.Tensor  # (tokens, top_k) int64: each token's chosen experts
