@@ -22,9 +22,11 @@ scored without converting it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,8 @@ from errors import ConfigError, RecipeError, is_rank0, report
 
 def main(argv: list[str]) -> int:
     opts, overrides = parse_args(argv)
+    if opts.watch:
+        return watch(opts, overrides)
     if opts.tasks:
         from lm_eval_adapter import run_tasks
 
@@ -53,7 +57,11 @@ def main(argv: list[str]) -> int:
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """This command's own options; the rest are train.py's config overrides."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    parser.add_argument("--checkpoint", type=Path, required=True, help="a DCP step-<N> folder or a Hugging Face folder")
+    parser.add_argument("--checkpoint", type=Path, help="a DCP step-<N> folder or a Hugging Face folder")
+    parser.add_argument(
+        "--watch", type=Path, metavar="RUN_FOLDER", help="with --tasks: score each step of a run as it lands"
+    )
+    parser.add_argument("--poll-seconds", type=float, default=30.0, help="--watch: how often to look for a new step")
     parser.add_argument("--config", type=Path, help="the run's TOML (default: config.toml beside the step folders)")
     parser.add_argument("--tasks", help="lm-evaluation-harness tasks, comma-separated (instead of the held-out loss)")
     parser.add_argument("--include-path", help="a folder of lm-eval task YAMLs of your own")
@@ -65,6 +73,16 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "--tokenizer", help="tokenizer folder (default: the run's model.tokenizer_path / the HF folder)"
     )
     opts, overrides = parser.parse_known_args(argv)
+    if opts.watch is not None:
+        if not opts.tasks:
+            raise ConfigError("--watch: name the lm-eval tasks to score with --tasks (the held-out loss is train.py's)")
+        if opts.checkpoint is not None:
+            raise ConfigError("--watch: scores every step of a run; give it alone, without --checkpoint")
+        if not opts.watch.is_dir():
+            raise ConfigError(f"--watch: {opts.watch} is not a folder; point it at a run's job.dump_folder")
+        return opts, overrides
+    if opts.checkpoint is None:
+        raise ConfigError("--checkpoint: name a step-<N> folder or a Hugging Face folder to evaluate (or --watch RUN)")
     if not opts.checkpoint.is_dir():
         raise ConfigError(f"--checkpoint: {opts.checkpoint} is not a folder; point it at a step-<N> or HF folder")
     from checkpoint import refuse_folder_of_steps
@@ -98,22 +116,40 @@ def config_args(checkpoint: Path, config: Path | None) -> list[str]:
 
 def held_out_loss(checkpoint: Path, config: Path | None, overrides: list[str]) -> tuple[float, int, float, str]:
     """(loss, tokens, seconds, data path) of `[validation]` on the checkpoint's weights, with the config's layout."""
-    from config import ActivationCheckpoint, load_config, run_model_args, validation_path
+    from config import validation_path
     from data.tokenizers import build_tokenizer
+    from validation import Validator
+
+    argv = [*config_args(checkpoint, config), *overrides, "--validation.enable=true", "--checkpoint.enable=false"]
+    with scoring_run(argv) as (cfg, dims, mesh, forward, args):
+        if validation_path(cfg.validation) is None:
+            raise ConfigError(
+                "validation.dataset_path: name the held-out data to evaluate on (a file or prepared folder)"
+            )
+        load_weights(checkpoint, forward.model, forward.pipeline, args=args, family_name=cfg.model.name)
+        tokenizer = build_tokenizer(cfg.model.tokenizer_path)
+        validator = Validator(cfg, tokenizer=tokenizer, dp_rank=dims.dp_rank(mesh), dp_degree=dims.dp, forward=forward)
+        loss, tokens, seconds = validator.validate()
+        dist.barrier()
+        return loss, tokens, seconds, str(validation_path(cfg.validation))
+
+
+@contextlib.contextmanager
+def scoring_run(argv: list[str]) -> Iterator[tuple[Any, Any, Any, Any, Any]]:
+    """(config, ParallelDims, mesh, ForwardBackward, model args) of train.py's arguments `argv`: the model built in
+    the config's layout on the ranks of this launch, its weights initialized (the caller loads a checkpoint's), the
+    process group torn down on the way out."""
+    from config import ActivationCheckpoint, load_config, run_model_args
     from distributed import init_distributed
     from forward import ForwardBackward
     from loss import build_loss_fn
     from parallelisms.parallel_dims import ParallelDims, layout_checks, uses_loss_parallel
     from parallelisms.parallelize import build_model, init_model
-    from validation import Validator
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    argv = [*config_args(checkpoint, config), *overrides, "--validation.enable=true", "--checkpoint.enable=false"]
     cfg = load_config(argv, extra_checks=layout_checks(world))
     # No backward here: nothing to recompute (and mode "auto" plans training's memory, not this).
     cfg.activation_checkpoint = ActivationCheckpoint(mode="none")
-    if validation_path(cfg.validation) is None:
-        raise ConfigError("validation.dataset_path: name the held-out data to evaluate on (a file or prepared folder)")
     device, _, world_size = init_distributed(cfg.comm, dump_folder=cfg.job.dump_folder)
     try:
         dims = ParallelDims.from_config(cfg.parallelism, world_size=world_size)
@@ -123,15 +159,76 @@ def held_out_loss(checkpoint: Path, config: Path | None, overrides: list[str]) -
         loss_fn = build_loss_fn(cfg.compile, chunk_tokens=cfg.training.loss_chunk_tokens, vocab_shards=vocab_shards)
         model, pipeline = build_model(cfg, args, dims=dims, mesh=mesh, loss_fn=loss_fn, device=device)
         init_model(model, pipeline, device=device)
-        load_weights(checkpoint, model, pipeline, args=args, family_name=cfg.model.name)
-        forward = ForwardBackward.for_run(cfg, model, pipeline, loss_fn, dims=dims, mesh=mesh, device=device)
-        tokenizer = build_tokenizer(cfg.model.tokenizer_path)
-        validator = Validator(cfg, tokenizer=tokenizer, dp_rank=dims.dp_rank(mesh), dp_degree=dims.dp, forward=forward)
-        loss, tokens, seconds = validator.validate()
-        dist.barrier()
-        return loss, tokens, seconds, str(validation_path(cfg.validation))
+        yield (
+            cfg,
+            dims,
+            mesh,
+            ForwardBackward.for_run(cfg, model, pipeline, loss_fn, dims=dims, mesh=mesh, device=device),
+            args,
+        )
     finally:
         dist.destroy_process_group()
+
+
+def watch(opts: argparse.Namespace, overrides: list[str]) -> int:
+    """`--tasks ... --watch RUN_FOLDER`: each step folder of the run scored as it lands (oldest first), in the
+    layout of this launch (its own `[parallelism]` overrides; under torchrun as train.py's in-loop eval,
+    downstream.py), the scores appended to RUN_FOLDER/eval/watch-<tasks>.jsonl, a file of this command's own (train.py
+    writes metrics.jsonl). A step already in it is skipped, so a restart goes on where it stopped; it ends once the
+    run's last step (its training.steps) is scored, or on Ctrl-C, saying where it stopped."""
+    import time
+
+    from checkpoint.folder import complete_checkpoints
+    from downstream import build_downstream, scored_steps, write_watch_row
+
+    # RUN_FOLDER: a run's job.dump_folder, or its checkpoint folder, where train.py writes the run's config.toml.
+    given = opts.watch
+    steps_here = (given / "config.toml").is_file()
+    run = given.parent if steps_here else given
+    config = opts.config or next(
+        iter([given / "config.toml"] if steps_here else sorted(given.glob("*/config.toml"))), None
+    )
+    if config is None or not config.is_file():
+        raise ConfigError(
+            f"--watch: no config.toml in {given} or a folder in it (train.py writes one beside the run's checkpoints "
+            "when it starts); point --watch at a run's job.dump_folder, or name its TOML with --config"
+        )
+    tasks = [t.strip() for t in opts.tasks.split(",") if t.strip()]
+    argv = ["--config", str(config), *overrides, "--checkpoint.enable=false", "--validation.enable=false",
+            "--eval.enable=true", f"--eval.tasks={','.join(tasks)}", f"--eval.batch_size={opts.batch_size}",
+            *([f"--eval.include_path={opts.include_path}"] if opts.include_path else []),
+            *([f"--eval.limit={opts.limit}"] if opts.limit is not None else [])]  # fmt: skip
+    out = run / "eval" / f"watch-{'+'.join(tasks)}.jsonl"
+    with scoring_run(argv) as (cfg, dims, mesh, forward, args):
+        evaluator = build_downstream(
+            cfg, forward=forward, mesh=mesh, dp_rank=dims.dp_rank(mesh), dp_degree=dims.dp, stop=None
+        )
+        evaluator.num_fewshot = opts.num_fewshot
+        folder, last = given if steps_here else run / cfg.checkpoint.folder, cfg.training.steps
+        done = scored_steps(out)
+        try:
+            while last not in done:
+                # What rank 0 sees is what every rank scores: a step published between two ranks' listings
+                # would otherwise be loaded by one and not the other.
+                listed = [[(s, str(p)) for s, p in complete_checkpoints(folder) if s not in done]]
+                dist.broadcast_object_list(listed, src=0)
+                for step, path in listed[0]:
+                    load_weights(Path(path), forward.model, forward.pipeline, args=args, family_name=cfg.model.name)
+                    scores, documents, seconds = evaluator.evaluate()
+                    if is_rank0():
+                        write_watch_row(out, {"step": step, **scores, "eval_documents": documents, "eval_s": seconds})
+                        said = " ".join(f"{k.split('/', 1)[1]} {v:.4f}" for k, v in scores.items())
+                        print(f"eval: {path} | {said} | {documents:,} documents | {seconds:.1f} s", flush=True)
+                    done.add(step)
+                if last not in done:
+                    time.sleep(opts.poll_seconds)
+        except KeyboardInterrupt:
+            if is_rank0():
+                print(f"stopped: steps {sorted(done) or 'none'} scored in {out}; the same command goes on", flush=True)
+            return 130
+        if is_rank0():
+            print(f"end: the run's last step, {last}, is scored; scores in {out}", flush=True)
+    return 0
 
 
 def load_weights(checkpoint: Path, model: torch.nn.Module, pipeline: Any, *, args: Any, family_name: str) -> None:

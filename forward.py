@@ -21,7 +21,7 @@ import torch
 
 from data.chat import IGNORE_INDEX
 from data.loader import Batch
-from loss import Loss
+from loss import Loss, target_logprobs
 from optimizer import clip_grad_norm_
 from parallelisms.cp import ContextParallel, context_parallel
 from parallelisms.fsdp import autocast, autocast_dtype, sync_gradients_on
@@ -133,6 +133,20 @@ class ForwardBackward:
                 with autocast(self.autocast_to, self.device.type):
                     summed = self.model(inputs, segments=segments, head=head) * (rows * positions)
         return torch.stack([summed.float(), counted.float()])
+
+    def score_tokens(self, inputs: torch.Tensor, targets: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
+        """Forward only (inside `scoring()`): per row of `inputs` (bs, seqlen), the log-probabilities of `targets` at
+        the `counted` positions summed, and how many of them greedy decoding would have missed (loss.py
+        `target_logprobs`): a (bs, 2) device tensor. Under context parallel each rank sums its own positions of every
+        row (the caller adds the ranks' parts); the ranks of a TP group hold equal rows. Not under pipeline parallel,
+        whose schedule carries a loss, not per-row scores (downstream.py refuses it)."""
+        assert self.pipeline is None, "downstream.py refuses lm-eval tasks under pipeline parallel"
+        if self.cp is not None:  # (seqlen a multiple of 2 x cp: the caller pads to it)
+            inputs, targets, counted = self.cp.shard(inputs), self.cp.shard(targets), self.cp.shard(counted)
+        inputs, targets, counted = inputs.to(self.device), targets.to(self.device), counted.to(self.device)
+        head = functools.partial(target_logprobs, self.model, targets=targets, counted=counted)
+        with loss_parallel_context(self.loss_parallel), autocast(self.autocast_to, self.device.type):
+            return self.model(inputs, head=head)
 
     def _scored(self, rows: int, labels: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         return self.score_fn(self.model, h[:rows], labels) if rows else torch.zeros((), device=self.device)

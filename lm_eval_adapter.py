@@ -20,7 +20,7 @@ import contextlib
 import functools
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,21 +68,24 @@ def run_tasks(opts: argparse.Namespace) -> int:
                 model=lm, tasks=tasks, num_fewshot=opts.num_fewshot, limit=opts.limit, task_manager=manager
             )
         except (ConnectionError, OSError) as e:
-            if isinstance(e, FileNotFoundError) and (missing := re.search(r"Unable to find '(.+?)'", str(e))):
-                raise ConfigError(
-                    f"--tasks: {missing[1]}, a data file of {names}, does not exist (a task's relative data_files are "
-                    f"read from the current folder, {Path.cwd()}); run eval.py from the folder they are relative to, "
-                    "or fix the task's data_files"
-                ) from None
-            why = f"not cached here, and {offline}" if offline else type(e).__name__
-            raise unreadable(names, why=why) from None
+            raise not_loaded(e, names, offline=offline, key="--tasks") from None
     print(make_table(results), flush=True)
     return 0
 
 
-def unreadable(names: str, *, why: str) -> ConfigError:
+def not_loaded(error: OSError, names: str, *, offline: str | None, key: str) -> ConfigError:
+    """Why the datasets of tasks `names` could not be read (lm-eval's ConnectionError or OSError), in one line."""
+    if isinstance(error, FileNotFoundError) and (missing := re.search(r"Unable to find '(.+?)'", str(error))):
+        return ConfigError(
+            f"{key}: {missing[1]}, a data file of {names}, does not exist (a task's relative data_files are read from "
+            f"the current folder, {Path.cwd()}); start from the folder they are relative to, or fix the task's data_files"
+        )
+    return unreadable(names, why=f"not cached here, and {offline}" if offline else type(error).__name__, key=key)
+
+
+def unreadable(names: str, *, why: str, key: str = "--tasks") -> ConfigError:
     return ConfigError(
-        f"--tasks: {names} needs its dataset, which could not be read ({why}); download it where the Hugging "
+        f"{key}: {names} needs its dataset, which could not be read ({why}); download it where the Hugging "
         "Face hub is reachable (HF_DATASETS_OFFLINE=0), or give a local task with --include-path"
     )
 
@@ -165,6 +168,38 @@ def task_manager(include_path: str | None) -> Any:
     return TaskManager(include_path=include_path)
 
 
+# What scores lm-eval's log-likelihood requests: (sequences, continuation lengths) -> (summed log-probability of the
+# continuation, greedy?) per sequence. The model reads each sequence but its last token; the last n are the
+# continuation. WholeModel in one process; downstream.py's ShardedScores over a run's layout.
+Scores = Callable[[list[list[int]], list[int]], list[tuple[float, bool]]]
+
+
+class WholeModel:
+    """Scores in one process: batches of right-padded sequences through the model, their whole logits."""
+
+    def __init__(self, model: nn.Module, *, batch_size: int):
+        self.model, self.batch_size = model, batch_size
+        self.device = next(model.parameters()).device
+
+    @torch.no_grad()
+    def __call__(self, sequences: list[list[int]], continuations: list[int]) -> list[tuple[float, bool]]:
+        out = []
+        for start in range(0, len(sequences), self.batch_size):
+            chunk = range(start, min(start + self.batch_size, len(sequences)))
+            width = max(len(sequences[i]) for i in chunk) - 1
+            batch = torch.zeros(len(chunk), width, dtype=torch.long)
+            for row, i in enumerate(chunk):  # right padding: the causal rows before it are unaffected
+                batch[row, : len(sequences[i]) - 1] = torch.tensor(sequences[i][:-1])
+            logprobs = F.log_softmax(self.model(batch.to(self.device)).float(), dim=-1).cpu()
+            for row, i in enumerate(chunk):
+                n, cont = len(sequences[i]) - 1, continuations[i]
+                scored = logprobs[row, n - cont : n]  # (continuation, vocab)
+                target = torch.tensor(sequences[i][-cont:])
+                greedy = bool((scored.argmax(dim=-1) == target).all())
+                out.append((float(scored.gather(-1, target[:, None]).sum()), greedy))
+        return out
+
+
 @functools.cache
 def recipe_lm() -> type:
     """RecipeLM, a subclass of lm-eval's TemplateLM: a class made on first use, since lm-eval is an optional extra."""
@@ -176,14 +211,26 @@ def recipe_lm() -> type:
     from generate import Generator, Sampling, hf_tokenizer
 
     class RecipeLM(TemplateLM):
-        def __init__(self, model: nn.Module, tokenizer_path: str, *, batch_size: int = 8, max_gen_toks: int = 256):
+        def __init__(
+            self,
+            model: nn.Module,
+            tokenizer_path: str,
+            *,
+            batch_size: int = 8,
+            max_gen_toks: int = 256,
+            scores: Scores | None = None,
+            max_length: int | None = None,
+        ):
+            """`model` in one process; or `scores` (downstream.py's ShardedScores: the model as a run laid it out),
+            with `max_length`, the longest sequence to score, and `model` that run's model, which then only
+            log-likelihood tasks use (the ranks would not agree on how many forwards a generation takes)."""
             super().__init__()
-            self.model = model.eval()
+            self.model = model.eval() if scores is None else model
             self.tokenizer = hf_tokenizer(tokenizer_path)
             self.framing = build_tokenizer(tokenizer_path, key="--tokenizer").framing
-            self.batch_size, self.max_gen_toks = batch_size, max_gen_toks
-            self.max_length = model.args.max_seq_len
-            self.device_ = next(model.parameters()).device
+            self.max_gen_toks = max_gen_toks
+            self.max_length = max_length or model.args.max_seq_len
+            self.scores = scores or WholeModel(model, batch_size=batch_size)
 
         @property
         def eot_token_id(self) -> int:
@@ -208,25 +255,11 @@ def recipe_lm() -> type:
         def tok_decode(self, tokens: list[int], skip_special_tokens: bool = True) -> str:
             return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
 
-        @torch.no_grad()
         def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False, **kwargs: Any) -> list:
-            """(sum of the continuation's log-probabilities, greedy?) per (key, context tokens, continuation tokens)."""
-            out = []
-            for start in range(0, len(requests), self.batch_size):
-                chunk = requests[start : start + self.batch_size]
-                # The last max_length + 1 tokens of context + continuation; the model reads all but the last.
-                inputs = [(ctx + cont)[-(self.max_length + 1) :][:-1] for _, ctx, cont in chunk]
-                width = max(len(i) for i in inputs)
-                batch = torch.zeros(len(inputs), width, dtype=torch.long)
-                for row, tokens in enumerate(inputs):  # right padding: the causal rows before it are unaffected
-                    batch[row, : len(tokens)] = torch.tensor(tokens)
-                logprobs = F.log_softmax(self.model(batch.to(self.device_)).float(), dim=-1).cpu()
-                for row, ((_, _, cont), tokens) in enumerate(zip(chunk, inputs, strict=True)):
-                    scored = logprobs[row, len(tokens) - len(cont) : len(tokens)]  # (continuation, vocab)
-                    target = torch.tensor(cont)
-                    greedy = bool((scored.argmax(dim=-1) == target).all())
-                    out.append((float(scored.gather(-1, target[:, None]).sum()), greedy))
-            return out
+            """(sum of the continuation's log-probabilities, greedy?) per (key, context tokens, continuation tokens):
+            the last max_length + 1 tokens of context + continuation, of which the model reads all but the last."""
+            sequences = [(ctx + cont)[-(self.max_length + 1) :] for _, ctx, cont in requests]
+            return self.scores(sequences, [len(cont) for _, _, cont in requests])
 
         def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
             """Each text scored whole, in disjoint windows of the model's context, the first after BOS."""

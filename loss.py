@@ -180,3 +180,46 @@ def _project_and_sum(
 def _local(value: torch.Tensor) -> torch.Tensor:
     """A sum over vocabulary shards (a replicated DTensor under loss parallel) as a plain tensor."""
     return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def target_logprobs(
+    model: torch.nn.Module,
+    h: torch.Tensor,
+    targets: torch.Tensor,
+    counted: torch.Tensor,
+    *,
+    chunk_tokens: int = AUTO_CHUNK_TOKENS,
+) -> torch.Tensor:
+    """Scoring a continuation (lm-eval's loglikelihood, downstream.py): per row of `targets` (bs, seqlen), the fp32
+    log-probabilities of its tokens at the `counted` positions (bs, seqlen, bool) summed, and how many of them are not
+    the most likely token, as a (bs, 2) tensor [summed log-probability, tokens missed by greedy decoding].
+
+    Only the counted positions are projected (a multiple-choice continuation is a few tokens of a long context),
+    `chunk_tokens` at a time, so a vocabulary of 128K entries never materialises more than one chunk's logits. Under
+    loss parallel the log-softmax, the target's entry and the maximum are computed on the vocabulary shards (one
+    all-reduce each; `loss_parallel_context` is the caller's), and a token counts as greedy when its log-probability is
+    the maximum, where one process compares argmax with it: the two differ on an exact tie only."""
+    mesh = h.device_mesh if isinstance(h, DTensor) else None
+    if mesh is not None:  # sequence parallel: the final norm's output gathered once, as in chunked_sums
+        h = h.redistribute(placements=[Replicate()] * mesh.ndim).to_local()
+    rows, positions = counted.nonzero(as_tuple=True)
+    picked, wanted = h[rows, positions], targets[rows, positions]
+    logprob = torch.zeros(len(rows), device=h.device)
+    missed = torch.zeros(len(rows), device=h.device)
+    for start in range(0, len(rows), chunk_tokens):
+        part, target = picked[start : start + chunk_tokens], wanted[start : start + chunk_tokens]
+        if mesh is not None:  # the projection's TP plan takes the DTensor it was given
+            part = DTensor.from_local(part, mesh, [Replicate()] * mesh.ndim)
+        lp = F.log_softmax(model.project(part).float(), dim=-1)
+        if isinstance(lp, DTensor):  # loss parallel: (tokens, vocab / tp) on each rank
+            target_lp = _local(-F.nll_loss(lp, target, reduction="none"))
+            is_greedy = target_lp >= _local(lp.amax(dim=-1))
+        else:
+            target_lp = lp.gather(-1, target[:, None])[:, 0]
+            is_greedy = lp.argmax(dim=-1) == target
+        logprob[start : start + len(target)] = target_lp
+        missed[start : start + len(target)] = (~is_greedy).float()
+    out = torch.zeros(targets.shape[0], 2, device=h.device)
+    out[:, 0].index_add_(0, rows, logprob)
+    out[:, 1].index_add_(0, rows, missed)
+    return out

@@ -173,6 +173,18 @@ class MetricsLogger:
         print(f"validation at step {step}: loss {loss:7.4f} | {tokens:,} tokens | {seconds:.1f} s", flush=True)
         self._write(step, {"validation_loss": loss, "validation_tokens": tokens, "validation_s": seconds})
 
+    def log_eval(self, step: int, scores: dict[str, float], *, documents: int, seconds: float) -> None:
+        """lm-eval's scores of the step (downstream.py): "eval/<task>/<metric>" keys."""
+        if not self.enabled:
+            return
+        tasks: dict[str, list[str]] = {}
+        for key, value in scores.items():
+            _, task, metric = key.split("/", 2)
+            tasks.setdefault(task, []).append(f"{metric} {value:.4f}")
+        said = " | ".join(f"{task} {' '.join(values)}" for task, values in tasks.items())
+        print(f"eval at step {step}: {said} | {documents:,} documents | {seconds:.1f} s", flush=True)
+        self._write(step, {**scores, "eval_documents": documents, "eval_s": seconds})
+
     def _write(self, step: int, values: dict[str, float | None]) -> None:
         with self.jsonl.open("a") as f:
             f.write(json.dumps({"step": step, **values}) + "\n")

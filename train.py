@@ -49,6 +49,7 @@ from data.loader import Batch, GlobalBatchLoader
 from data.mixture import open_mixture
 from data.tokenizers import build_tokenizer
 from distributed import CollectiveTimeout, collective_on_rank0, init_distributed
+from downstream import EvalStep, build_downstream
 from errors import ConfigError, RecipeError, is_rank0, report, writable_folder
 from forward import ForwardBackward
 from loss import build_loss_fn
@@ -250,7 +251,7 @@ def build(
         resources=contextlib.ExitStack(),
     )
     run.after_step = after_step_work(
-        run, tokenizer, args, dims=dims, rank=rank, groups=[None, ctrl_group], balancer=balancer
+        run, tokenizer, args, dims=dims, mesh=mesh, rank=rank, groups=[None, ctrl_group], balancer=balancer
     )
     return run
 
@@ -261,12 +262,13 @@ def after_step_work(
     args: Any,
     *,
     dims: ParallelDims,
+    mesh: DeviceMesh,
     rank: int,
     groups: list[dist.ProcessGroup | None],
     balancer: Balancer | None = None,
 ) -> list[AfterStep]:
     """The work after each step, in order: stop on too many bad steps, the collectives' time-out after the first
-    step, a mixture of experts' load balancing, log, validate, stop on request, save, profile, collect garbage
+    step, a mixture of experts' load balancing, log, validate, score lm-eval tasks, stop on request, save, profile, collect garbage
     (docs/development.md, "Work after a step": why a list)."""
     cfg, t = run.cfg, run.cfg.training
     # Rank 0 logs; a logger that cannot start (wandb without credentials) stops every rank.
@@ -301,6 +303,21 @@ def after_step_work(
         )
         every = cfg.validation.freq
         work.append(ValidateStep(validator, freq=every, total_steps=t.steps, logger=logger, throughput=log))
+    if cfg.eval.enable:  # lm-eval tasks on the live model, in its layout
+        evaluator = build_downstream(
+            cfg,
+            forward=run.forward_backward,
+            mesh=mesh,
+            dp_rank=loader.dp_rank,
+            dp_degree=dims.dp,
+            stop=run.stop.request,
+        )
+        every = cfg.eval.interval
+        work.append(
+            EvalStep(
+                evaluator, interval=every, total_steps=t.steps, start_step=run.start_step, logger=logger, throughput=log
+            )
+        )
     profiler = run.resources.enter_context(
         profile_loop(cfg.profiling, dump_folder=cfg.job.dump_folder, rank=rank, start_step=run.start_step)
     )

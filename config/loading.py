@@ -493,6 +493,7 @@ def validate(cfg: JobConfig) -> list[str]:
         *cfg.profiling.problems(),
         *cfg.data.problems(training_dataset=t.dataset, attn_mask_type=m.attn_mask_type),
         *cfg.validation.problems(training=t, pp=cfg.parallelism.pipeline_parallel_degree),
+        *cfg.eval.problems(pp=cfg.parallelism.pipeline_parallel_degree),
     ]
 
 

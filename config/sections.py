@@ -404,6 +404,47 @@ class Validation(TorchtitanValidation):
 
 
 @dataclass
+class Eval:
+    """lm-evaluation-harness tasks scored on the live model during training (downstream.py); torchtitan has no key."""
+
+    enable: bool = False
+    """Score `tasks` every `interval` steps and after the last one, on the model as it trains, in its layout."""
+    tasks: list[str] = field(default_factory=list)
+    """lm-eval task names (the command line takes them separated by commas): log-likelihood tasks (multiple choice,
+    perplexity); a generate_until task is scored by eval.py --tasks."""
+    include_path: str | None = field(default=None, metadata=INPUT_PATH)
+    """A folder of lm-eval task YAMLs of your own (assets/eval_tasks ships an offline one)."""
+    interval: int = 500
+    """Score after every this many steps, and after the last one."""
+    limit: float | None = None
+    """At most this many documents per task (or a fraction of them, below 1); unset: all of them."""
+    batch_size: int = 8
+    """Requests per data-parallel rank per forward."""
+    log_samples: bool = False
+    """Also write each request's log-likelihoods and each document's scores to <dump_folder>/eval/step-<N>.jsonl."""
+
+    def problems(self, *, pp: int) -> list[str]:
+        if not self.enable:
+            return []
+        p = [f"eval.{key}: must be >= 1, got {getattr(self, key)}" for key in ("interval", "batch_size")
+             if getattr(self, key) < 1]  # fmt: skip
+        if not self.tasks:
+            p.append(
+                'eval.tasks: name the lm-eval tasks to score (e.g. eval.tasks = ["stories_facts"]), or set eval.enable = false'
+            )
+        if self.limit is not None and self.limit <= 0:
+            p.append(f"eval.limit: must be > 0 (documents per task, or a fraction below 1), got {self.limit}")
+        if pp > 1:
+            p.append(
+                "eval.enable: lm-eval tasks are not scored inside a pipeline-parallel run (its schedule carries a loss, "
+                "not per-request scores); score its checkpoints beside it with eval.py --tasks ... --watch RUN_FOLDER"
+            )
+        if not _importable("lm_eval"):
+            p.append('eval.enable: lm-evaluation-harness is not installed; pip install -e ".[eval]"')
+        return p
+
+
+@dataclass
 class Parallelism(TorchtitanParallelism):
     """How the ranks split the work: data parallel (FSDP, HSDP), tensor, pipeline and context parallel. The rules
     that need the world size or the model are parallelisms/'s (parallel_dims.layout_problems)."""
@@ -798,6 +839,7 @@ class JobConfig:
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     data: Data = field(default_factory=Data)
     validation: Validation = field(default_factory=Validation)
+    eval: Eval = field(default_factory=Eval)
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)

@@ -1,0 +1,356 @@
+"""Downstream scores while it trains (`[eval]`): lm-evaluation-harness tasks scored on the live model, in the layout
+that trains it, every `eval.interval` steps and after the last one.
+
+    [eval]
+    enable = true
+    tasks = ["stories_facts"]            # or --eval.tasks=hellaswag,arc_easy
+    include_path = "assets/eval_tasks"   # task YAMLs of your own
+    interval = 50
+
+The scores are lm-eval's own: every rank runs `lm_eval.simple_evaluate` over the same requests with the model
+adapter of `eval.py --tasks` (lm_eval_adapter.py RecipeLM), whose log-likelihoods come from `ShardedScores` here:
+the requests are split over the data-parallel ranks, each rank scores its share through the sharded model
+(FSDP, HSDP, TP, CP, EP: `ForwardBackward.score_tokens`), and one all-reduce gives every rank every request's
+score; lm-eval aggregates them on rank 0, which logs `eval/<task>/<metric>` where the other metrics go
+(console, metrics.jsonl, TensorBoard, wandb). They equal `eval.py --tasks` on the step's checkpoint and lm-eval's
+own `hf` backend on the step exported to Hugging Face (tests/test_downstream.py).
+
+What it leaves alone: the model returns to training mode with nothing changed (no gradient, no RNG draw: lm-eval
+seeds Python's, NumPy's and torch's generators, and they are restored afterwards), the data loader is not read, the
+eval's time is left out of tokens/s and the ETA. Log-likelihood tasks only (multiple choice, perplexity): a
+generation's length differs from rank to rank, where FSDP and TP need every rank in every forward; eval.py scores
+them. Not under pipeline parallel (the schedule carries a loss, not per-request scores): config/sections.py Eval
+refuses it and points at `eval.py --watch`, which scores a run's checkpoints beside it.
+
+Stop requests are agreed between eval batches: a request during an eval abandons it (nothing logged) and the
+run saves the step as it would have; the resumed run scores that step first, before training on (its checkpoint
+holds the same weights), so a score is neither lost nor logged twice. A task that cannot run (an unknown name, data
+that is not there, a hub that does not answer) is refused in one line at start-up, before the first step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import math
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from errors import ConfigError
+
+if TYPE_CHECKING:
+    from config import Eval
+    from forward import ForwardBackward
+    from stop import StopRequest
+
+
+class Interrupted(Exception):
+    """A stop request came during an eval: the eval is abandoned, the run stops as after any step."""
+
+
+class ShardedScores:
+    """lm-eval's log-likelihood requests (lm_eval_adapter.Scores) over the data-parallel ranks of a run.
+
+    Every rank of the job is called with the same requests (lm-eval builds them alike everywhere) and runs the same
+    number of forwards: the requests, longest first, in global batches of `batch_size` x dp_degree, rank r taking
+    rows r x batch_size onward of each (a rank with none left runs a row of padding: FSDP, TP and EP need every rank
+    in every forward). The ranks of a TP group score the same rows alike, those of a CP group parts of each row.
+    Each row is padded on the right to a multiple of `multiple` (context and sequence parallel split it); compiled,
+    widths are powers of two and every batch `batch_size` rows, so that few shapes reach the compiler."""
+
+    def __init__(
+        self,
+        forward: ForwardBackward,
+        *,
+        dp_rank: int,
+        dp_degree: int,
+        reports: bool,
+        batch_size: int,
+        multiple: int = 8,
+        compiled: bool = False,
+        stop: StopRequest | None = None,
+    ):
+        self.forward, self.dp_rank, self.dp_degree = forward, dp_rank, dp_degree
+        self.reports = reports  # this rank's rows go into the sum: TP rank 0 of its group (every CP rank: parts)
+        self.batch_size, self.multiple, self.compiled, self.stop = batch_size, multiple, compiled, stop
+        self.forwards = self.requests = 0  # forwards run and requests scored so far, for the cost of each
+
+    def __call__(self, sequences: list[list[int]], continuations: list[int]) -> list[tuple[float, bool]]:
+        self.requests += len(sequences)
+        order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
+        per_batch = self.batch_size * self.dp_degree
+        totals = torch.zeros(len(sequences), 2, dtype=torch.float64, device=self.forward.device)
+        with self.forward.scoring():
+            for start in range(0, len(order), per_batch):
+                if self.stop is not None and self.stop.requested():  # (a collective: every rank asks here)
+                    raise Interrupted
+                first = start + self.dp_rank * self.batch_size
+                mine = order[first : min(first + self.batch_size, start + per_batch)]
+                scored = self.forward.score_tokens(*self._batch([sequences[i] for i in mine], continuations, mine))
+                self.forwards += 1
+                if self.reports and mine:
+                    totals[mine] = scored[: len(mine)].double()
+        dist.all_reduce(totals)  # each request's row from the ranks that scored it; zeros elsewhere
+        return [(logprob, missed == 0) for logprob, missed in totals.tolist()]
+
+    def _batch(
+        self, rows: list[list[int]], continuations: list[int], indices: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(inputs, targets, counted) of a batch: each sequence but its last token read, its continuation counted."""
+        longest = max((len(r) - 1 for r in rows), default=1)
+        width = -(-longest // self.multiple) * self.multiple
+        if self.compiled:
+            width = max(self.multiple, 2 ** math.ceil(math.log2(width)))
+        height = self.batch_size if self.compiled else max(len(rows), 1)
+        inputs = torch.zeros(height, width, dtype=torch.long)
+        targets = torch.zeros(height, width, dtype=torch.long)
+        counted = torch.zeros(height, width, dtype=torch.bool)
+        for row, (tokens, i) in enumerate(zip(rows, indices, strict=True)):
+            n = len(tokens) - 1
+            inputs[row, :n], targets[row, :n] = torch.tensor(tokens[:-1]), torch.tensor(tokens[1:])
+            counted[row, n - continuations[i] : n] = True
+        return inputs, targets, counted
+
+
+def task_manager_for(tasks: list[str], include_path: str | None) -> Any:
+    """lm-eval's index of the tasks: include_path's alone when it holds every one of `tasks` (a second), else with
+    lm-eval's own (thousands of YAML files: seconds). The same YAML either way, so the same scores."""
+    from lm_eval.tasks import TaskManager
+
+    from lm_eval_adapter import task_manager
+
+    if include_path:
+        own = TaskManager(include_path=include_path, include_defaults=False)
+        if all(t in own.all_tasks for t in tasks):
+            return own
+    return task_manager(include_path)
+
+
+def check_tasks(cfg: Eval) -> Any:
+    """The task manager for `cfg.tasks`, once each task has been loaded (its documents read) and found a
+    log-likelihood task; else one line naming eval.tasks and what to do. Before the first step."""
+    from lm_eval_adapter import hub_offline_unless_it_answers, not_loaded, uncached_hub_datasets, unreadable
+
+    names = ", ".join(cfg.tasks)
+    manager = task_manager_for(cfg.tasks, cfg.include_path)
+    if unknown := [t for t in cfg.tasks if t not in manager.all_tasks]:
+        where = (
+            f" in {cfg.include_path} or lm-eval's own" if cfg.include_path else " (set eval.include_path for your own)"
+        )
+        raise ConfigError(
+            f"eval.tasks: no lm-eval task named {', '.join(unknown)}{where}; `lm-eval ls tasks` lists them"
+        )
+    with hub_offline_unless_it_answers() as offline, quiet_lm_eval():
+        if offline and uncached_hub_datasets(cfg.tasks, cfg.include_path):
+            raise unreadable(names, why=f"not cached here, and {offline}", key="eval.tasks")
+        try:
+            loaded = manager.load(cfg.tasks)["tasks"]
+        except (ConnectionError, OSError) as e:
+            raise not_loaded(e, names, offline=offline, key="eval.tasks") from None
+    if generative := [name for name, task in loaded.items() if task.get_config("output_type") == "generate_until"]:
+        raise ConfigError(
+            f"eval.tasks: {', '.join(generative)} generates text, which the ranks of a run cannot do in step; "
+            "score it with eval.py --tasks on a checkpoint (or --watch RUN_FOLDER), and list log-likelihood tasks here"
+        )
+    return manager
+
+
+@contextlib.contextmanager
+def quiet_lm_eval() -> Iterator[None]:
+    """lm-eval's INFO and WARNING lines (a dozen per evaluation, from every rank) and its progress bars (one per
+    task and rank, built with tqdm imported into its modules: no argument turns them off) kept out of the log."""
+    import lm_eval.api.model
+    import lm_eval.api.task
+
+    logger, modules = logging.getLogger("lm_eval"), [lm_eval.api.model, lm_eval.api.task]
+    level, bars = logger.level, [m.tqdm for m in modules]
+    logger.setLevel(logging.ERROR)
+    for module, bar in zip(modules, bars, strict=True):
+        module.tqdm = functools.partial(_no_bar, bar)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+        for module, bar in zip(modules, bars, strict=True):
+            module.tqdm = bar
+
+
+def _no_bar(bar: Any, *args: Any, **kwargs: Any) -> Any:
+    return bar(*args, **{**kwargs, "disable": True})  # (lm-eval passes disable=False itself)
+
+
+@contextlib.contextmanager
+def rng_kept() -> Iterator[None]:
+    """Python's, NumPy's and torch's random state as it was: simple_evaluate seeds all three."""
+    state = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        random.setstate(state[0])
+        np.random.set_state(state[1])
+        torch.set_rng_state(state[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+class DownstreamEval:
+    """`cfg.tasks` scored through `lm` (RecipeLM over ShardedScores): a collective, every rank calls `evaluate`."""
+
+    def __init__(self, cfg: Eval, *, lm: Any, manager: Any, num_fewshot: int | None = None):
+        self.cfg, self.lm, self.manager, self.num_fewshot = cfg, lm, manager, num_fewshot
+        self.device = lm.scores.forward.device
+        self.samples: list[dict[str, Any]] = []  # the last evaluation's, with eval.log_samples (rank 0)
+
+    def evaluate(self) -> tuple[dict[str, float], int, float]:
+        """({"eval/<task>/<metric>": value} on rank 0, {} elsewhere; documents scored; seconds)."""
+        import lm_eval
+
+        begin = time.perf_counter()
+        with quiet_lm_eval(), rng_kept():
+            results = lm_eval.simple_evaluate(
+                model=self.lm,
+                tasks=self.cfg.tasks,
+                num_fewshot=self.num_fewshot,
+                limit=self.cfg.limit,
+                task_manager=self.manager,
+                log_samples=self.cfg.log_samples,
+            )
+        self.samples = sample_rows(results) if self.cfg.log_samples else []
+        return flat_scores(results), documents_of(results), time.perf_counter() - begin
+
+
+def sample_rows(results: dict | None) -> list[dict[str, Any]]:
+    """Per document of each task: its id, the log-likelihood and greedy flag of each of its requests (a choice of
+    a multiple-choice question, a window of a rolling one), and its scores, as lm-eval logged them."""
+    rows = []
+    for task, samples in (results or {}).get("samples", {}).items():
+        for sample in samples:
+            metrics = {
+                m: float(sample[m]) for m in sample.get("metrics", []) if isinstance(sample.get(m), (int, float))
+            }
+            resps = [r[0] if isinstance(r, (list, tuple)) and r and isinstance(r[0], (list, tuple)) else r
+                     for r in sample["resps"]]  # fmt: skip
+            rows.append({"task": task, "doc_id": sample["doc_id"], "resps": resps, **metrics})
+    return rows
+
+
+def flat_scores(results: dict | None) -> dict[str, float]:
+    """lm-eval's results as metrics: "eval/<task>/<metric>" (its filter "none" dropped), stderrs left out."""
+    if results is None:  # (simple_evaluate returns them on rank 0 only)
+        return {}
+    out = {}
+    for task, metrics in results["results"].items():
+        for key, value in metrics.items():
+            metric, _, kind = key.partition(",")
+            if kind and "stderr" not in metric and isinstance(value, (int, float)):
+                out[f"eval/{task}/{metric}" + (f"_{kind}" if kind != "none" else "")] = float(value)
+    return out
+
+
+def documents_of(results: dict | None) -> int:
+    if results is None:
+        return 0
+    return sum(int(n["effective"]) for n in results.get("n-samples", {}).values())
+
+
+def build_downstream(
+    cfg: Any, *, forward: ForwardBackward, mesh: Any, dp_rank: int, dp_degree: int, stop: StopRequest | None
+) -> DownstreamEval:
+    """The run's evaluator: its tasks checked (before any step), its scores through the run's layout."""
+    from distributed import collective_on_every_rank
+    from lm_eval_adapter import recipe_lm
+
+    e = cfg.eval
+    manager = collective_on_every_rank(lambda: check_tasks(e))  # one line from rank 0 when a rank cannot load one
+    tp, cp = mesh["tp"], mesh["cp"]
+    scores = ShardedScores(
+        forward,
+        dp_rank=dp_rank,
+        dp_degree=dp_degree,
+        reports=tp.get_local_rank() == 0,
+        batch_size=e.batch_size,
+        multiple=math.lcm(8, 2 * cp.size() * tp.size()),  # CP splits a row in 2 x cp chunks, SP each part over TP
+        compiled=cfg.compile.enable and "model" in cfg.compile.components,
+        stop=stop,
+    )
+    model = forward.model
+    lm = recipe_lm()(model, cfg.model.tokenizer_path, scores=scores, max_length=model.args.max_seq_len)
+    return DownstreamEval(e, lm=lm, manager=manager)
+
+
+class EvalStep:
+    """After every eval.interval steps and the last: the tasks scored and logged, their time left out of the
+    throughput. A run resumed from an eval step whose scores metrics.jsonl lacks (a stop during that eval) scores
+    it first, at construction, on the weights just loaded."""
+
+    def __init__(
+        self, evaluator: DownstreamEval, *, interval: int, total_steps: int, start_step: int, logger: Any,
+        throughput: Any,
+    ):  # fmt: skip
+        self.evaluator, self.interval, self.total_steps = evaluator, interval, total_steps
+        self.logger, self.throughput = logger, throughput
+        if start_step > 0 and self.due(start_step) and not scored_in(logger, start_step, device=evaluator.device):
+            self.score(start_step)
+
+    def due(self, step: int) -> bool:
+        return step % self.interval == 0 or step == self.total_steps
+
+    def __call__(self, step: int, result: Any) -> bool:
+        if self.due(step):
+            self.score(step)
+        return False
+
+    def score(self, step: int) -> None:
+        try:
+            scores, documents, seconds = self.evaluator.evaluate()
+        except Interrupted:  # the stop step that follows saves `step`; the resumed run scores it
+            if self.logger.enabled:
+                print(f"eval at step {step}: abandoned for a stop request; a resumed run scores step {step} first")
+            return
+        self.logger.log_eval(step, scores, documents=documents, seconds=seconds)
+        if self.evaluator.samples and self.logger.enabled:
+            write_rows(Path(self.logger.jsonl).parent / "eval" / f"step-{step}.jsonl", self.evaluator.samples)
+        self.throughput.pause(seconds)
+
+
+def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
+    """A jsonl file written whole: a temporary beside it renamed into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    tmp.replace(path)
+
+
+def scored_in(logger: Any, step: int, *, device: torch.device) -> bool:
+    """Whether metrics.jsonl holds step's scores, as rank 0 reads it, on every rank (a collective)."""
+    found = torch.zeros(1, device=device)
+    path: Path = logger.jsonl
+    if logger.enabled and path.exists():
+        rows = (json.loads(line) for line in path.read_text().splitlines())
+        found[0] = any(row["step"] == step and any(k.startswith("eval/") for k in row) for row in rows)
+    dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    return bool(found[0])
+
+
+def scored_steps(path: Path) -> set[int]:
+    """The steps `eval.py --watch` has scored into `path`."""
+    if not path.is_file():
+        return set()
+    return {json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()}
+
+
+def write_watch_row(path: Path, row: dict[str, Any]) -> None:
+    """One step's scores appended to `path`, as one write of a whole line."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps(row) + "\n")
