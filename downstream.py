@@ -30,6 +30,7 @@ that is not there, a hub that does not answer) is refused in one line at start-u
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import json
@@ -138,22 +139,26 @@ def task_manager_for(tasks: list[str], include_path: str | None) -> Any:
 def check_tasks(cfg: Eval) -> Any:
     """The task manager for `cfg.tasks`, once each task has been loaded (its documents read) and found a
     log-likelihood task; else one line naming eval.tasks and what to do. Before the first step."""
+    return _loaded(tuple(cfg.tasks), cfg.include_path)[0]
+
+
+@functools.cache
+def _loaded(tasks: tuple[str, ...], include_path: str | None) -> tuple[Any, dict[str, Any]]:
+    """(task manager, {name: lm-eval Task}) of check_tasks, once per process (the doctor's estimate reads them too)."""
     from lm_eval_adapter import hub_offline_unless_it_answers, not_loaded, uncached_hub_datasets, unreadable
 
-    names = ", ".join(cfg.tasks)
-    manager = task_manager_for(cfg.tasks, cfg.include_path)
-    if unknown := [t for t in cfg.tasks if t not in manager.all_tasks]:
-        where = (
-            f" in {cfg.include_path} or lm-eval's own" if cfg.include_path else " (set eval.include_path for your own)"
-        )
+    names = ", ".join(tasks)
+    manager = task_manager_for(list(tasks), include_path)
+    if unknown := [t for t in tasks if t not in manager.all_tasks]:
+        where = f" in {include_path} or lm-eval's own" if include_path else " (set eval.include_path for your own)"
         raise ConfigError(
             f"eval.tasks: no lm-eval task named {', '.join(unknown)}{where}; `lm-eval ls tasks` lists them"
         )
     with hub_offline_unless_it_answers() as offline, quiet_lm_eval():
-        if offline and uncached_hub_datasets(cfg.tasks, cfg.include_path):
+        if offline and uncached_hub_datasets(list(tasks), include_path):
             raise unreadable(names, why=f"not cached here, and {offline}", key="eval.tasks")
         try:
-            loaded = manager.load(cfg.tasks)["tasks"]
+            loaded = manager.load(list(tasks))["tasks"]
         except (ConnectionError, OSError) as e:
             raise not_loaded(e, names, offline=offline, key="eval.tasks") from None
     if generative := [name for name, task in loaded.items() if task.get_config("output_type") == "generate_until"]:
@@ -161,7 +166,32 @@ def check_tasks(cfg: Eval) -> Any:
             f"eval.tasks: {', '.join(generative)} generates text, which the ranks of a run cannot do in step; "
             "score it with eval.py --tasks on a checkpoint (or --watch RUN_FOLDER), and list log-likelihood tasks here"
         )
-    return manager
+    return manager, loaded
+
+
+def compute_share(cfg: Any, *, dp: int) -> tuple[float, int, int]:
+    """(share of the run's FLOPs its evals would take, evals, requests per eval), estimated before it starts: each
+    request's tokens (the run's tokenizer) through one forward, a third of a trained token's FLOPs (the family's
+    count), against every step's global batch. Padding, small batches and lm-eval's own Python make an eval's
+    share of the time larger than of the FLOPs (EvalStep says what it measured after the first eval)."""
+    from config import global_batch_size, model_args
+    from data.tokenizers import build_tokenizer
+    from models import family
+
+    e, t = cfg.eval, cfg.training
+    texts = []
+    with quiet_lm_eval():
+        for task in _loaded(tuple(e.tasks), e.include_path)[1].values():
+            docs = len(task.eval_docs)
+            limit = None if e.limit is None else math.ceil(docs * e.limit) if e.limit < 1 else int(e.limit)
+            task.build_all_requests(limit=limit, rank=0, world_size=1)
+            texts += ["".join(instance.args[:2]) for instance in task.instances]
+    tokens = sum(len(ids) for ids in build_tokenizer(cfg.model.tokenizer_path).encode_batch(texts))
+    evals = t.steps // e.interval + (t.steps % e.interval > 0)
+    per_token = family(cfg.model.name).num_flops_per_token(model_args(cfg.model), t.seq_len)
+    trained = t.steps * global_batch_size(t, dp=dp) * t.seq_len * per_token
+    scored = evals * tokens * per_token / 3
+    return scored / (scored + trained), evals, len(texts)
 
 
 @contextlib.contextmanager
@@ -299,6 +329,7 @@ class EvalStep:
     ):  # fmt: skip
         self.evaluator, self.interval, self.total_steps = evaluator, interval, total_steps
         self.logger, self.throughput = logger, throughput
+        self.start_step, self.begin, self.scoring_s, self.measured = start_step, time.perf_counter(), 0.0, False
         if start_step > 0 and self.due(start_step) and not scored_in(logger, start_step, device=evaluator.device):
             self.score(start_step)
 
@@ -318,9 +349,30 @@ class EvalStep:
                 print(f"eval at step {step}: abandoned for a stop request; a resumed run scores step {step} first")
             return
         self.logger.log_eval(step, scores, documents=documents, seconds=seconds)
+        self.scoring_s += seconds
+        if not self.measured and step > self.start_step:
+            self.measured = True
+            self.warn_if_costly(step, seconds)
         if self.evaluator.samples and self.logger.enabled:
             write_rows(Path(self.logger.jsonl).parent / "eval" / f"step-{step}.jsonl", self.evaluator.samples)
         self.throughput.pause(seconds)
+
+    def warn_if_costly(self, step: int, seconds: float) -> None:
+        """After the first eval of this run: the share of the run's time its evals will take, measured (the steps'
+        mean time so far against this eval's), said once when above MAX_SHARE."""
+        from errors import warn
+
+        step_s = (time.perf_counter() - self.begin - self.scoring_s) / (step - self.start_step)
+        evals = len([s for s in range(step, self.total_steps + 1) if self.due(s)])
+        share = evals * seconds / (evals * seconds + (self.total_steps - self.start_step) * step_s)
+        if share > MAX_SHARE:
+            warn(
+                f"eval.interval: each eval takes {seconds:.1f} s, {seconds / step_s:.1f} steps' time: the {evals} evals "
+                f"of this run take {share:.0%} of it; raise eval.interval (now {self.interval}) or set eval.limit"
+            )
+
+
+MAX_SHARE = 0.1  # of a run's time for its evals, above which the doctor and EvalStep warn
 
 
 def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -354,3 +406,22 @@ def write_watch_row(path: Path, row: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as f:
         f.write(json.dumps(row) + "\n")
+
+
+# ------------------------------------------------------------------ eval.py --watch
+
+
+def add_watch_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--watch", type=Path, metavar="RUN_FOLDER", help="with --tasks: score each step of a run as it lands"
+    )
+    parser.add_argument("--poll-seconds", type=float, default=30.0, help="--watch: how often to look for a new step")
+
+
+def check_watch(opts: argparse.Namespace) -> None:
+    if not opts.tasks:
+        raise ConfigError("--watch: name the lm-eval tasks to score with --tasks (the held-out loss is train.py's)")
+    if opts.checkpoint is not None:
+        raise ConfigError("--watch: scores every step of a run; give it alone, without --checkpoint")
+    if not opts.watch.is_dir():
+        raise ConfigError(f"--watch: {opts.watch} is not a folder; point it at a run's job.dump_folder")

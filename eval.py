@@ -17,6 +17,11 @@ Validator (validation.py) that train.py logs, over `validation.dataset_path` (ra
 --tasks runs EleutherAI's lm-evaluation-harness (`pip install -e ".[eval]"`) on the same checkpoint through
 `lm_eval.simple_evaluate` and this repo's model (lm_eval_adapter.py), one process: a DCP checkpoint is
 scored without converting it.
+
+--tasks ... --watch RUN_FOLDER scores every step folder of a run as it lands, in this launch's layout (under
+torchrun as train.py's in-loop `[eval]` scores, downstream.py), until the run's last step:
+
+torchrun --nproc_per_node=2 eval.py --tasks stories_facts --include-path assets/eval_tasks --watch outputs/debug
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from downstream import add_watch_arguments, check_watch
 from errors import ConfigError, RecipeError, is_rank0, report
 
 
@@ -58,10 +64,6 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """This command's own options; the rest are train.py's config overrides."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--checkpoint", type=Path, help="a DCP step-<N> folder or a Hugging Face folder")
-    parser.add_argument(
-        "--watch", type=Path, metavar="RUN_FOLDER", help="with --tasks: score each step of a run as it lands"
-    )
-    parser.add_argument("--poll-seconds", type=float, default=30.0, help="--watch: how often to look for a new step")
     parser.add_argument("--config", type=Path, help="the run's TOML (default: config.toml beside the step folders)")
     parser.add_argument("--tasks", help="lm-evaluation-harness tasks, comma-separated (instead of the held-out loss)")
     parser.add_argument("--include-path", help="a folder of lm-eval task YAMLs of your own")
@@ -72,14 +74,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument(
         "--tokenizer", help="tokenizer folder (default: the run's model.tokenizer_path / the HF folder)"
     )
+    add_watch_arguments(parser)  # (downstream.py)
     opts, overrides = parser.parse_known_args(argv)
     if opts.watch is not None:
-        if not opts.tasks:
-            raise ConfigError("--watch: name the lm-eval tasks to score with --tasks (the held-out loss is train.py's)")
-        if opts.checkpoint is not None:
-            raise ConfigError("--watch: scores every step of a run; give it alone, without --checkpoint")
-        if not opts.watch.is_dir():
-            raise ConfigError(f"--watch: {opts.watch} is not a folder; point it at a run's job.dump_folder")
+        check_watch(opts)
         return opts, overrides
     if opts.checkpoint is None:
         raise ConfigError("--checkpoint: name a step-<N> folder or a Hugging Face folder to evaluate (or --watch RUN)")

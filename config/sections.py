@@ -407,7 +407,7 @@ class Validation(TorchtitanValidation):
 class Eval:
     """lm-evaluation-harness tasks scored on the live model during training (downstream.py); torchtitan has no key."""
 
-    enable: bool = False
+    enable: bool = optional_part("downstream.py", False)
     """Score `tasks` every `interval` steps and after the last one, on the model as it trains, in its layout."""
     tasks: list[str] = field(default_factory=list)
     """lm-eval task names (the command line takes them separated by commas): log-likelihood tasks (multiple choice,

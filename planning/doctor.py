@@ -20,6 +20,8 @@ and on what would merely run badly, and lives here:
                    expert parallel, how unbalanced a routing the rank has room for (no token is dropped)
     data           a run that would read its corpus many times over; a tokenizer whose vocabulary
                    is far smaller than the model's embedding (most of it never trained)
+    evals          in-loop lm-eval tasks (downstream.py) whose forwards would take more than a tenth of
+                   the run's FLOPs
 
 Severity: an error means the run would fail (stopping it before any allocation), a warning that
 it would run slower or with more memory than it needs. train.py calls `check_startup` once; a
@@ -121,7 +123,7 @@ def check_recipe(
     findings = _nodes(dims, machine) + _expert_parallel_nodes(dims, machine)
     findings += _precision(cfg, machine) + _toolchain(cfg, machine) + _async_tp(cfg)
     findings += _offload(cfg, machine)
-    findings += _memory(cfg, dims, machine, tp_mesh=tp_mesh) + _data(cfg, dims)
+    findings += _memory(cfg, dims, machine, tp_mesh=tp_mesh) + _data(cfg, dims) + _evals(cfg, dims)
     return sorted(findings, key=lambda f: f.severity != "error")  # stable: errors first, in check order
 
 
@@ -475,6 +477,24 @@ def _data(cfg: JobConfig, dims: ParallelDims) -> list[Finding]:
 
 
 # -------------------------------------------------------------------- entry point
+
+
+def _evals(cfg: JobConfig, dims: ParallelDims) -> list[Finding]:
+    """In-loop lm-eval tasks (downstream.py) that would take more than MAX_SHARE of the run's compute."""
+    if not cfg.eval.enable:
+        return []
+    from downstream import MAX_SHARE, compute_share
+
+    try:
+        share, evals, requests = compute_share(cfg, dp=dims.dp)
+    except ConfigError:  # a task that cannot run: refused at start-up in its own words
+        return []
+    if share <= MAX_SHARE:
+        return []
+    return [Finding("warning", "eval.interval", (
+        f"{evals} evals of {requests:,} requests each would take {share:.0%} of the run's FLOPs (more of its time: "
+        f"an eval's forwards are short and its batches small); raise eval.interval (now {cfg.eval.interval}) or "
+        "set eval.limit"))]  # fmt: skip
 
 
 def main(argv: list[str]) -> int:

@@ -19,6 +19,7 @@ from tests.launch import REPO, python, torchrun
 TINY = [
     "--config", "configs/debug.toml", "--training.seq_len=64", "--training.local_batch_size=2",
     "--metrics.log_freq=1", "--lr_scheduler.warmup_steps=5", "--validation.enable=false", "--checkpoint.enable=false",
+    "--eval.enable=false",
 ]  # fmt: skip
 
 

@@ -196,8 +196,13 @@ def test_tasks_that_cannot_run_are_refused_at_start_up_in_one_line(
     from config import load_config
     from downstream import check_tasks
 
+    import lm_eval_adapter
+    from lm_eval.tasks import TaskManager
+
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    # lm-eval's own index of its thousands of tasks takes seconds to build: here it is empty.
+    monkeypatch.setattr(lm_eval_adapter, "task_manager", lambda path: TaskManager(path, include_defaults=False))
     base = ["--config", "configs/debug.toml", "--eval.enable", "--eval.include_path=assets/eval_tasks"]
 
     def refusal(*args: str) -> str:
@@ -206,7 +211,8 @@ def test_tasks_that_cannot_run_are_refused_at_start_up_in_one_line(
         assert len(e.value.problems) == 1 and "\n" not in e.value.problems[0], e.value.problems
         return e.value.problems[0]
 
-    assert refusal().startswith("eval.tasks: name the lm-eval tasks")
+    assert check_tasks(load_config(base).eval).all_tasks == ["stories_facts"]  # configs/debug.toml's, as shipped
+    assert refusal("--eval.tasks=").startswith("eval.tasks: name the lm-eval tasks")
     assert refusal("--eval.tasks=stories_factz").startswith(
         "eval.tasks: no lm-eval task named stories_factz in assets/"
     )
@@ -222,3 +228,51 @@ def test_tasks_that_cannot_run_are_refused_at_start_up_in_one_line(
     assert said.startswith("eval.tasks: facts_gen generates text") and "eval.py --tasks" in said, said
     said = refusal("--eval.tasks=facts_gone", f"--eval.include_path={own}")
     assert said.startswith("eval.tasks: ") and "gone.jsonl, a data file of facts_gone, does not exist" in said, said
+
+
+def test_evals_that_would_take_a_tenth_of_the_run_are_warned_of_before_and_after_the_first(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The doctor, from the task's tokens against the run's (configs/debug.toml as shipped: 2 evals, no warning; one
+    every 2 steps: a warning); the run, from what its first eval took against its steps so far."""
+    from config import load_config
+    from downstream import EvalStep
+    from planning.doctor import Machine, check_recipe
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    machine = Machine(cuda=False, cpu_has_bf16=True, device_memory_gib=64)
+    findings = lambda *args: [f for f in check_recipe(load_config(["--config", "configs/debug.toml", *args]),  # noqa: E731
+                                                      world_size=2, machine=machine) if f.key == "eval.interval"]  # fmt: skip
+    assert findings() == []
+    (warned,) = findings("--eval.interval=2")
+    assert "50 evals of 1,216 requests each would take" in warned.message, warned
+
+    class Evaluator:
+        samples: list[dict] = []
+
+        def __init__(self, seconds: float):
+            self.seconds = seconds
+
+        def evaluate(self) -> tuple[dict[str, float], int, float]:
+            return {"eval/t/acc": 0.5}, 10, self.seconds
+
+    class Logger:
+        enabled = False
+
+        def log_eval(self, *args: object, **kwargs: object) -> None:
+            pass
+
+    class Throughput:
+        def pause(self, seconds: float) -> None:
+            pass
+
+    # 50 evals of 0.2 s against 100 steps of about 10 ms; 20 of 1 ms against 100 of 10 ms.
+    for interval, seconds, warns in ((2, 0.2, True), (5, 0.001, False)):
+        step = EvalStep(Evaluator(seconds), interval=interval, total_steps=100, start_step=0, logger=Logger(),
+                        throughput=Throughput())  # fmt: skip
+        time.sleep(interval * 0.01)
+        capsys.readouterr()
+        step(interval, None)
+        said = capsys.readouterr().err
+        assert ("warning: eval.interval: each eval takes" in said) == warns, said

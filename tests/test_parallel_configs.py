@@ -20,6 +20,7 @@ COMMON = [
     "--debug.deterministic", "--metrics.log_freq=1", "--lr_scheduler.warmup_steps=1",
     # The configs that validate do it on one small batch (their 10 x 8 x 256 tokens were half of a run's time).
     "--validation.steps=1", "--validation.local_batch_size=2", "--validation.seq_len=64",
+    "--eval.limit=8",  # configs/debug.toml scores its task at the last step: 8 documents of it
 ]  # fmt: skip
 
 # config -> ranks; compile is run in test_compiled_config_matches_one_process_and_compiles_once.

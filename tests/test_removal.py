@@ -27,7 +27,7 @@ CHEAP = "test_model and not parallel"
 PYTEST = ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--assert=plain", "-k", CHEAP]
 TRAIN = [
     "train.py", "--config", "configs/debug.toml", "--training.steps=1", "--training.seq_len=64",
-    "--training.local_batch_size=2", "--validation.enable=false", "--metrics.log_freq=1",
+    "--training.local_batch_size=2", "--validation.enable=false", "--eval.enable=false", "--metrics.log_freq=1",
 ]  # fmt: skip
 
 
@@ -177,9 +177,14 @@ class _Remove(ast.NodeTransformer):
 
 
 def remove_names(path: Path, names: set[str]) -> None:
-    if path.suffix == ".toml":
-        lines = path.read_text().splitlines(keepends=True)
-        path.write_text("".join(line for line in lines if not any(name in line for name in names)))
+    if path.suffix == ".toml":  # the lines that name one; a name "[section]": that table, its header to the next
+        kept, dropping = [], False
+        for line in path.read_text().splitlines(keepends=True):
+            if line.startswith("["):
+                dropping = any(line.startswith(name) for name in names if name.startswith("["))
+            if not dropping and not any(name in line for name in names if not name.startswith("[")):
+                kept.append(line)
+        path.write_text("".join(kept))
         return
     tree = ast.parse(path.read_text())
     tree.body = _Remove(names).body(tree.body)

@@ -116,8 +116,9 @@ LAYERS = (
     ("config",),
     ("parallelisms", "data", "loss", "optimizer", "muon", "distributed", "metrics", "profiling", "stop"),
     ("checkpoint", "forward", "validation"),
+    ("generate", "lm_eval_adapter", "downstream"),
     ("planning",),
-    ("train", "eval", "generate", "lm_eval_adapter"),
+    ("train", "eval"),
 )
 
 
