@@ -21,10 +21,10 @@ from tests.conftest import TINY, losses
 from tests.launch import REPO, python, torchrun
 
 EVAL = [
-    "--eval.enable", "--eval.tasks=stories_facts", "--eval.include_path=assets/eval_tasks", "--eval.limit=60",
+    "--eval.enable", "--eval.tasks=stories_facts", "--eval.include_path=assets/eval_tasks", "--eval.limit=40",
     "--eval.batch_size=16",
 ]  # fmt: skip
-WATCH = ["eval.py", "--tasks", "stories_facts", "--include-path", "assets/eval_tasks", "--limit", "60"]
+WATCH = ["eval.py", "--tasks", "stories_facts", "--include-path", "assets/eval_tasks", "--limit", "40"]
 
 
 def rows(dump: Path) -> list[dict]:
@@ -71,7 +71,7 @@ def outside_tools(step_folder: Path, tmp_path: Path) -> tuple[list[dict], list[d
 
     manager = task_manager_for(["stories_facts"], "assets/eval_tasks")
     run = lambda model, **kw: lm_eval.simple_evaluate(  # noqa: E731
-        model=model, tasks=["stories_facts"], limit=60, task_manager=manager, log_samples=True, **kw
+        model=model, tasks=["stories_facts"], limit=40, task_manager=manager, log_samples=True, **kw
     )
     model, tokenizer = load_model(step_folder, config=None, device=torch.device("cpu"), dtype=torch.float32)
     ours = samples(run(recipe_lm()(model, tokenizer)))
@@ -119,7 +119,7 @@ def test_in_loop_scores_equal_eval_py_and_the_hf_backend_on_the_steps_checkpoint
     in_loop = sorted(
         (json.loads(line) for line in (straight / "eval" / "step-3.jsonl").open()), key=lambda r: r["doc_id"]
     )
-    assert len(in_loop) == 60 and sum(r["acc"] for r in in_loop) / 60 == pytest.approx(
+    assert len(in_loop) == 40 and sum(r["acc"] for r in in_loop) / 40 == pytest.approx(
         logged[3]["eval/stories_facts/acc"]
     )
     ours, theirs = outside_tools(straight / "checkpoint" / "step-3", tmp_path)
@@ -142,7 +142,7 @@ def test_watch_follows_the_run_and_ends_with_it_then_skips_what_it_scored(straig
 def test_a_stop_during_an_eval_neither_loses_nor_repeats_a_score_and_evals_change_no_loss(
     straight: Path, tmp_path: Path
 ) -> None:
-    """STOP lands while step 2 is scored (the eval of 60 documents takes seconds; metrics.jsonl shows step 2's
+    """STOP lands while step 2 is scored (the eval of 40 documents takes seconds; metrics.jsonl shows step 2's
     loss just before it starts): the eval is abandoned, step 2 saved; the same command scores step 2 first, then
     trains step 3 and scores it. Scores and losses are the straight run's, and a run without [eval] has its losses."""
     dump = tmp_path / "run"
