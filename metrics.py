@@ -163,6 +163,21 @@ class MetricsLogger:
             scalars |= {f"moe_load_{layer}": load for layer, load in m.moe_load.items()}
         self._write(m.step, scalars)
 
+    def log_ranks(self, step: int, per_rank: dict[str, list[float]], *, line: str | None = None) -> None:
+        """Figures of every rank (fleet.py): a row of lists in metrics.jsonl, `<name>/rank<N>` scalars elsewhere; and
+        `line` on the console when given."""
+        if not self.enabled:
+            return
+        if line is not None:
+            print(line, flush=True)
+        with self.jsonl.open("a") as f:
+            f.write(json.dumps({"step": step, **per_rank}) + "\n")
+        scalars = {f"{name}/rank{r}": value for name, values in per_rank.items() for r, value in enumerate(values)}
+        for key, value in scalars.items() if self.tb is not None else ():
+            self.tb.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
+
     def pause(self, seconds: float) -> None:
         """Leave `seconds` spent outside training steps (a validation, a checkpoint save) out of the ETA's rate."""
         self.paused += seconds
@@ -238,7 +253,7 @@ class LogStep:
         self.logger.pause(seconds)
 
     def __call__(self, step: int, result: StepResult) -> bool:
-        if step % self.freq and step != self.total_steps:
+        if not logged(step, freq=self.freq, total_steps=self.total_steps):
             return False
         loss = mean_over_loss_ranks(result.loss, pp_degree=self.pp_degree).item()
         z_loss = None
@@ -274,6 +289,11 @@ class LogStep:
             return None
         samples = self.loader.samples_per_source()
         return {name: n * self.seq_len for name, n in zip(self.loader.corpus.names, samples, strict=True)}
+
+
+def logged(step: int, *, freq: int, total_steps: int) -> bool:
+    """Whether step `step` is logged: every metrics.log_freq steps and the last."""
+    return step % freq == 0 or step == total_steps
 
 
 def _moe(aux_loss: float | None, load: dict[int, float]) -> str:

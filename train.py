@@ -51,6 +51,7 @@ from data.tokenizers import build_tokenizer
 from distributed import CollectiveTimeout, collective_on_rank0, init_distributed
 from downstream import EvalStep, build_downstream
 from errors import ConfigError, RecipeError, is_rank0, report, writable_folder
+from fleet import Fleet
 from forward import ForwardBackward
 from loss import build_loss_fn
 from metrics import LogStep, MetricsLogger, StepResult
@@ -268,8 +269,9 @@ def after_step_work(
     balancer: Balancer | None = None,
 ) -> list[AfterStep]:
     """The work after each step, in order: stop on too many bad steps, the collectives' time-out after the first
-    step, a mixture of experts' load balancing, log, validate, score lm-eval tasks, stop on request, save, profile, collect garbage
-    (docs/development.md, "Work after a step": why a list)."""
+    step, a mixture of experts' load balancing, log, the step's end (the slow-rank report, the hang watchdog disarmed),
+    validate, score lm-eval tasks, stop on request, save, profile, collect garbage, the next step's start (the
+    watchdog armed) (docs/development.md, "Work after a step": why a list)."""
     cfg, t = run.cfg, run.cfg.training
     # Rank 0 logs; a logger that cannot start (wandb without credentials) stops every rank.
     new_logger = lambda enabled: MetricsLogger(  # noqa: E731
@@ -297,6 +299,19 @@ def after_step_work(
     if balancer is not None:  # before the log, which reads the step's routing from it
         work.append(balancer)
     work.append(log)
+    # A slow rank named, a hang ended (fleet.py): a step ends after its log; the next starts after all the rest.
+    fleet = Fleet(
+        cfg.comm,
+        cfg.metrics,
+        dump_folder=cfg.job.dump_folder,
+        total_steps=t.steps,
+        loader=loader,
+        logger=logger,
+        stop_request=run.stop.request,
+        group=groups[-1],  # the CPU group: ctrl_group under NCCL, the default group under gloo
+    )
+    run.resources.callback(fleet.close)
+    work.append(fleet.step_done)
     if cfg.validation.enable:
         validator = Validator(
             cfg, tokenizer=tokenizer, dp_rank=loader.dp_rank, dp_degree=dims.dp, forward=run.forward_backward
@@ -324,7 +339,7 @@ def after_step_work(
     collect = GarbageCollection(every=t.gc_freq)
     run.resources.callback(collect.close)
     save = SaveStep(run.checkpoint, total_steps=t.steps, throughput=log)
-    return [*work, run.stop, save, ProfileStep(profiler), collect]
+    return [*work, run.stop, save, ProfileStep(profiler), collect, fleet.step_starts]
 
 
 def resolve_auto_ac(cfg: JobConfig, *, world_size: int, device: torch.device, mesh: DeviceMesh | None) -> JobConfig:

@@ -10,8 +10,9 @@ Nothing half-written is ever resumed, and nothing complete is lost. A checkpoint
 rank has finished, so a `.partial` folder with `.metadata` is complete. Rank 0 renames it to
 `step-<N>/` as soon as it sees that: right after a blocking save, at the first step after an
 async save finished (`poll`, a `Future.done()` per step), or at the next start-up after a crash
-(`prepare_dump_folder`), which also removes `.partial` debris. Resume looks at `step-<N>/`
-folders only; when the newest fails `verify` (a filesystem damaged a file after it was complete),
+(`prepare_dump_folder`), which also removes `.partial` debris. Pruning renames a step
+`step-<N>.pruned` before deleting it, so a kill while it deletes leaves no half checkpoint under a
+checkpoint's name; start-up removes the rest. Resume looks at `step-<N>/` folders only; when the newest fails `verify` (a filesystem damaged a file after it was complete),
 start-up renames it `step-<N>.damaged`, warns, and resumes from the newest one that passes. A save that runs out of disk space removes its `.partial` and stops the run in one
 line. Non-finite weights are never saved, and a checkpoint with non-finite weights is refused
 when loaded. Pruning (`keep_latest_k`) never removes the seed checkpoint (step 0).
@@ -37,7 +38,8 @@ then does DCP read the folder.
 The package: folder.py (the lock, complete and damaged steps, recovery after a crash, a full disk),
 verify.py (the checks before a load), manager.py (CheckpointManager and the after-step save), hf_export.py
 (weights in from a step, out as a Hugging Face folder), checksums.py, torchtitan.py (torchtitan 0.2.2's
-layout) and __main__.py (`python -m checkpoint verify`).
+layout), pause.py (points inside a save where a rank can be held still, to aim a kill: scripts/chaos.py) and
+__main__.py (`python -m checkpoint verify`).
 """
 
 from checkpoint.folder import DumpFolderLock, check_folder, prepare_dump_folder, refuse_folder_of_steps

@@ -27,6 +27,8 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
+from checkpoint.pause import pause_point, step_of
+
 MANIFEST = "checksums.json"
 ALGORITHM = "xxh3_128"
 _METADATA = ".metadata"  # DCP's, renamed from .metadata.tmp once written
@@ -37,8 +39,8 @@ _CHUNK = 16 * 2**20
 class _HashingStream:
     """A file opened for writing that hashes what passes through it; what DCP's writer calls, and no more."""
 
-    def __init__(self, raw: Any, on_close: Any):
-        self.raw, self.on_close = raw, on_close
+    def __init__(self, raw: Any, on_close: Any, *, step: int | None):
+        self.raw, self.on_close, self.step = raw, on_close, step
         self.hash, self.size = xxhash.xxh3_128(), 0
 
     def write(self, data: Any) -> int:
@@ -46,6 +48,8 @@ class _HashingStream:
         view = memoryview(data).cast("B")
         self.hash.update(view[:written])
         self.size += written
+        if self.size == written:  # the file's first bytes
+            pause_point("write", self.step)
         return written
 
     def tell(self) -> int:
@@ -83,7 +87,7 @@ class _HashingFileSystem(FileSystem):
                 self.written[path.name] = {"size": size, "hash": digest}
 
             with path.open("wb") as raw:
-                hashing = _HashingStream(raw, record)
+                hashing = _HashingStream(raw, record, step=step_of(path.parent))
                 try:
                     yield hashing
                 finally:
@@ -95,6 +99,7 @@ class _HashingFileSystem(FileSystem):
         if Path(new_path).name == _METADATA and self.manifest is not None:
             files = {**self.manifest, _METADATA: self.written[Path(path).name]}
             write_manifest(Path(new_path).parent, files)
+            pause_point("manifest", step_of(Path(new_path).parent))
         super().rename(path, new_path)
 
 
@@ -114,6 +119,7 @@ class ChecksumWriter(FileSystemWriter):
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        pause_point("metadata", step_of(self.path))
         files: dict[str, dict[str, Any]] = {}
         for rank_results in results:
             files.update(*(r.storage_data for r in rank_results if r.index == _RECORD))

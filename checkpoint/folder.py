@@ -10,6 +10,9 @@ import os
 import re
 import shutil
 import socket
+import threading
+import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,7 @@ from errors import ConfigError, DiskFull, warn, writable_folder
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _PARTIAL_DIR = re.compile(r"^step-(\d+)\.partial$")
 _DAMAGED_DIR = re.compile(r"^step-(\d+)\.damaged(-\d+)?$")
+_PRUNED_DIR = re.compile(r"^step-(\d+)\.pruned$")  # being deleted by pruning (manager.py): a kill left it
 GiB = 2**30
 
 
@@ -62,35 +66,113 @@ def refuse_folder_of_steps(path: Path, *, key: str) -> None:
 # ------------------------------------------------------------------ the dump folder
 
 
-class DumpFolderLock:
-    """`<dump_folder>/.lock` holds "host pid" of the run that owns the folder; released at exit."""
+LEASE_RENEW_S = 10.0  # the living run touches its lock this often
+LEASE_EXPIRY_S = 60.0  # a lock untouched this long is a dead run's, whatever host it names
 
-    def __init__(self, folder: Path):
-        self.path = folder / ".lock"
-        self.owner = f"{socket.gethostname()} {os.getpid()}"
+
+class DumpFolderLock:
+    """`<dump_folder>/.lock` names the run that owns the folder: "host pid", and the scheduler's job and attempt where
+    there is one ("job=slurm:123 attempt=0.0": SLURM_JOB_ID with SLURM_RESTART_COUNT, TORCHELASTIC_RUN_ID with
+    TORCHELASTIC_RESTART_COUNT). The run holding it renews it, a daemon thread touching it every `renew_every` seconds
+    (a lease), and removes it at exit.
+
+    A lock is a dead run's, and taken over, when its process is gone (this host), when it names an earlier attempt of
+    this same job (Slurm requeues a job, and torchrun restarts one, only once every process of the attempt before has
+    ended, on whatever node it ran), or when its lease expired (not renewed for LEASE_EXPIRY_S: its host died, froze or
+    lost the filesystem). So a job requeued onto another node after its node died restarts without a person; two live
+    runs in one folder are still refused. Ages are read on the filesystem's clock, not this host's: the hosts sharing a
+    folder need not agree on the time."""
+
+    def __init__(self, folder: Path, *, environ: Mapping[str, str] | None = None, renew_every: float = LEASE_RENEW_S):
+        self.path, self.renew_every = folder / ".lock", renew_every
+        self.job, self.attempt = job_attempt(os.environ if environ is None else environ)
+        job = f" job={self.job} attempt={'.'.join(map(str, self.attempt))}" if self.job else ""
+        self.owner = f"{socket.gethostname()} {os.getpid()}{job}"
+        self.released = threading.Event()
 
     def acquire(self) -> None:
-        for _ in range(2):
+        for _ in range(3):  # a holder may release (or another run take over) between the two steps
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
             except FileExistsError:
-                host, _, pid = self.path.read_text().strip().partition(" ")
-                if host != socket.gethostname() or not pid.isdigit() or _alive(int(pid)):
-                    raise ConfigError(
-                        f"job.dump_folder: {self.path.parent} is in use by the run with pid {pid} on host {host} "
-                        f"(see {self.path}); wait for it, choose another job.dump_folder, or delete {self.path} if "
-                        "that run is gone"
-                    ) from None
-                self.path.unlink(missing_ok=True)  # a crashed run of this host: take over
+                self._take_over_or_refuse()
                 continue
             with os.fdopen(fd, "w") as f:
                 f.write(self.owner + "\n")
             atexit.register(self.release)
+            threading.Thread(target=self._renew, name="dump-folder-lease", daemon=True).start()
             return
+        raise ConfigError(f"job.dump_folder: {self.path} keeps changing hands; is another run starting in it?")
+
+    def _take_over_or_refuse(self) -> None:
+        try:
+            text, age = self.path.read_text().strip(), filesystem_now(self.path.parent) - self.path.stat().st_mtime
+        except FileNotFoundError:
+            return
+        host, _, rest = text.partition(" ")
+        pid, *extra = rest.split() or [""]
+        fields = dict(item.partition("=")[::2] for item in extra)
+        if host == socket.gethostname() and pid.isdigit() and not _alive(int(pid)):
+            why = "its process is gone"
+        elif self.job and fields.get("job") == self.job and _attempt(fields.get("attempt", "")) < self.attempt:
+            why = f"an earlier attempt ({fields['attempt']}) of this job ({self.job})"
+        elif age >= LEASE_EXPIRY_S:
+            why = f"not renewed for {age:.0f} s"
+        else:
+            raise ConfigError(
+                f"job.dump_folder: {self.path.parent} is in use by the run with pid {pid} on host {host} (see "
+                f"{self.path}, renewed {max(age, 0):.0f} s ago); wait for it or choose another job.dump_folder (a run "
+                f"that is gone stops renewing it: it expires {LEASE_EXPIRY_S - max(age, 0):.0f} s from now)"
+            ) from None
+        self.path.unlink(missing_ok=True)
+        log(f"took over {self.path} of the run with pid {pid} on host {host}: {why}")
+
+    def _renew(self) -> None:
+        while not self.released.wait(self.renew_every):
+            try:
+                if self.path.read_text().strip() != self.owner:
+                    warn(
+                        f"job.dump_folder: {self.path} was taken over by another run; two runs now write in this folder"
+                    )
+                    return
+                os.utime(self.path)
+            except OSError:  # the folder was removed, or the filesystem is away: the next renewal tries again
+                pass
 
     def release(self) -> None:
+        self.released.set()
         if self.path.is_file() and self.path.read_text().strip() == self.owner:
             self.path.unlink()
+
+
+def job_attempt(environ: Mapping[str, str]) -> tuple[str | None, tuple[int, int]]:
+    """The scheduler's job this process belongs to (None outside one) and its attempt: Slurm's requeues, then
+    torchrun's restarts. torchrun's default rendezvous id, "none", names no job."""
+    parts = [f"slurm:{environ['SLURM_JOB_ID']}"] if environ.get("SLURM_JOB_ID") else []
+    if environ.get("TORCHELASTIC_RUN_ID", "none") != "none":
+        parts.append(f"torchrun:{environ['TORCHELASTIC_RUN_ID']}")
+    attempt = (int(environ.get("SLURM_RESTART_COUNT") or 0), int(environ.get("TORCHELASTIC_RESTART_COUNT") or 0))
+    return ("+".join(parts) or None), attempt
+
+
+def _attempt(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(n) for n in text.split("."))
+    except ValueError:
+        return (1 << 62,)  # unreadable: never earlier than ours
+
+
+def filesystem_now(folder: Path) -> float:
+    """The current time on `folder`'s filesystem: the mtime of a file created there (a network filesystem stamps files
+    with its server's clock)."""
+    probe = folder / f".clock-{socket.gethostname()}-{os.getpid()}"
+    try:
+        probe.touch()
+        return probe.stat().st_mtime
+    except OSError:
+        return time.time()
+    finally:
+        probe.unlink(missing_ok=True)
 
 
 def _alive(pid: int) -> bool:
@@ -130,8 +212,13 @@ def prepare_dump_folder(dump_folder: str, cfg: Checkpoint, *, checkpoint_bytes: 
 
 
 def recover_partial_checkpoints(folder: Path) -> None:
-    """Publish each complete `step-<N>.partial` (it has .metadata) and remove the others."""
+    """Publish each complete `step-<N>.partial` (it has .metadata) and remove the others, and what a pruning
+    left half deleted (`step-<N>.pruned`)."""
     for child in sorted(folder.iterdir()):
+        if _PRUNED_DIR.match(child.name):
+            shutil.rmtree(child, ignore_errors=True)
+            log(f"removed {child}: a pruned checkpoint, partly deleted")
+            continue
         if not (match := _PARTIAL_DIR.match(child.name)):
             continue
         final = folder / f"step-{match.group(1)}"

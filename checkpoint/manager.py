@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from checkpoint.checksums import ChecksumWriter
 from checkpoint.folder import OutOfSpace, complete_checkpoints, log, rank, refuse_all_damaged, set_aside
 from checkpoint.hf_export import export_hf_folder
+from checkpoint.pause import pause_point
 from checkpoint.torchtitan import TorchtitanState, is_torchtitan, load_torchtitan, torchtitan_named
 from checkpoint.verify import check_holds, nonfinite_parameters, verify, verify_contents
 from config import Checkpoint, Model, model_args
@@ -353,6 +354,7 @@ class CheckpointManager:
         if rank() == 0:  # before DCP's first collective, so before any rank writes into it
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True, exist_ok=True)
+        pause_point("start", step)
         model_only = model_only or (last and self.cfg.last_save_model_only)
         dtype = getattr(torch, self.cfg.export_dtype) if last and self.cfg.last_save_model_only else None
         state: dict[str, Any] = {
@@ -459,20 +461,28 @@ class CheckpointManager:
         # here the checkpoint is complete; only then does it get its resumable name.
         if rank() == 0:
             final = self.folder / f"step-{step}"
-            if final.exists():
-                shutil.rmtree(final)
+            pause_point("publish", step)
+            replaced = _pruned(final) if final.exists() else None  # (a step saved again, after load_step's resume)
             os.replace(self.folder / f"step-{step}.partial", final)
-            self._prune()
+            if replaced is not None:
+                shutil.rmtree(replaced, ignore_errors=True)
+            self._prune(step)
             size = sum(f.stat().st_size for f in final.iterdir())
             log(f"saved checkpoint {final} ({size / 2**20:,.1f} MiB, {time.perf_counter() - self._started:.2f} s)")
         if barrier and dist.is_initialized():
             dist.barrier(group=self.process_group)
 
-    def _prune(self) -> None:
+    def _prune(self, saved: int) -> None:
+        """Delete all but the newest keep_latest_k trained steps (`saved` the one just published). Each is renamed
+        `step-<N>.pruned` before a file of it is deleted: a kill while deleting (a long time, for a large checkpoint on
+        a network filesystem) then leaves no half of a checkpoint under a checkpoint's name, nor a `step-<N>` folder
+        without `.metadata` that no later pruning would see; start-up removes the `.pruned` rest."""
         if self.cfg.keep_latest_k > 0:
             trained = [(step, path) for step, path in complete_checkpoints(self.folder) if step > 0]  # keep seeds
             for _, path in trained[: -self.cfg.keep_latest_k]:
-                shutil.rmtree(path, ignore_errors=True)
+                doomed = _pruned(path)
+                pause_point("prune", saved)
+                shutil.rmtree(doomed, ignore_errors=True)
 
     def _out_of_space(self, step: int) -> Any:
         return OutOfSpace(self.folder / f"step-{step}.partial")
@@ -483,6 +493,14 @@ class CheckpointManager:
 
     def close(self) -> None:
         self._finish_pending()
+
+
+def _pruned(path: Path) -> Path:
+    """`path` renamed `<name>.pruned` (one rename: it stops being a checkpoint at once), to be deleted."""
+    doomed = path.with_name(f"{path.name}.pruned")
+    shutil.rmtree(doomed, ignore_errors=True)  # (a leftover of an earlier kill, had start-up not removed it)
+    os.replace(path, doomed)
+    return doomed
 
 
 def _holds_part(metadata: Metadata, name: str) -> bool:

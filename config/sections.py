@@ -738,6 +738,8 @@ class Comm:
     """Timeout of collectives until the first step is done (process-group set-up, tokenization, loading a checkpoint)."""
     train_timeout_seconds: int = 100
     """Timeout of collectives from the second step on: a rank that stops answering fails the job after this long instead of hanging it."""
+    hang_timeout_seconds: float | Literal["auto"] = optional_part("fleet.py", "auto")
+    """A step that takes longer ends the job: every rank that can writes its stacks to <dump_folder>/hang/ and one line names the ranks that did not arrive (fleet.py); "auto": 5 x the median step, at least 60 s, from the fifth step on; 0 turns it off."""
     trace_buf_size: int = 20000
     """NCCL flight recorder: collectives kept per rank to dump when one hangs (CUDA; 0 turns it off)."""
     save_traces_folder: str = "comm_traces"
@@ -753,6 +755,15 @@ class Comm:
             for key in ("init_timeout_seconds", "train_timeout_seconds")
             if getattr(self, key) < 1
         ]
+        hang = self.hang_timeout_seconds
+        if hang != "auto" and hang < 0:
+            p.append(f'comm.hang_timeout_seconds: must be "auto", 0 (off) or a number of seconds > 0, got {hang}')
+        elif hang != "auto" and hang >= self.train_timeout_seconds:
+            warn(
+                f"comm.hang_timeout_seconds = {hang:g} is not below comm.train_timeout_seconds = "
+                f"{self.train_timeout_seconds}: a rank that stops answering fails the job at the collectives' time-out "
+                "first, with no stacks written; set it lower"
+            )
         if self.mode == "local_tensor":
             p.append(
                 'comm.mode: "local_tensor" is torchtitan\'s single-process simulation, not done here; use "fake_backend"'
@@ -766,6 +777,8 @@ class Metrics(TorchtitanMetrics):
 
     log_freq: int = 10
     """Log loss, grad norm, lr, tokens/s, MFU and memory every this many steps."""
+    straggler_threshold: float = optional_part("fleet.py", 0.2)
+    """At each logged step, name the slowest rank when its time working and reading data per step exceeds the other ranks' median by more than this fraction (fleet.py); metrics.jsonl keeps every rank's."""
     enable_tensorboard: bool = False
     """Also write TensorBoard events to <dump_folder>/<save_tb_folder>."""
     save_tb_folder: str = "tb"
@@ -777,6 +790,10 @@ class Metrics(TorchtitanMetrics):
         p = []
         if self.log_freq < 1:
             p.append(f"metrics.log_freq: must be >= 1, got {self.log_freq}")
+        if self.straggler_threshold <= 0:
+            p.append(
+                f"metrics.straggler_threshold: must be > 0 (a fraction of the median, e.g. 0.2), got {self.straggler_threshold}"
+            )
         if self.enable_wandb and not _importable("wandb"):
             p.append("metrics.enable_wandb: the wandb package is not installed; pip install wandb, or set it to false")
         return p

@@ -22,6 +22,7 @@ and its own epochs. A single corpus is the mixture of one source, whose j is k.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -93,6 +94,7 @@ class GlobalBatchLoader:
     strict_resume: bool = True  # refuse a checkpoint of other data, tokenizer, window or global batch
     pad_samples: bool = False  # chat data: one sample per window instead of packing whole samples
     sample_index: int = 0  # samples consumed by all ranks together: the checkpointed position
+    reading_seconds: float = 0.0  # time spent reading this rank's samples so far (fleet.py compares the ranks')
 
     def __post_init__(self) -> None:
         self.grad_accum = grad_accum_steps(self.global_batch_size, local_batch=self.local_batch_size, dp=self.dp_degree)
@@ -164,6 +166,7 @@ class GlobalBatchLoader:
         # that is grad_accum when every label counts.
         divisor = self.count_labels(base, self.global_batch_size) / (per_micro * (self.window - 1))
         for micro in range(self.grad_accum):
+            began = time.perf_counter()
             first = base + micro * per_micro + self.dp_rank * self.local_batch_size
             rows = [self.sample(first + j) for j in range(self.local_batch_size)]
             batch = torch.from_numpy(np.stack([row.tokens for row in rows]))
@@ -173,6 +176,7 @@ class GlobalBatchLoader:
                                     for row in rows])[:, 1:]  # fmt: skip
                 labels = labels.masked_fill(torch.from_numpy(counted == 0), IGNORE_INDEX)
             segments = torch.from_numpy(np.stack([row.segments for row in rows])[:, :-1])
+            self.reading_seconds += time.perf_counter() - began
             yield Batch(batch[:, :-1], labels, segments, divisor)
 
     def abandon_step(self) -> None:

@@ -193,11 +193,11 @@ def test_tasks_that_cannot_run_are_refused_at_start_up_in_one_line(
 ) -> None:
     """Before any step: the config's checks, then each task loaded (downstream.check_tasks, which train.py calls on
     every rank before step 1)."""
-    from config import load_config
-    from downstream import check_tasks
+    from lm_eval.tasks import TaskManager
 
     import lm_eval_adapter
-    from lm_eval.tasks import TaskManager
+    from config import load_config
+    from downstream import check_tasks
 
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")

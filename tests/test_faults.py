@@ -464,16 +464,34 @@ def test_sigint_to_plain_torchrun_during_start_up_stops_cleanly_in_one_line(tmp_
     assert not (dump / "metrics.jsonl").exists() and not (dump / "checkpoint" / "step-1").exists()
 
 
-def test_a_stale_lock_of_a_dead_run_is_taken_over_another_hosts_is_not(tmp_path: Path) -> None:
+def test_a_dead_runs_lock_is_taken_over_on_any_host_a_live_runs_is_not(tmp_path: Path) -> None:
+    lock_file, host = tmp_path / ".lock", socket.gethostname()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    (tmp_path / ".lock").write_text(f"{socket.gethostname()} {dead.stdout.strip()}\n")
-    lock = DumpFolderLock(tmp_path)
+    lock_file.write_text(f"{host} {dead.stdout.strip()}\n")  # this host, its process gone
+    lock = DumpFolderLock(tmp_path, environ={}, renew_every=0.05)
     lock.acquire()
-    assert (tmp_path / ".lock").read_text().split() == [socket.gethostname(), str(os.getpid())]
+    assert lock_file.read_text().split() == [host, str(os.getpid())]
+    os.utime(lock_file, (0, 0))
+    time.sleep(0.5)
+    assert time.time() - lock_file.stat().st_mtime < 5  # the living run renews its lease
     lock.release()
-    (tmp_path / ".lock").write_text("some-other-host 1\n")
-    with pytest.raises(ConfigError, match="in use by the run with pid 1 on host some-other-host"):
-        DumpFolderLock(tmp_path).acquire()
+    assert not lock_file.exists()
+    # Another host's live run (renewed now) is refused, whatever job this one is; once its lease expired, taken over.
+    lock_file.write_text("some-other-host 1 job=slurm:7 attempt=0.0\n")
+    with pytest.raises(ConfigError, match="in use by the run with pid 1 on host some-other-host .*renewed 0 s ago"):
+        DumpFolderLock(tmp_path, environ={"SLURM_JOB_ID": "8"}).acquire()
+    with pytest.raises(ConfigError, match="in use by the run with pid 1 on host some-other-host"):  # a live sibling
+        DumpFolderLock(tmp_path, environ={"SLURM_JOB_ID": "7"}).acquire()
+    requeued = DumpFolderLock(tmp_path, environ={"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "1"})
+    requeued.acquire()  # the same job, requeued (onto another node): its earlier attempt is over
+    assert lock_file.read_text().split() == [host, str(os.getpid()), "job=slurm:7", "attempt=1.0"]
+    requeued.release()
+    lock_file.write_text("some-other-host 1\n")
+    os.utime(lock_file, (time.time() - 61, time.time() - 61))
+    expired = DumpFolderLock(tmp_path, environ={})
+    expired.acquire()  # not renewed for a minute: its host is gone
+    assert lock_file.read_text().split() == [host, str(os.getpid())]
+    expired.release()
 
 
 def a_terminals_signals() -> None:

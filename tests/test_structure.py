@@ -114,7 +114,7 @@ LAYERS = (
     ("errors",),
     ("models",),
     ("config",),
-    ("parallelisms", "data", "loss", "optimizer", "muon", "distributed", "metrics", "profiling", "stop"),
+    ("parallelisms", "data", "loss", "optimizer", "muon", "distributed", "metrics", "profiling", "stop", "fleet"),
     ("checkpoint", "forward", "validation"),
     ("generate", "lm_eval_adapter", "downstream"),
     ("planning",),
