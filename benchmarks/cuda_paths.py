@@ -416,7 +416,7 @@ def check_profile(shape: dict[str, Any], cuda: bool, folder: Path) -> dict[str, 
     dump = folder / "profile_run"
     argv = [
         "train.py", "--config", "configs/debug.toml", f"--job.dump_folder={dump}", f"--training.steps={steps}",
-        "--training.seq_len=64", "--training.local_batch_size=2", "--validation.enable=false",
+        "--training.seq_len=64", "--training.local_batch_size=2", "--validation.enable=false", "--eval.enable=false",
         "--checkpoint.enable=false", "--metrics.log_freq=1", "--lr_scheduler.warmup_steps=1",
         "--profiling.enable_profiling", f"--profiling.profile_freq={freq}", "--profiling.profiler_active=1",
         "--profiling.profiler_warmup=0", "--profiling.enable_memory_snapshot",

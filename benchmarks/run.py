@@ -152,6 +152,7 @@ def run_train(out: Path, *, cuda: bool, rehearse: bool = False, log: Path | None
             f"--training.steps={steps}",
             "--metrics.log_freq=1",
             "--validation.enable=false",
+            "--eval.enable=false",
             "--checkpoint.enable=false",  # a 1B run's last-step save would write 12 GiB and time nothing
             f"--job.dump_folder={dump}",
             "--job.save_config_file=config.toml",  # what the run trained with, for the estimator (train_rows)

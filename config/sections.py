@@ -437,7 +437,8 @@ class Eval:
         if pp > 1:
             p.append(
                 "eval.enable: lm-eval tasks are not scored inside a pipeline-parallel run (its schedule carries a loss, "
-                "not per-request scores); score its checkpoints beside it with eval.py --tasks ... --watch RUN_FOLDER"
+                "not per-request scores); set eval.enable = false and score its checkpoints beside it with eval.py "
+                "--tasks ... --watch RUN_FOLDER"
             )
         if not _importable("lm_eval"):
             p.append('eval.enable: lm-evaluation-harness is not installed; pip install -e ".[eval]"')

@@ -60,7 +60,7 @@ class Setup:
     def args(self, mode: str, dump: Path) -> list[str]:
         return [
             "--config", "configs/debug.toml", "--training.seq_len=64", "--training.local_batch_size=2",
-            "--metrics.log_freq=1", "--lr_scheduler.warmup_steps=5", "--validation.enable=false",
+            "--metrics.log_freq=1", "--lr_scheduler.warmup_steps=5", "--validation.enable=false", "--eval.enable=false",
             f"--training.steps={self.steps}", "--checkpoint.enable", f"--checkpoint.interval={self.interval}",
             f"--checkpoint.keep_latest_k={self.keep}", f"--checkpoint.async_mode={MODES[mode]}",
             f"--job.dump_folder={dump}",
