@@ -196,10 +196,12 @@ def compute_share(cfg: Any, *, dp: int) -> tuple[float, int, int]:
 
 @contextlib.contextmanager
 def quiet_lm_eval() -> Iterator[None]:
-    """lm-eval's INFO and WARNING lines (a dozen per evaluation, from every rank) and its progress bars (one per
-    task and rank, built with tqdm imported into its modules: no argument turns them off) kept out of the log; and
+    """lm-eval's INFO and WARNING lines (a dozen per evaluation, from every rank), its progress bars (one per task
+    and rank, built with tqdm imported into its modules: no argument turns them off) and those of `datasets` (its
+    first read of a task's files, on every rank) kept out of the log; and
     its Jinja templates compiled once each: lm-eval 0.4.13 compiles a document's template anew for every document
     and choice (`lm_eval.utils.apply_template`), a third of an eval of the shipped task in one process."""
+    import datasets
     import lm_eval.api.model
     import lm_eval.api.task
     import lm_eval.utils
@@ -208,7 +210,9 @@ def quiet_lm_eval() -> Iterator[None]:
     level, bars = logger.level, [m.tqdm for m in modules]
     env = getattr(lm_eval.utils, "env", None)  # (its Jinja environment; a later lm-eval may have none)
     env = env if env is not None and "from_string" not in vars(env) else None  # (None inside an outer one)
+    datasets_bars = not datasets.are_progress_bars_disabled()
     logger.setLevel(logging.ERROR)
+    datasets.disable_progress_bars()
     for module, bar in zip(modules, bars, strict=True):
         module.tqdm = functools.partial(_no_bar, bar)
     if env is not None:
@@ -217,6 +221,8 @@ def quiet_lm_eval() -> Iterator[None]:
         yield
     finally:
         logger.setLevel(level)
+        if datasets_bars:
+            datasets.enable_progress_bars()
         for module, bar in zip(modules, bars, strict=True):
             module.tqdm = bar
         if env is not None:
