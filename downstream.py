@@ -10,7 +10,7 @@ that trains it, every `eval.interval` steps and after the last one.
 The scores are lm-eval's own: every rank runs `lm_eval.simple_evaluate` over the same requests with the model
 adapter of `eval.py --tasks` (lm_eval_adapter.py RecipeLM), whose log-likelihoods come from `ShardedScores` here:
 the requests are split over the data-parallel ranks, each rank scores its share through the sharded model
-(FSDP, HSDP, TP, CP, EP: `ForwardBackward.score_tokens`), and one all-reduce gives every rank every request's
+(`ForwardBackward.score_tokens`: FSDP and TP tested, CP and EP compared by hand, HSDP and compile not run), and one all-reduce gives every rank every request's
 score; lm-eval aggregates them on rank 0, which logs `eval/<task>/<metric>` where the other metrics go
 (console, metrics.jsonl, TensorBoard, wandb). They equal `eval.py --tasks` on the step's checkpoint and lm-eval's
 own `hf` backend on the step exported to Hugging Face (tests/test_downstream.py).
@@ -122,20 +122,6 @@ class ShardedScores:
         return inputs, targets, counted
 
 
-def task_manager_for(tasks: list[str], include_path: str | None) -> Any:
-    """lm-eval's index of the tasks: include_path's alone when it holds every one of `tasks` (a second), else with
-    lm-eval's own (thousands of YAML files: seconds). The same YAML either way, so the same scores."""
-    from lm_eval.tasks import TaskManager
-
-    from lm_eval_adapter import task_manager
-
-    if include_path:
-        own = TaskManager(include_path=include_path, include_defaults=False)
-        if all(t in own.all_tasks for t in tasks):
-            return own
-    return task_manager(include_path)
-
-
 def check_tasks(cfg: Eval) -> Any:
     """The task manager for `cfg.tasks`, once each task has been loaded (its documents read) and found a
     log-likelihood task; else one line naming eval.tasks and what to do. Before the first step."""
@@ -145,7 +131,13 @@ def check_tasks(cfg: Eval) -> Any:
 @functools.cache
 def _loaded(tasks: tuple[str, ...], include_path: str | None) -> tuple[Any, dict[str, Any]]:
     """(task manager, {name: lm-eval Task}) of check_tasks, once per process (the doctor's estimate reads them too)."""
-    from lm_eval_adapter import hub_offline_unless_it_answers, not_loaded, uncached_hub_datasets, unreadable
+    from lm_eval_adapter import (
+        hub_offline_unless_it_answers,
+        not_loaded,
+        task_manager_for,
+        uncached_hub_datasets,
+        unreadable,
+    )
 
     names = ", ".join(tasks)
     manager = task_manager_for(list(tasks), include_path)

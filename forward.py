@@ -141,9 +141,8 @@ class ForwardBackward:
         row (the caller adds the ranks' parts); the ranks of a TP group hold equal rows. Not under pipeline parallel,
         whose schedule carries a loss, not per-row scores (downstream.py refuses it)."""
         assert self.pipeline is None, "downstream.py refuses lm-eval tasks under pipeline parallel"
-        if self.cp is not None:  # (seqlen a multiple of 2 x cp: the caller pads to it)
-            inputs, targets, counted = self.cp.shard(inputs), self.cp.shard(targets), self.cp.shard(counted)
-        inputs, targets, counted = inputs.to(self.device), targets.to(self.device), counted.to(self.device)
+        inputs, targets, _, _ = self._placed(Batch(inputs, targets, None, 1.0))  # (seqlen a multiple of 2 x cp)
+        counted = (self.cp.shard(counted) if self.cp is not None else counted).to(self.device)
         head = functools.partial(target_logprobs, self.model, targets=targets, counted=counted)
         with loss_parallel_context(self.loss_parallel), autocast(self.autocast_to, self.device.type):
             return self.model(inputs, head=head)

@@ -65,9 +65,8 @@ def outside_tools(step_folder: Path, tmp_path: Path) -> tuple[list[dict], list[d
     sys.path.insert(0, str(REPO / "scripts"))
     import convert_hf
 
-    from downstream import task_manager_for
     from generate import load_model
-    from lm_eval_adapter import recipe_lm
+    from lm_eval_adapter import recipe_lm, task_manager_for
 
     manager = task_manager_for(["stories_facts"], "assets/eval_tasks")
     run = lambda model, **kw: lm_eval.simple_evaluate(  # noqa: E731
