@@ -21,7 +21,7 @@ import torch
 
 from data.chat import IGNORE_INDEX
 from data.loader import Batch
-from loss import Loss, target_logprobs
+from loss import Loss, LossTerms, target_logprobs
 from optimizer import clip_grad_norm_
 from parallelisms.cp import ContextParallel, context_parallel
 from parallelisms.fsdp import autocast, autocast_dtype, sync_gradients_on
@@ -37,8 +37,8 @@ if TYPE_CHECKING:
 
 class ForwardBackward:
     """Micro-batches through the model as build() laid it out, or through the pipeline schedule's stages
-    (parallelisms/pp.py, which holds the loss function). It owns what a training step reads of its micro-batches
-    after them: the gradient norm of the parameters they trained and their z-loss."""
+    (parallelisms/pp.py, which holds the loss function). Each training micro-batch returns its loss terms
+    (loss.py LossTerms); after the step's micro-batches, `clip_grad_norm` gives the norm of the gradients they left."""
 
     def __init__(
         self,
@@ -87,8 +87,8 @@ class ForwardBackward:
             autocast_to=autocast_dtype(dims, cfg.training),
         )
 
-    def __call__(self, batch: Batch, *, last: bool) -> torch.Tensor:
-        """Training: the micro-batch's loss over its loss divisor (detached); its gradients added to the
+    def __call__(self, batch: Batch, *, last: bool) -> LossTerms:
+        """Training: the micro-batch's loss terms over its loss divisor (detached); its gradients added to the
         parameters'. `last`: the step's last micro-batch, whose backward reduces the step's gradients."""
         inputs, labels, segments, divisor = self._placed(batch)
         with loss_parallel_context(self.loss_parallel):  # cross-entropy on vocabulary shards, backward included
@@ -100,9 +100,9 @@ class ForwardBackward:
             # The loss applies the output projection itself, inside the model's forward (loss.py).
             head = functools.partial(self.loss_fn, self.model, labels=labels)
             with autocast(self.autocast_to, self.device.type):
-                loss = self.model(inputs, segments=segments, head=head) / divisor
-            loss.backward()
-        return loss.detach()
+                terms = self.model(inputs, segments=segments, head=head).divided(divisor)
+            terms.total.backward()
+        return terms.detached()
 
     @contextlib.contextmanager
     def scoring(self) -> Iterator[None]:
@@ -148,7 +148,7 @@ class ForwardBackward:
             return self.model(inputs, head=head)
 
     def _scored(self, rows: int, labels: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        return self.score_fn(self.model, h[:rows], labels) if rows else torch.zeros((), device=self.device)
+        return self.score_fn(self.model, h[:rows], labels).cross_entropy if rows else torch.zeros((), device=self.device)
 
     def _placed(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, float]:
         """The micro-batch as this rank computes it: its context-parallel part, on the device."""
@@ -162,11 +162,3 @@ class ForwardBackward:
         """The global gradient norm, the gradients clipped to `max_norm` (pipeline stages add their norms up)."""
         pp_group = self.pipeline.pp_group if self.pipeline is not None else None
         return clip_grad_norm_(self.model.parameters(), max_norm, pp_group=pp_group)
-
-    def z_loss(self) -> torch.Tensor | None:
-        """The mean z-loss of the micro-batches since the last call (0 on pipeline stages before the last, which
-        score nothing), None without z-loss."""
-        z_loss = self.loss_fn.z_loss.take()
-        if self.loss_fn.z_loss_weight > 0 and z_loss is None:
-            z_loss = torch.zeros((), device=self.device)
-        return z_loss

@@ -31,8 +31,8 @@ normalises by the global count of non-ignored tokens too).
 
 z-loss (training.z_loss_weight > 0; PaLM, OLMo) adds weight x mean(logsumexp(logits)^2), which keeps
 the softmax normaliser near 1 (its log near 0) and the logits from drifting: it is computed on the same
-chunks, from the same fp32 logits, and reported on its own (`ZLoss.take`), so the logged loss stays the
-cross-entropy, the number a run without z-loss logs. Validation scores the cross-entropy alone.
+chunks, from the same fp32 logits, and returned on its own (`LossTerms.extras["z_loss"]`), so the logged loss stays
+the cross-entropy, the number a run without z-loss logs. Validation scores the cross-entropy alone.
 
 Under TP with loss parallel the projection's output is a vocabulary-sharded DTensor and both the
 loss and its backward must run under `parallelisms.tp.loss_parallel_context`; the chunks need
@@ -43,7 +43,8 @@ gradient reduce-scattered once, however many chunks (tests/test_parallelisms.py 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import KW_ONLY, dataclass, field, replace
+from dataclasses import KW_ONLY, dataclass, replace
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -64,21 +65,37 @@ def summed_losses(logits: torch.Tensor, labels: torch.Tensor, *, z: bool) -> tup
     return ce, torch.logsumexp(logits, dim=-1).square().sum() if z else None
 
 
-class ZLoss:
-    """The z-loss of the micro-batches since the last `take()`: device tensors, no host sync."""
+class LossTerms(NamedTuple):
+    """What a loss computed, each term summed over the counted labels and divided by the label positions.
 
-    def __init__(self) -> None:
-        self.total, self.count = None, 0
+    `total` is what backward runs on: the cross-entropy plus each extra term times its weight. For the metrics,
+    detached: the cross-entropy, and each extra term unweighted by the name it is logged under (`z_loss`), so that
+    a run logs the same loss with or without them. A NamedTuple, so that FSDP's hooks on a model's output (the
+    loss is computed inside the forward) find the tensor in it."""
 
-    def add(self, z: torch.Tensor) -> None:
-        self.total = z if self.total is None else self.total + z
-        self.count += 1
+    total: torch.Tensor
+    cross_entropy: torch.Tensor
+    extras: dict[str, torch.Tensor]
 
-    def take(self) -> torch.Tensor | None:
-        """The mean z-loss (unweighted) per micro-batch since the last take, or None when there was none."""
-        mean = None if self.total is None else self.total / self.count
-        self.total, self.count = None, 0
-        return mean
+    def divided(self, divisor: float) -> LossTerms:
+        """Every term over `divisor` (a micro-batch's share of its step)."""
+        extras = {name: value / divisor for name, value in self.extras.items()}
+        return LossTerms(self.total / divisor, self.cross_entropy / divisor, extras)
+
+    def detached(self) -> LossTerms:
+        """These terms after backward: what a step adds up and logs."""
+        return self._replace(total=self.total.detach())
+
+    def plus(self, other: LossTerms) -> LossTerms:
+        """Term by term: a step's terms over its micro-batches (train.py's train_step)."""
+        extras = {name: value + other.extras[name] for name, value in self.extras.items()}
+        return LossTerms(self.total + other.total, self.cross_entropy + other.cross_entropy, extras)
+
+    @staticmethod
+    def zeros(names: tuple[str, ...], *, device: torch.device) -> LossTerms:
+        """Nothing scored (pipeline stages before the last), with the extra terms `names` of the loss."""
+        zero = torch.zeros((), device=device)
+        return LossTerms(zero, zero, dict.fromkeys(names, zero))
 
 
 AUTO_CHUNK_FROM_BYTES = 256 * 2**20  # fp32 logits per rank above which the default chunks (module docstring)
@@ -99,29 +116,33 @@ class Loss:
     """The training loss: `loss(model, h, labels)` projects the final norm's output `h` (bs, seqlen, dim)
     with `model.project` and returns the cross-entropy against `labels` (bs, seqlen) summed over the counted
     labels and divided by the label positions (the mean when every label counts; a micro-batch with no counted
-    label gives 0, not 0 / 0), plus z_loss_weight x the z-loss likewise divided when the weight is > 0."""
+    label gives 0, not 0 / 0), plus z_loss_weight x the z-loss likewise divided when the weight is > 0: LossTerms,
+    with the terms apart for the metrics."""
 
     chunk_tokens: int = 0  # training.loss_chunk_tokens (chunk_tokens_for); 0 = the whole micro-batch at once
     _: KW_ONLY
     z_loss_weight: float = 0.0  # training.z_loss_weight
     vocab_shards: int = 1  # ranks the logits' vocabulary is split over: the TP degree under loss parallel
     summed: Summed = summed_losses  # or its torch.compile (build_loss_fn)
-    z_loss: ZLoss = field(default_factory=ZLoss)  # what the z-loss was, for the metrics
 
-    def __call__(self, model: torch.nn.Module, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def __call__(self, model: torch.nn.Module, h: torch.Tensor, labels: torch.Tensor) -> LossTerms:
         vocab = model.args.vocab_size // self.vocab_shards
         chunk = chunk_tokens_for(self.chunk_tokens, tokens=labels.numel(), vocab=vocab)  # 0: the whole micro-batch
-        with_z = self.z_loss_weight > 0
-        ce, z = chunked_sums(model.project, h, labels, chunk_tokens=chunk, z=with_z, summed=self.summed)
+        ce, z = chunked_sums(model.project, h, labels, chunk_tokens=chunk, z=bool(self.extras), summed=self.summed)
         if z is None:
-            return ce / labels.numel()
-        z = z / labels.numel()
-        self.z_loss.add(z.detach())
-        return ce / labels.numel() + self.z_loss_weight * z
+            ce = ce / labels.numel()
+            return LossTerms(ce, ce.detach(), {})
+        ce, z = ce / labels.numel(), z / labels.numel()
+        return LossTerms(ce + self.z_loss_weight * z, ce.detach(), {"z_loss": z.detach()})
+
+    @property
+    def extras(self) -> tuple[str, ...]:
+        """The names of the extra terms this loss returns (LossTerms.extras): every rank logs them."""
+        return ("z_loss",) if self.z_loss_weight > 0 else ()
 
     def cross_entropy_only(self) -> Loss:
         """This loss without its z-loss: what validation scores."""
-        return replace(self, z_loss_weight=0.0, z_loss=ZLoss())
+        return replace(self, z_loss_weight=0.0)
 
 
 def build_loss_fn(

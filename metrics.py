@@ -8,7 +8,7 @@ import os
 import resource
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +21,7 @@ from errors import ConfigError
 
 if TYPE_CHECKING:
     from data.loader import GlobalBatchLoader
+    from loss import LossTerms
     from models.moe import Balancer
 
 # Dense (no sparsity) bf16 tensor-core peak, FLOP/s, by a substring of the device name.
@@ -63,9 +64,8 @@ def peak_memory_gib(device: torch.device) -> float:
 class StepResult:
     """What train.py's `train_step` returns: device tensors, no host sync."""
 
-    loss: torch.Tensor  # this rank's mean loss over its micro-batches (z-loss included)
+    loss: LossTerms  # this rank's loss terms, each summed over its micro-batches over their divisors (loss.py)
     grad_norm: torch.Tensor  # the global gradient norm, before clipping
-    z_loss: torch.Tensor | None = None  # training.z_loss_weight > 0: the mean z-loss, unweighted
 
 
 @dataclass
@@ -78,7 +78,8 @@ class StepMetrics:
     mfu: float | None  # percent
     memory_gib: float
     step_time_s: float
-    z_loss: float | None = None  # training.z_loss_weight > 0: the z-loss, unweighted (`loss` is the cross-entropy)
+    # The loss's extra terms, unweighted, by name (training.z_loss_weight > 0: z_loss); `loss` is the cross-entropy.
+    terms: dict[str, float] = field(default_factory=dict)
     tokens_per_source: dict[str, int] | None = None  # data.mixture: tokens trained from each source so far
     # A mixture of experts that balances (models/moe.py): the load-balancing loss, unweighted, as [model.moe] counts
     # it, and per MoE layer the max / mean of the tokens per expert over the step's global batch.
@@ -147,7 +148,7 @@ class MetricsLogger:
         print(
             f"step {m.step:>{width}}/{self.total_steps} ({100 * m.step / self.total_steps:3.0f}%)"
             f" | loss {m.loss:7.4f}"
-            + (f" | z_loss {m.z_loss:.4g}" if m.z_loss is not None else "")
+            + "".join(f" | {name} {value:.4g}" for name, value in m.terms.items())
             + (_moe(m.moe_aux_loss, m.moe_load) if m.moe_load else "")
             + f" | grad_norm {m.grad_norm:7.3f} | lr {m.lr:.2e}"
             f" | tps/rank {m.tps:,.0f}{' (warm-up)' if m.warmup else ''} | mfu {mfu} | mem {m.memory_gib:.2f} GiB"
@@ -155,8 +156,7 @@ class MetricsLogger:
             flush=True,
         )
         scalars = {k: getattr(m, k) for k in ("loss", "grad_norm", "lr", "tps", "mfu", "memory_gib", "step_time_s")}
-        if m.z_loss is not None:
-            scalars["z_loss"] = m.z_loss
+        scalars |= m.terms
         scalars |= {f"tokens_{name}": tokens for name, tokens in (m.tokens_per_source or {}).items()}
         if m.moe_load:
             scalars["moe_aux_loss"] = m.moe_aux_loss
@@ -242,7 +242,7 @@ class LogStep:
         self.seq_len = t.seq_len
         self.tokens_per_device = loader.global_batch_size * t.seq_len / dist.get_world_size()
         self.flops_per_token, self.peak, self.device = flops_per_token, peak_flops(device), device
-        self.pp_degree, self.z_loss_weight = cfg.parallelism.pipeline_parallel_degree, t.z_loss_weight
+        self.pp_degree = cfg.parallelism.pipeline_parallel_degree
         self.lr = lr
         self.first_step = start_step + 1
         self.since, self.since_step = time.perf_counter(), start_step
@@ -255,10 +255,8 @@ class LogStep:
     def __call__(self, step: int, result: StepResult) -> bool:
         if not logged(step, freq=self.freq, total_steps=self.total_steps):
             return False
-        loss = mean_over_loss_ranks(result.loss, pp_degree=self.pp_degree).item()
-        z_loss = None
-        if result.z_loss is not None:
-            z_loss = mean_over_loss_ranks(result.z_loss, pp_degree=self.pp_degree).item()
+        mean = lambda value: mean_over_loss_ranks(value, pp_degree=self.pp_degree).item()  # noqa: E731
+        loss, terms = mean(result.loss.cross_entropy), {name: mean(v) for name, v in result.loss.extras.items()}
         routing = self.routing.summary() if self.routing is not None else None
         now = time.perf_counter()
         step_time = (now - self.since) / (step - self.since_step)
@@ -266,8 +264,8 @@ class LogStep:
         self.logger.log(
             StepMetrics(
                 step=step,
-                loss=loss - self.z_loss_weight * (z_loss or 0.0),
-                z_loss=z_loss,
+                loss=loss,
+                terms=terms,
                 grad_norm=result.grad_norm.item(),
                 lr=self.lr(),
                 tps=tps,

@@ -53,7 +53,7 @@ from downstream import EvalStep, build_downstream
 from errors import ConfigError, RecipeError, is_rank0, report, writable_folder
 from fleet import Fleet
 from forward import ForwardBackward
-from loss import build_loss_fn
+from loss import LossTerms, build_loss_fn
 from metrics import LogStep, MetricsLogger, StepResult
 from models import family
 from models.moe import Balancer
@@ -518,17 +518,18 @@ def train_step(
     divisor, so that the accumulated gradient is the mean over the global batch's counted labels. With
     `stop_request`, the ranks ask it between micro-batches: on a stop request the step is abandoned (None;
     weights and optimizer state as they were, gradients dropped)."""
-    forward_backward.z_loss()  # what an abandoned step left
     optimizer.zero_grad(set_to_none=True)
-    total_loss = torch.zeros((), device=forward_backward.device)
+    losses: LossTerms | None = None
     for index, (batch, last) in enumerate(with_last(microbatches)):
         if index and stop_request is not None and stop_request.requested():
             optimizer.zero_grad(set_to_none=True)
             return None
-        total_loss += forward_backward(batch, last=last)
+        loss = forward_backward(batch, last=last)
+        losses = loss if losses is None else losses.plus(loss)
+    assert losses is not None, "a step has at least one micro-batch"
     grad_norm = forward_backward.clip_grad_norm(max_norm)
-    optimizer.step_unless_bad(step, loss=total_loss, grad_norm=grad_norm)
-    return StepResult(total_loss, grad_norm, z_loss=forward_backward.z_loss())
+    optimizer.step_unless_bad(step, loss=losses.total, grad_norm=grad_norm)
+    return StepResult(losses, grad_norm)
 
 
 def with_last(items: Iterable[T]) -> Iterator[tuple[T, bool]]:

@@ -105,7 +105,7 @@ def measure_rank(args: argparse.Namespace) -> dict[str, Any]:
         census = ActivationCensus(model)
         with observe_ops(count):
             with census():
-                loss = model(inputs, head=functools.partial(loss_fn, model, labels=labels))
+                loss = model(inputs, head=functools.partial(loss_fn, model, labels=labels)).total
             kept = census.kept()
             loss.backward()
     return {

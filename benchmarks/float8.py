@@ -117,7 +117,7 @@ def measure(setup: str, *, args: argparse.Namespace, device: torch.device) -> di
         # One rank trains bf16 under autocast (parallelisms/fsdp.py autocast_dtype), as train.py does.
         forward_backward = ForwardBackward(model, Loss(), device=device, autocast_to=autocast_dtype(dims, training))
         result = train_step(1, batch, forward_backward, optimizer, max_norm=1.0, stop_request=None)
-        return result.loss.item()
+        return result.loss.total.item()
 
     first_loss = step()  # warm-up: lazy init, optimizer state
     counts = {"bytes": 0, "calls": 0}

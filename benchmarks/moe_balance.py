@@ -83,7 +83,7 @@ def train(scope: str, args: argparse.Namespace) -> dict[str, Any]:
         result = train_step(step, micro, forward_backward, optimizer, max_norm=1.0, stop_request=None)
         assert result is not None
         balancer(step, result)
-        losses.append(result.loss.item())
+        losses.append(result.loss.total.item())
         logged.append(balancer.summary().aux_loss)
     seconds = time.perf_counter() - start
     held_out = kinds(shape.vocab_size, rows=args.rows, seq_len=args.seq_len, seed=10_000)

@@ -15,9 +15,10 @@ the embedding and for norm + output + loss (torchtitan's split, stage for stage)
 
 The loss runs on the last stage, inside its forward as without PP (`head`, loss.py): the schedule
 hands every stage the step's keyword tensors split per micro-batch, so the labels travel as one and
-a forward pre-hook turns them into the loss head on the last stage. Each micro-batch's mean loss is
-scaled by 1 / (micro-batches x gradient-accumulation steps), so gradients sum to the same mean as
-without PP (scale_grads=False: the schedule adds nothing of its own).
+a forward pre-hook turns them into the loss head on the last stage. The head hands the schedule the loss's total
+(the tensor backward runs on) and keeps its terms (loss.py LossTerms) for `Pipeline.step` to return. Each
+micro-batch's mean loss is scaled by 1 / (micro-batches x gradient-accumulation steps), so gradients sum to the
+same mean as without PP (scale_grads=False: the schedule adds nothing of its own).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from errors import ConfigError
+from loss import Loss, LossTerms
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining import PipelineStage
@@ -186,8 +188,19 @@ class Pipeline:
     optimizer, gradient clipping and checkpoints use it); with one stage per rank, that stage.
     """
 
-    def __init__(self, parts: list[nn.Module], stages: list[PipelineStage], *, pp_group: Any, n_microbatches: int):
+    def __init__(
+        self,
+        parts: list[nn.Module],
+        stages: list[PipelineStage],
+        *,
+        pp_group: Any,
+        n_microbatches: int,
+        extras: tuple[str, ...],
+        terms: list[LossTerms],
+    ):
         self.parts, self.pp_group, self.n_microbatches = parts, pp_group, n_microbatches
+        self.extras = extras  # the names of the loss's extra terms, which the stages before the last return as zeros
+        self.terms = terms  # what the last stage's loss head computed, micro-batch by micro-batch, during `step`
         self.schedule: Any = None  # set by pipeline_model: the schedule needs `scaled` as its loss function
         self.has_first = any(s.is_first for s in stages)
         self.has_last = any(s.is_last for s in stages)
@@ -195,19 +208,24 @@ class Pipeline:
 
     def step(
         self, inputs: torch.Tensor, labels: torch.Tensor, segments: torch.Tensor | None, *, scale: float
-    ) -> torch.Tensor:
-        """Forward and backward of one local batch through every stage; returns this batch's mean loss x scale on
-        ranks with the last stage, 0 elsewhere."""
+    ) -> LossTerms:
+        """Forward and backward of one local batch through every stage; returns this batch's mean loss terms x scale
+        on ranks with the last stage (detached), zeros elsewhere."""
         self._scale = scale / self.n_microbatches  # the mean over the micro-batches
         kwargs = {"labels": labels} | ({"segments": segments} if segments is not None else {})
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
+        self.terms.clear()
         self.schedule.step(
             *args, target=labels if self.has_last else None, losses=losses, return_outputs=False, **kwargs
         )
         if not self.has_last:
-            return torch.zeros((), device=labels.device)
-        return torch.stack([loss.detach() for loss in losses]).sum()
+            return LossTerms.zeros(self.extras, device=labels.device)
+        return LossTerms(
+            torch.stack([loss.detach() for loss in losses]).sum(),
+            self._summed([t.cross_entropy for t in self.terms]),
+            {name: self._summed([t.extras[name] for t in self.terms]) for name in self.extras},
+        )
 
     @torch.no_grad()
     def eval(
@@ -233,6 +251,10 @@ class Pipeline:
         counts = valid.float().reshape(len(losses), -1).sum(dim=1)
         return (torch.stack(losses).float() * counts).sum(), counts.sum()
 
+    def _summed(self, values: list[torch.Tensor]) -> torch.Tensor:
+        """A term of each micro-batch scaled as the schedule scales the total it is handed (`scaled`), summed."""
+        return torch.stack([value * self._scale for value in values]).sum()
+
     def scaled(self, loss: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The schedule's loss function: the last stage's forward already returned the micro-batch's mean loss."""
         return loss * self._scale
@@ -244,10 +266,10 @@ def pipeline_model(
     mesh: DeviceMesh,
     cfg: Parallelism,
     local_batch_size: int,
-    loss_fn: Callable[..., torch.Tensor],
+    loss_fn: Loss,
     parallelize: Callable[[nn.Module], nn.Module],
     device: torch.device,
-    score_fn: Callable[..., torch.Tensor] | None = None,
+    score_fn: Loss | None = None,
 ) -> Pipeline:
     """Cut the (meta) model into this rank's stages, parallelize each with `parallelize`, build the schedule.
     `loss_fn` is what training minimises, `score_fn` what validation reports (default: the same)."""
@@ -262,16 +284,18 @@ def pipeline_model(
         local_batch_size=local_batch_size,
     )
     pp_group = mesh["pp"].get_group()
-    stages, parts = [], []
+    stages, parts, terms = [], [], []
     for index in rank_stages(mesh["pp"].get_local_rank(), pp=pp, stages=len(layers)):
         first, last = index == 0, index == len(layers) - 1
         part = parallelize(stage_module(model, layers[index], first=first, last=last))
-        head = functools.partial(_labels_to_loss_head, loss_fn, score_fn or loss_fn, last)
+        head = functools.partial(_labels_to_loss_head, loss_fn, score_fn or loss_fn, last, terms)
         part.register_forward_pre_hook(head, with_kwargs=True)
         stages.append(PipelineStage(part, index, len(layers), device, group=pp_group))
         parts.append(part)
     schedule = SCHEDULES[cfg.pipeline_parallel_schedule]
-    pipeline = Pipeline(parts, stages, pp_group=pp_group, n_microbatches=n_microbatches)
+    pipeline = Pipeline(
+        parts, stages, pp_group=pp_group, n_microbatches=n_microbatches, extras=loss_fn.extras, terms=terms
+    )
     pipeline.schedule = schedule.torch_class()(
         stages if len(stages) > 1 or not schedule.single else stages[0],
         n_microbatches=n_microbatches,
@@ -282,9 +306,10 @@ def pipeline_model(
 
 
 def _labels_to_loss_head(
-    loss_fn: Callable[..., torch.Tensor],
-    score_fn: Callable[..., torch.Tensor],
+    loss_fn: Loss,
+    score_fn: Loss,
     last: bool,
+    terms: list[LossTerms],
     module: nn.Module,
     args: tuple,
     kwargs: dict,
@@ -293,20 +318,30 @@ def _labels_to_loss_head(
     Validation also passes which rows to score (`valid`)."""
     labels, valid = kwargs.pop("labels"), kwargs.pop("valid", None)
     if last and valid is None:
-        kwargs["head"] = functools.partial(loss_fn, module, labels=labels)
+        kwargs["head"] = functools.partial(_loss_total, loss_fn, terms, module, labels)
     elif last:
         kwargs["head"] = functools.partial(_score_rows, score_fn, module, labels, valid)
     return args, kwargs
 
 
-def _score_rows(
-    loss_fn: Callable[..., torch.Tensor], module: nn.Module, labels: torch.Tensor, valid: torch.Tensor, h: torch.Tensor
+def _loss_total(
+    loss_fn: Loss, terms: list[LossTerms], module: nn.Module, labels: torch.Tensor, h: torch.Tensor
 ) -> torch.Tensor:
-    """The mean loss over the valid rows of a micro-batch, a prefix of them (0 when none is)."""
+    """The micro-batch's loss total, the tensor the schedule scales and runs backward on; its terms kept for
+    `Pipeline.step`."""
+    loss = loss_fn(module, h, labels=labels)
+    terms.append(loss.detached())
+    return loss.total
+
+
+def _score_rows(
+    loss_fn: Loss, module: nn.Module, labels: torch.Tensor, valid: torch.Tensor, h: torch.Tensor
+) -> torch.Tensor:
+    """The mean cross-entropy over the valid rows of a micro-batch, a prefix of them (0 when none is)."""
     rows = int(valid.sum())  # a host sync per micro-batch: validation only
     if rows == 0:
         return torch.zeros((), device=labels.device)
-    return loss_fn(module, h[:rows], labels=labels[:rows])
+    return loss_fn(module, h[:rows], labels=labels[:rows]).cross_entropy
 
 
 def _union(parts: list[nn.Module]) -> nn.Module:

@@ -266,7 +266,7 @@ def trace_costs(
             with observe_ops(watch.on_op):
                 loss_fn = Loss(loss_chunk_tokens, z_loss_weight=1.0 if z_loss else 0.0)
                 with fsdp.autocast(dtype if autocast else None, "cpu"):
-                    loss = model(tokens, head=functools.partial(loss_fn, model, labels=labels))
+                    loss = model(tokens, head=functools.partial(loss_fn, model, labels=labels)).total
             watch.phase = "after"
             saved, final_norm = watch.saved(block), watch.saved(model.norm)
             experts_saved = watch.saved(experts) if experts is not None else 0

@@ -430,7 +430,7 @@ def train(
             observe_ops(log) if last and group_dims is not None else contextlib.nullcontext(),
         ):
             result = train_step(step + 1, batch, forward_backward, optimizer, max_norm=MAX_NORM, stop_request=None)
-        loss = result.loss
+        loss = result.loss.total
         if grad_norms is not None:
             grad_norms.append(result.grad_norm.item())
         if last and counts is not None:

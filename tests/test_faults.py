@@ -95,7 +95,7 @@ def test_a_nonfinite_step_changes_neither_weights_nor_optimizer_state(implementa
     before = {k: v.clone() for k, v in model.state_dict().items()}
     state = {k: {n: t.clone() for n, t in s.items()} for k, s in optimizer.state.items()}
     result = train_step(2, batch, forward_backward, optimizer, **step)
-    assert optimizer.skip_code.item() == NONFINITE and not torch.isfinite(result.loss)
+    assert optimizer.skip_code.item() == NONFINITE and not torch.isfinite(result.loss.total)
     for name, value in model.state_dict().items():
         assert torch.allclose(value, before[name], rtol=0, atol=0, equal_nan=True), name
     for param, saved in state.items():
@@ -142,7 +142,7 @@ def test_a_loss_spike_is_skipped_and_the_run_goes_on_as_if_it_had_never_come(cap
     finally:
         dist.destroy_process_group()
     assert [i for i, (_, code) in enumerate(results) if code != APPLIED] == [30]  # and none of the learned pattern's
-    assert results[30][1] == SPIKE and results[30][0].loss > 3 * results[29][0].loss  # finite: a spike
+    assert results[30][1] == SPIKE and results[30][0].loss.total > 3 * results[29][0].loss.total  # finite: a spike
     for name, value in guarded.state_dict().items():
         assert torch.equal(value, reference.state_dict()[name]), name
         assert torch.equal(value, resumed_model.state_dict()[name]), name  # the window came through the resume

@@ -23,7 +23,7 @@ def _loss_and_grads(
     model.zero_grad(set_to_none=True)
     loss_fn = build_loss_fn(Compile(), chunk_tokens=chunk_tokens)
     labels = tokens[:, 1:]
-    loss = model(tokens[:, :-1], head=lambda h: loss_fn(model, h, labels))
+    loss = model(tokens[:, :-1], head=lambda h: loss_fn(model, h, labels)).total
     loss.backward()
     return loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
@@ -90,7 +90,7 @@ def test_compiled_loss_component(z_loss_weight: float, chunk_tokens: int) -> Non
     labels = tokens[:, 1:]
     a = model(tokens[:, :-1], head=lambda h: compiled(model, h, labels))
     b = model(tokens[:, :-1], head=lambda h: plain(model, h, labels))
-    assert torch.equal(a, b)
+    assert torch.equal(a.total, b.total)
 
 
 @pytest.mark.parametrize("chunk_tokens", [0, 16, 48, 128])
@@ -112,16 +112,18 @@ def test_z_loss_is_the_plain_formula_and_is_reported_on_its_own(chunk_tokens: in
     model.zero_grad(set_to_none=True)
 
     loss_fn = build_loss_fn(Compile(), chunk_tokens=chunk_tokens, z_loss_weight=weight)
-    loss = model(inputs, head=lambda h: loss_fn(model, h, labels))
-    loss.backward()
-    assert loss.item() == pytest.approx((ce + weight * z).item(), rel=1e-6)
+    terms = model(inputs, head=lambda h: loss_fn(model, h, labels))
+    terms.total.backward()
+    assert terms.total.item() == pytest.approx((ce + weight * z).item(), rel=1e-6)
     assert z.item() > 20  # about log(128)^2 here: the weight really moves the loss
     for name, grad in expected.items():
         assert _max_rel(model.get_parameter(name).grad, grad) <= 1e-6, name
-    assert loss_fn.z_loss.take().item() == pytest.approx(z.item(), rel=1e-6)
-    assert loss_fn.z_loss.take() is None  # taken
+    # The terms apart: the cross-entropy (what a run logs as its loss) and the z-loss unweighted, both detached.
+    assert terms.cross_entropy.item() == pytest.approx(ce.item(), rel=1e-6) and not terms.cross_entropy.requires_grad
+    assert set(terms.extras) == set(loss_fn.extras) == {"z_loss"}
+    assert terms.extras["z_loss"].item() == pytest.approx(z.item(), rel=1e-6)
     scored = model(inputs, head=lambda h: loss_fn.cross_entropy_only()(model, h, labels))
-    assert scored.item() == pytest.approx(ce.item(), rel=1e-6) and loss_fn.z_loss.take() is None
+    assert scored.total.item() == pytest.approx(ce.item(), rel=1e-6) and scored.extras == {}
 
 
 def test_by_default_only_large_logits_are_chunked() -> None:

@@ -225,9 +225,9 @@ def test_one_rank_trains_under_autocast_not_fsdp() -> None:
     projections = []
     model.layers["0"].attention.wq.register_forward_hook(lambda m, i, out: projections.append(out.dtype))
     with autocast(autocast_dtype(dims(1), bf16), "cpu"):
-        loss = model(tokens[:, :-1], head=lambda h: loss_fn(model, h, tokens[:, 1:]))
+        loss = model(tokens[:, :-1], head=lambda h: loss_fn(model, h, tokens[:, 1:])).total
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        expected = reference(tokens[:, :-1], head=lambda h: loss_fn(reference, h, tokens[:, 1:]))
+        expected = reference(tokens[:, :-1], head=lambda h: loss_fn(reference, h, tokens[:, 1:])).total
     assert projections == [torch.bfloat16] and loss.dtype == torch.float32
     torch.testing.assert_close(loss, expected, rtol=0, atol=0)
     loss.backward()

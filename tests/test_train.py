@@ -20,6 +20,7 @@ from config import load_config
 from data.prepare import prepare
 from data.sources import find_source
 from errors import ConfigError
+from loss import LossTerms
 from tests.conftest import TINY, losses
 from tests.launch import REPO, free_port, python, torchrun, two_at_a_time
 
@@ -92,7 +93,7 @@ def test_throughput_and_eta_leave_out_validations_and_saves(
         ValidateStep(validator, freq=50, total_steps=100, logger=logger, throughput=log),
         checkpoint.SaveStep(ckpt, total_steps=100, throughput=log),
     ]
-    result = metrics.StepResult(loss=torch.tensor(2.0), grad_norm=torch.tensor(1.0))
+    result = metrics.StepResult(LossTerms(torch.tensor(2.0), torch.tensor(2.0), {}), grad_norm=torch.tensor(1.0))
     for step in range(1, 21):
         clock.now += 10
         assert not any(after(step, result) for after in work)
