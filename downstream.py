@@ -326,19 +326,25 @@ def build_downstream(
 
 
 class EvalStep:
-    """After every eval.interval steps and the last: the tasks scored and logged, their time left out of the
-    throughput. A run resumed from an eval step whose scores metrics.jsonl lacks (a stop during that eval) scores
-    it first, at construction, on the weights just loaded."""
+    """After every eval.interval steps and the last: the tasks scored and logged. A run resumed from an eval step
+    whose scores metrics.jsonl lacks (a stop during that eval) scores it first, at construction, on the weights just
+    loaded."""
 
-    def __init__(
-        self, evaluator: DownstreamEval, *, interval: int, total_steps: int, start_step: int, logger: Any,
-        throughput: Any,
-    ):  # fmt: skip
-        self.evaluator, self.interval, self.total_steps = evaluator, interval, total_steps
-        self.logger, self.throughput = logger, throughput
+    def __init__(self, evaluator: DownstreamEval, *, interval: int, total_steps: int, start_step: int, logger: Any):
+        self.evaluator, self.interval, self.total_steps, self.logger = evaluator, interval, total_steps, logger
         self.start_step, self.begin, self.scoring_s, self.measured = start_step, time.perf_counter(), 0.0, False
         if start_step > 0 and self.due(start_step) and not scored_in(logger, start_step, device=evaluator.device):
             self.score(start_step)
+
+    @classmethod
+    def for_run(
+        cls, cfg: Any, *, forward: ForwardBackward, mesh: Any, dp_rank: int, dp_degree: int, stop: StopRequest | None,
+        start_step: int, logger: Any,
+    ) -> EvalStep:  # fmt: skip
+        """The run's in-loop evaluation ([eval]): its tasks checked, scored through the run's layout."""
+        evaluator = build_downstream(cfg, forward=forward, mesh=mesh, dp_rank=dp_rank, dp_degree=dp_degree, stop=stop)
+        steps = cfg.training.steps
+        return cls(evaluator, interval=cfg.eval.interval, total_steps=steps, start_step=start_step, logger=logger)
 
     def due(self, step: int) -> bool:
         return step % self.interval == 0 or step == self.total_steps
@@ -362,7 +368,6 @@ class EvalStep:
             self.warn_if_costly(step, seconds)
         if self.evaluator.samples and self.logger.enabled:
             write_rows(Path(self.logger.jsonl).parent / "eval" / f"step-{step}.jsonl", self.evaluator.samples)
-        self.throughput.pause(seconds)
 
     def warn_if_costly(self, step: int, seconds: float) -> None:
         """After the first eval of this run: the share of the run's time its evals will take, measured (the steps'

@@ -93,7 +93,7 @@ class ForwardBackward:
         inputs, labels, segments, divisor = self._placed(batch)
         with loss_parallel_context(self.loss_parallel):  # cross-entropy on vocabulary shards, backward included
             if self.pipeline is not None:
-                return self.pipeline.step(inputs, labels, segments, scale=1 / divisor).detach()
+                return self.pipeline.step(inputs, labels, segments, scale=1 / divisor)
             if last != self._syncing:  # gradients cross replicas once per step: off before the last micro-batch
                 sync_gradients_on(self.model, last_microbatch=last, defer_reduce_scatter=self.defer_reduce_scatter)
                 self._syncing = last
@@ -148,7 +148,9 @@ class ForwardBackward:
             return self.model(inputs, head=head)
 
     def _scored(self, rows: int, labels: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        return self.score_fn(self.model, h[:rows], labels).cross_entropy if rows else torch.zeros((), device=self.device)
+        if not rows:
+            return torch.zeros((), device=self.device)
+        return self.score_fn(self.model, h[:rows], labels).cross_entropy
 
     def _placed(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, float]:
         """The micro-batch as this rank computes it: its context-parallel part, on the device."""

@@ -3,6 +3,7 @@ what really ran, which the tests and `make bench` use, are in tests/instruments.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import resource
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from config import JobConfig, Metrics
-from distributed import mean_over_loss_ranks
+from distributed import collective_on_rank0, mean_over_loss_ranks
 from errors import ConfigError
 
 if TYPE_CHECKING:
@@ -136,6 +137,16 @@ class MetricsLogger:
                         f"metrics.enable_wandb: wandb could not start a run ({str(e).strip().splitlines()[0]}); run "
                         "`wandb login` or set WANDB_API_KEY, or log locally with WANDB_MODE=offline"
                     ) from None
+
+    @classmethod
+    def for_run(cls, cfg: JobConfig, *, start_step: int) -> MetricsLogger:
+        """The run's logger on every rank, enabled on rank 0; a logger that cannot start there (wandb without
+        credentials) stops every rank with its error."""
+        logger = functools.partial(
+            cls, cfg.metrics, dump_folder=cfg.job.dump_folder, total_steps=cfg.training.steps, start_step=start_step,
+            run_config=cfg.to_dict(),
+        )  # fmt: skip
+        return collective_on_rank0(lambda: logger(enabled=True), rank=dist.get_rank()) or logger(enabled=False)
 
     def log(self, m: StepMetrics) -> None:
         if not self.enabled:

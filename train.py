@@ -49,7 +49,7 @@ from data.loader import Batch, GlobalBatchLoader
 from data.mixture import open_mixture
 from data.tokenizers import build_tokenizer
 from distributed import CollectiveTimeout, collective_on_rank0, init_distributed
-from downstream import EvalStep, build_downstream
+from downstream import EvalStep
 from errors import ConfigError, RecipeError, is_rank0, report, writable_folder
 from fleet import Fleet
 from forward import ForwardBackward
@@ -71,7 +71,7 @@ from parallelisms.parallel_dims import ParallelDims, layout_checks, uses_loss_pa
 from parallelisms.parallelize import build_model, init_model
 from planning import doctor
 from profiling import ProfileStep, profile_loop
-from validation import ValidateStep, Validator
+from validation import ValidateStep
 
 T = TypeVar("T")
 
@@ -102,7 +102,7 @@ def main(argv: list[str]) -> int:
         # The keys the command line sets: the TOML's job.description may no longer hold (print_banner).
         changed = [name for name, _ in parse_overrides(argv)[0] if name not in ("config", "job.config_file")]
         run = build(cfg, device=device, rank=rank, world_size=world_size, changed=changed)
-        code = train(run) if run is not None else 0
+        code = train(run, after_step_work(run)) if run is not None else 0
         # Leave together: a rank tearing gloo down while its peer was still in a collective aborted the peer
         # ("terminate called without an active exception", seen once in a full test run under load).
         dist.barrier()
@@ -114,6 +114,27 @@ def main(argv: list[str]) -> int:
 # ------------------------------------------------------------------ the run
 
 
+@dataclass
+class Run:
+    """What a run holds once built: the loop only steps it."""
+
+    cfg: JobConfig
+    dims: ParallelDims
+    mesh: DeviceMesh
+    cpu_group: dist.ProcessGroup | None  # stop requests, the slow-rank report: gloo's (None: the default group is)
+    model_args: Any  # the family's ModelArgs
+    tokenizer: Any
+    forward_backward: ForwardBackward  # micro-batches through the model or the pipeline (forward.py)
+    optimizer: SkipStepAdamW
+    loader: GlobalBatchLoader
+    checkpoint: CheckpointManager
+    balancer: Balancer | None  # a mixture of experts' load balancing (models/moe.py)
+    stop: stop.StopAfterStep
+    state: TrainState
+    start_step: int  # the step resumed from (0: a fresh run)
+    resources: contextlib.ExitStack  # closed when the run ends: the profiler, the logger, the gc schedule
+
+
 class AfterStep(Protocol):
     """Work after a completed step (log, validate, stop, save, profile...), each in the file of its subject."""
 
@@ -123,22 +144,27 @@ class AfterStep(Protocol):
 
 
 @dataclass
-class Run:
-    """What a run holds once built: the loop only steps it."""
+class AfterStepWork:
+    """The work after each step, in order (docs/development.md, "Work after a step"): `timed` up to and including the
+    log, part of the step's time; then `untimed` (validation, evals, saves...), whose time the log's clock leaves out
+    of the throughput and the ETA."""
 
-    cfg: JobConfig
-    forward_backward: ForwardBackward  # micro-batches through the model or the pipeline (forward.py)
-    optimizer: SkipStepAdamW
-    loader: GlobalBatchLoader
-    checkpoint: CheckpointManager
-    stop: stop.StopAfterStep
-    state: TrainState
-    start_step: int  # the step resumed from (0: a fresh run)
-    after_step: list[AfterStep]
-    resources: contextlib.ExitStack  # closed when the run ends: the profiler, the logger, the gc schedule
+    timed: list[AfterStep]
+    untimed: list[AfterStep]
+    clock: LogStep
+
+    def __call__(self, step: int, result: StepResult) -> bool:
+        """True: the run ends after this step (the first part that says so ends it; the rest do not run)."""
+        if any(after(step, result) for after in self.timed):
+            return True
+        begin = time.perf_counter()
+        try:
+            return any(after(step, result) for after in self.untimed)
+        finally:
+            self.clock.pause(time.perf_counter() - begin)
 
 
-def train(run: Run) -> int:
+def train(run: Run, after_step: AfterStepWork) -> int:
     t = run.cfg.training
     begin = time.perf_counter()
     with run.resources:
@@ -160,7 +186,7 @@ def train(run: Run) -> int:
                 run.state.step = step - 1
                 run.stop.abandoned(step, start_step=run.start_step)
                 break
-            if any(after(step, result) for after in run.after_step):  # in order; the first True ends the run
+            if after_step(step, result):
                 break
         run.checkpoint.close()
     if is_rank0():
@@ -205,10 +231,10 @@ def build(
     if cfg.model.print_after_conversion and rank == 0:
         print(model, flush=True)
     init_model(model, pipeline, device=device)
-    # Stop requests need a CPU (gloo) group under NCCL. Checkpoints get a gloo group of their own: an
-    # async save runs collectives in a background thread, and two threads issuing collectives on one
+    # Stop requests and the slow-rank report need a CPU (gloo) group under NCCL. Checkpoints get a gloo group of
+    # their own: an async save runs collectives in a background thread, and two threads issuing collectives on one
     # group interleave them and hang.
-    ctrl_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+    cpu_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
     checkpoint_group = dist.new_group(backend="gloo")
     if cfg.checkpoint.create_seed_checkpoint:
         save_seed_checkpoint(cfg, model, world_size=world_size)
@@ -234,112 +260,84 @@ def build(
         print_banner(cfg, args, dims=dims, loader=loader, start_step=start_step, device=device, changed=changed)
     resume(cfg, checkpoint, state, optimizer, start_step=start_step)
     # Signals have been recorded since the first line (stop.py); the ranks first agree here, after start-up.
-    request = stop.StopRequest(ctrl_group, stop_file=Path(cfg.job.dump_folder) / "STOP", is_rank0=rank == 0)
+    request = stop.StopRequest(cpu_group, stop_file=Path(cfg.job.dump_folder) / "STOP", is_rank0=rank == 0)
     if reason := request.requested():
         request.done(f"{reason}: stopped during start-up, before step {start_step + 1}; nothing new to save")
         return None
 
-    run = Run(
+    return Run(
         cfg=cfg,
+        dims=dims,
+        mesh=mesh,
+        cpu_group=cpu_group,
+        model_args=args,
+        tokenizer=tokenizer,
         forward_backward=ForwardBackward.for_run(cfg, model, pipeline, loss_fn, dims=dims, mesh=mesh, device=device),
         optimizer=optimizer,
         loader=loader,
         checkpoint=checkpoint,
+        balancer=balancer,
         stop=stop.StopAfterStep(request, checkpoint),
         state=state,
         start_step=start_step,
-        after_step=[],
         resources=contextlib.ExitStack(),
     )
-    run.after_step = after_step_work(
-        run, tokenizer, args, dims=dims, mesh=mesh, rank=rank, groups=[None, ctrl_group], balancer=balancer
-    )
-    return run
 
 
-def after_step_work(
-    run: Run,
-    tokenizer: Any,
-    args: Any,
-    *,
-    dims: ParallelDims,
-    mesh: DeviceMesh,
-    rank: int,
-    groups: list[dist.ProcessGroup | None],
-    balancer: Balancer | None = None,
-) -> list[AfterStep]:
+def after_step_work(run: Run) -> AfterStepWork:
     """The work after each step, in order: stop on too many bad steps, the collectives' time-out after the first
-    step, a mixture of experts' load balancing, log, the step's end (the slow-rank report, the hang watchdog disarmed),
-    validate, score lm-eval tasks, stop on request, save, profile, collect garbage, the next step's start (the
-    watchdog armed) (docs/development.md, "Work after a step": why a list)."""
-    cfg, t = run.cfg, run.cfg.training
-    # Rank 0 logs; a logger that cannot start (wandb without credentials) stops every rank.
-    new_logger = lambda enabled: MetricsLogger(  # noqa: E731
-        cfg.metrics,
-        dump_folder=cfg.job.dump_folder,
-        total_steps=t.steps,
-        start_step=run.start_step,
-        run_config=cfg.to_dict(),
-        enabled=enabled,
-    )
-    logger = collective_on_rank0(lambda: new_logger(True), rank=rank) or new_logger(False)
+    step, a mixture of experts' load balancing, log; then, left out of the throughput: the step's end (the
+    slow-rank report, the hang watchdog disarmed), validate, score lm-eval tasks, stop on request, save, profile,
+    collect garbage, the next step's start (the watchdog armed) (docs/development.md, "Work after a step": why a
+    list). Each part is built in the file of its subject; what it must close at the end joins run.resources."""
+    cfg, steps, fb = run.cfg, run.cfg.training.steps, run.forward_backward
+    logger = MetricsLogger.for_run(cfg, start_step=run.start_step)  # rank 0 logs
     run.resources.callback(logger.close)
-    loader, seq_len = run.loader, t.seq_len
     log = LogStep(
         cfg,
         logger=logger,
-        loader=loader,
+        loader=run.loader,
         start_step=run.start_step,
-        flops_per_token=family(cfg.model.name).num_flops_per_token(args, seq_len),
-        device=run.forward_backward.device,
+        flops_per_token=family(cfg.model.name).num_flops_per_token(run.model_args, cfg.training.seq_len),
+        device=fb.device,
         lr=lambda: run.optimizer.param_groups[0]["lr"],
-        routing=balancer,
+        routing=run.balancer,
     )
-    work: list[AfterStep] = [StopOnNonfinite(run.optimizer, run.checkpoint), CollectiveTimeout(cfg.comm, groups)]
-    if balancer is not None:  # before the log, which reads the step's routing from it
-        work.append(balancer)
-    work.append(log)
+    timed: list[AfterStep] = [
+        StopOnNonfinite(run.optimizer, run.checkpoint),
+        CollectiveTimeout(cfg.comm, groups=[None, run.cpu_group]),  # the default group, and gloo's under NCCL
+        *([run.balancer] if run.balancer is not None else []),  # before the log, which reads the step's routing
+        log,
+    ]
     # A slow rank named, a hang ended (fleet.py): a step ends after its log; the next starts after all the rest.
     fleet = Fleet(
         cfg.comm,
         cfg.metrics,
         dump_folder=cfg.job.dump_folder,
-        total_steps=t.steps,
-        loader=loader,
+        total_steps=steps,
+        loader=run.loader,
         logger=logger,
         stop_request=run.stop.request,
-        group=groups[-1],  # the CPU group: ctrl_group under NCCL, the default group under gloo
+        group=run.cpu_group,
     )
     run.resources.callback(fleet.close)
-    work.append(fleet.step_done)
+    untimed: list[AfterStep] = [fleet.step_done]
+    dp = {"dp_rank": run.loader.dp_rank, "dp_degree": run.dims.dp}
     if cfg.validation.enable:
-        validator = Validator(
-            cfg, tokenizer=tokenizer, dp_rank=loader.dp_rank, dp_degree=dims.dp, forward=run.forward_backward
-        )
-        every = cfg.validation.freq
-        work.append(ValidateStep(validator, freq=every, total_steps=t.steps, logger=logger, throughput=log))
+        untimed.append(ValidateStep.for_run(cfg, forward=fb, tokenizer=run.tokenizer, logger=logger, **dp))
     if cfg.eval.enable:  # lm-eval tasks on the live model, in its layout
-        evaluator = build_downstream(
-            cfg,
-            forward=run.forward_backward,
-            mesh=mesh,
-            dp_rank=loader.dp_rank,
-            dp_degree=dims.dp,
-            stop=run.stop.request,
-        )
-        every = cfg.eval.interval
-        work.append(
-            EvalStep(
-                evaluator, interval=every, total_steps=t.steps, start_step=run.start_step, logger=logger, throughput=log
+        untimed.append(
+            EvalStep.for_run(
+                cfg, forward=fb, mesh=run.mesh, stop=run.stop.request, start_step=run.start_step, logger=logger, **dp
             )
         )
     profiler = run.resources.enter_context(
-        profile_loop(cfg.profiling, dump_folder=cfg.job.dump_folder, rank=rank, start_step=run.start_step)
+        profile_loop(cfg.profiling, dump_folder=cfg.job.dump_folder, rank=dist.get_rank(), start_step=run.start_step)
     )
-    collect = GarbageCollection(every=t.gc_freq)
+    collect = GarbageCollection(every=cfg.training.gc_freq)
     run.resources.callback(collect.close)
-    save = SaveStep(run.checkpoint, total_steps=t.steps, throughput=log)
-    return [*work, run.stop, save, ProfileStep(profiler), collect, fleet.step_starts]
+    untimed += [run.stop, SaveStep(run.checkpoint, total_steps=steps), ProfileStep(profiler), collect]
+    return AfterStepWork(timed, [*untimed, fleet.step_starts], clock=log)
 
 
 def resolve_auto_ac(cfg: JobConfig, *, world_size: int, device: torch.device, mesh: DeviceMesh | None) -> JobConfig:

@@ -80,15 +80,27 @@ class Validator:
 
 
 class ValidateStep:
-    """After step 1, every validation.freq steps and after the last: the held-out loss, logged, its time
-    left out of the training throughput."""
+    """After step 1, every validation.freq steps and after the last: the held-out loss, logged."""
 
-    def __init__(self, validator: Validator, *, freq: int, total_steps: int, logger: Any, throughput: Any):
-        self.validator, self.freq, self.total_steps = validator, freq, total_steps
-        self.logger, self.throughput = logger, throughput
+    def __init__(self, validator: Validator, *, freq: int, total_steps: int, logger: Any):
+        self.validator, self.freq, self.total_steps, self.logger = validator, freq, total_steps, logger
+
+    @classmethod
+    def for_run(
+        cls,
+        cfg: JobConfig,
+        *,
+        forward: ForwardBackward,
+        tokenizer: Tokenizer,
+        dp_rank: int,
+        dp_degree: int,
+        logger: Any,
+    ) -> ValidateStep:
+        """The run's validation: its held-out data read as this data-parallel rank's share, scored through `forward`."""
+        validator = Validator(cfg, tokenizer=tokenizer, dp_rank=dp_rank, dp_degree=dp_degree, forward=forward)
+        return cls(validator, freq=cfg.validation.freq, total_steps=cfg.training.steps, logger=logger)
 
     def __call__(self, step: int, result: Any) -> bool:
         if step == 1 or step % self.freq == 0 or step == self.total_steps:
             self.logger.log_validation(step, *self.validator.validate())
-            self.throughput.pause(self.validator.seconds)
         return False

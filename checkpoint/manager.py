@@ -516,20 +516,16 @@ def stager_reusable(stager: Any) -> bool:
 
 
 class SaveStep:
-    """After each step: publish a finished async save; save every checkpoint.interval steps and after the last, the
-    time the save holds the loop left out of the training throughput and ETA (`throughput.pause`, metrics.py)."""
+    """After each step: publish a finished async save; save every checkpoint.interval steps and after the last."""
 
-    def __init__(self, checkpoint: CheckpointManager, *, total_steps: int, throughput: Any = None):
-        self.checkpoint, self.total_steps, self.throughput = checkpoint, total_steps, throughput
+    def __init__(self, checkpoint: CheckpointManager, *, total_steps: int):
+        self.checkpoint, self.total_steps = checkpoint, total_steps
 
     def __call__(self, step: int, result: Any) -> bool:
         self.checkpoint.poll()
         last = step == self.total_steps
         if self.checkpoint.should_save(step, last=last):
-            begin = time.perf_counter()
             self.checkpoint.save(step, last=last)
-            if self.throughput is not None:
-                self.throughput.pause(time.perf_counter() - begin)
         return False
 
 

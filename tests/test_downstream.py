@@ -262,14 +262,9 @@ def test_evals_that_would_take_a_tenth_of_the_run_are_warned_of_before_and_after
         def log_eval(self, *args: object, **kwargs: object) -> None:
             pass
 
-    class Throughput:
-        def pause(self, seconds: float) -> None:
-            pass
-
     # 50 evals of 0.2 s against 100 steps of about 10 ms; 20 of 1 ms against 100 of 10 ms.
     for interval, seconds, warns in ((2, 0.2, True), (5, 0.001, False)):
-        step = EvalStep(Evaluator(seconds), interval=interval, total_steps=100, start_step=0, logger=Logger(),
-                        throughput=Throughput())  # fmt: skip
+        step = EvalStep(Evaluator(seconds), interval=interval, total_steps=100, start_step=0, logger=Logger())
         time.sleep(interval * 0.01)
         capsys.readouterr()
         step(interval, None)

@@ -15,7 +15,7 @@ import pytest
 import tomllib
 import torch
 
-from checkpoint import is_model_only, verify
+from checkpoint import SaveStep, is_model_only, verify
 from config import load_config
 from data.prepare import prepare
 from data.sources import find_source
@@ -55,20 +55,21 @@ def test_two_rank_run_loss_falls_and_metrics_are_logged(
 def test_throughput_and_eta_leave_out_validations_and_saves(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The work after each step in train.py's order (log, validate, save) on a fake clock: 10 s per step, a 50 s
+    """train.py's work after each step (log, then validate and save) on a fake clock: 10 s per step, a 50 s
     validation after step 1, a 30 s save after step 10. The logged step time, tokens/s per rank and ETA are those of
-    the steps alone (step 1's validation once made step 10's ETA 22m30s)."""
+    the steps alone (step 1's validation once made step 10's ETA 22m30s): the loop leaves the work after the log out,
+    once, whatever it is."""
     from types import SimpleNamespace
 
-    import checkpoint.manager
     import metrics
+    import train
     from config import JobConfig, Metrics, Training
     from validation import ValidateStep
 
     clock = SimpleNamespace(now=0.0)
     fake_time = SimpleNamespace(perf_counter=lambda: clock.now)
     monkeypatch.setattr(metrics, "time", fake_time)
-    monkeypatch.setattr(checkpoint.manager, "time", fake_time)
+    monkeypatch.setattr(train, "time", fake_time)
     monkeypatch.setattr(metrics.dist, "get_world_size", lambda: 1)
     monkeypatch.setattr(metrics, "mean_over_loss_ranks", lambda value, pp_degree: value)
 
@@ -88,15 +89,18 @@ def test_throughput_and_eta_leave_out_validations_and_saves(
     )  # fmt: skip
     validator = SimpleNamespace(validate=validate, seconds=50.0)
     ckpt = SimpleNamespace(poll=lambda: None, should_save=lambda step, last: step == 10, save=save)
-    work = [
-        log,
-        ValidateStep(validator, freq=50, total_steps=100, logger=logger, throughput=log),
-        checkpoint.SaveStep(ckpt, total_steps=100, throughput=log),
-    ]
+    work = train.AfterStepWork(
+        timed=[log],
+        untimed=[
+            ValidateStep(validator, freq=50, total_steps=100, logger=logger),
+            SaveStep(ckpt, total_steps=100),
+        ],
+        clock=log,
+    )
     result = metrics.StepResult(LossTerms(torch.tensor(2.0), torch.tensor(2.0), {}), grad_norm=torch.tensor(1.0))
     for step in range(1, 21):
         clock.now += 10
-        assert not any(after(step, result) for after in work)
+        assert not work(step, result)
     logged = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
     assert len(logged) == 2, logged
     assert "| tps/rank 100 (warm-up) |" in logged[0] and logged[0].endswith("| step 10000 ms | eta 15m00s"), logged
