@@ -36,10 +36,9 @@ from config import (
     float8_settings,
     global_batch_size,
     help_text,
-    load_config,
+    load_config_and_keys,
     model_args,
     model_label,
-    parse_overrides,
     run_model_args,
     to_toml,
 )
@@ -84,7 +83,7 @@ def main(argv: list[str]) -> int:
     # Planning (--print-config, a dry run) needs no input files; training needs them, and a layout that
     # fits the ranks torchrun started, all checked in one round.
     world = os.environ.get("WORLD_SIZE", "1")
-    cfg = load_config(
+    cfg, changed = load_config_and_keys(  # changed: the keys the command line sets, which the banner names
         [a for a in argv if a != "--print-config"],
         input_checks=None if print_config else input_problems,
         extra_checks=None if print_config or not world.isdigit() else layout_checks(int(world)),
@@ -99,8 +98,6 @@ def main(argv: list[str]) -> int:
 
     device, rank, world_size = init_distributed(cfg.comm, dump_folder=cfg.job.dump_folder)
     try:
-        # The keys the command line sets: the TOML's job.description may no longer hold (print_banner).
-        changed = [name for name, _ in parse_overrides(argv)[0] if name not in ("config", "job.config_file")]
         run = build(cfg, device=device, rank=rank, world_size=world_size, changed=changed)
         code = train(run, after_step_work(run)) if run is not None else 0
         # Leave together: a rank tearing gloo down while its peer was still in a collective aborted the peer

@@ -279,7 +279,19 @@ def load_config(
     input_checks: Callable[[JobConfig], list[str]] | None = None,
     extra_checks: Callable[[JobConfig], list[str]] | None = None,
 ) -> JobConfig:
-    """defaults < `--config FILE` < `--section.key value` overrides; raises ConfigError with every problem.
+    """defaults < `--config FILE` < `--section.key value` overrides; raises ConfigError with every problem
+    (load_config_and_keys, without the keys)."""
+    return load_config_and_keys(argv, input_checks=input_checks, extra_checks=extra_checks)[0]
+
+
+def load_config_and_keys(
+    argv: list[str],
+    *,
+    input_checks: Callable[[JobConfig], list[str]] | None = None,
+    extra_checks: Callable[[JobConfig], list[str]] | None = None,
+) -> tuple[JobConfig, list[str]]:
+    """The config (load_config), and the keys the command line set, in its order (train.py's banner says them where
+    the TOML's job.description may no longer hold).
 
     Two kinds of rules this module does not import join the same round. input_checks: the input files the run
     reads (training passes data.inputs.input_problems), not for a dry run (comm.mode = fake_backend), which
@@ -288,7 +300,7 @@ def load_config(
     pass the parallel layout's for the ranks of the run (parallel degrees, what TP, CP and PP need of the
     model): parallelisms.parallel_dims.layout_checks(world_size).
     """
-    cfg, problems = _read(argv)
+    cfg, problems, cli_keys = _read(argv)
     resolve(cfg)
     problems += validate(cfg)  # in the same round: a typo elsewhere does not hide a bad value
     if input_checks is not None and cfg.comm.mode != "fake_backend":
@@ -299,11 +311,12 @@ def load_config(
         problems += extra_checks(cfg)
     if problems:
         raise ConfigError(*dict.fromkeys(problems))
-    return cfg
+    return cfg, cli_keys
 
 
-def _read(argv: list[str]) -> tuple[JobConfig, list[str]]:
-    """The config the command line asks for, unresolved, and the problems of reading it (keys, types)."""
+def _read(argv: list[str]) -> tuple[JobConfig, list[str], list[str]]:
+    """The config the command line asks for, unresolved, the problems of reading it (keys, types) and the keys the
+    command line sets."""
     cfg = JobConfig()
     overrides, problems = parse_overrides(argv)
     files = [value for name, value in overrides if name in ("config", "job.config_file")]
@@ -319,7 +332,7 @@ def _read(argv: list[str]) -> tuple[JobConfig, list[str]]:
         if problem := _set(cfg, dotted, value, source="the command line", from_cli=True):
             problems.append(problem)
     problems += _training_data_source(cfg, toml_keys=toml_keys, cli_keys={name for name, _ in overrides})
-    return cfg, problems
+    return cfg, problems, [name for name, _ in overrides]
 
 
 def dry_run_world() -> tuple[int, int, list[str]]:
