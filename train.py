@@ -49,8 +49,9 @@ from data.loader import Batch, GlobalBatchLoader
 from data.mixture import open_mixture
 from data.tokenizers import build_tokenizer
 from distributed import CollectiveTimeout, collective_on_rank0, init_distributed
-from downstream import EvalStep, build_downstream
 from errors import ConfigError, RecipeError, is_rank0, report, writable_folder
+from evaluation.downstream import EvalStep, build_downstream
+from evaluation.validation import ValidateStep, Validator
 from fleet import Fleet
 from forward import ForwardBackward
 from loss import build_loss_fn
@@ -71,7 +72,6 @@ from parallelisms.parallel_dims import ParallelDims, layout_checks, uses_loss_pa
 from parallelisms.parallelize import build_model, init_model
 from planning import doctor
 from profiling import ProfileStep, profile_loop
-from validation import ValidateStep, Validator
 
 T = TypeVar("T")
 

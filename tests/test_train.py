@@ -62,7 +62,7 @@ def test_throughput_and_eta_leave_out_validations_and_saves(
     import checkpoint.manager
     import metrics
     from config import JobConfig, Metrics, Training
-    from validation import ValidateStep
+    from evaluation.validation import ValidateStep
 
     clock = SimpleNamespace(now=0.0)
     fake_time = SimpleNamespace(perf_counter=lambda: clock.now)
