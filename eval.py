@@ -11,15 +11,15 @@ the run's config.toml beside it is read unless --config is given) or a Hugging F
 the data, tokenizer and layout; the shape comes from the folder's config.json). The other arguments are train.py's:
 `--section.key=value` overrides of that config, the layout (`[parallelism]`) included, so a checkpoint trained
 on 64 GPUs with FSDP is evaluated on 2 with TP. The held-out loss is `[validation]`'s, computed by the same
-Validator (validation.py) that train.py logs, over `validation.dataset_path` (raw or prepared) for
+Validator (evaluation/validation.py) that train.py logs, over `validation.dataset_path` (raw or prepared) for
 `validation.steps` global batches (-1: all of it once). Nothing is written; rank 0 prints one line.
 
 --tasks runs EleutherAI's lm-evaluation-harness (`pip install -e ".[eval]"`) on the same checkpoint through
-`lm_eval.simple_evaluate` and this repo's model (lm_eval_adapter.py), one process: a DCP checkpoint is
-scored without converting it.
+`lm_eval.simple_evaluate` and this repo's model (evaluation/adapter.py RecipeLM; generate_until through generate.py's
+Generator), one process: a DCP checkpoint is scored without converting it.
 
 --tasks ... --watch RUN_FOLDER scores every step folder of a run as it lands, in this launch's layout (under
-torchrun as train.py's in-loop `[eval]` scores, downstream.py), until the run's last step:
+torchrun as train.py's in-loop `[eval]` scores, evaluation/downstream.py), until the run's last step:
 
 torchrun --nproc_per_node=2 eval.py --tasks stories_facts --include-path assets/eval_tasks --watch outputs/debug
 """
@@ -33,13 +33,16 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from downstream import add_watch_arguments, check_watch
 from errors import ConfigError, RecipeError, is_rank0, report
+from evaluation.watch import add_watch_arguments, check_watch
+
+if TYPE_CHECKING:
+    from evaluation.adapter import Continuations
 
 
 def main(argv: list[str]) -> int:
@@ -47,8 +50,6 @@ def main(argv: list[str]) -> int:
     if opts.watch:
         return watch(opts, overrides)
     if opts.tasks:
-        from lm_eval_adapter import run_tasks
-
         return run_tasks(opts)
     loss, tokens, seconds, data = held_out_loss(opts.checkpoint, opts.config, overrides)
     if is_rank0():
@@ -74,7 +75,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument(
         "--tokenizer", help="tokenizer folder (default: the run's model.tokenizer_path / the HF folder)"
     )
-    add_watch_arguments(parser)  # (downstream.py)
+    add_watch_arguments(parser)  # (evaluation/watch.py)
     opts, overrides = parser.parse_known_args(argv)
     if opts.watch is not None:
         check_watch(opts)
@@ -87,6 +88,73 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
     refuse_folder_of_steps(opts.checkpoint, key="--checkpoint")  # a run folder or its checkpoint folder, not a step
     return opts, overrides
+
+
+def import_lm_eval() -> Any:
+    """lm-eval, or one line saying how to install it (an optional extra)."""
+    try:
+        import lm_eval
+    except ImportError:
+        raise ConfigError('--tasks: lm-evaluation-harness is not installed; pip install -e ".[eval]"') from None
+    return lm_eval
+
+
+def run_tasks(opts: argparse.Namespace) -> int:
+    """`eval.py --tasks`: lm_eval.simple_evaluate on the checkpoint, its table printed."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError("--tasks: lm-evaluation-harness runs in one process here; start eval.py with python")
+    lm_eval = import_lm_eval()
+    from lm_eval.utils import make_table
+
+    from evaluation.adapter import RecipeLM
+    from evaluation.tasks import (
+        hub_offline_unless_it_answers,
+        not_loaded,
+        task_manager_for,
+        uncached_hub_datasets,
+        unreadable,
+    )
+    from inference import load_model
+
+    tasks = [t.strip() for t in opts.tasks.split(",") if t.strip()]
+    names = ", ".join(tasks)
+    with hub_offline_unless_it_answers() as offline:
+        # Said before lm-eval indexes its tasks and the model loads (seconds each), not after.
+        if offline and uncached_hub_datasets(tasks, opts.include_path):
+            raise unreadable(names, why=f"not cached here, and {offline}")
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        model, tokenizer_path = load_model(opts.checkpoint, config=opts.config, device=device, dtype=torch.float32)
+        tokenizer_path = opts.tokenizer or tokenizer_path
+        if tokenizer_path is None:
+            raise ConfigError(f"--tokenizer: {opts.checkpoint} holds no tokenizer.json; name a tokenizer folder")
+        lm = RecipeLM(model, tokenizer_path, batch_size=opts.batch_size, max_gen_toks=opts.max_new_tokens,
+                      continuations=generator_of(model))  # fmt: skip
+        manager = task_manager_for(tasks, opts.include_path)
+        if unknown := [t for t in tasks if t not in manager.all_tasks]:
+            raise ConfigError(f"--tasks: no lm-eval task named {', '.join(unknown)} (lm-eval --tasks list shows them)")
+        try:
+            results = lm_eval.simple_evaluate(
+                model=lm, tasks=tasks, num_fewshot=opts.num_fewshot, limit=opts.limit, task_manager=manager
+            )
+        except (ConnectionError, OSError) as e:
+            raise not_loaded(e, names, offline=offline, key="--tasks") from None
+    print(make_table(results), flush=True)
+    return 0
+
+
+def generator_of(model: torch.nn.Module) -> Continuations:
+    """generate.py's Generator as RecipeLM's generate_until continues a prompt (evaluation.adapter.Continuations):
+    one Generator for the whole evaluation, so calls of one shape reuse its decode state."""
+    from generate import Generator, Sampling
+
+    generator = Generator(model)
+
+    def continuations(prompt: list[int], max_new_tokens: int, temperature: float, stop_id: int) -> list[int]:
+        (tokens,) = generator.generate([prompt], max_new_tokens=max_new_tokens, sampling=Sampling(temperature),
+                                       stop_ids=[stop_id])  # fmt: skip
+        return tokens
+
+    return continuations
 
 
 def config_args(checkpoint: Path, config: Path | None) -> list[str]:
@@ -116,7 +184,7 @@ def held_out_loss(checkpoint: Path, config: Path | None, overrides: list[str]) -
     """(loss, tokens, seconds, data path) of `[validation]` on the checkpoint's weights, with the config's layout."""
     from config import validation_path
     from data.tokenizers import build_tokenizer
-    from validation import Validator
+    from evaluation.validation import Validator
 
     argv = [*config_args(checkpoint, config), *overrides, "--validation.enable=true", "--checkpoint.enable=false"]
     with scoring_run(argv) as (cfg, dims, mesh, forward, args):
@@ -171,13 +239,15 @@ def scoring_run(argv: list[str]) -> Iterator[tuple[Any, Any, Any, Any, Any]]:
 def watch(opts: argparse.Namespace, overrides: list[str]) -> int:
     """`--tasks ... --watch RUN_FOLDER`: each step folder of the run scored as it lands (oldest first), in the
     layout of this launch (its own `[parallelism]` overrides; under torchrun as train.py's in-loop eval,
-    downstream.py), the scores appended to RUN_FOLDER/eval/watch-<tasks>.jsonl, a file of this command's own (train.py
-    writes metrics.jsonl). A step already in it is skipped, so a restart goes on where it stopped; it ends once the
-    run's last step (its training.steps) is scored, or on Ctrl-C, saying where it stopped."""
+    evaluation/downstream.py), the scores appended to RUN_FOLDER/eval/watch-<tasks>.jsonl (evaluation/watch.py), a
+    file of this command's own (train.py writes metrics.jsonl). A step already in it is skipped, so a restart goes on
+    where it stopped; it ends once the run's last step (its training.steps) is scored, or on Ctrl-C, saying where it
+    stopped."""
     import time
 
     from checkpoint.folder import complete_checkpoints
-    from downstream import build_downstream, scored_steps, write_watch_row
+    from evaluation.downstream import build_downstream
+    from evaluation.watch import scored_steps, write_watch_row
 
     # RUN_FOLDER: a run's job.dump_folder, or its checkpoint folder, where train.py writes the run's config.toml.
     given = opts.watch

@@ -48,8 +48,9 @@ from data.loader import Batch, GlobalBatchLoader
 from data.mixture import open_mixture
 from data.tokenizers import build_tokenizer
 from distributed import CollectiveTimeout, collective_on_rank0, init_distributed
-from downstream import EvalStep
 from errors import ConfigError, RecipeError, is_rank0, report, writable_folder
+from evaluation.downstream import EvalStep
+from evaluation.validation import ValidateStep
 from fleet import Fleet
 from forward import ForwardBackward
 from loss import LossTerms, build_loss_fn
@@ -70,7 +71,6 @@ from parallelisms.parallel_dims import ParallelDims, layout_checks, uses_loss_pa
 from parallelisms.parallelize import build_model, init_model
 from planning import doctor
 from profiling import ProfileStep, profile_loop
-from validation import ValidateStep
 
 T = TypeVar("T")
 

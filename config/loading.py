@@ -546,7 +546,7 @@ def _missing_parts(cfg: JobConfig) -> list[str]:
         f"{key}: needs {module.replace('.', '/')}.py, which this checkout does not have; turn it off"
         for asks, module, key in (
             ("quantize.linear.float8" in cfg.model.converters, "parallelisms.float8", "model.converters"),
-            (cfg.validation.enable, "validation", "validation.enable"),
+            (cfg.validation.enable, "evaluation.validation", "validation.enable"),
             (cfg.comm.mode == "fake_backend", "planning.dry_run", "comm.mode"),
         )
         if asks and not _importable(module)

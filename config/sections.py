@@ -405,9 +405,9 @@ class Validation(TorchtitanValidation):
 
 @dataclass
 class Eval:
-    """lm-evaluation-harness tasks scored on the live model during training (downstream.py); torchtitan has no key."""
+    """lm-evaluation-harness tasks scored on the live model during training (evaluation/downstream.py); torchtitan has no key."""
 
-    enable: bool = optional_part("downstream.py", False)
+    enable: bool = optional_part("evaluation/downstream.py", False)
     """Score `tasks` every `interval` steps and after the last one, on the model as it trains, in its layout."""
     tasks: list[str] = field(default_factory=list)
     """lm-eval task names (the command line takes them separated by commas): log-likelihood tasks (multiple choice,

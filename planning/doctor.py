@@ -483,7 +483,7 @@ def _evals(cfg: JobConfig, dims: ParallelDims) -> list[Finding]:
     """In-loop lm-eval tasks (downstream.py) that would take more than MAX_SHARE of the run's compute."""
     if not cfg.eval.enable:
         return []
-    from downstream import MAX_SHARE, compute_share
+    from evaluation.downstream import MAX_SHARE, compute_share
 
     try:
         share, evals, requests = compute_share(cfg, dp=dims.dp)

@@ -714,9 +714,9 @@ def test_the_data_forms_commands_of_docs_data_md_run_as_written(tmp_path: Path) 
     held_out = len((REPO / "assets/corpus/stories_validation.jsonl").read_text().splitlines())
     assert f"wrote {out}/stories-dict-validation: {held_out} documents" in proc.stdout  # the split's, not train's
     # Unprepared: data.path reads its train split, validation.dataset_path its validation split.
+    from evaluation.validation import Validator
     from forward import ForwardBackward
     from loss import Loss
-    from validation import Validator
 
     folder, cache = f"{out}/stories-dict", str(tmp_path / "cache")
     cfg = load_config(

@@ -1,6 +1,6 @@
-"""[eval] (downstream.py): lm-eval tasks scored inside the training loop, on 2 gloo ranks with FSDP and with TP, equal
-to the tools that define the scores: eval.py --tasks on the step's checkpoint (one process, the whole model) and
-lm-eval's own `hf` backend on the step exported to a Hugging Face folder, request by request. `eval.py --watch`
+"""[eval] (evaluation/downstream.py): lm-eval tasks scored inside the training loop, on 2 gloo ranks with FSDP and
+with TP, equal to the tools that define the scores: eval.py --tasks on the step's checkpoint (one process, the whole
+model) and lm-eval's own `hf` backend on the step exported to a Hugging Face folder, request by request. `eval.py --watch`
 follows a run while it trains and ends with it; a stop request during an eval loses no score and logs none twice;
 the eval changes nothing in training. The shipped offline task (assets/eval_tasks/stories_facts) throughout."""
 
@@ -42,7 +42,7 @@ def scores(dump: Path) -> dict[int, dict[str, float]]:
 
 
 def samples(results: dict) -> list[dict]:
-    from downstream import sample_rows
+    from evaluation.downstream import sample_rows
 
     return sorted(sample_rows(results), key=lambda r: r["doc_id"])
 
@@ -58,22 +58,23 @@ def equal_requests(ours: list[dict], theirs: list[dict], *, what: str) -> None:
 
 
 def outside_tools(step_folder: Path, tmp_path: Path) -> tuple[list[dict], list[dict]]:
-    """The step's per-document samples from eval.py --tasks's path (lm_eval_adapter.run_tasks: generate.py's one-process
+    """The step's per-document samples from eval.py --tasks's path (eval.py run_tasks: inference.py's one-process
     model, RecipeLM) and from lm-eval's hf backend on the step exported with scripts/convert_hf.py."""
     import lm_eval
 
     sys.path.insert(0, str(REPO / "scripts"))
     import convert_hf
 
-    from generate import load_model
-    from lm_eval_adapter import recipe_lm, task_manager_for
+    from evaluation.adapter import RecipeLM
+    from evaluation.tasks import task_manager_for
+    from inference import load_model
 
     manager = task_manager_for(["stories_facts"], "assets/eval_tasks")
     run = lambda model, **kw: lm_eval.simple_evaluate(  # noqa: E731
         model=model, tasks=["stories_facts"], limit=40, task_manager=manager, log_samples=True, **kw
     )
     model, tokenizer = load_model(step_folder, config=None, device=torch.device("cpu"), dtype=torch.float32)
-    ours = samples(run(recipe_lm()(model, tokenizer)))
+    ours = samples(run(RecipeLM(model, tokenizer)))
     hf = tmp_path / "hf"
     assert convert_hf.main(["to-hf", str(step_folder), str(hf), "--flavor=debugmodel",
                             "--tokenizer-path=assets/tokenizer", "--dtype=float32"]) == 0  # fmt: skip
@@ -190,18 +191,18 @@ def test_in_loop_scores_equal_eval_py_and_the_hf_backend_under_tp(
 def test_tasks_that_cannot_run_are_refused_at_start_up_in_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Before any step: the config's checks, then each task loaded (downstream.check_tasks, which train.py calls on
+    """Before any step: the config's checks, then each task loaded (evaluation.downstream.check_tasks, which train.py calls on
     every rank before step 1)."""
     from lm_eval.tasks import TaskManager
 
-    import lm_eval_adapter
+    import evaluation.tasks
     from config import load_config
-    from downstream import check_tasks
+    from evaluation.downstream import check_tasks
 
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     # lm-eval's own index of its thousands of tasks takes seconds to build: here it is empty.
-    monkeypatch.setattr(lm_eval_adapter, "task_manager", lambda path: TaskManager(path, include_defaults=False))
+    monkeypatch.setattr(evaluation.tasks, "task_manager", lambda path: TaskManager(path, include_defaults=False))
     base = ["--config", "configs/debug.toml", "--eval.enable", "--eval.include_path=assets/eval_tasks"]
 
     def refusal(*args: str) -> str:
@@ -235,7 +236,7 @@ def test_evals_that_would_take_a_tenth_of_the_run_are_warned_of_before_and_after
     """The doctor, from the task's tokens against the run's (configs/debug.toml as shipped: 2 evals, no warning; one
     every 2 steps: a warning); the run, from what its first eval took against its steps so far."""
     from config import load_config
-    from downstream import EvalStep
+    from evaluation.downstream import EvalStep
     from planning.doctor import Machine, check_recipe
 
     monkeypatch.chdir(REPO)

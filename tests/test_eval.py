@@ -59,8 +59,9 @@ def ours_and_theirs(folder: Path, task_folder: Path) -> tuple[dict, dict]:
     """lm-eval's results for TASKS through RecipeLM and through lm-eval's own hf backend, on one HF folder."""
     import lm_eval
 
-    from generate import load_model
-    from lm_eval_adapter import recipe_lm, task_manager
+    from evaluation.adapter import RecipeLM
+    from evaluation.tasks import task_manager
+    from inference import load_model
 
     manager = task_manager(str(task_folder))  # (lm-eval's index of its tasks: built once per process)
 
@@ -69,7 +70,7 @@ def ours_and_theirs(folder: Path, task_folder: Path) -> tuple[dict, dict]:
 
     theirs = run("hf", model_args=f"pretrained={folder},dtype=float32,device=cpu")
     model, tokenizer = load_model(folder, config=None, device=torch.device("cpu"), dtype=torch.float32)
-    ours = run(recipe_lm()(model, tokenizer))
+    ours = run(RecipeLM(model, tokenizer, continuations=eval_py.generator_of(model)))
     assert scores(ours) == pytest.approx(scores(theirs), rel=1e-6)
     responses = lambda r: [s["resps"] for s in r["samples"]["recipe_gen"]]  # noqa: E731
     assert responses(ours) == responses(theirs) and all(responses(ours))
@@ -131,7 +132,7 @@ def test_tasks_refusals_are_one_line(task_folder: Path, tmp_path: Path, monkeypa
     import datasets.config
     from huggingface_hub import constants
 
-    from lm_eval_adapter import task_manager
+    from evaluation.tasks import task_manager
 
     folder = tiny_hf_folder(tmp_path / "hf", seed=1)
     readme = readme_eval_command(1)

@@ -115,8 +115,8 @@ LAYERS = (
     ("models",),
     ("config",),
     ("parallelisms", "data", "loss", "optimizer", "muon", "distributed", "metrics", "profiling", "stop", "fleet"),
-    ("checkpoint", "forward", "validation"),
-    ("generate", "lm_eval_adapter", "downstream"),
+    ("checkpoint", "forward", "inference"),
+    ("generate", "evaluation"),
     ("planning",),
     ("train", "eval"),
 )

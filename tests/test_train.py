@@ -64,7 +64,7 @@ def test_throughput_and_eta_leave_out_validations_and_saves(
     import metrics
     import train
     from config import JobConfig, Metrics, Training
-    from validation import ValidateStep
+    from evaluation.validation import ValidateStep
 
     clock = SimpleNamespace(now=0.0)
     fake_time = SimpleNamespace(perf_counter=lambda: clock.now)

@@ -1,5 +1,5 @@
-"""[validation] (validation.py): the held-out loss, the same on any number of ranks and under pipeline parallel,
-with no effect on training, in every logger. (A fork that removes validation.py removes this file.)"""
+"""[validation] (evaluation/validation.py): the held-out loss, the same on any number of ranks and under pipeline parallel,
+with no effect on training, in every logger. (A fork that removes evaluation/validation.py removes this file.)"""
 
 from __future__ import annotations
 
@@ -67,12 +67,12 @@ def test_validation_is_dp_and_pp_invariant_leaves_training_alone_and_reaches_eve
     block = re.search(r"```bash\n(.*?)```", text[text.index("`eval.py` scores a checkpoint") :], flags=re.S)[1]
     readme = block.splitlines()[0].split()
     assert readme[:3] == [".venv/bin/torchrun", "--nproc_per_node=2", "eval.py"], readme
-    evaluation = torchrun(
+    scored = torchrun(
         "eval.py", *[a.replace("outputs/debug/checkpoint/step-100", str(two / "checkpoint" / "step-4")) for a in readme[3:]],
         "--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1", nproc=2,
     )  # fmt: skip
-    logged = float(re.search(r"^eval: .* \| loss ([0-9.]+) \| perplexity ([0-9.]+) \|", evaluation.stdout, re.M)[1])
-    assert logged == pytest.approx(validations(two)[4], abs=6e-5), evaluation.stdout  # (printed to 4 decimals)
+    logged = float(re.search(r"^eval: .* \| loss ([0-9.]+) \| perplexity ([0-9.]+) \|", scored.stdout, re.M)[1])
+    assert logged == pytest.approx(validations(two)[4], abs=6e-5), scored.stdout  # (printed to 4 decimals)
     assert sorted(p.name for p in (two / "checkpoint").iterdir()) == ["config.toml", "step-4"]  # nothing written
     tokens = int(re.search(r"validation at step 4: loss +[0-9.]+ \| ([0-9,]+) tokens", proc.stdout)[1].replace(",", ""))
     assert tokens % 64 == 0 and (tokens // 64) % 4 != 0  # whole windows, a partial last batch on 1 rank

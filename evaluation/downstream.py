@@ -8,7 +8,7 @@ that trains it, every `eval.interval` steps and after the last one.
     interval = 50
 
 The scores are lm-eval's own: every rank runs `lm_eval.simple_evaluate` over the same requests with the model
-adapter of `eval.py --tasks` (lm_eval_adapter.py RecipeLM), whose log-likelihoods come from `ShardedScores` here:
+adapter of `eval.py --tasks` (adapter.py RecipeLM), whose log-likelihoods come from `ShardedScores` here:
 the requests are split over the data-parallel ranks, each rank scores its share through the sharded model
 (`ForwardBackward.score_tokens`: FSDP and TP tested, CP and EP compared by hand, HSDP and compile not run), and one all-reduce gives every rank every request's
 score; lm-eval aggregates them on rank 0, which logs `eval/<task>/<metric>` where the other metrics go
@@ -20,7 +20,7 @@ seeds Python's, NumPy's and torch's generators, and they are restored afterwards
 eval's time is left out of tokens/s and the ETA. Log-likelihood tasks only (multiple choice, perplexity): a
 generation's length differs from rank to rank, where FSDP and TP need every rank in every forward; eval.py scores
 them. Not under pipeline parallel (the schedule carries a loss, not per-request scores): config/sections.py Eval
-refuses it and points at `eval.py --watch`, which scores a run's checkpoints beside it.
+refuses it and points at `eval.py --watch` (watch.py), which scores a run's checkpoints beside it.
 
 Stop requests are agreed between eval batches: a request during an eval abandons it (nothing logged) and the
 run saves the step as it would have; the resumed run scores that step first, before training on (its checkpoint
@@ -30,7 +30,6 @@ that is not there, a hub that does not answer) is refused in one line at start-u
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import json
@@ -59,7 +58,7 @@ class Interrupted(Exception):
 
 
 class ShardedScores:
-    """lm-eval's log-likelihood requests (lm_eval_adapter.Scores) over the data-parallel ranks of a run.
+    """lm-eval's log-likelihood requests (adapter.Scores) over the data-parallel ranks of a run.
 
     Every rank of the job is called with the same requests (lm-eval builds them alike everywhere) and runs the same
     number of forwards: the requests, longest first, in global batches of `batch_size` x dp_degree, rank r taking
@@ -131,7 +130,7 @@ def check_tasks(cfg: Eval) -> Any:
 @functools.cache
 def _loaded(tasks: tuple[str, ...], include_path: str | None) -> tuple[Any, dict[str, Any]]:
     """(task manager, {name: lm-eval Task}) of check_tasks, once per process (the doctor's estimate reads them too)."""
-    from lm_eval_adapter import (
+    from evaluation.tasks import (
         hub_offline_unless_it_answers,
         not_loaded,
         task_manager_for,
@@ -305,7 +304,7 @@ def build_downstream(
 ) -> DownstreamEval:
     """The run's evaluator: its tasks checked (before any step), its scores through the run's layout."""
     from distributed import collective_on_every_rank
-    from lm_eval_adapter import recipe_lm
+    from evaluation.adapter import RecipeLM
 
     e = cfg.eval
     manager = collective_on_every_rank(lambda: check_tasks(e))  # one line from rank 0 when a rank cannot load one
@@ -321,7 +320,7 @@ def build_downstream(
         stop=stop,
     )
     model = forward.model
-    lm = recipe_lm()(model, cfg.model.tokenizer_path, scores=scores, max_length=model.args.max_seq_len)
+    lm = RecipeLM(model, cfg.model.tokenizer_path, scores=scores, max_length=model.args.max_seq_len)
     return DownstreamEval(e, lm=lm, manager=manager)
 
 
@@ -404,36 +403,3 @@ def scored_in(logger: Any, step: int, *, device: torch.device) -> bool:
         found[0] = any(row["step"] == step and any(k.startswith("eval/") for k in row) for row in rows)
     dist.all_reduce(found, op=dist.ReduceOp.MAX)
     return bool(found[0])
-
-
-def scored_steps(path: Path) -> set[int]:
-    """The steps `eval.py --watch` has scored into `path`."""
-    if not path.is_file():
-        return set()
-    return {json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()}
-
-
-def write_watch_row(path: Path, row: dict[str, Any]) -> None:
-    """One step's scores appended to `path`, as one write of a whole line."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as f:
-        f.write(json.dumps(row) + "\n")
-
-
-# ------------------------------------------------------------------ eval.py --watch
-
-
-def add_watch_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--watch", type=Path, metavar="RUN_FOLDER", help="with --tasks: score each step of a run as it lands"
-    )
-    parser.add_argument("--poll-seconds", type=float, default=30.0, help="--watch: how often to look for a new step")
-
-
-def check_watch(opts: argparse.Namespace) -> None:
-    if not opts.tasks:
-        raise ConfigError("--watch: name the lm-eval tasks to score with --tasks (the held-out loss is train.py's)")
-    if opts.checkpoint is not None:
-        raise ConfigError("--watch: scores every step of a run; give it alone, without --checkpoint")
-    if not opts.watch.is_dir():
-        raise ConfigError(f"--watch: {opts.watch} is not a folder; point it at a run's job.dump_folder")
