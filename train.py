@@ -51,7 +51,8 @@ from data.tokenizers import build_tokenizer
 from distributed import CollectiveTimeout, collective_on_rank0, init_distributed
 from downstream import EvalStep, build_downstream
 from errors import ConfigError, RecipeError, is_rank0, report, writable_folder
-from fleet import Fleet
+from fleet import pause_points, step_faults
+from fleet.monitor import Fleet
 from forward import ForwardBackward
 from loss import build_loss_fn
 from metrics import LogStep, MetricsLogger, StepResult
@@ -299,7 +300,7 @@ def after_step_work(
     if balancer is not None:  # before the log, which reads the step's routing from it
         work.append(balancer)
     work.append(log)
-    # A slow rank named, a hang ended (fleet.py): a step ends after its log; the next starts after all the rest.
+    # A slow rank named, a hang ended (fleet/monitor.py): a step ends after its log; the next starts after the rest.
     fleet = Fleet(
         cfg.comm,
         cfg.metrics,
@@ -309,6 +310,7 @@ def after_step_work(
         logger=logger,
         stop_request=run.stop.request,
         group=groups[-1],  # the CPU group: ctrl_group under NCCL, the default group under gloo
+        on_step_start=step_faults(rank),  # FLEET_FAULT's, for drills (fleet/faults.py); None in a run
     )
     run.resources.callback(fleet.close)
     work.append(fleet.step_done)
@@ -414,8 +416,9 @@ def build_checkpoint(
     process_group: dist.ProcessGroup,
     balancer: Balancer | None = None,
 ) -> CheckpointManager:
-    """What a checkpoint holds: weights and optimizer, the data position, the step, RNG and settings, and
-    the spike window and a mixture of experts' last counts (which checkpoints of earlier versions lack)."""
+    """What a checkpoint holds: weights and optimizer, the data position, the step, RNG and settings, the spike
+    window and a mixture of experts' last counts; and the points of a save where a drill holds a rank still
+    (CHECKPOINT_PAUSE_AT, fleet/faults.py)."""
     stateful: dict[str, Any] = {"dataloader": loader, "train_state": state, "spike_window": optimizer.window}
     if balancer is not None:
         stateful["moe_balance"] = balancer
@@ -427,6 +430,7 @@ def build_checkpoint(
         stateful=stateful,
         process_group=process_group,
         interop=ModelInterop.from_config(cfg.model),
+        on_point=pause_points(),
     )
 
 

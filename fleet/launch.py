@@ -1,4 +1,4 @@
-"""torchrun, with Ctrl-C a stop request rather than a crash: `python -m launch` takes torchrun's arguments
+"""torchrun, with Ctrl-C a stop request rather than a crash: `python -m fleet.launch` takes torchrun's arguments
 (`make train` runs it).
 
 A terminal's Ctrl-C sends SIGINT to its foreground process group: make, torchrun, not the ranks (torchrun starts
