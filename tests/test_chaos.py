@@ -212,6 +212,24 @@ def test_a_pause_point_holds_only_where_and_when_it_is_named(tmp_path: Path) -> 
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_save_calls_its_hook_at_each_point_in_order(tmp_path: Path) -> None:
+    """CheckpointManager's on_point, the hook fleet/faults.py's pause is: each point of a save, with its step, in the
+    order docs/faults.md gives (one process: it is rank 0 and DCP's coordinator; `write` at each file's first bytes)."""
+    seen: list[tuple[str, int]] = []
+    cfg = Checkpoint(enable=True, keep_latest_k=1)
+    manager = CheckpointManager(
+        cfg, dump_folder=str(tmp_path), model=build_tiny(), optimizer=None, stateful={},
+        on_point=lambda point, step: seen.append((point, step)),
+    )  # fmt: skip
+    manager.save(1)
+    manager.save(2)  # prunes step 1
+    points = [point for point, _ in seen if point != "write"]
+    assert points == [p for p in POINTS if p not in ("write", "prune")] + [p for p in POINTS if p != "write"], seen
+    assert ("write", 1) in seen and ("write", 2) in seen and seen[-1] == ("prune", 2)
+    assert [step for _, step in seen] == sorted(step for _, step in seen)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_a_step_saved_again_is_replaced_and_a_kill_between_leaves_the_new_one(tmp_path: Path) -> None:
     """A step saved a second time (a run resumed from an earlier checkpoint.load_step) sets the old folder aside as
     `.pruned` before the new one takes its name: a kill in between leaves the new save complete under `.partial`,
