@@ -27,11 +27,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev,eval]"
 	rm -f $(VENV)/.installed-* && touch $@
 
-# Ctrl-C stops the run: the ranks save, rank 0 prints one line, and that is all. launch.py is torchrun without its
+# Ctrl-C stops the run: the ranks save, rank 0 prints one line, and that is all. fleet/launch.py is torchrun without its
 # SignalException traceback; `exec` makes it make's child, not a shell that the signal kills (make then adds
 # "*** [train] Interrupt"). make itself still ends on the signal, as make does: status 130.
 train: setup
-	OMP_NUM_THREADS=1 exec $(PY) -m launch --nproc_per_node=$(NPROC) train.py --config $(CONFIG) $(ARGS)
+	OMP_NUM_THREADS=1 exec $(PY) -m fleet.launch --nproc_per_node=$(NPROC) train.py --config $(CONFIG) $(ARGS)
 
 test: setup
 	$(PY) -m pytest

@@ -175,7 +175,7 @@ class MetricsLogger:
         self._write(m.step, scalars)
 
     def log_ranks(self, step: int, per_rank: dict[str, list[float]], *, line: str | None = None) -> None:
-        """Figures of every rank (fleet.py): a row of lists in metrics.jsonl, `<name>/rank<N>` scalars elsewhere; and
+        """Figures of every rank (fleet/monitor.py): a row of lists in metrics.jsonl, `<name>/rank<N>` scalars elsewhere; and
         `line` on the console when given."""
         if not self.enabled:
             return

@@ -51,7 +51,8 @@ from distributed import CollectiveTimeout, collective_on_rank0, init_distributed
 from errors import ConfigError, RecipeError, is_rank0, report, writable_folder
 from evaluation.downstream import EvalStep
 from evaluation.validation import ValidateStep
-from fleet import Fleet
+from fleet import pause_points, step_faults
+from fleet.monitor import Fleet
 from forward import ForwardBackward
 from loss import LossTerms, build_loss_fn
 from metrics import LogStep, MetricsLogger, StepResult
@@ -306,8 +307,8 @@ def after_step_work(run: Run) -> AfterStepWork:
         *([run.balancer] if run.balancer is not None else []),  # before the log, which reads the step's routing
         log,
     ]
-    # A slow rank named, a hang ended (fleet.py): a step ends after its log; the next starts after all the rest.
-    fleet = Fleet(
+    # A slow rank named, a hang ended (fleet/monitor.py): a step ends after its log; the next starts after all the rest.
+    monitor = Fleet(
         cfg.comm,
         cfg.metrics,
         dump_folder=cfg.job.dump_folder,
@@ -316,9 +317,10 @@ def after_step_work(run: Run) -> AfterStepWork:
         logger=logger,
         stop_request=run.stop.request,
         group=run.cpu_group,
+        on_step_start=step_faults(dist.get_rank()),  # FLEET_FAULT's, for drills (fleet/faults.py); None in a run
     )
-    run.resources.callback(fleet.close)
-    untimed: list[AfterStep] = [fleet.step_done]
+    run.resources.callback(monitor.close)
+    untimed: list[AfterStep] = [monitor.step_done]
     dp = {"dp_rank": run.loader.dp_rank, "dp_degree": run.dims.dp}
     if cfg.validation.enable:
         untimed.append(ValidateStep.for_run(cfg, forward=fb, tokenizer=run.tokenizer, logger=logger, **dp))
@@ -334,7 +336,7 @@ def after_step_work(run: Run) -> AfterStepWork:
     collect = GarbageCollection(every=cfg.training.gc_freq)
     run.resources.callback(collect.close)
     untimed += [run.stop, SaveStep(run.checkpoint, total_steps=steps), ProfileStep(profiler), collect]
-    return AfterStepWork(timed, [*untimed, fleet.step_starts], clock=log)
+    return AfterStepWork(timed, [*untimed, monitor.step_starts], clock=log)
 
 
 def resolve_auto_ac(cfg: JobConfig, *, world_size: int, device: torch.device, mesh: DeviceMesh | None) -> JobConfig:
@@ -409,8 +411,9 @@ def build_checkpoint(
     process_group: dist.ProcessGroup,
     balancer: Balancer | None = None,
 ) -> CheckpointManager:
-    """What a checkpoint holds: weights and optimizer, the data position, the step, RNG and settings, and
-    the spike window and a mixture of experts' last counts (which checkpoints of earlier versions lack)."""
+    """What a checkpoint holds: weights and optimizer, the data position, the step, RNG and settings, the spike
+    window and a mixture of experts' last counts; and the points of a save where a drill holds a rank still
+    (CHECKPOINT_PAUSE_AT, fleet/faults.py)."""
     stateful: dict[str, Any] = {"dataloader": loader, "train_state": state, "spike_window": optimizer.window}
     if balancer is not None:
         stateful["moe_balance"] = balancer
@@ -422,6 +425,7 @@ def build_checkpoint(
         stateful=stateful,
         process_group=process_group,
         interop=ModelInterop.from_config(cfg.model),
+        on_point=pause_points(),
     )
 
 

@@ -38,8 +38,9 @@ then does DCP read the folder.
 The package: folder.py (the lock, complete and damaged steps, recovery after a crash, a full disk),
 verify.py (the checks before a load), manager.py (CheckpointManager and the after-step save), hf_export.py
 (weights in from a step, out as a Hugging Face folder), checksums.py, torchtitan.py (torchtitan 0.2.2's
-layout), pause.py (points inside a save where a rank can be held still, to aim a kill: scripts/chaos.py) and
-__main__.py (`python -m checkpoint verify`).
+layout) and __main__.py (`python -m checkpoint verify`). A save calls one optional hook, CheckpointManager's
+`on_point`, at its named points: a drill holds a rank still at one to aim a kill there (fleet/faults.py,
+scripts/chaos.py); the package knows nothing of how.
 """
 
 from checkpoint.folder import DumpFolderLock, check_folder, prepare_dump_folder, refuse_folder_of_steps

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +28,6 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
-from checkpoint.pause import pause_point, step_of
-
 MANIFEST = "checksums.json"
 ALGORITHM = "xxh3_128"
 _METADATA = ".metadata"  # DCP's, renamed from .metadata.tmp once written
@@ -39,8 +38,8 @@ _CHUNK = 16 * 2**20
 class _HashingStream:
     """A file opened for writing that hashes what passes through it; what DCP's writer calls, and no more."""
 
-    def __init__(self, raw: Any, on_close: Any, *, step: int | None):
-        self.raw, self.on_close, self.step = raw, on_close, step
+    def __init__(self, raw: Any, on_close: Any, *, on_first_bytes: Callable[[], None] | None):
+        self.raw, self.on_close, self.on_first_bytes = raw, on_close, on_first_bytes
         self.hash, self.size = xxhash.xxh3_128(), 0
 
     def write(self, data: Any) -> int:
@@ -48,8 +47,8 @@ class _HashingStream:
         view = memoryview(data).cast("B")
         self.hash.update(view[:written])
         self.size += written
-        if self.size == written:  # the file's first bytes
-            pause_point("write", self.step)
+        if self.size == written and self.on_first_bytes is not None:
+            self.on_first_bytes()
         return written
 
     def tell(self) -> int:
@@ -69,11 +68,13 @@ class _HashingStream:
 
 class _HashingFileSystem(FileSystem):
     """DCP's local file system, recording the size and hash of every file it writes; renaming `.metadata` into
-    place first writes the manifest (`manifest` set by the coordinator's `finish`)."""
+    place first writes the manifest (`manifest` set by the coordinator's `finish`). `point`: the save's hook at
+    its named points (ChecksumWriter), or None."""
 
-    def __init__(self) -> None:
+    def __init__(self, point: Callable[[str], None] | None) -> None:
         self.written: dict[str, dict[str, Any]] = {}
         self.manifest: dict[str, dict[str, Any]] | None = None
+        self.point = point
 
     def create_stream(self, path: str | os.PathLike, mode: str) -> Any:
         if mode != "wb":
@@ -87,7 +88,9 @@ class _HashingFileSystem(FileSystem):
                 self.written[path.name] = {"size": size, "hash": digest}
 
             with path.open("wb") as raw:
-                hashing = _HashingStream(raw, record, step=step_of(path.parent))
+                point = self.point
+                first = None if point is None else lambda: point("write")
+                hashing = _HashingStream(raw, record, on_first_bytes=first)
                 try:
                     yield hashing
                 finally:
@@ -99,16 +102,28 @@ class _HashingFileSystem(FileSystem):
         if Path(new_path).name == _METADATA and self.manifest is not None:
             files = {**self.manifest, _METADATA: self.written[Path(path).name]}
             write_manifest(Path(new_path).parent, files)
-            pause_point("manifest", step_of(Path(new_path).parent))
+            if self.point is not None:
+                self.point("manifest")
         super().rename(path, new_path)
 
 
 class ChecksumWriter(FileSystemWriter):
-    """FileSystemWriter that also writes `checksums.json`: every file's size and xxh3_128, hashed as written."""
+    """FileSystemWriter that also writes `checksums.json`: every file's size and xxh3_128, hashed as written.
 
-    def __init__(self, path: str | os.PathLike, **kwargs: Any):
+    on_point: called with a point's name and `step` at the points of the save it writes (`write`, after the first bytes
+    of a file; `metadata` and `manifest` on the coordinator; CheckpointManager's `on_point`)."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        step: int = 0,
+        on_point: Callable[[str, int], None] | None = None,
+        **kwargs: Any,
+    ):
         super().__init__(path, **kwargs)
-        self.fs = _HashingFileSystem()
+        self.point = None if on_point is None else lambda name: on_point(name, step)
+        self.fs = _HashingFileSystem(self.point)
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         self.fs.written.clear()
@@ -119,7 +134,8 @@ class ChecksumWriter(FileSystemWriter):
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        pause_point("metadata", step_of(self.path))
+        if self.point is not None:
+            self.point("metadata")
         files: dict[str, dict[str, Any]] = {}
         for rank_results in results:
             files.update(*(r.storage_data for r in rank_results if r.index == _RECORD))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.staging import StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -28,7 +30,6 @@ from torch.distributed.tensor import DTensor
 from checkpoint.checksums import ChecksumWriter
 from checkpoint.folder import OutOfSpace, complete_checkpoints, log, rank, refuse_all_damaged, set_aside
 from checkpoint.hf_export import export_hf_folder
-from checkpoint.pause import pause_point
 from checkpoint.torchtitan import TorchtitanState, is_torchtitan, load_torchtitan, torchtitan_named
 from checkpoint.verify import check_holds, nonfinite_parameters, verify, verify_contents
 from config import Checkpoint, Model, model_args
@@ -109,6 +110,12 @@ class ModelInterop:
 
 
 class CheckpointManager:
+    # async_with_pinned_mem's staging (CUDA, which __init__ requires of the mode): pinned shared memory, a background
+    # copy, non-blocking device-to-host copies.
+    PINNED = StagingOptions(
+        use_pinned_memory=True, use_shared_memory=True, use_async_staging=True, use_non_blocking_copy=True
+    )
+
     def __init__(
         self,
         cfg: Checkpoint,
@@ -119,14 +126,17 @@ class CheckpointManager:
         stateful: dict[str, Stateful],
         process_group: dist.ProcessGroup | None = None,
         interop: ModelInterop | None = None,
+        on_point: Callable[[str, int], None] | None = None,
     ):
-        """`stateful`: everything else to save and restore (loader, train state); a part with a `load_absent()`
-        method may be missing from checkpoints of earlier versions, and is then told so instead of loaded.
-        interop: only Hugging Face loading and export and torchtitan's checkpoints need it."""
+        """`stateful`: everything else to save and restore (loader, train state). interop: only Hugging Face loading
+        and export and torchtitan's checkpoints need it. on_point: called with a point's name and the step at each
+        point a save passes, in order `start` (every rank), `write` (every rank, the first bytes of a file written),
+        `metadata`, `manifest`, `publish` and `prune` (rank 0): a test or drill holds a rank still there
+        (fleet/faults.py); None in a run."""
         self.cfg = cfg
         self.folder = Path(dump_folder) / cfg.folder
         self.model, self.optimizer = model, optimizer
-        self.stateful, self.interop = stateful, interop
+        self.stateful, self.interop, self.on_point = stateful, interop, on_point
         # DCP's collectives go over a gloo group so an async save in a background thread
         # never competes with NCCL training collectives; on CPU this is the default group.
         self.process_group = process_group
@@ -246,9 +256,6 @@ class CheckpointManager:
         key: str,
         load_model: bool = True,
     ) -> None:
-        for name in [n for n, part in parts.items() if hasattr(part, "load_absent") and not _holds_part(metadata, n)]:
-            parts.pop(name).load_absent()  # saved by a recipe that did not checkpoint it yet
-            log(f"{path} holds no {name} (saved before it was checkpointed): it starts afresh")
         model_state = get_model_state_dict(self.model)
         check_holds(path, metadata, {f"model_and_optimizer.model.{k}": v for k, v in model_state.items()}, key=key)
         state: dict[str, Any] = {**parts}
@@ -354,7 +361,7 @@ class CheckpointManager:
         if rank() == 0:  # before DCP's first collective, so before any rank writes into it
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True, exist_ok=True)
-        pause_point("start", step)
+        self._point("start", step)
         model_only = model_only or (last and self.cfg.last_save_model_only)
         dtype = getattr(torch, self.cfg.export_dtype) if last and self.cfg.last_save_model_only else None
         state: dict[str, Any] = {
@@ -366,9 +373,9 @@ class CheckpointManager:
             state.update(self.stateful)
         with self._out_of_space(step):
             if self.cfg.async_mode != "disabled" and not (wait or last):
-                self._pending = (self._async_save(state, partial), step)
+                self._pending = (self._async_save(state, self._writer(partial, step)), step)
             else:
-                dcp.save(state, storage_writer=ChecksumWriter(partial), process_group=self.process_group)
+                dcp.save(state, storage_writer=self._writer(partial, step), process_group=self.process_group)
                 self._publish(step)
         if last and self.cfg.last_save_in_hf and rank() == 0:
             self.export_hf(step)
@@ -398,16 +405,14 @@ class CheckpointManager:
         log(f"exported step {step} to the Hugging Face folder {target} ({time.perf_counter() - begin:.1f} s)")
         return target
 
-    def _async_save(self, state: dict[str, Any], partial: Path) -> Future:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    def _async_save(self, state: dict[str, Any], writer: ChecksumWriter) -> Future:
+        from torch.distributed.checkpoint.staging import DefaultStager
 
         if self.cfg.async_mode == "async":
             # The stager DCP uses when given no writer; given ChecksumWriter (a FileSystemWriter, thus a
             # BlockingAsyncStager) it would stage with that instead. Hashing happens in the upload thread.
             stager = DefaultStager(StagingOptions(False, False, False, False))
-            future = dcp.async_save(
-                state, storage_writer=ChecksumWriter(partial), process_group=self.process_group, async_stager=stager
-            )
+            future = dcp.async_save(state, storage_writer=writer, process_group=self.process_group, async_stager=stager)
             future.add_done_callback(lambda _: stager.close())
             return future
         # async_with_pinned_mem, as torchtitan 0.2.2 does it: stage into pinned shared memory with a
@@ -415,16 +420,10 @@ class CheckpointManager:
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
         if self._stager is None:
-            # Pinned shared memory and non-blocking copies need CUDA, which __init__ requires of this mode; only
-            # cuda_paths' CPU rehearsal of this branch comes here without it, and stages into ordinary memory.
-            cuda = torch.cuda.is_available()
-            options = StagingOptions(
-                use_pinned_memory=cuda, use_shared_memory=cuda, use_async_staging=True, use_non_blocking_copy=cuda
-            )
-            self._stager = DefaultStager(options)
+            self._stager = DefaultStager(self.PINNED)
         response = dcp.async_save(
             state,
-            storage_writer=ChecksumWriter(partial),
+            storage_writer=writer,
             process_group=self.process_group,
             async_checkpointer_type=AsyncCheckpointerType.PROCESS,
             async_stager=self._stager,
@@ -461,7 +460,7 @@ class CheckpointManager:
         # here the checkpoint is complete; only then does it get its resumable name.
         if rank() == 0:
             final = self.folder / f"step-{step}"
-            pause_point("publish", step)
+            self._point("publish", step)
             replaced = _pruned(final) if final.exists() else None  # (a step saved again, after load_step's resume)
             os.replace(self.folder / f"step-{step}.partial", final)
             if replaced is not None:
@@ -481,8 +480,15 @@ class CheckpointManager:
             trained = [(step, path) for step, path in complete_checkpoints(self.folder) if step > 0]  # keep seeds
             for _, path in trained[: -self.cfg.keep_latest_k]:
                 doomed = _pruned(path)
-                pause_point("prune", saved)
+                self._point("prune", saved)
                 shutil.rmtree(doomed, ignore_errors=True)
+
+    def _point(self, name: str, step: int) -> None:
+        if self.on_point is not None:
+            self.on_point(name, step)
+
+    def _writer(self, partial: Path, step: int) -> ChecksumWriter:
+        return ChecksumWriter(partial, step=step, on_point=self.on_point)
 
     def _out_of_space(self, step: int) -> Any:
         return OutOfSpace(self.folder / f"step-{step}.partial")
@@ -501,10 +507,6 @@ def _pruned(path: Path) -> Path:
     shutil.rmtree(doomed, ignore_errors=True)  # (a leftover of an earlier kill, had start-up not removed it)
     os.replace(path, doomed)
     return doomed
-
-
-def _holds_part(metadata: Metadata, name: str) -> bool:
-    return any(key == name or key.startswith(f"{name}.") for key in metadata.state_dict_metadata)
 
 
 def stager_reusable(stager: Any) -> bool:

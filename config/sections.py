@@ -739,8 +739,8 @@ class Comm:
     """Timeout of collectives until the first step is done (process-group set-up, tokenization, loading a checkpoint)."""
     train_timeout_seconds: int = 100
     """Timeout of collectives from the second step on: a rank that stops answering fails the job after this long instead of hanging it."""
-    hang_timeout_seconds: float | Literal["auto"] = optional_part("fleet.py", "auto")
-    """A step that takes longer ends the job: every rank that can writes its stacks to <dump_folder>/hang/ and one line names the ranks that did not arrive (fleet.py); "auto": 5 x the median step, at least 60 s, from the fifth step on; 0 turns it off."""
+    hang_timeout_seconds: float | Literal["auto"] = optional_part("fleet/monitor.py", "auto")
+    """A step that takes longer ends the job: every rank that can writes its stacks to <dump_folder>/hang/ and one line names the ranks that did not arrive (fleet/monitor.py); "auto": 5 x the median step, at least 60 s, from the fifth step on; 0 turns it off."""
     trace_buf_size: int = 20000
     """NCCL flight recorder: collectives kept per rank to dump when one hangs (CUDA; 0 turns it off)."""
     save_traces_folder: str = "comm_traces"
@@ -778,8 +778,8 @@ class Metrics(TorchtitanMetrics):
 
     log_freq: int = 10
     """Log loss, grad norm, lr, tokens/s, MFU and memory every this many steps."""
-    straggler_threshold: float = optional_part("fleet.py", 0.2)
-    """At each logged step, name the slowest rank when its time working and reading data per step exceeds the other ranks' median by more than this fraction (fleet.py); metrics.jsonl keeps every rank's."""
+    straggler_threshold: float = optional_part("fleet/monitor.py", 0.2)
+    """At each logged step, name the slowest rank when its time working and reading data per step exceeds the other ranks' median by more than this fraction (fleet/monitor.py); metrics.jsonl keeps every rank's."""
     enable_tensorboard: bool = False
     """Also write TensorBoard events to <dump_folder>/<save_tb_folder>."""
     save_tb_folder: str = "tb"

@@ -94,7 +94,7 @@ class GlobalBatchLoader:
     strict_resume: bool = True  # refuse a checkpoint of other data, tokenizer, window or global batch
     pad_samples: bool = False  # chat data: one sample per window instead of packing whole samples
     sample_index: int = 0  # samples consumed by all ranks together: the checkpointed position
-    reading_seconds: float = 0.0  # time spent reading this rank's samples so far (fleet.py compares the ranks')
+    reading_seconds: float = 0.0  # time spent reading this rank's samples so far (fleet/monitor.py compares the ranks')
 
     def __post_init__(self) -> None:
         self.grad_accum = grad_accum_steps(self.global_batch_size, local_batch=self.local_batch_size, dp=self.dp_degree)

@@ -3,7 +3,7 @@
     python scripts/chaos.py --trials 20 --seed 1            # 2 CPU ranks (gloo) under torchrun, the debug model
 
 Each trial draws, from its seed, a save mode (checkpoint.async_mode "disabled" or "async"; checksums are always
-recorded), a save (its step), a moment inside it (a pause point of checkpoint/pause.py: `start`, `write`, `metadata`,
+recorded), a save (its step), a moment inside it (a pause point of fleet/faults.py: `start`, `write`, `metadata`,
 `manifest`, `publish`, `prune`) and a victim (one rank, or the whole job: every rank and torchrun at once). It starts
 the job with CHECKPOINT_PAUSE_AT holding one rank still at that moment for --pause seconds, sends SIGKILL to the
 victim as soon as that rank says it is there (the other ranks are wherever the save has taken them; a surviving
@@ -41,9 +41,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as `python scripts/chaos.py` from anywhere
 
 from checkpoint.checksums import file_digest, read_manifest  # noqa: E402
-from checkpoint.pause import POINTS, RANK0_POINTS, VARIABLE  # noqa: E402
+from fleet.faults import PAUSE_AT, POINTS, RANK0_POINTS  # noqa: E402
 
-PAUSED = re.compile(rf"^{VARIABLE}: rank (\d+) \(pid (\d+)\) paused at (\w+) of step (\d+)", re.M)
+PAUSED = re.compile(rf"^{PAUSE_AT}: rank (\d+) \(pid (\d+)\) paused at (\w+) of step (\d+)", re.M)
 MODES = {"sync": "disabled", "async": "async"}  # the trial's name -> checkpoint.async_mode
 
 
@@ -77,7 +77,7 @@ class Trial:
     seed: int
     mode: str  # "sync" or "async"
     step: int  # the save the kill is aimed into
-    moment: str  # a pause point of checkpoint/pause.py
+    moment: str  # a pause point of fleet/faults.py
     paused: int  # the rank held still at the moment
     victim: int | None  # the rank killed; None: the whole job
 
@@ -197,7 +197,7 @@ def run_trial(trial: Trial, setup: Setup, work: Path, *, straight: float, launch
     dump = work / f"trial-{trial.seed}"
     args = setup.args(trial.mode, dump)
     outcome = Outcome(trial)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), VARIABLE: trial.pause_at(setup.pause)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), PAUSE_AT: trial.pause_at(setup.pause)}
     job = launch(args, env, work / f"trial-{trial.seed}.killed.log")
     if (problem := kill_at_pause(job, trial)) is not None:
         outcome.problems.append(problem)
@@ -205,7 +205,7 @@ def run_trial(trial: Trial, setup: Setup, work: Path, *, straight: float, launch
     outcome.expected = newest_complete(dump / "checkpoint")
     if outcome.expected != (aimed := aimed_at(trial, setup)):
         outcome.problems.append(f"the kill left step {outcome.expected} the newest complete, not step {aimed}")
-    env.pop(VARIABLE)
+    env.pop(PAUSE_AT)
     rerun = launch(args, env, work / f"trial-{trial.seed}.rerun.log")
     if (code := rerun.wait(600)) != 0:
         rerun.kill()
@@ -319,7 +319,7 @@ def straight_run(mode: str, setup: Setup, work: Path, *, launch: Launch) -> floa
     """The last loss of a run of `mode` that nothing kills: what every trial of that mode must end on."""
     dump = work / f"straight-{mode}"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    env.pop(VARIABLE, None)
+    env.pop(PAUSE_AT, None)
     job = launch(setup.args(mode, dump), env, work / f"straight-{mode}.log")
     if (code := job.wait(600)) != 0:
         job.kill()

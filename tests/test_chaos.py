@@ -23,8 +23,8 @@ import torch
 from checkpoint import CheckpointManager
 from checkpoint.checksums import MANIFEST, file_digest, write_manifest
 from checkpoint.folder import recover_partial_checkpoints
-from checkpoint.pause import POINTS, RANK0_POINTS, VARIABLE
 from config import Checkpoint
+from fleet.faults import FLEET_FAULT, PAUSE_AT, POINTS, RANK0_POINTS
 from scripts.chaos import (
     Setup,
     Trial,
@@ -178,18 +178,18 @@ def test_a_kill_is_aimed_before_or_after_the_step_is_complete_as_docs_faults_md_
 def test_a_pause_point_holds_only_where_and_when_it_is_named(tmp_path: Path) -> None:
     probe = tmp_path / "probe.py"
     probe.write_text(
-        "import time\nfrom checkpoint.pause import pause_point\nt = time.monotonic()\n"
-        "for point, step in [('write', 3), ('write', 4), ('write', 4), ('start', 4)]:\n    pause_point(point, step)\n"
+        "import time\nfrom fleet import pause_points\nat = pause_points()\nt = time.monotonic()\n"
+        "for point, step in [('write', 3), ('write', 4), ('write', 4), ('start', 4)]:\n    at and at(point, step)\n"
         "print(round(time.monotonic() - t, 1))\n"
     )
 
     def run(spec: str, rank: int) -> subprocess.CompletedProcess[str]:
-        return python(str(probe), env={VARIABLE: spec, "RANK": str(rank), "OMP_NUM_THREADS": "1"})
+        return python(str(probe), env={PAUSE_AT: spec, "RANK": str(rank), "OMP_NUM_THREADS": "1"})
 
     paused = run("write,step=4,rank=1,seconds=0.5", 1)
     assert paused.stdout.strip() == "0.5"  # once, at step 4's write
     assert (
-        paused.stderr.startswith(f"{VARIABLE}: rank 1 (pid ") and "paused at write of step 4 for 0.5 s" in paused.stderr
+        paused.stderr.startswith(f"{PAUSE_AT}: rank 1 (pid ") and "paused at write of step 4 for 0.5 s" in paused.stderr
     )
     other = run("write,step=4,rank=1,seconds=0.5", 0)
     assert other.stdout.strip() == "0.0" and other.stderr == ""
@@ -198,6 +198,35 @@ def test_a_pause_point_holds_only_where_and_when_it_is_named(tmp_path: Path) -> 
         typo.returncode == 1
         and "ValueError: CHECKPOINT_PAUSE_AT='writes,step=4': expected one of start, write" in typo.stderr
     )
+    # Unset, neither fault variable costs an import: train.py's hooks are None, fleet/faults.py never loaded. Set
+    # (to another rank's faults: still None), each loads it.
+    probe.write_text(
+        "import sys, train\nfrom fleet import pause_points, step_faults\n"
+        "print(pause_points(), step_faults(0), 'fleet.faults' in sys.modules)\n"
+    )
+    unset = python(str(probe), env={"OMP_NUM_THREADS": "1"})
+    assert unset.stdout.strip() == "None None False", unset
+    for variable, spec in ((FLEET_FAULT, "spin,rank=1,step=1"), (PAUSE_AT, "start,rank=1")):
+        named = python(str(probe), env={"OMP_NUM_THREADS": "1", variable: spec})
+        assert named.stdout.strip() == "None None True", (variable, named)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_save_calls_its_hook_at_each_point_in_order(tmp_path: Path) -> None:
+    """CheckpointManager's on_point, the hook fleet/faults.py's pause is: each point of a save, with its step, in the
+    order docs/faults.md gives (one process: it is rank 0 and DCP's coordinator; `write` at each file's first bytes)."""
+    seen: list[tuple[str, int]] = []
+    cfg = Checkpoint(enable=True, keep_latest_k=1)
+    manager = CheckpointManager(
+        cfg, dump_folder=str(tmp_path), model=build_tiny(), optimizer=None, stateful={},
+        on_point=lambda point, step: seen.append((point, step)),
+    )  # fmt: skip
+    manager.save(1)
+    manager.save(2)  # prunes step 1
+    points = [point for point, _ in seen if point != "write"]
+    assert points == [p for p in POINTS if p not in ("write", "prune")] + [p for p in POINTS if p != "write"], seen
+    assert ("write", 1) in seen and ("write", 2) in seen and seen[-1] == ("prune", 2)
+    assert [step for _, step in seen] == sorted(step for _, step in seen)
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

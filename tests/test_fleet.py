@@ -1,4 +1,4 @@
-"""fleet.py: a slow rank named, a hang ended with every rank's stacks; the lock of a dead run taken over is in
+"""fleet/monitor.py: a slow rank named, a hang ended with every rank's stacks; the lock of a dead run taken over is in
 tests/test_faults.py. The multi-process checks share one launch per world size (plus one resume): each is a whole
 run that ends in a hang, with a slow window before it."""
 
@@ -13,7 +13,7 @@ import pytest
 
 from config import load_config
 from errors import ConfigError
-from fleet import AUTO_FLOOR_S, Peer, Watchdog, deadline, hang_line, slow_rank_line
+from fleet.monitor import AUTO_FLOOR_S, Peer, Watchdog, deadline, hang_line, slow_rank_line
 from tests.conftest import TINY, losses
 from tests.launch import torchrun
 
@@ -127,7 +127,7 @@ def test_a_slow_rank_is_named_and_a_stuck_one_ends_the_job_with_every_ranks_stac
     assert "Traceback" not in err, err[-3000:]
     rank0, rank1 = ((dump / "hang" / f"rank{r}.txt").read_text() for r in (0, 1))
     assert "step 9 not done after 6 s; in a collective: torch/distributed/" in rank0.splitlines()[0]
-    assert "not in a collective: at fleet.py" in rank1.splitlines()[0] and "in train" in rank1  # every thread's stack
+    assert "not in a collective: at fleet/faults.py" in rank1.splitlines()[0] and "in train" in rank1  # all stacks
     assert seconds < 120
     # The same command resumes from the last checkpoint: the lock of the ended run is taken over, its stacks kept.
     again = torchrun("train.py", *RUN, "--training.steps=10", f"--job.dump_folder={dump}", nproc=2)

@@ -1,16 +1,19 @@
 """tests/launch.py forks most launches from a warm interpreter (tests/forkserver.py). What a script sees and how it
-exits there must be what a new `python` process gives it, or every test that launches would test something else."""
+exits there must be what a new `python` process gives it, or every test that launches would test something else.
+And `make train`'s launcher (fleet/launch.py): a refused config is its one line, a crash torchrun's report."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 import tests.launch
-from tests.launch import REPO, python, torchrun
+from tests.launch import REPO, free_port, python, torchrun, two_at_a_time
 
 PROBE = """
 import atexit, json, os, sys, threading, time
@@ -72,3 +75,25 @@ def test_an_environment_the_servers_imports_read_otherwise_runs_in_a_new_interpr
     assert "UNSAFE_SKIP_FSDP_MODULE_GUARDS" not in os.environ
     proc = python(str(tmp_path / "probe.py"), "ok", env={"UNSAFE_SKIP_FSDP_MODULE_GUARDS": "1"}, cwd=tmp_path)
     assert proc.returncode == 0 and json.loads(proc.stdout.splitlines()[0])["parent"] == os.getpid(), proc
+
+
+def test_make_trains_launcher_says_a_refusal_in_its_one_line_and_a_crash_in_torchruns_report(tmp_path: Path) -> None:
+    """`python -m fleet.launch` (make train): a config the recipe refuses ends with its one line and exit status 2,
+    no torchrun report, no traceback; a rank that fails otherwise (here an exception: exit 1) still gets the report."""
+    (tmp_path / "crash.py").write_text("raise RuntimeError('a crash')\n")
+
+    def launch(*args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "fleet.launch", "--nproc_per_node=2", f"--master_port={free_port()}", *args]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+    refused, crashed = two_at_a_time(
+        lambda: launch("train.py", "--config", "configs/debug.toml", "--training.steps=abc"),
+        lambda: launch(str(tmp_path / "crash.py")),
+    )
+    assert refused.returncode == 2, refused
+    assert refused.stderr == "error: training.steps: expected int, got 'abc' in the command line\n", refused.stderr
+    assert refused.stdout == ""
+    assert crashed.returncode == 1, crashed
+    assert "RuntimeError: a crash" in crashed.stderr and "ChildFailedError" in crashed.stderr, crashed.stderr
+    assert "crash.py FAILED" in crashed.stderr and "Root Cause (first observed failure)" in crashed.stderr

@@ -30,7 +30,7 @@ def test_two_rank_run_loss_falls_and_metrics_are_logged(
 ) -> None:
     dump, proc = two_rank_run
     rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "loss" in r]  # (each logged step also has a row of every rank's figures: fleet.py)
+    rows = [r for r in rows if "loss" in r]  # (a logged step also has a row of each rank's figures: fleet/monitor.py)
     assert [r["step"] for r in rows] == [5, 10, 15, 20, 25, 30]
     for row in rows:
         assert {"step", "loss", "grad_norm", "lr", "tps", "mfu", "memory_gib"} <= row.keys()

@@ -18,10 +18,8 @@ Both are one object, `Fleet`, with two entries in train.py's work after a step: 
 step's figures; on logging steps the gather and the report) and `step_starts` last (the next step's clocks, the
 watchdog armed). What runs between them (validation, a save, the profiler) is not part of a step.
 
-For tests and drills, `FLEET_FAULT="<kind>,rank=<R>,step=<N>[,seconds=<S>]"` makes rank R misbehave as step N starts:
-`stop` sends itself SIGSTOP (frozen, as a hung node is), `sleep` sleeps S seconds (default an hour) outside any
-collective, `spin` works S more seconds in that step and every later one (a slow rank); several faults are separated
-by ";". Unset, it costs nothing.
+For tests and drills, `on_step_start` is a hook called as each step starts (fleet/faults.py's FLEET_FAULT: a rank
+that freezes, sleeps or slows down); None in a run.
 """
 
 from __future__ import annotations
@@ -56,8 +54,6 @@ HANG_EXIT = 124  # the exit status of a job ended by the watchdog (coreutils' `t
 AUTO_FACTOR, AUTO_FLOOR_S = 5, 60.0  # "auto": this many median steps, at least this many seconds
 AUTO_AFTER = 3  # "auto" arms once this many steps are timed (the first step of a process, its compile, never is)
 AUTO_WINDOW = 100  # the steps whose median "auto" reads: the latest, so that a run whose steps change follows them
-FAULT_VARIABLE = "FLEET_FAULT"
-FAULTS = ("stop", "sleep", "spin")
 
 
 def busy_seconds() -> float:
@@ -108,6 +104,7 @@ class Fleet:
         logger: MetricsLogger,
         stop_request: StopRequest,
         group: dist.ProcessGroup | None,
+        on_step_start: Callable[[int], None] | None = None,
     ):
         self.setting = comm.hang_timeout_seconds
         self.threshold, self.log_freq = metrics.straggler_threshold, metrics.log_freq
@@ -121,7 +118,7 @@ class Fleet:
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         dist.all_gather_object(peers, (socket.gethostname(), local_rank, os.getpid()), group=group)  # start-up
         self.peers = [Peer(host, local, pid) for host, local, pid in peers]
-        self.faults = Fault.from_environment(rank=self.rank)
+        self.on_step_start = on_step_start
         self.step_times: deque[float] = deque(maxlen=AUTO_WINDOW)
         self.window, self.window_first = Window(), 0
         self.began: tuple[float, float, float] | None = None  # (wall, busy, data) when the step in flight began
@@ -154,8 +151,8 @@ class Fleet:
         self.began = (time.perf_counter(), busy_seconds(), self.loader.reading_seconds)
         if self.watchdog is not None and (seconds := deadline(self.setting, self.step_times)) is not None:
             self.watchdog.arm(step + 1, seconds)
-        for fault in self.faults:
-            fault(step + 1)
+        if self.on_step_start is not None:
+            self.on_step_start(step + 1)
         return False
 
     def close(self) -> None:
@@ -317,8 +314,8 @@ def waiting_in(frame: Any) -> str:
 
 def _short(f: traceback.FrameSummary) -> str:
     path = f.filename.split("site-packages" + os.sep, 1)[-1]
-    here = str(Path(__file__).parent) + os.sep
-    return f"{path.removeprefix(here)}:{f.lineno} {f.name}"
+    repo = str(Path(__file__).parent.parent) + os.sep
+    return f"{path.removeprefix(repo)}:{f.lineno} {f.name}"
 
 
 def set_aside_previous_hang(folder: Path) -> None:
@@ -372,40 +369,3 @@ class Watchdog:
                     continue
                 self.armed = None
             self.expired(step, seconds, self.main)  # exits the process, or returns when a stop is under way
-
-
-@dataclass
-class Fault:
-    """FLEET_FAULT (see the module docstring): a fault this rank plays as a step starts."""
-
-    kind: str
-    step: int
-    seconds: float
-
-    @classmethod
-    def from_environment(cls, *, rank: int) -> list[Fault]:
-        """This rank's faults of FLEET_FAULT (several are separated by ";")."""
-        faults = []
-        for spec in filter(None, os.environ.get(FAULT_VARIABLE, "").split(";")):
-            kind, *options = spec.split(",")
-            settings = dict(option.partition("=")[::2] for option in options)
-            if kind not in FAULTS or not {"rank", "step"} <= set(settings) <= {"rank", "step", "seconds"}:
-                raise ValueError(
-                    f"{FAULT_VARIABLE}={spec!r}: expected {' or '.join(FAULTS)}, rank=R, step=N, seconds=S"
-                )
-            if int(settings["rank"]) == rank:
-                faults.append(cls(kind, int(settings["step"]), float(settings.get("seconds", 3600))))
-        return faults
-
-    def __call__(self, step: int) -> None:
-        if step == self.step:  # what a drill times the detection from
-            line = f"{FAULT_VARIABLE}: rank {os.environ.get('RANK', 0)} (pid {os.getpid()}) {self.kind} at step {step}"
-            print(f"{line} ({time.time():.3f})", file=sys.stderr, flush=True)
-        if self.kind == "spin" and step >= self.step:
-            until = time.perf_counter() + self.seconds
-            while time.perf_counter() < until:
-                pass
-        elif self.kind == "sleep" and step == self.step:
-            time.sleep(self.seconds)
-        elif self.kind == "stop" and step == self.step:
-            os.kill(os.getpid(), signal.SIGSTOP)
