@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-import stop
+from fleet import stop
 
 if __name__ == "__main__":
     stop.listen()  # before the imports below (seconds): SIGTERM/SIGINT during start-up is a clean stop too
@@ -257,7 +257,7 @@ def build(
     if rank == 0:
         print_banner(cfg, args, dims=dims, loader=loader, start_step=start_step, device=device, changed=changed)
     resume(cfg, checkpoint, state, optimizer, start_step=start_step)
-    # Signals have been recorded since the first line (stop.py); the ranks first agree here, after start-up.
+    # Signals have been recorded since the first line (fleet/stop.py); the ranks first agree here, after start-up.
     request = stop.StopRequest(cpu_group, stop_file=Path(cfg.job.dump_folder) / "STOP", is_rank0=rank == 0)
     if reason := request.requested():
         request.done(f"{reason}: stopped during start-up, before step {start_step + 1}; nothing new to save")

@@ -50,7 +50,7 @@ from errors import ConfigError
 if TYPE_CHECKING:
     from config import Eval
     from forward import ForwardBackward
-    from stop import StopRequest
+    from fleet.stop import StopRequest
 
 
 class Interrupted(Exception):

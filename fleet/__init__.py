@@ -1,6 +1,7 @@
 """The ranks of a job as a fleet: `launch.py` starts them (`python -m fleet.launch`, torchrun with Ctrl-C a stop
-request and the recipe's refusals passed on in their one line), `monitor.py` names a slow rank and ends a job whose
-rank stopped answering, `faults.py` plays faults on purpose for tests and drills.
+request and the recipe's refusals passed on in their one line), `stop.py` turns a signal or a STOP file into a stop
+the ranks agree on, `monitor.py` names a slow rank and ends a job whose rank stopped answering, `faults.py` plays
+faults on purpose for tests and drills.
 
 The faults are a leaf: `step_faults` and `pause_points` import faults.py only when its variable is set, so a run
 without them imports nothing of it. This file imports nothing heavy either (no torch).

@@ -4,7 +4,7 @@
 A terminal's Ctrl-C sends SIGINT to its foreground process group: make, torchrun, not the ranks (torchrun starts
 each in a session of its own). torchrun turns SIGINT into its SignalException: it sends SIGINT on to the ranks,
 waits for them and raises the exception again, whatever they did: three warnings, a traceback and exit status 1
-after the ranks of train.py saved their last step and exited 0 (stop.py). Here SIGINT is taken from torchrun
+after the ranks of train.py saved their last step and exited 0 (fleet/stop.py). Here SIGINT is taken from torchrun
 (its `--signals-to-handle`, PET_SIGNALS_TO_HANDLE) and the first one is sent on to the ranks as it is: torchrun
 then sees them end as any run ends, exit 0 and nothing more when they saved and stopped, its failure summary
 when one did not. With no ranks yet, or on a second Ctrl-C, torchrun's own handling takes over: it signals the

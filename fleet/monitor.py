@@ -48,7 +48,7 @@ from metrics import MetricsLogger, logged
 
 if TYPE_CHECKING:
     from data.loader import GlobalBatchLoader
-    from stop import StopRequest
+    from fleet.stop import StopRequest
 
 HANG_EXIT = 124  # the exit status of a job ended by the watchdog (coreutils' `timeout` uses it too)
 AUTO_FACTOR, AUTO_FLOOR_S = 5, 60.0  # "auto": this many median steps, at least this many seconds
@@ -182,7 +182,7 @@ class Fleet:
         """The watchdog thread, step `step` not done after `seconds`: write this rank's stacks, wait for the other
         ranks' (a rank frozen or dead writes none), the lowest rank that wrote prints the one line, and exit.
 
-        A stop request in progress (stop.py) saves and ends the run on its own: nothing is done then."""
+        A stop request in progress (fleet/stop.py) saves and ends the run on its own: nothing is done then."""
         if self.stop_request.reason is not None:
             return
         self.hang_folder.mkdir(parents=True, exist_ok=True)

@@ -416,7 +416,7 @@ def test_sigterm_to_plain_torchrun_abandons_a_long_step_and_saves_within_a_3_s_g
 
 
 def test_sigint_to_plain_torchrun_during_start_up_stops_cleanly_in_one_line(tmp_path: Path) -> None:
-    """Ctrl-C while the ranks still import torch: recorded (stop.py), answered once start-up is done, one line
+    """Ctrl-C while the ranks still import torch: recorded (fleet/stop.py), answered once start-up is done, one line
     from rank 0 and no KeyboardInterrupt traceback from any rank."""
     dump = tmp_path / "run"
     cmd = plain_torchrun("train.py", *TINY, f"--job.dump_folder={dump}", "--checkpoint.enable")

@@ -114,7 +114,7 @@ LAYERS = (
     ("errors",),
     ("models",),
     ("config",),
-    ("parallelisms", "data", "loss", "optimizer", "muon", "distributed", "metrics", "profiling", "stop", "fleet"),
+    ("parallelisms", "data", "loss", "optimizer", "muon", "distributed", "metrics", "profiling", "fleet"),
     ("checkpoint", "forward", "inference"),
     ("generate", "evaluation"),
     ("planning",),
@@ -239,3 +239,21 @@ def test_marked_copies_match_their_sources(tmp_path: Path) -> None:
     # A deleted source (a fork removed models/llama3): its copies are their own code.
     shutil.rmtree(tmp_path / "models" / "llama3")
     assert copy_problems(tmp_path)[0] == []
+
+
+def test_the_readme_and_the_developers_page_name_every_root_module_and_package() -> None:
+    """A newcomer finds every part of the recipe from the README's map ("Where things are") and docs/development.md's
+    layout table: each module and package at the root is named in both (`train.py`, `fleet/`)."""
+    parts = sorted(
+        f"{path.name}/" if path.is_dir() else path.name
+        for path in REPO.iterdir()
+        if (path.suffix == ".py" or (path / "__init__.py").exists()) and path.name not in RECIPE_ONLY
+    )
+    readme = (REPO / "README.md").read_text()
+    readme_map = readme[readme.index("## Where things are") :]
+    layout = (REPO / "docs" / "development.md").read_text()
+    assert [p for p in parts if f"`{p}`" not in readme_map] == []
+    assert [
+        p for p in parts if f"| `{p}`" not in layout and f", `{p}`" not in layout.split("## Removing a part")[0]
+    ] == []
+    assert {"train.py", "fleet/", "evaluation/"} <= set(parts)
