@@ -124,6 +124,13 @@ def _blocks(text: str) -> list[tuple[str, str]]:
     return blocks
 
 
+def test_the_record_page_stays_a_short_read() -> None:
+    """docs/benchmarks.md is the claims, one row each, under 20 KB: a record that is no longer a headline goes to
+    docs/results/ (its rows) and git, not onto the page."""
+    size = len((REPO / "docs" / "benchmarks.md").read_bytes())
+    assert size < 20 * 1024, f"docs/benchmarks.md is {size} bytes: move what it no longer shows to docs/results/"
+
+
 def test_every_number_on_the_record_page_is_its_cited_rows() -> None:
     """docs/benchmarks.md: a paragraph, list item or table row that quotes a measured number names the results row
     it comes from as [id](results/FILE.jsonl) (a table's header row names it for every row), the row exists, and
