@@ -52,7 +52,7 @@ FLOAT8_GPU = ["--world", "1", "--flavor", "llama3_8b", "--n-layers", "4", "--seq
               "--setups", "bf16", "float8", "float8_rowwise", "--compile", "--steps", "3"]  # fmt: skip
 FLOAT8_REHEARSE = ["--world", "1", "--n-layers", "1", "--seq-len", "32", "--batch-size", "1"]
 
-# Each part's GPU estimate is its wall time on one H100 (2026-11-27, docs/benchmarks.md), rounded up; cuda_paths'
+# Each part's GPU estimate is its wall time on one H100 (2026-11-27, docs/results/gpu.jsonl), rounded up; cuda_paths'
 # includes the pinned async save that failed there on torch 2.11. What issue 62 measures comes first (vs_torchtitan,
 # decode: about 7.5 minutes, one command of --minutes 9), the rest after (about 5 minutes, a second command).
 PARTS = (
@@ -80,7 +80,7 @@ BY_NAME = {p.name: p for p in PARTS}
 
 
 def environment(rehearse: bool) -> dict[str, Any]:
-    """What docs/benchmarks.md records beside each GPU run's rows: the date, the device, torch and CUDA."""
+    """What a GPU run's rows in docs/results/gpu.jsonl record of its machine: the date, the device, torch and CUDA."""
     cuda = torch.cuda.is_available() and not rehearse
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

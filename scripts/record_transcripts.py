@@ -5,7 +5,8 @@
     python scripts/record_transcripts.py --cheap      # only the blocks marked cheap (what tests/test_docs.py runs)
     python scripts/record_transcripts.py --only 405b  # only the blocks whose command contains this text
 
-A quoted block in README.md or docs/*.md sits between two HTML comments, which Markdown does not show:
+A quoted block in README.md, docs/*.md or docs/results/*.md sits between two HTML comments, which
+Markdown does not show:
 
     <!-- transcript cheap echo: WORLD_SIZE=512 python train.py --config configs/llama3_405b.toml --comm.mode=fake_backend -->
     ```
@@ -41,7 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+# docs/results/ last: its make train block runs before the generate and eval blocks that read its checkpoint.
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "docs" / "results").glob("*.md"))]
 
 BLOCK = re.compile(
     r"^<!-- transcript(?P<opts>(?: [a-z]+)*): (?P<command>.+?) -->\n(?P<fence>```\w*)\n(?P<body>.*?)^```\n<!-- /transcript -->$",

@@ -175,8 +175,8 @@ def floors() -> dict[str, tuple[dict[str, float], dict[str, dict[str, float]]]]:
 
 
 def floor_table(results: dict[str, dict], floored: dict[str, tuple[dict, dict]]) -> str:
-    """docs/benchmarks.md's floor table: per eager parity layout and mesh dimension, the bytes rank 0 sent in a step by
-    collective (measured) / the floor (dry_run.comm_floor), and each excess over the floor with its cause."""
+    """docs/results/comm_floor.md's floor table: per eager parity layout and mesh dimension, the bytes rank 0 sent in a
+    step by collective (measured) / the floor (dry_run.comm_floor), and each excess over the floor with its cause."""
     lines = [
         "| layout | dimension | all-gather | reduce-scatter | all-reduce | send | all-to-all | over the floor (EXCESSES) |",
         "|---|---|---:|---:|---:|---:|---:|---|",
@@ -207,8 +207,8 @@ def floor_table(results: dict[str, dict], floored: dict[str, tuple[dict, dict]])
 
 def test_the_floor_table_in_the_docs_is_what_the_layouts_send(parity: Callable[[int], dict[str, dict]]) -> None:
     """Every eager parity layout's bytes by collective beside its floor, and every excess with its cause (one line each
-    in dry_run.EXCESSES, listed under the table): the table in docs/benchmarks.md is this one, and no layout sends
-    less than its floor."""
+    in dry_run.EXCESSES, listed under the table): the table in docs/results/comm_floor.md is this one, and no layout
+    sends less than its floor."""
     results, floored = parity(2) | parity(4), floors()
     for name in EAGER:
         layout = LAYOUTS[name]
@@ -220,9 +220,9 @@ def test_the_floor_table_in_the_docs_is_what_the_layouts_send(parity: Callable[[
         assert sum(floor.values()) + sum(sum(added.values()) for added in excesses.values()) == pytest.approx(
             sum(comm_by_kind(cfg, dims, job, grad_accum=layout.grad_accum).values())
         )
-    doc = (REPO / "docs" / "benchmarks.md").read_text()
+    doc = (REPO / "docs" / "results" / "comm_floor.md").read_text()
     section = doc.split("\n### The communication floor", 1)[1].split("\n### ", 1)[0]
     expected = floor_table(results, floored)
-    assert expected in section, f"docs/benchmarks.md, The communication floor: the table is now\n{expected}"
+    assert expected in section, f"docs/results/comm_floor.md: the table is now\n{expected}"
     for cause, why in EXCESSES.items():
         assert f"- {cause}: {why}" in " ".join(section.split()), cause
