@@ -1,6 +1,6 @@
 """One micro-batch through the run's layout, written once for every caller: training's forward and backward
 (`ForwardBackward.__call__`, train.py's train_step) and scoring's forward alone (`ForwardBackward.score`:
-validation.py's held-out loss, and any later evaluation during training).
+evaluation/validation.py's held-out loss, and any later evaluation during training).
 
 What both need of the layout is here and nowhere else: context parallel shards each micro-batch over the "cp"
 ranks (each rank computes its part of every window's tokens; `segments` stays whole), the tensors move to the
@@ -139,7 +139,7 @@ class ForwardBackward:
         the `counted` positions summed, and how many of them greedy decoding would have missed (loss.py
         `target_logprobs`): a (bs, 2) device tensor. Under context parallel each rank sums its own positions of every
         row (the caller adds the ranks' parts); the ranks of a TP group hold equal rows. Not under pipeline parallel,
-        whose schedule carries a loss, not per-row scores (downstream.py refuses it)."""
+        whose schedule carries a loss, not per-row scores (evaluation/downstream.py refuses it)."""
         assert self.pipeline is None, "downstream.py refuses lm-eval tasks under pipeline parallel"
         inputs, targets, _, _ = self._placed(Batch(inputs, targets, None, 1.0))  # (seqlen a multiple of 2 x cp)
         counted = (self.cp.shard(counted) if self.cp is not None else counted).to(self.device)

@@ -200,7 +200,7 @@ class MetricsLogger:
         self._write(step, {"validation_loss": loss, "validation_tokens": tokens, "validation_s": seconds})
 
     def log_eval(self, step: int, scores: dict[str, float], *, documents: int, seconds: float) -> None:
-        """lm-eval's scores of the step (downstream.py): "eval/<task>/<metric>" keys."""
+        """lm-eval's scores of the step (evaluation/downstream.py): "eval/<task>/<metric>" keys."""
         if not self.enabled:
             return
         tasks: dict[str, list[str]] = {}

@@ -231,7 +231,7 @@ class Pipeline:
     def eval(
         self, inputs: torch.Tensor, labels: torch.Tensor, segments: torch.Tensor | None, *, rows: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward only (validation.py): the sum over this local batch's first `rows` sequences of each one's mean
+        """Forward only (evaluation/validation.py): the sum over this local batch's first `rows` sequences of each one's mean
         loss, and how many were scored, on ranks with the last stage (zeros elsewhere). Rows past `rows` run
         through the stages (the pipeline needs whole micro-batches) and score nothing."""
         self._scale = 1.0
