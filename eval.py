@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from config import env_world_size
 from errors import ConfigError, RecipeError, is_rank0, report
 from evaluation.watch import add_watch_arguments, check_watch
 
@@ -101,7 +101,7 @@ def import_lm_eval() -> Any:
 
 def run_tasks(opts: argparse.Namespace) -> int:
     """`eval.py --tasks`: lm_eval.simple_evaluate on the checkpoint, its table printed."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if (env_world_size() or 1) > 1:
         raise ConfigError("--tasks: lm-evaluation-harness runs in one process here; start eval.py with python")
     lm_eval = import_lm_eval()
     from lm_eval.utils import make_table
@@ -212,7 +212,7 @@ def scoring_run(argv: list[str]) -> Iterator[tuple[Any, Any, Any, Any, Any]]:
     from parallelisms.parallel_dims import ParallelDims, layout_checks, uses_loss_parallel
     from parallelisms.parallelize import build_model, init_model
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = env_world_size() or 1
     cfg = load_config(argv, extra_checks=layout_checks(world))
     # No backward here: nothing to recompute (and mode "auto" plans training's memory, not this).
     cfg.activation_checkpoint = ActivationCheckpoint(mode="none")

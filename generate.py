@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from config import env_world_size
 from data.tokenizers import Tokenizer, build_tokenizer
 from errors import ConfigError, RecipeError, is_rank0, report
 from inference import hf_tokenizer, load_model
@@ -62,7 +63,7 @@ def main(argv: list[str]) -> int:
 def init_tensor_parallel(device_name: str | None) -> tuple[torch.device, DeviceMesh | None]:
     """This process's device, and under torchrun a tensor-parallel mesh of all its ranks (for a model one GPU
     cannot hold; the tokens equal those of one process)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = env_world_size() or 1
     cuda = torch.cuda.is_available() and device_name in (None, "cuda")
     if world == 1:
         return torch.device(device_name or ("cuda" if cuda else "cpu")), None

@@ -33,6 +33,7 @@ from checkpoint.torchtitan import schedule_disagreement
 from config import (
     Debug,
     JobConfig,
+    env_world_size,
     float8_settings,
     global_batch_size,
     help_text,
@@ -83,11 +84,11 @@ def main(argv: list[str]) -> int:
     print_config = "--print-config" in argv
     # Planning (--print-config, a dry run) needs no input files; training needs them, and a layout that
     # fits the ranks torchrun started, all checked in one round.
-    world = os.environ.get("WORLD_SIZE", "1")
+    world = env_world_size() or 1
     cfg, changed = load_config_and_keys(  # changed: the keys the command line sets, which the banner names
         [a for a in argv if a != "--print-config"],
         input_checks=None if print_config else input_problems,
-        extra_checks=None if print_config or not world.isdigit() else layout_checks(int(world)),
+        extra_checks=None if print_config else layout_checks(world),
     )
     if print_config:
         print(config_summary(cfg))

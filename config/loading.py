@@ -335,15 +335,29 @@ def _read(argv: list[str]) -> tuple[JobConfig, list[str], list[str]]:
     return cfg, problems, [name for name, _ in overrides]
 
 
+def env_world_size() -> int | None:
+    """$WORLD_SIZE, the ranks of this job (torchrun sets it; a dry run is told it), read here and nowhere else: None
+    when unset, a ConfigError when it is not a number of ranks."""
+    world = os.environ.get("WORLD_SIZE", "")
+    if world and not (world.isdigit() and int(world) >= 1):
+        raise ConfigError(
+            f"WORLD_SIZE: {world!r} is not a number of ranks; set the job's (e.g. WORLD_SIZE=64) or unset it"
+        )
+    return int(world) if world else None
+
+
 def dry_run_world() -> tuple[int, int, list[str]]:
     """What a dry run (comm.mode = fake_backend) simulates: $WORLD_SIZE ranks, $LOCAL_WORLD_SIZE (default 8) per
     node; and the problems with those variables."""
-    world, per_node = os.environ.get("WORLD_SIZE", ""), os.environ.get("LOCAL_WORLD_SIZE", "8")
-    problems = []
-    if not (world.isdigit() and int(world) >= 1):
+    per_node, problems = os.environ.get("LOCAL_WORLD_SIZE", "8"), []
+    try:
+        world = env_world_size()
+    except ConfigError as e:
+        world, problems = None, [f"comm.mode: fake_backend simulates rank 0 of WORLD_SIZE ranks, but {e.problems[0]}"]
+    if world is None and not problems:
         problems.append(
-            f"comm.mode: fake_backend simulates rank 0 of WORLD_SIZE ranks, but WORLD_SIZE is {world or 'unset'!r}; run "
-            "e.g. WORLD_SIZE=64 python train.py --config ... --comm.mode=fake_backend (not under torchrun)"
+            "comm.mode: fake_backend simulates rank 0 of WORLD_SIZE ranks, but WORLD_SIZE is 'unset'; run e.g. "
+            "WORLD_SIZE=64 python train.py --config ... --comm.mode=fake_backend (not under torchrun)"
         )
     if not (per_node.isdigit() and int(per_node) >= 1):
         problems.append(

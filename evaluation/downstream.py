@@ -49,8 +49,8 @@ from errors import ConfigError
 
 if TYPE_CHECKING:
     from config import Eval
-    from forward import ForwardBackward
     from fleet.stop import StopRequest
+    from forward import ForwardBackward
 
 
 class Interrupted(Exception):
