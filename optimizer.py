@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from config import LRScheduler, Optimizer, Training
-from distributed import mean_over_loss_ranks
+from distributed import full_tensor, mean_over_loss_ranks
 from errors import TrainingStopped, warn
 
 # What became of a step's update (SkipStepAdamW.skip_code, a float device scalar holding one of these).
@@ -269,7 +269,7 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Global L2 gradient norm (and clipping to max_norm > 0) over plain or DTensor grads.
 
-    With sharded (DTensor) gradients the per-shard norms are partial results; `full_tensor()`
+    With sharded (DTensor) gradients the per-shard norms are partial results; `distributed.full_tensor`
     reduces them across ranks, so every rank clips by the same, true global norm; gradients on different meshes
     (expert parallel's experts) add their norms up in squares. Pipeline stages
     hold different parameters: their squared norms add up over `pp_group`.
@@ -288,7 +288,7 @@ def clip_grad_norm_(
     if not by_mesh:  # a pipeline stage without gradients: 0
         by_mesh[None] = []
     norms = [torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True) for group in by_mesh.values()]
-    norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
+    norms = [full_tensor(n) for n in norms]
     total_norm = norms[0] if len(norms) == 1 else torch.stack(norms).square().sum().sqrt()
     if pp_group is not None:
         total_norm = total_norm**2
