@@ -94,12 +94,6 @@ class SpikeWindow:
         self.history.copy_(state["history"])
         self.seen = int(state["seen"])
 
-    def load_absent(self) -> None:
-        """A checkpoint saved before the window was checkpointed holds none (CheckpointManager calls this instead of
-        `load_state_dict`): the window starts empty, as a fresh run's does."""
-        self.history.fill_(float("nan"))
-        self.seen = 0
-
 
 class _States(Mapping[torch.Tensor, dict[str, Any]]):
     """The state of every parameter, read from the optimizer that owns it (which may replace its own mapping, as

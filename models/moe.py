@@ -285,8 +285,3 @@ class Balancer:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         for layer, block in self.blocks.items():
             block.load.copy_(state[f"layers.{layer}.load"])
-
-    def load_absent(self) -> None:
-        """A checkpoint of a run without it: the next step, as a first one, has no f of a previous step."""
-        for block in self.blocks.values():
-            block.load.zero_()

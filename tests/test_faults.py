@@ -169,33 +169,6 @@ def test_a_resumed_run_without_the_spike_window_would_skip_other_steps() -> None
     assert restored.is_spike(torch.tensor([9.0, 0.5])) and not fresh.is_spike(torch.tensor([9.0, 0.5]))
 
 
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_a_checkpoint_saved_before_the_spike_window_was_checkpointed_resumes_with_an_empty_one(
-    tmp_path: Path, capsys: pytest.CaptureFixture
-) -> None:
-    """The window has `load_absent`: a checkpoint without it resumes, the window empty, as a fresh run's, said once."""
-    model = build_tiny()
-    saved = CheckpointManager(
-        Checkpoint(enable=True), dump_folder=str(tmp_path), model=model,
-        optimizer=torch.optim.AdamW(model.parameters()), stateful={},
-    )  # fmt: skip
-    saved.save(3)
-    window = SpikeWindow(4, sigma=6, device=torch.device("cpu"))
-    for loss in (1.0, 1.01):
-        window.is_spike(torch.tensor([loss, 0.5]))
-    resumed = CheckpointManager(
-        Checkpoint(enable=True), dump_folder=str(tmp_path), model=model,
-        optimizer=torch.optim.AdamW(model.parameters()), stateful={"spike_window": window},
-    )  # fmt: skip
-    capsys.readouterr()
-    resumed.load()
-    assert resumed.resume_step() == 3 and window.seen == 0 and torch.isnan(window.history).all()
-    step = tmp_path / "checkpoint" / "step-3"
-    assert (
-        f"{step} holds no spike_window (saved before it was checkpointed): it starts afresh" in capsys.readouterr().out
-    )
-
-
 class _StopAt:
     """A stop request that the ranks agree on at its `at`-th question (train_step asks between micro-batches)."""
 
