@@ -156,7 +156,7 @@ def debug_model(rounds: int, seq_len: int) -> dict[str, Any]:
             if isinstance(optimizer, _Both):
                 optimizer.step()
             else:
-                optimizer._update_unless(torch.zeros(()))
+                optimizer._step_unless(torch.zeros(()))
         out[f"{name}_optimizer_bytes"] = _max_over_ranks(torch.tensor(float(sum(c.sent_per_rank for c in log.records))))
         steps[name] = step
     hidden = muon.hidden_matrix_names(model, fam)
