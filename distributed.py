@@ -13,6 +13,7 @@ from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from config import Comm
 from errors import RecipeError
@@ -121,3 +122,10 @@ def mean_over_loss_ranks(value: torch.Tensor, *, pp_degree: int = 1) -> torch.Te
     total = value.detach().float().reshape(()).clone()
     dist.all_reduce(total)  # SUM: gloo has no AVG
     return total * pp_degree / dist.get_world_size()
+
+
+def full_tensor(value: torch.Tensor) -> torch.Tensor:
+    """A DTensor as the plain tensor it stands for (its shards gathered, its partial sums reduced: the same on every
+    rank of its mesh), a plain tensor as it is. The one place a DTensor is unwrapped this way (the loss's sums over
+    vocabulary shards, the gradient norm's per-mesh norms)."""
+    return value.full_tensor() if isinstance(value, DTensor) else value

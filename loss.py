@@ -52,6 +52,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import checkpoint
 
 from config import Compile
+from distributed import full_tensor
 
 Summed = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]  # summed_losses or its torch.compile
 
@@ -174,7 +175,7 @@ def chunked_sums(
         # h as it comes: under sequence parallel the projection's TP plan gathers it and reduce-scatters its
         # gradient. Compiled, these (bs, seqlen) logits and the flattened ones below round differently in the
         # last bit; the cross-entropy alone has always been scored on these, with the z-loss on those.
-        return _local(summed(project(h), labels, z=False)[0]), None
+        return full_tensor(summed(project(h), labels, z=False)[0]), None
     if isinstance(h, DTensor):
         # Sequence parallel leaves the final norm's output sharded over the sequence; the projection
         # would gather it anyway. Gather it once here, then split the gathered tokens.
@@ -185,7 +186,7 @@ def chunked_sums(
     else:
         chunks = zip(tokens.split(chunk_tokens), labels.split(chunk_tokens), strict=True)
         sums = [checkpoint(_project_and_sum, project, summed, z, *chunk, use_reentrant=False) for chunk in chunks]
-    return sum(_local(ce) for ce, _ in sums), sum(_local(z_sum) for _, z_sum in sums) if z else None
+    return sum(full_tensor(ce) for ce, _ in sums), sum(full_tensor(z_sum) for _, z_sum in sums) if z else None
 
 
 def _project_and_sum(
@@ -196,11 +197,6 @@ def _project_and_sum(
     labels_chunk: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     return summed(project(h_chunk), labels_chunk, z=z)
-
-
-def _local(value: torch.Tensor) -> torch.Tensor:
-    """A sum over vocabulary shards (a replicated DTensor under loss parallel) as a plain tensor."""
-    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 def target_logprobs(
@@ -233,8 +229,8 @@ def target_logprobs(
             part = DTensor.from_local(part, mesh, [Replicate()] * mesh.ndim)
         lp = F.log_softmax(model.project(part).float(), dim=-1)
         if isinstance(lp, DTensor):  # loss parallel: (tokens, vocab / tp) on each rank
-            target_lp = _local(-F.nll_loss(lp, target, reduction="none"))
-            is_greedy = target_lp >= _local(lp.amax(dim=-1))
+            target_lp = full_tensor(-F.nll_loss(lp, target, reduction="none"))
+            is_greedy = target_lp >= full_tensor(lp.amax(dim=-1))
         else:
             target_lp = lp.gather(-1, target[:, None])[:, 0]
             is_greedy = lp.argmax(dim=-1) == target

@@ -16,14 +16,15 @@ of the Muon parameters, the floor, and each rank runs the iteration on about 1/n
 replicate a parameter (HSDP's replicas) each do the same work, with no bytes between them.
 
 Which parameters are hidden matrices is the family's (ModelFamily.hidden_matrices); the update, lr adjustment and
-weight decay are torch.optim.Muon's, step for step. The skip-step gate (optimizer.py) covers both halves: the
-AdamW half through fused AdamW's found_inf, this half through a `where` on the same 0/1 device tensor.
+weight decay are torch.optim.Muon's, step for step. The two halves are two optimizers, torch.optim.AdamW and `Muon`
+here, behind optimizer.py's skip-step gate: it hands both the same 0/1 device tensor as GradScaler's found_inf
+(fused AdamW's kernel reads it; `Muon` keeps its old momentum and weights through a `where`).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +39,7 @@ from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _adjust_lr, 
 from config import Optimizer, Training
 from errors import warn
 from models import ModelFamily
-from optimizer import SkipStepAdamW, settings
+from optimizer import SkipStepOptimizer, adamw_settings, skip_rules
 
 
 def hidden_matrix_names(model: torch.nn.Module, fam: ModelFamily) -> list[str]:
@@ -50,12 +51,15 @@ def hidden_matrix_names(model: torch.nn.Module, fam: ModelFamily) -> list[str]:
 
 def build_muon(
     o: Optimizer, model: torch.nn.Module, fam: ModelFamily, *, training: Training | None = None, pp_degree: int = 1
-) -> SkipStepMuon:
-    """optimizer.name = "Muon": Muon over the family's hidden matrices, AdamW over the rest, with optimizer.py's skip
-    rules (build_optimizer's `training` and `pp_degree`)."""
-    groups = param_groups(model, fam, o)
-    kwargs = settings(o, model, training=training, pp_degree=pp_degree)
-    return SkipStepMuon(groups, whole=o.muon_orthogonalize == "matrix", **kwargs)
+) -> SkipStepOptimizer:
+    """optimizer.name = "Muon": Muon over the family's hidden matrices, AdamW over the rest, behind optimizer.py's
+    skip-step gate (build_optimizer's `training` and `pp_degree`)."""
+    others, hidden = param_groups(model, fam, o)
+    adamw = torch.optim.AdamW([others], **adamw_settings(o))
+    # Muon's group holds AdamW's settings too (betas, eps, the kernel's flags): the layout checkpoints have held
+    # since both halves were one AdamW's two groups, and set_hyperparameters sets them in every group.
+    muon = Muon([hidden], defaults=dict(adamw.defaults), whole=o.muon_orthogonalize == "matrix")
+    return SkipStepOptimizer([adamw, muon], **skip_rules(model, training=training, pp_degree=pp_degree))
 
 
 def param_groups(model: torch.nn.Module, fam: ModelFamily, o: Optimizer) -> list[dict[str, Any]]:
@@ -192,38 +196,28 @@ class MatrixExchange:
             out[i] = piece.view(blocks[i].shape)
 
 
-def _without_hooks(step: Callable[..., Any]) -> Callable[..., Any]:
-    """An optimizer class's step without the step hooks torch.optim wraps it in: the first instance of a class wraps
-    its `step` (Optimizer._patch_step_function), so AdamW's is wrapped once any AdamW was made in the process, and its
-    hooks (the float8 scales' precompute) would run twice a step, the first time before Muon's update."""
-    return step.__wrapped__ if getattr(step, "hooked", False) else step  # type: ignore[attr-defined]
+class Muon(torch.optim.Optimizer):
+    """torch.optim.Muon's update over groups of hidden matrices, each matrix whole (MatrixExchange; whole=False: each
+    rank's shard alone). Its step reads GradScaler's `found_inf` as fused AdamW's does (a 0/1 device tensor: where it
+    is 1, momentum, weights and step count stay as they were), which is how optimizer.py's gate skips a step."""
 
+    _step_supports_amp_scaling = True  # reads found_inf; grad_scale must be None (no GradScaler unscales here)
 
-class SkipStepMuon(SkipStepAdamW):
-    """SkipStepAdamW over the groups without "muon"; torch.optim.Muon's update over those with it, each matrix
-    whole (MatrixExchange). The skip-step rules, the state dict and zero_grad cover both."""
-
-    def __init__(self, groups: list[dict[str, Any]], *, whole: bool = True, **kwargs: Any):
-        super().__init__(groups, **kwargs)
+    def __init__(self, groups: Iterable[dict[str, Any]], *, defaults: dict[str, Any], whole: bool = True):
+        super().__init__(groups, defaults)
         if not whole:
             warn(
                 'optimizer.muon_orthogonalize = "shard": each rank orthogonalizes its own shard of every matrix, a '
                 'different optimizer from Muon (docs/failures.md #6); "matrix" orthogonalizes whole matrices'
             )
-        self.muon_groups = [g for g in self.param_groups if g["muon"]]
-        self.exchanges = [MatrixExchange(g["params"], whole=whole) for g in self.muon_groups]
+        self.exchanges = [MatrixExchange(g["params"], whole=whole) for g in self.param_groups]
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
-        """AdamW's step on its groups (fused AdamW reads found_inf there), then Muon's on the hidden matrices."""
-        groups = self.param_groups
-        self.param_groups = [g for g in groups if not g["muon"]]  # AdamW.step walks self.param_groups
-        try:
-            _without_hooks(SkipStepAdamW.step)(self, closure)  # the hooks run once, after both halves (this step's)
-        finally:
-            self.param_groups = groups
+        """Muon's update of every group (unless found_inf is 1)."""
+        assert getattr(self, "grad_scale", None) is None, "Muon does not unscale gradients (no GradScaler)"
         skip = getattr(self, "found_inf", None)
-        for group, exchange in zip(self.muon_groups, self.exchanges, strict=True):
+        for group, exchange in zip(self.param_groups, self.exchanges, strict=True):
             self._muon_step(group, exchange, skip)
 
     def _muon_step(self, group: dict[str, Any], exchange: MatrixExchange, skip: torch.Tensor | None) -> None:
@@ -234,7 +228,7 @@ class SkipStepMuon(SkipStepAdamW):
             state = self.state[p]
             if "momentum_buffer" not in state:  # sharded like the parameter, so checkpoints reshard it
                 state["momentum_buffer"] = torch.zeros_like(p)
-                # The updates applied (AdamW's load_state_dict reads a "step" in every parameter's state).
+                # The updates applied, as AdamW's state counts them (checkpoints hold a "step" for every parameter).
                 state["step"] = torch.zeros((), dtype=torch.float32, device=grad.device)
             state["step"] += 1 if skip is None else 1 - skip
             buf = _local(state["momentum_buffer"])

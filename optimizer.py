@@ -1,21 +1,23 @@
-"""AdamW (and Muon's half, muon.py), the learning-rate schedule, and the updates it refuses to apply.
+"""AdamW (and Muon's half, muon.py), the learning-rate schedule, and the gate that refuses an update.
 
 An update is skipped (weights, moments and step counts stay as they were) when the step's gradient
 norm is not finite, or when the step is a spike: its global loss or gradient norm stands more than
 training.skip_spike_sigma standard deviations above the mean of the last training.skip_spike_window
-steps. The rule is OLMo-core's `SkipStepOptimizer`. A finite spike (a batch of garbage, one unlucky
+steps. The rule is OLMo-core's `SkipStepOptimizer`; the gate here owns its optimizers as torchtitan's optimizer
+container does (AdamW alone, or muon.py's AdamW and Muon), whatever they are. A finite spike (a batch of garbage, one unlucky
 update) does not stop a run the way a NaN does, but applying it can cost thousands of steps of
 recovery, or the run.
 
 Every finite step enters the window, skipped or not, as in OLMo-core: a lasting jump of the loss (a
 new data source, a learning-rate change) widens the window's spread and is applied after a few
 skipped steps instead of stalling the run. Non-finite steps stay out of it. The window is saved in
-checkpoints (`SkipStepAdamW.window`, a Stateful), so a resumed run skips exactly the steps a straight
+checkpoints (`SkipStepOptimizer.window`, a Stateful), so a resumed run skips exactly the steps a straight
 run skips.
 
-No host sync: the decision is a 0/1 device tensor that fused AdamW takes as GradScaler's `found_inf`
-(where it is 1 the kernel leaves everything as it was); the foreach and for-loop kernels have no
-such input and pay one host read per step. What happened (skipped or not, the loss, the norm)
+No host sync: the decision is a 0/1 device tensor that an optimizer which reads GradScaler's `found_inf`
+takes as it (fused AdamW, whose kernel leaves everything as it was where it is 1; muon.py's Muon, through a
+`where`); when one of them has no such input (AdamW's foreach and for-loop kernels) the gate pays one host read per
+step. What happened (skipped or not, the loss, the norm)
 is read after the step (`read_reports`, on CUDA one step later, through a non-blocking copy that has
 long finished by then), so a run that must stop stops at most one step after the bad one, naming it.
 """
@@ -23,7 +25,7 @@ long finished by then), so a run that must stop stops at most one step after the
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -31,34 +33,35 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from config import LRScheduler, Optimizer, Training
-from distributed import mean_over_loss_ranks
+from distributed import full_tensor, mean_over_loss_ranks
 from errors import TrainingStopped, warn
 
-# What became of a step's update (SkipStepAdamW.skip_code, a float device scalar holding one of these).
+# What became of a step's update (SkipStepOptimizer.skip_code, a float device scalar holding one of these).
 APPLIED, NONFINITE, SPIKE = 0, 1, 2
 
 
 def build_optimizer(
     o: Optimizer, model: torch.nn.Module, *, training: Training | None = None, pp_degree: int = 1
-) -> SkipStepAdamW:
-    """AdamW over the model's parameters; `training` gives the skip rules (default: skip non-finite steps only, and
-    stop at the first)."""
-    return SkipStepAdamW(list(model.parameters()), **settings(o, model, training=training, pp_degree=pp_degree))
+) -> SkipStepOptimizer:
+    """AdamW over the model's parameters behind the skip-step gate; `training` gives the skip rules (default: skip
+    non-finite steps only, and stop at the first)."""
+    adamw = torch.optim.AdamW(list(model.parameters()), **adamw_settings(o))
+    return SkipStepOptimizer([adamw], **skip_rules(model, training=training, pp_degree=pp_degree))
 
 
-def settings(o: Optimizer, model: torch.nn.Module, *, training: Training | None, pp_degree: int) -> dict[str, Any]:
-    """SkipStepAdamW's keyword arguments: AdamW's settings and kernel, and the skip rules (muon.py's too)."""
+def adamw_settings(o: Optimizer) -> dict[str, Any]:
+    """torch.optim.AdamW's keyword arguments: the config's settings and kernel (muon.py's AdamW half's too)."""
     impl = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[o.implementation]
+    return dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, **impl)
+
+
+def skip_rules(model: torch.nn.Module, *, training: Training | None, pp_degree: int) -> dict[str, Any]:
+    """SkipStepOptimizer's keyword arguments: the spike window, on the model's device, and the tolerated steps."""
     t = training or Training()
     return dict(
         window=SpikeWindow(t.skip_spike_window, sigma=t.skip_spike_sigma, device=next(model.parameters()).device),
         tolerate_nonfinite=t.skip_nonfinite_steps,
         pp_degree=pp_degree,
-        lr=o.lr,
-        betas=(o.beta1, o.beta2),
-        eps=o.eps,
-        weight_decay=o.weight_decay,
-        **impl,
     )
 
 
@@ -92,26 +95,75 @@ class SpikeWindow:
         self.seen = int(state["seen"])
 
 
-class SkipStepAdamW(torch.optim.AdamW):
-    """AdamW whose `step_unless_bad` skips non-finite steps and spikes (this module's docstring).
-    `optimizer.step()` itself is AdamW's, unconditional."""
+class _States(Mapping[torch.Tensor, dict[str, Any]]):
+    """The state of every parameter, read from the optimizer that owns it (which may replace its own mapping, as
+    load_state_dict does): a view, so that torch's state-dict functions see one optimizer."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self.optimizers = optimizers
+        self.owner = {p: o for o in optimizers for g in o.param_groups for p in g["params"]}
+
+    def __getitem__(self, p: torch.Tensor) -> dict[str, Any]:
+        return self.owner[p].state[p]  # a parameter without state yet gets its owner's empty one, as there
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (p for o in self.optimizers for p in o.state)
+
+    def __len__(self) -> int:
+        return sum(len(o.state) for o in self.optimizers)
+
+
+class SkipStepOptimizer(torch.optim.Optimizer):
+    """A gate around any optimizers (AdamW; muon.py's AdamW and Muon): `step_unless_bad` applies their update
+    unless the step is bad (this module's docstring); `step()` applies it unconditionally, theirs in order, then
+    the step hooks registered here (float8's scales), once.
+
+    To everything else it is one optimizer: `param_groups` are theirs, the same dicts in order (set_lr reaches
+    them), `state` theirs, and the state dict is one optimizer's over all their groups, the layout checkpoints hold
+    (DCP and checkpoint/torchtitan.py read and write it through torch's get/set_optimizer_state_dict)."""
 
     def __init__(
         self,
-        params: Iterable[torch.Tensor],
+        optimizers: list[torch.optim.Optimizer],
         *,
         window: SpikeWindow,
         tolerate_nonfinite: int = 0,
         pp_degree: int = 1,
-        **adamw: Any,
     ):
-        super().__init__(params, **adamw)
+        self.optimizers = optimizers
+        # torch.optim.Optimizer's own setup: the step and state-dict hooks, and step() wrapped to run them.
+        super().__init__([p for o in optimizers for g in o.param_groups for p in g["params"]], {})
+        self.param_groups = [g for o in optimizers for g in o.param_groups]
+        self.state = _States(optimizers)  # type: ignore[assignment]
         self.window, self.tolerate_nonfinite, self.pp_degree = window, tolerate_nonfinite, pp_degree
         self.nonfinite = 0  # skipped steps of this process, read on the host
         self.spikes = 0
         self.last_nonfinite: tuple[int, float, float] | None = None  # (step, loss, grad norm)
         self.skip_code: torch.Tensor | None = None  # the last step's APPLIED, NONFINITE or SPIKE (device)
         self._reports: list[tuple[int, torch.Tensor, torch.cuda.Event | None]] = []  # not yet read
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        """Every optimizer's update, unconditional."""
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """One optimizer's state dict over all the groups (`state_dict`'s layout), each optimizer given its own."""
+        groups, state = state_dict["param_groups"], state_dict["state"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(
+                f"the state dict has {len(groups)} parameter groups, the optimizer {len(self.param_groups)}"
+            )
+        for optimizer in self.optimizers:
+            mine, groups = groups[: len(optimizer.param_groups)], groups[len(optimizer.param_groups) :]
+            ids = {i for g in mine for i in g["params"]}
+            optimizer.load_state_dict({"state": {i: s for i, s in state.items() if i in ids}, "param_groups": mine})
+        self.param_groups = [g for o in self.optimizers for g in o.param_groups]  # load_state_dict made new dicts
 
     def step_unless_bad(self, step: int, *, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         """The update of training step `step`, unless it is bad. `loss`: this rank's mean loss of the step (0
@@ -126,18 +178,21 @@ class SkipStepAdamW(torch.optim.AdamW):
             skip = (self.skip_code != APPLIED).float()
         else:  # three kernels in all, the decision's and the report's; NONFINITE is 1
             self.skip_code = skip = (~finite).float()
-        self._update_unless(skip)
+        self._step_unless(skip)
         self._report(step, torch.stack([self.skip_code, loss.detach().float(), grad_norm.detach().float()]))
 
-    def _update_unless(self, skip: torch.Tensor) -> None:
-        """AdamW's update, unless `skip` (a float32 device scalar) is 1."""
-        if self.defaults.get("fused"):
-            # Fused AdamW reads GradScaler's `found_inf` from these attributes (PyTorch 2.0-2.13).
-            self.found_inf, self.grad_scale = skip, None
+    def _step_unless(self, skip: torch.Tensor) -> None:
+        """The update, unless `skip` (a float32 device scalar) is 1."""
+        # An optimizer whose step reads GradScaler's `found_inf` (and `grad_scale`) from these attributes says so in
+        # _step_supports_amp_scaling (fused AdamW, PyTorch 2.0-2.13; muon.py's Muon).
+        if all(getattr(o, "_step_supports_amp_scaling", False) for o in self.optimizers):
+            for o in self.optimizers:
+                o.found_inf, o.grad_scale = skip, None
             try:
                 self.step()
             finally:
-                del self.found_inf, self.grad_scale
+                for o in self.optimizers:
+                    del o.found_inf, o.grad_scale
         elif not skip.item():
             self.step()
 
@@ -195,7 +250,7 @@ class StopOnNonfinite:
     """After each step: more non-finite steps than training.skip_nonfinite_steps stop the run (a
     TrainingStopped), after publishing a save that finished (skipped updates leave its weights finite)."""
 
-    def __init__(self, optimizer: SkipStepAdamW, checkpoint: Any):
+    def __init__(self, optimizer: SkipStepOptimizer, checkpoint: Any):
         self.optimizer, self.checkpoint = optimizer, checkpoint
 
     def __call__(self, step: int, result: object) -> bool:
@@ -263,7 +318,7 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Global L2 gradient norm (and clipping to max_norm > 0) over plain or DTensor grads.
 
-    With sharded (DTensor) gradients the per-shard norms are partial results; `full_tensor()`
+    With sharded (DTensor) gradients the per-shard norms are partial results; `distributed.full_tensor`
     reduces them across ranks, so every rank clips by the same, true global norm; gradients on different meshes
     (expert parallel's experts) add their norms up in squares. Pipeline stages
     hold different parameters: their squared norms add up over `pp_group`.
@@ -282,7 +337,7 @@ def clip_grad_norm_(
     if not by_mesh:  # a pipeline stage without gradients: 0
         by_mesh[None] = []
     norms = [torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True) for group in by_mesh.values()]
-    norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
+    norms = [full_tensor(n) for n in norms]
     total_norm = norms[0] if len(norms) == 1 else torch.stack(norms).square().sum().sqrt()
     if pp_group is not None:
         total_norm = total_norm**2

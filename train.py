@@ -61,7 +61,7 @@ from models import family
 from models.moe import Balancer
 from muon import build_muon
 from optimizer import (
-    SkipStepAdamW,
+    SkipStepOptimizer,
     StopOnNonfinite,
     build_optimizer,
     lr_factor,
@@ -124,7 +124,7 @@ class Run:
     model_args: Any  # the family's ModelArgs
     tokenizer: Any
     forward_backward: ForwardBackward  # micro-batches through the model or the pipeline (forward.py)
-    optimizer: SkipStepAdamW
+    optimizer: SkipStepOptimizer
     loader: GlobalBatchLoader
     checkpoint: CheckpointManager
     balancer: Balancer | None  # a mixture of experts' load balancing (models/moe.py)
@@ -405,7 +405,7 @@ def build_data(cfg: JobConfig, *, dp_rank: int, dp_degree: int, vocab_size: int)
 def build_checkpoint(
     cfg: JobConfig,
     model: torch.nn.Module,
-    optimizer: SkipStepAdamW,
+    optimizer: SkipStepOptimizer,
     loader: GlobalBatchLoader,
     state: TrainState,
     *,
@@ -446,7 +446,7 @@ def resume_step(cfg: JobConfig, checkpoint: CheckpointManager) -> int | None:
 
 
 def resume(
-    cfg: JobConfig, checkpoint: CheckpointManager, state: TrainState, optimizer: SkipStepAdamW, *, start_step: int
+    cfg: JobConfig, checkpoint: CheckpointManager, state: TrainState, optimizer: SkipStepOptimizer, *, start_step: int
 ) -> None:
     """Weights, optimizer, data position, RNG and spike window from the checkpoint (or the initial weights);
     the settings given now win, and a resumed run says which changed."""
@@ -508,7 +508,7 @@ def train_step(
     step: int,
     microbatches: Iterable[Batch],
     forward_backward: ForwardBackward,
-    optimizer: SkipStepAdamW,
+    optimizer: SkipStepOptimizer,
     *,
     max_norm: float,
     stop_request: stop.StopRequest | None,

@@ -5,7 +5,7 @@ the first step, graph breaks.
 
 FSDP 2 on the debug model (as train.py builds it, build_model). Host reads (`tests.instruments.count_host_reads`:
 `.item()`, `.tolist()`, `bool()`, `.cpu()`, ... of device tensors, each a host sync on a GPU) of one
-warm training step with fused AdamW, which skips a bad step on the device (optimizer.SkipStepAdamW), and
+warm training step with fused AdamW, which skips a bad step on the device (optimizer.SkipStepOptimizer), and
 with for-each AdamW, which cannot (on CPU its count also holds torch's reads of each parameter's step
 counter, which live on the CPU with a GPU too: there only the recipe's one read is a sync); then the same model compiled (compile + op SAC): the graphs dynamo
 compiles in the first step, in the next `--steps` - 1 with a no-grad validation forward among them

@@ -9,7 +9,7 @@ torch.optim.Muon from zero momentum), its rows sharded over the ranks as FSDP sh
     whole      torch.optim.Muon on the whole matrix, on every rank (the reference)
     shard      torch.optim.Muon on each rank's row block alone (what any optimizer handed local tensors does)
     implicit   torch.optim.Muon on the DTensor parameter: exact, DTensor redistributes the iteration's operands
-    recipe     muon.SkipStepMuon: the blocks gathered to one owner, orthogonalized whole, sent back
+    recipe     muon.Muon: the blocks gathered to one owner, orthogonalized whole, sent back
 
 Then the debug model under FSDP over the ranks, one optimizer step after a training step: the bytes each rank sends
 in the optimizer step (tests.instruments.CollectiveLog: the dispatcher's collectives, with their tensors), for
@@ -39,7 +39,7 @@ from data.loader import Batch
 from forward import ForwardBackward
 from loss import Loss
 from models import family, with_seq_len
-from optimizer import SpikeWindow, build_optimizer
+from optimizer import build_optimizer
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import build_model, init_model
 from tests.instruments import CollectiveLog, mesh_group_dims, observe_ops
@@ -81,11 +81,9 @@ def one_matrix(mesh: Any) -> dict[str, Any]:
     implicit_bytes = sum(c.sent_per_rank for c in log.records)
 
     recipe = sharded()
-    groups = [{"params": [], "muon": False}, {"params": [recipe], "muon": True, "momentum": 0.95, "nesterov": True,
-              "ns_steps": 5, "adjust_lr_fn": "match_rms_adamw"}]  # fmt: skip
-    optimizer = muon.SkipStepMuon(
-        groups, window=SpikeWindow(1, sigma=0.0, device=torch.device("cpu")), lr=LR, weight_decay=0.0, foreach=False
-    )
+    group = {"params": [recipe], "muon": True, "momentum": 0.95, "nesterov": True, "ns_steps": 5,
+             "adjust_lr_fn": "match_rms_adamw"}  # fmt: skip
+    optimizer = muon.Muon([group], defaults={"lr": LR, "weight_decay": 0.0})
     log = CollectiveLog(mesh_group_dims(mesh))
     with observe_ops(log):
         recipe_update = update(recipe, optimizer).to_local()
@@ -158,7 +156,7 @@ def debug_model(rounds: int, seq_len: int) -> dict[str, Any]:
             if isinstance(optimizer, _Both):
                 optimizer.step()
             else:
-                optimizer._update_unless(torch.zeros(()))
+                optimizer._step_unless(torch.zeros(()))
         out[f"{name}_optimizer_bytes"] = _max_over_ranks(torch.tensor(float(sum(c.sent_per_rank for c in log.records))))
         steps[name] = step
     hidden = muon.hidden_matrix_names(model, fam)

@@ -7,7 +7,8 @@ A family folder (models/llama3/, models/qwen3/, models/olmo2/) holds:
     plans.py     how tensor parallel splits one block (`tp_plan`), which linears' outputs
                  selective op-level AC keeps (`SAC_SAVED_LINEARS`, named, not counted) and which
                  weights Muon orthogonalizes (`HIDDEN_MATRICES`)
-    hf.py        Hugging Face config.json <-> ModelArgs, weight names, the published repos
+    hf.py        Hugging Face config.json <-> ModelArgs (the shared fields read by models/hf_reader.py),
+                 weight names, the published repos
     __init__.py  FAMILY, a ModelFamily (models/family.py) built from those three
 
 and nothing outside it names a module inside a block. What the generic code (train.py,

@@ -6,7 +6,8 @@ What differs between families (config.json's fields, weight names) is the family
 as `fam.hf`: MODEL_TYPE, model_args_from_hf_config, hf_config, TOP_LEVEL and PER_LAYER (weight names one to one),
 STACKED_PER_LAYER (our parameters stored as one tensor per index of their dim 0: an MoE's experts), PUBLISHED,
 IGNORED_WEIGHT_SUFFIXES. This file reads and writes, checks names and shapes, and picks the family
-of a folder from its model_type.
+of a folder from its model_type; the config.json fields every family reads alike are read by models/hf_reader.py,
+which each family's model_args_from_hf_config calls.
 """
 
 from __future__ import annotations

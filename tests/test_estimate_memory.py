@@ -341,13 +341,14 @@ def test_muons_state_and_step_as_the_optimizer_holds_them() -> None:
     model = fam.model_cls(args)
     model.init_weights()
     optimizer = build_muon(Optimizer(name="Muon"), model, fam)
+    muon = optimizer.optimizers[1]  # the gate's AdamW, then Muon
     for _ in range(2):  # the second step: the momentum exists, as in every step after the first
         model.zero_grad()
         model(torch.randint(0, args.vocab_size, (2, 64))).float().mean().backward()
         existing = [*model.parameters(), *(p.grad for p in model.parameters())]
         existing += [v for s in optimizer.state.values() for v in s.values()]
         with torch.no_grad(), LiveBytes(existing).track() as live:
-            optimizer._muon_step(optimizer.muon_groups[0], optimizer.exchanges[0], torch.zeros(()))
+            muon._muon_step(muon.param_groups[0], muon.exchanges[0], torch.zeros(()))
     assert abs(live.peak / predicted - 1) < 0.1, (live.peak, predicted)
     e = estimate(setup(8, flavor="llama3_8b", seq_len=512, ac="full", optimizer="Muon"))
     assert e["peak_phase"] == "optimizer step (Muon)" and "Muon's step" in breakdown(

@@ -36,7 +36,7 @@ from errors import ConfigError
 from metrics import StepResult
 from models import family
 from muon import build_muon
-from optimizer import APPLIED, NONFINITE, SPIKE, SkipStepAdamW, SpikeWindow, build_optimizer, lr_factor
+from optimizer import APPLIED, NONFINITE, SPIKE, SkipStepOptimizer, SpikeWindow, build_optimizer, lr_factor
 from tests.conftest import TINY, losses
 from tests.launch import REPO, free_port, python, torchrun, two_at_a_time
 from tests.parity_worker import GLOBAL_BATCH, SEQ_LEN, build_tiny, micro_batches, one_process, random_batch
@@ -114,7 +114,7 @@ def test_a_loss_spike_is_skipped_and_the_run_goes_on_as_if_it_had_never_come(cap
 
     def run(
         *, guard: bool, spike_at: int | None, steps: int = 36, resume_at: int | None = None
-    ) -> tuple[nn.Module, SkipStepAdamW, list[tuple[StepResult, float]]]:
+    ) -> tuple[nn.Module, SkipStepOptimizer, list[tuple[StepResult, float]]]:
         """(model, optimizer, [(result, skip code)]); with resume_at, the optimizer's spike window goes through
         a checkpoint's state_dict into a new optimizer at that step, as a resumed run's does."""
         model = build_tiny()

@@ -23,7 +23,7 @@ from data.corpus import open_corpus
 from data.loader import GlobalBatchLoader
 from data.tokenizers import build_tokenizer
 from errors import ConfigError
-from models import with_seq_len
+from models import NAMES, family, with_seq_len
 from models.hf import from_hf, hf_config, hf_to_ours, model_args_from_hf, to_hf
 from models.llama3 import FAMILY as LLAMA3
 from models.llama3 import FLAVORS, Transformer, num_params
@@ -247,6 +247,35 @@ def test_unrepresentable_configs_are_refused_naming_each_field(tmp_path: Path) -
         load_config([f"--model.hf_assets_path={tmp_path / 'bad'}", *REPO_DATA])
     assert len(info.value.problems) == 4
     assert all(p.startswith("model.hf_assets_path: ") for p in info.value.problems), info.value.problems
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_family_reads_the_shared_fields_alike(name: str) -> None:
+    """models/hf_reader.py reads what the families share: the same key gets the same line in each, a JSON true is no
+    size, a null head_dim or num_key_value_heads means what transformers makes of it, and transformers 5's
+    rope_parameters gives the same theta as rope_theta."""
+    fam = family(name)
+    cfg = fam.hf.hf_config(fam.flavors["debugmodel"], dtype=torch.float32)
+    bad = cfg | {"num_hidden_layers": True, "attention_dropout": 0.1, "rope_scaling": {"rope_type": "yarn"}}
+    with pytest.raises(ConfigError) as info:
+        fam.hf.model_args_from_hf_config(bad, source="x")
+    assert info.value.problems == ["x: num_hidden_layers = True must be a positive integer"]
+    with pytest.raises(ConfigError) as info:
+        fam.hf.model_args_from_hf_config(bad | {"num_hidden_layers": 2}, source="x")
+    assert sorted(info.value.problems) == [
+        "x: attention_dropout = 0.1 is not supported; the model has no dropout (set it to 0.0)",
+        "x: rope_scaling.rope_type = 'yarn' is not supported; the model implements RoPE without scaling"
+        + (" or 'llama3' scaling" if name == "llama3" else ""),
+    ]
+    args = fam.hf.model_args_from_hf_config(cfg | {"num_key_value_heads": None}, source="x")
+    assert args.kv_heads == args.n_heads
+    derived = cfg | {
+        "head_dim": None,
+        "rope_theta": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 7.0},
+    }
+    args = fam.hf.model_args_from_hf_config(derived, source="x")
+    assert (args.head_dim, args.rope_theta) == (args.dim // args.n_heads, 7.0)
 
 
 def test_missing_or_foreign_weights_are_named(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 import muon
 from config import Comm, Optimizer, Training, load_config
@@ -16,7 +17,7 @@ from distributed import init_distributed
 from errors import ConfigError
 from models import NAMES, family
 from muon import build_muon
-from optimizer import set_hyperparameters
+from optimizer import set_hyperparameters, set_lr
 from tests.instruments import count_host_reads
 from tests.parity_worker import build_tiny, micro_batches, one_process, random_batch
 from train import train_step
@@ -42,7 +43,7 @@ def test_one_process_steps_as_torch_optim_muon_and_adamw() -> None:
     for _ in range(3):
         for m in (model, reference):
             m(tokens[:, :-1]).float().logsumexp(-1).mean().backward()
-        optimizer._update_unless(torch.zeros(()))
+        optimizer._step_unless(torch.zeros(()))
         for o_ in theirs:
             o_.step()
         optimizer.zero_grad()
@@ -108,6 +109,21 @@ def test_the_step_hooks_run_once_after_both_halves() -> None:
     optimizer.register_step_post_hook(lambda *_: seen.append(hidden.detach().clone()))
     train_step(1, micro_batches(random_batch()), one_process(model), optimizer, max_norm=1.0, stop_request=None)
     assert len(seen) == 1 and torch.equal(seen[0], hidden)
+
+
+def test_a_loaded_optimizer_steps_both_halves_with_the_groups_it_loaded() -> None:
+    """load_state_dict replaces an optimizer's group dicts: the gate's param_groups, which set_lr and
+    set_hyperparameters change, must be the ones each half then steps with (lr 0 after a load moves nothing)."""
+    model = build_tiny()
+    optimizer = build_muon(Optimizer(name="Muon"), model, family("llama3"))
+    set_optimizer_state_dict(model, optimizer, get_optimizer_state_dict(model, optimizer))  # as a resume does
+    set_lr(optimizer, 0.0)
+    before = copy.deepcopy(model.state_dict())
+    model(random_batch()[:, :-1]).float().logsumexp(-1).mean().backward()
+    optimizer.step_unless_bad(1, loss=torch.zeros(()), grad_norm=torch.ones(()))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert [id(g) for g in optimizer.param_groups] == [id(g) for o in optimizer.optimizers for g in o.param_groups]
+    assert [g["muon"] for g in optimizer.param_groups] == [False, True]
 
 
 def test_config_keys_and_refusals(capsys: pytest.CaptureFixture[str]) -> None:

@@ -116,7 +116,7 @@ def expert_exchange_reads(layout: Layout, reads: dict[str, int]) -> dict[str, in
 
 
 def test_the_host_read_counter_sees_the_reads_a_gpu_would_wait_for() -> None:
-    """The counter of the test above can fail: for-each AdamW has no skip-step input, so SkipStepAdamW
+    """The counter of the test above can fail: for-each AdamW has no skip-step input, so SkipStepOptimizer
     reads the skip flag (optimizer.py says so); fused AdamW reads nothing."""
     model, batch = build_tiny(), micro_batches(random_batch())
     found = {}

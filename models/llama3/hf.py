@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from errors import ConfigError
+from models.hf_reader import HFConfigReader, HFDefaults
 from models.llama3.model import FLAVORS, ModelArgs, RopeScaling
 
 MODEL_TYPE = "llama"  # config.json's model_type
@@ -59,77 +59,42 @@ PER_LAYER = {
     "post_attention_layernorm": "ffn_norm",
 }
 STACKED_PER_LAYER: dict[str, str] = {}  # every weight is one HF tensor (models.hf.hf_sources: an MoE's experts are not)
+# transformers' LlamaConfig defaults, which a config.json that omits the key gets (num_key_value_heads null or
+# absent: multi-head).
+_DEFAULTS = HFDefaults(rms_norm_eps=1e-6, max_position_embeddings=2048)
 
 
 def model_args_from_hf_config(cfg: dict[str, Any], *, source: str) -> ModelArgs:
     """ModelArgs from a Llama config.json's contents. Every field that changes the function is mapped;
-    one the model cannot represent is refused, all such fields together, each line naming `source`."""
-    problems: list[str] = []
-
-    def refuse(key: str, why: str) -> None:
-        problems.append(f"{source}: {key} = {cfg.get(key)!r} {why}")
-
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
-        if not isinstance(cfg.get(key), int) or cfg[key] < 1:
-            refuse(key, "must be a positive integer")
-    if problems:  # the checks below need the shape
-        raise ConfigError(*problems)
-
+    one the model cannot represent is refused, all such fields together, each line naming `source`
+    (models/hf_reader.py reads what every family reads; this adds Llama's own)."""
+    read = HFConfigReader(cfg, source=source, defaults=_DEFAULTS, rope_types=("default", "llama3"))
     dim, n_heads = cfg["hidden_size"], cfg["num_attention_heads"]
-    n_kv_heads = cfg.get("num_key_value_heads") or n_heads  # HF's default: multi-head attention
-    if dim % n_heads:
-        refuse("hidden_size", f"is not divisible by num_attention_heads = {n_heads}")
-    if n_heads % n_kv_heads:
-        refuse("num_key_value_heads", f"does not divide num_attention_heads = {n_heads}")
-    if cfg.get("head_dim") not in (None, dim // n_heads):
-        refuse("head_dim", f"differs from hidden_size / num_attention_heads = {dim // n_heads}; the model derives it")
-    if cfg.get("hidden_act", "silu") != "silu":
-        refuse("hidden_act", "is not supported; the model's MLP is SwiGLU (silu)")
-    for key in ("attention_bias", "mlp_bias"):
-        if cfg.get(key):
-            refuse(key, "is not supported; the model's projections have no bias")
-    if cfg.get("attention_dropout", 0.0):
-        refuse("attention_dropout", "is not supported; the model has no dropout (set it to 0.0)")
+    if read.head_dim * n_heads != dim:  # the model derives head_dim = dim / n_heads
+        if cfg.get("head_dim") is None:
+            read.refuse("hidden_size", f"is not divisible by num_attention_heads = {n_heads}")
+        else:
+            read.refuse(
+                "head_dim", f"differs from hidden_size / num_attention_heads = {dim // n_heads}; the model derives it"
+            )
+    if cfg.get("mlp_bias"):
+        read.refuse("mlp_bias", "is not supported; the model's projections have no bias")
     # pretraining_tp only splits the matmuls of old transformers code into slices: same function, ignored.
 
-    # transformers < 5 writes rope_theta + rope_scaling, transformers 5 one rope_parameters dict.
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    rope_key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
-    rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
     rope_scaling = None
-    if rope_type == "llama3":
+    if read.rope_type == "llama3":
         fields = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-        if missing := [f for f in fields if f not in rope]:
-            problems.append(f"{source}: {rope_key} of type llama3 lacks {', '.join(missing)}")
+        if missing := [f for f in fields if f not in read.rope]:
+            read.problem(f"{read.rope_key} of type llama3 lacks {', '.join(missing)}")
         else:
             rope_scaling = RopeScaling(
-                factor=float(rope["factor"]),
-                low_freq_factor=float(rope["low_freq_factor"]),
-                high_freq_factor=float(rope["high_freq_factor"]),
-                original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+                factor=float(read.rope["factor"]),
+                low_freq_factor=float(read.rope["low_freq_factor"]),
+                high_freq_factor=float(read.rope["high_freq_factor"]),
+                original_max_position_embeddings=int(read.rope["original_max_position_embeddings"]),
             )
-    elif rope_type != "default":
-        problems.append(
-            f"{source}: {rope_key}.rope_type = {rope_type!r} is not supported; the model implements "
-            "no scaling or Llama 3.1's 'llama3' scaling"
-        )
-    if problems:
-        raise ConfigError(*problems)
-
-    args = ModelArgs(
-        dim=dim,
-        n_layers=cfg["num_hidden_layers"],
-        n_heads=n_heads,
-        n_kv_heads=n_kv_heads,
-        vocab_size=cfg["vocab_size"],
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),  # defaults: transformers' LlamaConfig
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
-        max_seq_len=int(cfg.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-    )
-    return _with_ffn_width(args, cfg["intermediate_size"])
+    read.check()
+    return _with_ffn_width(ModelArgs(**read.args(), rope_scaling=rope_scaling), cfg["intermediate_size"])
 
 
 def _with_ffn_width(args: ModelArgs, width: int) -> ModelArgs:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from errors import ConfigError
+from models.hf_reader import HFConfigReader, HFDefaults
 from models.olmo2.model import ModelArgs
 
 MODEL_TYPE = "olmo2"  # config.json's model_type
@@ -58,78 +58,19 @@ PER_LAYER = {
     "post_feedforward_layernorm": "post_ffn_norm",
 }
 STACKED_PER_LAYER: dict[str, str] = {}  # every weight is one HF tensor (models.hf.hf_sources: an MoE's experts are not)
-# transformers' Olmo2Config defaults, which a config.json that omits the key gets (num_key_value_heads
-# null or absent: multi-head; head_dim absent: hidden_size / num_attention_heads, as Olmo2Attention reads it).
-_DEFAULTS = {
-    "rms_norm_eps": 1e-5,
-    "max_position_embeddings": 2048,
-    "tie_word_embeddings": False,
-    "rope_theta": 10000.0,  # transformers' default_theta: every published config sets 500000
-}
+# transformers' Olmo2Config defaults, which a config.json that omits the key gets (num_key_value_heads null or
+# absent: multi-head; head_dim absent: hidden_size / num_attention_heads, as Olmo2Attention reads it; every published
+# config sets rope_theta 500000).
+_DEFAULTS = HFDefaults(rms_norm_eps=1e-5, max_position_embeddings=2048)
 
 
 def model_args_from_hf_config(cfg: dict[str, Any], *, source: str) -> ModelArgs:
     """ModelArgs from an OLMo 2 config.json's contents. Every field that changes the function is mapped;
-    one the model cannot represent is refused, all such fields together, each line naming `source`."""
-    problems: list[str] = []
-
-    def refuse(key: str, why: str) -> None:
-        problems.append(f"{source}: {key} = {cfg.get(key)!r} {why}")
-
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
-        if not _positive_int(cfg.get(key)):
-            refuse(key, "must be a positive integer")
-    for key in ("head_dim", "num_key_value_heads"):
-        if cfg.get(key) is not None and not _positive_int(cfg[key]):
-            refuse(key, "must be a positive integer")
-    if problems:  # the checks below need the shape
-        raise ConfigError(*problems)
-
-    n_heads = cfg["num_attention_heads"]
-    n_kv_heads = cfg.get("num_key_value_heads") or n_heads
-    if "head_dim" not in cfg and cfg["hidden_size"] % n_heads:
-        refuse("num_attention_heads", f"does not divide hidden_size = {cfg['hidden_size']} (and no head_dim is set)")
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
-    if n_heads % n_kv_heads:
-        problems.append(f"{source}: num_key_value_heads = {n_kv_heads} does not divide num_attention_heads = {n_heads}")
-    if head_dim % 2:
-        problems.append(f"{source}: head_dim = {head_dim} is odd; RoPE rotates pairs of dimensions")
-    if cfg.get("hidden_act", "silu") != "silu":
-        refuse("hidden_act", "is not supported; the model's MLP is SwiGLU (silu)")
-    if cfg.get("attention_bias"):
-        refuse("attention_bias", "is not supported; the model's projections have no bias")
-    if cfg.get("attention_dropout", 0.0):
-        refuse("attention_dropout", "is not supported; the model has no dropout (set it to 0.0)")
-
-    # transformers < 5 writes rope_theta + rope_scaling, transformers 5 one rope_parameters dict.
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    rope_key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
-    rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", _DEFAULTS["rope_theta"])))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        problems.append(
-            f"{source}: {rope_key}.rope_type = {rope_type!r} is not supported; the model implements RoPE without scaling"
-        )
-    if problems:
-        raise ConfigError(*problems)
-
-    return ModelArgs(
-        dim=cfg["hidden_size"],
-        n_layers=cfg["num_hidden_layers"],
-        n_heads=n_heads,
-        n_kv_heads=n_kv_heads,
-        head_dim=head_dim,
-        hidden_dim=cfg["intermediate_size"],
-        vocab_size=cfg["vocab_size"],
-        norm_eps=float(cfg.get("rms_norm_eps", _DEFAULTS["rms_norm_eps"])),
-        rope_theta=rope_theta,
-        max_seq_len=int(cfg.get("max_position_embeddings", _DEFAULTS["max_position_embeddings"])),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", _DEFAULTS["tie_word_embeddings"])),
-    )
-
-
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    one the model cannot represent is refused, all such fields together, each line naming `source`
+    (models/hf_reader.py reads them all: OLMo 2 adds only its MLP's width)."""
+    read = HFConfigReader(cfg, source=source, defaults=_DEFAULTS)
+    read.check()
+    return ModelArgs(**read.args(), head_dim=read.head_dim, hidden_dim=cfg["intermediate_size"])
 
 
 def hf_config(args: ModelArgs, *, dtype: torch.dtype) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from errors import ConfigError
+from models.hf_reader import HFConfigReader, HFDefaults
 from models.qwen3.model import ModelArgs
 
 MODEL_TYPE = "qwen3"  # config.json's model_type
@@ -63,86 +63,19 @@ PER_LAYER = {
     "post_attention_layernorm": "ffn_norm",
 }
 STACKED_PER_LAYER: dict[str, str] = {}  # every weight is one HF tensor (models.hf.hf_sources: an MoE's experts are not)
-# transformers' Qwen3Config defaults, which a config.json that omits the key gets (note head_dim:
-# 128, not hidden_size / num_attention_heads; and num_key_value_heads: 32, null meaning multi-head).
-_DEFAULTS = {
-    "head_dim": 128,
-    "num_key_value_heads": 32,
-    "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 32768,
-    "tie_word_embeddings": False,
-    "rope_theta": 10000.0,  # transformers' default_theta: every published config sets 1e6
-}
+# transformers' Qwen3Config defaults, which a config.json that omits the key gets (note head_dim: 128, not
+# hidden_size / num_attention_heads; and num_key_value_heads: 32, null meaning multi-head; every published config
+# sets rope_theta 1e6).
+_DEFAULTS = HFDefaults(rms_norm_eps=1e-6, max_position_embeddings=32768, num_key_value_heads=32, head_dim=128)
 
 
 def model_args_from_hf_config(cfg: dict[str, Any], *, source: str) -> ModelArgs:
     """ModelArgs from a Qwen3 config.json's contents. Every field that changes the function is mapped;
-    one the model cannot represent is refused, all such fields together, each line naming `source`."""
-    problems: list[str] = []
-
-    def refuse(key: str, why: str) -> None:
-        problems.append(f"{source}: {key} = {cfg.get(key)!r} {why}")
-
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
-        if not _positive_int(cfg.get(key)):
-            refuse(key, "must be a positive integer")
-    head_dim = cfg.get("head_dim", _DEFAULTS["head_dim"])
-    n_kv_heads = cfg.get("num_key_value_heads", _DEFAULTS["num_key_value_heads"])
-    if n_kv_heads is None:
-        n_kv_heads = cfg.get("num_attention_heads")
-    for key, value in (("head_dim", head_dim), ("num_key_value_heads", n_kv_heads)):
-        if key in cfg and not _positive_int(value):
-            refuse(key, "must be a positive integer")
-    if problems:  # the checks below need the shape
-        raise ConfigError(*problems)
-
-    n_heads = cfg["num_attention_heads"]
-    if n_heads % n_kv_heads:
-        problems.append(f"{source}: num_key_value_heads = {n_kv_heads} does not divide num_attention_heads = {n_heads}")
-    if head_dim % 2:
-        refuse("head_dim", "is odd; RoPE rotates pairs of dimensions")
-    if cfg.get("hidden_act", "silu") != "silu":
-        refuse("hidden_act", "is not supported; the model's MLP is SwiGLU (silu)")
-    if cfg.get("attention_bias"):
-        refuse("attention_bias", "is not supported; the model's projections have no bias")
-    if cfg.get("attention_dropout", 0.0):
-        refuse("attention_dropout", "is not supported; the model has no dropout (set it to 0.0)")
-    if cfg.get("use_sliding_window"):
-        refuse("use_sliding_window", "is not supported; the model attends to the whole causal window (set it to false)")
-    if any(t != "full_attention" for t in cfg.get("layer_types") or ()):
-        kinds = sorted(set(cfg["layer_types"]) - {"full_attention"})
-        problems.append(f"{source}: layer_types has {kinds}; the model implements full_attention layers only")
-
-    # transformers < 5 writes rope_theta + rope_scaling, transformers 5 one rope_parameters dict.
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    rope_key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
-    rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", _DEFAULTS["rope_theta"])))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        problems.append(
-            f"{source}: {rope_key}.rope_type = {rope_type!r} is not supported; the model implements RoPE "
-            "without scaling (Qwen3's YaRN long-context extension included)"
-        )
-    if problems:
-        raise ConfigError(*problems)
-
-    return ModelArgs(
-        dim=cfg["hidden_size"],
-        n_layers=cfg["num_hidden_layers"],
-        n_heads=n_heads,
-        n_kv_heads=n_kv_heads,
-        head_dim=head_dim,
-        hidden_dim=cfg["intermediate_size"],
-        vocab_size=cfg["vocab_size"],
-        norm_eps=float(cfg.get("rms_norm_eps", _DEFAULTS["rms_norm_eps"])),
-        rope_theta=rope_theta,
-        max_seq_len=int(cfg.get("max_position_embeddings", _DEFAULTS["max_position_embeddings"])),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", _DEFAULTS["tie_word_embeddings"])),
-    )
-
-
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    one the model cannot represent is refused, all such fields together, each line naming `source`
+    (models/hf_reader.py reads them all: Qwen3 dense adds only its MLP's width)."""
+    read = HFConfigReader(cfg, source=source, defaults=_DEFAULTS)
+    read.check()
+    return ModelArgs(**read.args(), head_dim=read.head_dim, hidden_dim=cfg["intermediate_size"])
 
 
 def hf_config(args: ModelArgs, *, dtype: torch.dtype) -> dict[str, Any]:

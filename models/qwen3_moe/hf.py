@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from errors import ConfigError
+from models.hf_reader import HFConfigReader, HFDefaults
 from models.qwen3_moe.model import ModelArgs
 
 MODEL_TYPE = "qwen3_moe"  # config.json's model_type
@@ -56,109 +56,39 @@ STACKED_PER_LAYER = {
     "mlp.experts.{}.down_proj.weight": "moe.experts.w2",
     "mlp.experts.{}.up_proj.weight": "moe.experts.w3",
 }
-# transformers' Qwen3MoeConfig defaults, which a config.json that omits the key gets.
-_DEFAULTS = {
-    "num_key_value_heads": 4,
-    "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 32768,
-    "tie_word_embeddings": False,
-    "rope_theta": 10000.0,  # transformers' default_theta: every published config sets 1e6
-    "num_experts": 128,
-    "num_experts_per_tok": 8,
-    "moe_intermediate_size": 768,
-    "norm_topk_prob": False,
-    "decoder_sparse_step": 1,
-}
-_SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+# transformers' Qwen3MoeConfig defaults, which a config.json that omits the key gets (it has no head_dim of its own:
+# transformers reads the key when given, else divides; every published config sets rope_theta 1e6).
+_DEFAULTS = HFDefaults(rms_norm_eps=1e-6, max_position_embeddings=32768, num_key_value_heads=4)
+_MOE_DEFAULTS = {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768}
 
 
 def model_args_from_hf_config(cfg: dict[str, Any], *, source: str) -> ModelArgs:
     """ModelArgs from a Qwen3 MoE config.json's contents. Every field that changes the function is mapped; one the
-    model cannot represent is refused, all such fields together, each line naming `source`."""
-    problems: list[str] = []
-
-    def refuse(key: str, why: str) -> None:
-        problems.append(f"{source}: {key} = {cfg.get(key)!r} {why}")
-
-    for key in _SHAPE_KEYS:
-        if not _positive_int(cfg.get(key)):
-            refuse(key, "must be a positive integer")
-    if problems:  # the defaults below need the shape
-        raise ConfigError(*problems)
+    model cannot represent is refused, all such fields together, each line naming `source` (models/hf_reader.py
+    reads what every family reads; this adds the sparse MLP's)."""
+    read = HFConfigReader(cfg, source=source, defaults=_DEFAULTS, sizes=())  # no dense MLP: no intermediate_size
     # transformers 5 writes num_experts as num_local_experts; the published (4.51) configs say num_experts.
     experts_key = "num_local_experts" if "num_local_experts" in cfg else "num_experts"
-    sizes = {
-        # Qwen3MoeConfig has no head_dim of its own: transformers reads the key when given, else divides.
-        "head_dim": cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"]),
-        "num_key_value_heads": cfg.get("num_key_value_heads", _DEFAULTS["num_key_value_heads"]),
-        experts_key: cfg.get(experts_key, _DEFAULTS["num_experts"]),
-        "num_experts_per_tok": cfg.get("num_experts_per_tok", _DEFAULTS["num_experts_per_tok"]),
-        "moe_intermediate_size": cfg.get("moe_intermediate_size", _DEFAULTS["moe_intermediate_size"]),
-    }
-    if sizes["num_key_value_heads"] is None:
-        sizes["num_key_value_heads"] = cfg["num_attention_heads"]
-    for key, value in sizes.items():
-        if not _positive_int(value):
-            problems.append(f"{source}: {key} = {value!r} must be a positive integer")
-    if problems:  # the checks below need the shape
-        raise ConfigError(*problems)
-
-    n_heads, n_kv_heads, head_dim = cfg["num_attention_heads"], sizes["num_key_value_heads"], sizes["head_dim"]
-    if n_heads % n_kv_heads:
-        problems.append(f"{source}: num_key_value_heads = {n_kv_heads} does not divide num_attention_heads = {n_heads}")
-    if head_dim % 2:
-        refuse("head_dim", "is odd; RoPE rotates pairs of dimensions")
-    if sizes["num_experts_per_tok"] > sizes[experts_key]:
-        refuse("num_experts_per_tok", f"exceeds {experts_key} = {sizes[experts_key]}")
-    if cfg.get("decoder_sparse_step", _DEFAULTS["decoder_sparse_step"]) != 1:
-        refuse("decoder_sparse_step", "is not supported; every block of the model is sparse (set it to 1)")
+    experts = cfg.get(experts_key, _MOE_DEFAULTS["num_experts"])
+    top_k = cfg.get("num_experts_per_tok", _MOE_DEFAULTS["num_experts_per_tok"])
+    hidden = cfg.get("moe_intermediate_size", _MOE_DEFAULTS["moe_intermediate_size"])
+    sized = [read.positive(key, value) for key, value in ((experts_key, experts), ("num_experts_per_tok", top_k))]
+    read.positive("moe_intermediate_size", hidden)
+    if all(sized) and top_k > experts:
+        read.refuse("num_experts_per_tok", f"exceeds {experts_key} = {experts}")
+    if cfg.get("decoder_sparse_step", 1) != 1:
+        read.refuse("decoder_sparse_step", "is not supported; every block of the model is sparse (set it to 1)")
     if cfg.get("mlp_only_layers"):
-        refuse("mlp_only_layers", "is not supported; the model has no dense blocks (set it to [])")
-    if cfg.get("hidden_act", "silu") != "silu":
-        refuse("hidden_act", "is not supported; the model's experts are SwiGLU (silu)")
-    if cfg.get("attention_bias"):
-        refuse("attention_bias", "is not supported; the model's projections have no bias")
-    if cfg.get("attention_dropout", 0.0):
-        refuse("attention_dropout", "is not supported; the model has no dropout (set it to 0.0)")
-    if cfg.get("use_sliding_window"):
-        refuse("use_sliding_window", "is not supported; the model attends to the whole causal window (set it to false)")
-    if any(t != "full_attention" for t in cfg.get("layer_types") or ()):
-        kinds = sorted(set(cfg["layer_types"]) - {"full_attention"})
-        problems.append(f"{source}: layer_types has {kinds}; the model implements full_attention layers only")
-
-    # transformers < 5 writes rope_theta + rope_scaling, transformers 5 one rope_parameters dict.
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    rope_key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
-    rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", _DEFAULTS["rope_theta"])))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        problems.append(
-            f"{source}: {rope_key}.rope_type = {rope_type!r} is not supported; the model implements RoPE "
-            "without scaling (Qwen3's YaRN long-context extension included)"
-        )
-    if problems:
-        raise ConfigError(*problems)
-
+        read.refuse("mlp_only_layers", "is not supported; the model has no dense blocks (set it to [])")
+    read.check()
     return ModelArgs(
-        dim=cfg["hidden_size"],
-        n_layers=cfg["num_hidden_layers"],
-        n_heads=n_heads,
-        n_kv_heads=n_kv_heads,
-        head_dim=head_dim,
-        moe_hidden_dim=sizes["moe_intermediate_size"],
-        num_experts=sizes[experts_key],
-        top_k=sizes["num_experts_per_tok"],
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", _DEFAULTS["norm_topk_prob"])),
-        vocab_size=cfg["vocab_size"],
-        norm_eps=float(cfg.get("rms_norm_eps", _DEFAULTS["rms_norm_eps"])),
-        rope_theta=rope_theta,
-        max_seq_len=int(cfg.get("max_position_embeddings", _DEFAULTS["max_position_embeddings"])),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", _DEFAULTS["tie_word_embeddings"])),
+        **read.args(),
+        head_dim=read.head_dim,
+        moe_hidden_dim=hidden,
+        num_experts=experts,
+        top_k=top_k,
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
     )
-
-
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def hf_config(args: ModelArgs, *, dtype: torch.dtype) -> dict[str, Any]:
