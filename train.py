@@ -239,10 +239,7 @@ def build(
         save_seed_checkpoint(cfg, model, world_size=world_size)
         return None
 
-    if cfg.optimizer.name == "Muon":  # Muon for the family's hidden matrices, AdamW for the rest (muon.py)
-        optimizer = build_muon(cfg.optimizer, model, family(cfg.model.name), training=t, pp_degree=dims.pp)
-    else:
-        optimizer = build_optimizer(cfg.optimizer, model, training=t, pp_degree=dims.pp)
+    optimizer = build_run_optimizer(cfg, model, pp_degree=dims.pp)
     if (float8 := float8_settings(cfg)) is not None and float8.precompute_float8_dynamic_scale_for_fsdp:
         precompute_scales_after_each_step(optimizer, model)
     state = TrainState(settings=schedule_settings(cfg))
@@ -400,6 +397,14 @@ def build_data(cfg: JobConfig, *, dp_rank: int, dp_degree: int, vocab_size: int)
         pad_samples=cfg.data.pad_samples,
     )
     return tokenizer, loader
+
+
+def build_run_optimizer(cfg: JobConfig, model: torch.nn.Module, *, pp_degree: int) -> SkipStepOptimizer:
+    """optimizer.name: Muon for the family's hidden matrices and AdamW for the rest (muon.py), or AdamW; either behind
+    the gate that skips bad steps (optimizer.py)."""
+    if cfg.optimizer.name == "Muon":
+        return build_muon(cfg.optimizer, model, family(cfg.model.name), training=cfg.training, pp_degree=pp_degree)
+    return build_optimizer(cfg.optimizer, model, training=cfg.training, pp_degree=pp_degree)
 
 
 def build_checkpoint(

@@ -257,3 +257,14 @@ def test_the_readme_and_the_developers_page_name_every_root_module_and_package()
         p for p in parts if f"| `{p}`" not in layout and f", `{p}`" not in layout.split("## Removing a part")[0]
     ] == []
     assert {"train.py", "fleet/", "evaluation/"} <= set(parts)
+
+
+def test_train_py_reads_in_screenfuls() -> None:
+    """train.py is read top to bottom: none of its functions is longer than 80 lines (the rest of the recipe: 100)."""
+    tree = ast.parse((REPO / "train.py").read_text())
+    long = [
+        f"{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno + 1 > 80
+    ]
+    assert long == []
