@@ -21,7 +21,7 @@ import torch.distributed as dist
 from config import load_config
 from data.inputs import input_problems
 from distributed import init_distributed
-from train import build, layout_checks, train
+from train import after_step_work, build, layout_checks, train
 
 
 def main(argv: list[str]) -> int:
@@ -33,7 +33,7 @@ def main(argv: list[str]) -> int:
         for cfg in cfgs:
             run = build(cfg, device=device, rank=rank, world_size=world_size)
             assert run is not None, cfg.job.dump_folder
-            train(run)
+            train(run, after_step_work(run))
     finally:
         dist.destroy_process_group()
     return 0
