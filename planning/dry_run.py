@@ -564,16 +564,16 @@ def _undone(cause: str, step: _Step) -> _Step:
         case "micro-batches":
             rows = cfg.training.local_batch_size * step.grad_accum
             cfg.training = dataclasses.replace(cfg.training, local_batch_size=rows)
-            return _Step(cfg, dataclasses.replace(step.job, local_batch_size=rows, grad_accum=1), 1)
+            return _Step(cfg, dataclasses.replace(step.job, cfg=cfg), 1)
         case "reshard after forward":
             cfg.parallelism = dataclasses.replace(cfg.parallelism, fsdp_reshard_after_forward="never")
-            return dataclasses.replace(step, cfg=cfg)
+            return dataclasses.replace(step, cfg=cfg, job=dataclasses.replace(step.job, cfg=cfg))
         case "activation checkpointing":
             cfg.activation_checkpoint = ActivationCheckpoint(mode="none")
-            return dataclasses.replace(step, cfg=cfg, job=dataclasses.replace(step.job, ac="none"))
+            return dataclasses.replace(step, cfg=cfg, job=dataclasses.replace(step.job, cfg=cfg))
         case "no loss parallel":
             cfg.parallelism = dataclasses.replace(cfg.parallelism, disable_loss_parallel=False)
-            return dataclasses.replace(step, cfg=cfg, job=dataclasses.replace(step.job, loss_parallel=True))
+            return dataclasses.replace(step, cfg=cfg, job=dataclasses.replace(step.job, cfg=cfg))
         case "gradient norm per tensor":
             return dataclasses.replace(step, norm_values=1)
     raise ValueError(f"cause: expected one of {', '.join(EXCESSES)}, got {cause!r}")
