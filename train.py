@@ -341,13 +341,13 @@ def resolve_auto_ac(cfg: JobConfig, *, world_size: int, device: torch.device, me
     """Mode "auto" made "per_block" with the least recompute whose estimated memory fits this GPU (or
     activation_checkpoint.memory_budget_gib); rank 0 prints the choice. The config saved in the run folder is this
     one, so eval.py and a look back see what ran."""
+    from planning.job import Machine
     from planning.memory import cuda_memory_gib
     from planning.memory import resolve_auto_ac as choose
 
     tp_mesh = mesh["tp"] if mesh is not None else None
-    cfg, choice = choose(
-        cfg, world_size=world_size, cuda=device.type == "cuda", cuda_memory_gib=cuda_memory_gib(device), tp_mesh=tp_mesh
-    )
+    machine = Machine(cuda=device.type == "cuda", device_memory_gib=cuda_memory_gib(device))
+    cfg, choice = choose(cfg, world_size=world_size, machine=machine, tp_mesh=tp_mesh)
     if is_rank0() and choice is not None:
         print(f"activation_checkpoint.mode = auto: {choice.describe()}", flush=True)
     return cfg
@@ -677,11 +677,12 @@ def config_summary(cfg: JobConfig) -> str:
         f"data-parallel degree {dims.dp}, {which})",
     ]
     if cfg.activation_checkpoint.mode == "auto":  # chosen for this machine's GPUs (or CPU ranks) and this world
+        from planning.job import Machine
         from planning.memory import cuda_memory_gib, resolve_auto_ac
 
         cuda = torch.cuda.is_available()
         memory = cuda_memory_gib(torch.device("cuda", 0)) if cuda else None
-        _, choice = resolve_auto_ac(cfg, world_size=world, cuda=cuda, cuda_memory_gib=memory)
+        _, choice = resolve_auto_ac(cfg, world_size=world, machine=Machine(cuda=cuda, device_memory_gib=memory))
         assert choice is not None
         lines.append(f"# activation_checkpoint.mode = auto: {choice.describe()}")
     lines += [f"# note: {problem} (training needs it, planning does not)" for problem in input_problems(cfg)]

@@ -9,7 +9,7 @@ checkpointing (what CP saves is what the rank's own tokens need), and runs one w
 forward and backward, each rank on its head-tail chunks (parallelisms/cp.py). Measured on rank 0:
 
   * the bytes autograd saves from forward to backward (benchmarks.memory.ActivationCensus: unique storages,
-    parameters excluded), against estimate_memory.activation_bytes of the same job (Setup.cp);
+    parameters excluded), against estimate_memory.activation_bytes of the same job (Job.dims.cp);
   * the bytes of the keys and values all-gathered (the gathered tensors, forward) and of their gradients
     reduce-scattered (backward), from the functional collectives the dispatcher runs (FSDP's own all-gathers
     are c10d calls and not counted), against planning.exchanges.cp_kv_bytes x blocks.
@@ -44,7 +44,8 @@ from parallelisms.cp import context_parallel
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import build_model, init_model
 from planning.exchanges import cp_kv_bytes
-from planning.memory import Setup, activation_bytes
+from planning.job import CPU, Job
+from planning.memory import activation_bytes
 from tests.instruments import observe_ops
 
 PROBLEM = "context parallel"
@@ -70,8 +71,7 @@ def job(cp: int, seq_len: int) -> JobConfig:
 
 def predicted(cp: int, *, seq_len: int, n_layers: int) -> dict[str, int]:
     """estimate_memory's activation bytes and K/V all-gather bytes for the job one launch runs."""
-    estimated = Setup.of(job(cp, seq_len), cp, cuda=False, rmsnorm="composite")
-    estimated = dataclasses.replace(estimated, args=model_args(n_layers, seq_len))
+    estimated = Job.of(job(cp, seq_len), CPU, world_size=cp, args=model_args(n_layers, seq_len))
     return {
         "activation_bytes": activation_bytes(estimated)["total"],
         "kv_gathered_bytes": n_layers * cp_kv_bytes(estimated)["gathered"] if cp > 1 else 0,

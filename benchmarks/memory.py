@@ -80,8 +80,9 @@ from models.llama3 import FLAVORS, ModelArgs, Transformer
 from parallelisms.ac import CheckpointedModule
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import parallelize_model
+from planning.flags import job as estimator_job
+from planning.job import Machine
 from planning.memory import activation_bytes
-from planning.memory import setup as estimator_setup
 from tests.instruments import LiveBytes, observe_ops
 
 PROBLEM = "#5 memory"
@@ -316,7 +317,7 @@ def measure(
     gathered_peak = max(gathered.values(), default=0)
     host_state = params + grads + optim if setup.cpu_offload else 0
     predicted = activation_bytes(
-        estimator_setup(
+        estimator_job(
             flavor="debugmodel",
             args=model_args,
             ngpu=2,  # the setups' 2 ranks: bf16 parameters are FSDP's (one rank would train under autocast)
@@ -324,7 +325,7 @@ def measure(
             seq_len=seq_len,
             param_dtype=setup.param_dtype,
             ac=setup.ac,
-            rmsnorm="fused" if device.type == "cuda" else "composite",
+            machine=Machine(cuda=True, rmsnorm="fused" if device.type == "cuda" else "composite"),
         )
     )
     return {

@@ -1,5 +1,5 @@
 """benchmarks/context_parallel.py with CP 1 and 2 (one and two CPU ranks): what a rank saves for backward and the
-keys and values it all-gathers are what planning/estimate_memory.py predicts for the job (Setup.cp, cp_kv_bytes), and a rank
+keys and values it all-gathers are what planning/estimate_memory.py predicts for the job (Job.dims.cp, cp_kv_bytes), and a rank
 of CP 2 saves less than one rank alone, though more than half (the gathered keys and values span the window)."""
 
 from __future__ import annotations

@@ -15,7 +15,9 @@ from benchmarks.harness import MiB, read_results, run_python
 from benchmarks.memory import SETUPS
 from models import with_seq_len
 from models.llama3 import FLAVORS, Transformer
-from planning.memory import activation_bytes, setup
+from planning.flags import job
+from planning.job import Machine
+from planning.memory import activation_bytes
 
 # A quarter of make bench's sequence: the bf16 setups run emulated bf16 matmuls on CPUs without bf16 instructions (128
 # tokens took 20 s more, the same checks passing). The loss phase at a quarter of its hidden size: its matmuls are most
@@ -158,9 +160,9 @@ def test_activation_formula_matches_measurement(rows: dict[str, dict], name: str
     # The estimator traces one block of the model on fake tensors (planning.trace.block_costs); CPU eager:
     # nn.RMSNorm is not the fused CUDA kernel.
     predicted = activation_bytes(
-        setup(
+        job(
             flavor="debugmodel", args=ARGS, ngpu=2, local_batch_size=BATCH, seq_len=SEQ,
-            param_dtype=measured_setup.param_dtype, ac=measured_setup.ac, rmsnorm="composite",
+            param_dtype=measured_setup.param_dtype, ac=measured_setup.ac, machine=Machine(cuda=True, rmsnorm="composite"),
         )
     )["total"]  # fmt: skip
     measured = rows[name]["activation_bytes"]

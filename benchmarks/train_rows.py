@@ -28,7 +28,8 @@ from benchmarks import harness, run
 from benchmarks.harness import Row
 from config import load_config
 from parallelisms.parallel_dims import ParallelDims
-from planning.memory import Setup, estimate_rank
+from planning.job import Job, Machine
+from planning.memory import estimate_rank
 
 GiB = 2**30
 PROBLEM = "memory estimate"
@@ -39,7 +40,7 @@ def estimate_gib(train: dict[str, Any], *, cuda: bool) -> float:
     config.toml it saved), so that every key the estimator reads (the loss's chunks, AC, dtypes) is the run's."""
     cfg = load_config(["--config", train["config"]])
     dims = ParallelDims.from_config(cfg.parallelism, world_size=train["nproc"])
-    return float(estimate_rank(Setup.of(cfg, dims.world_size, cuda=cuda))["reserved"]) / GiB
+    return float(estimate_rank(Job.of(cfg, Machine(cuda=cuda), world_size=dims.world_size))["reserved"]) / GiB
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -45,6 +45,10 @@ if TYPE_CHECKING:
     from config import ActivationCheckpoint
 
 aten = torch.ops.aten
+
+# What AC does to one block (`block_modes`): keeps every activation, selective op AC, or full recomputation. Every
+# spelling of [activation_checkpoint] comes down to one of these per block (config.BLOCK_AC_MODES, per_block's values).
+BlockMode = Literal["none", "op", "full"]
 
 # Ops whose outputs selective op AC keeps whatever the model: what is expensive to recompute.
 _SAVE_OPS: frozenset[torch._ops.OpOverload] = frozenset(
@@ -138,10 +142,10 @@ def apply_ac(
             )
 
 
-def block_modes(cfg: ActivationCheckpoint, layers: list[int]) -> list[str]:
+def block_modes(cfg: ActivationCheckpoint, layers: list[int]) -> list[BlockMode]:
     """What `apply_ac` does to each block of a model or pipeline stage, given its blocks' indices in the whole model
     in order: "none" (keeps every activation), "op" (selective op AC) or "full". The one rule, which the memory
-    estimate (planning/memory.py) reads too."""
+    estimate, the dry run and mode "auto"'s choice (planning/) read too."""
     n = len(layers)
     match cfg.mode:
         case "none":

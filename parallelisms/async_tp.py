@@ -45,24 +45,25 @@ def async_tp_problems(*, compile_enabled: bool, tp_degree: int, device_type: str
     return missing
 
 
-def apply_async_tp(tp_mesh: DeviceMesh, *, compile_enabled: bool, planning: bool = False) -> None:
-    """Switch on micro-pipeline TP for `tp_mesh`, or raise a one-line ConfigError saying what is missing.
-
-    planning: a dry run (planning/dry_run.py) on a fake process group: check the job against the CUDA + NCCL machine it
-    plans for, and switch nothing on."""
-    device_type, backend = (
-        ("cuda", "nccl") if planning else (tp_mesh.device_type, dist.get_backend(tp_mesh.get_group()))
-    )
+def require_async_tp(*, compile_enabled: bool, tp_degree: int, device_type: str, backend: str) -> None:
+    """A one-line ConfigError saying what async TP lacks (async_tp_problems), if anything. apply_async_tp checks the
+    run's TP group with it; a dry run (planning/dry_run.py) the CUDA + NCCL machine it plans for."""
     missing = async_tp_problems(
-        compile_enabled=compile_enabled, tp_degree=tp_mesh.size(), device_type=device_type, backend=backend
+        compile_enabled=compile_enabled, tp_degree=tp_degree, device_type=device_type, backend=backend
     )
     if missing:
         raise ConfigError(
             "parallelism.enable_async_tensor_parallel: async TP needs compile.enable = true, CUDA with NCCL and "
             f"tensor_parallel_degree > 1, but {', '.join(missing)}; set it to false"
         )
-    if planning:
-        return
+
+
+def apply_async_tp(tp_mesh: DeviceMesh, *, compile_enabled: bool) -> None:
+    """Switch on micro-pipeline TP for `tp_mesh`, or raise a one-line ConfigError saying what is missing."""
+    backend = dist.get_backend(tp_mesh.get_group())
+    require_async_tp(
+        compile_enabled=compile_enabled, tp_degree=tp_mesh.size(), device_type=tp_mesh.device_type, backend=backend
+    )
     # Both switches are private PyTorch APIs (2.13 has no public one); torchtitan uses the same two.
     from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 

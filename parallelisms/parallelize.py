@@ -35,7 +35,6 @@ def parallelize_model(
     dims: ParallelDims,
     mesh: DeviceMesh,
     device: torch.device,
-    planning: bool = False,
 ) -> nn.Module:
     """Apply, in order, float8 -> TP -> EP (+ async TP) -> CP -> activation checkpointing -> compile -> FSDP to a (meta) model,
     as the run's config asks: [training], [parallelism], [activation_checkpoint], [compile] and the float8 linears.
@@ -69,8 +68,6 @@ def parallelize_model(
     `parallelisms.tp.loss_parallel_context(True)`.
 
     device: where the model will train (float8 refuses a device without float8 matmuls).
-    planning: a dry run (planning/dry_run.py) on a fake process group: each step checks what it can and lays out the
-    parameters; nothing that needs the real machine is switched on.
     """
     fam, training, parallelism = family(cfg.model.name), cfg.training, cfg.parallelism
     ac, compile = cfg.activation_checkpoint, cfg.compile
@@ -92,7 +89,7 @@ def parallelize_model(
         apply_ep(model, ep_mesh, experts=fam.experts_module)
         experts = (fam.experts_module, experts_fsdp_mesh)
     if parallelism.enable_async_tensor_parallel:
-        apply_async_tp(mesh["tp"], compile_enabled=compile.enable and "model" in compile.components, planning=planning)
+        apply_async_tp(mesh["tp"], compile_enabled=compile.enable and "model" in compile.components)
     if (cp := context_parallel(mesh, parallelism)) is not None:
         apply_cp(model, cp)
 
@@ -138,18 +135,17 @@ def build_model(
     mesh: DeviceMesh,
     loss_fn: Loss,
     device: torch.device,
-    planning: bool = False,
 ) -> tuple[torch.nn.Module, Pipeline | None]:
     """The model of cfg's family and shape `args` (config.run_model_args, which the caller also needs) on the meta
     device, parallelized as cfg asks (parallelize_model): shapes and shardings, no storage yet (`init_model`).
-    train.py and the dry run both build this way, so what the dry run plans is what trains.
-    planning: for a dry run (planning/dry_run.py; parallelize_model's argument).
+    train.py and the dry run both build this way, so what the dry run plans is what trains (the dry run with async TP
+    left off, after checking it against the machine it plans for).
 
     With pipeline parallel this rank holds some stages, each parallelized on its own; the module returned
     is then those stages as one (the whole model's parameter names), and the Pipeline runs them."""
     with torch.device("meta"):
         model = family(cfg.model.name).model_cls(args)
-    parallelize = functools.partial(parallelize_model, cfg=cfg, dims=dims, mesh=mesh, device=device, planning=planning)
+    parallelize = functools.partial(parallelize_model, cfg=cfg, dims=dims, mesh=mesh, device=device)
     if not dims.pp_enabled:
         return parallelize(model), None
     pipeline = pipeline_model(

@@ -32,12 +32,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import platform
 import shutil
 import sys
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -48,9 +46,7 @@ from data.inputs import input_problems
 from data.tokenizers import build_tokenizer
 from errors import ConfigError, is_rank0, warn
 from parallelisms.parallel_dims import ParallelDims, layout_checks
-
-if TYPE_CHECKING:
-    from planning.memory import Setup
+from planning.job import Job, Machine
 
 Severity = Literal["error", "warning", "note"]
 GiB = 2**30
@@ -79,34 +75,6 @@ class Finding:
 
     def __str__(self) -> str:
         return f"{self.severity}: {self.key}: {self.message}"
-
-
-@dataclass(frozen=True)
-class Machine:
-    """What the job runs on; `Machine.this()` reads it off this machine."""
-
-    cuda: bool
-    gpus_per_node: int | None = None
-    cpu_has_bf16: bool | None = None
-    device_memory_gib: float | None = None  # one GPU's, or on CPU the host's RAM, shared by its ranks
-    environ: Mapping[str, str] | None = None
-
-    @classmethod
-    def this(cls, *, cuda: bool | None = None, device_memory_gib: float | None = None) -> Machine:
-        have_cuda = torch.cuda.is_available()
-        cuda = have_cuda if cuda is None else cuda
-        gpus = os.environ.get("LOCAL_WORLD_SIZE", "")
-        if device_memory_gib is None and cuda:
-            device_memory_gib = torch.cuda.get_device_properties(0).total_memory / GiB if have_cuda else 80.0
-        elif device_memory_gib is None:
-            device_memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
-        return cls(
-            cuda=cuda,
-            gpus_per_node=int(gpus) if gpus.isdigit() else (torch.cuda.device_count() or None) if have_cuda else None,
-            cpu_has_bf16=None if cuda else _probe_cpu_bf16(),
-            device_memory_gib=device_memory_gib,
-            environ=os.environ,
-        )
 
 
 def check_recipe(
@@ -269,15 +237,6 @@ def _precision(cfg: JobConfig, machine: Machine) -> list[Finding]:
     return findings
 
 
-def _probe_cpu_bf16() -> bool | None:
-    """Whether this x86 CPU has native bf16 matmul instructions; None off x86 or without the probes."""
-    # torch.cpu's ISA probes are private (no public API as of PyTorch 2.13); used only here.
-    probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
-    if platform.machine().lower() not in ("x86_64", "amd64") or not all(probes):
-        return None
-    return any(probe() for probe in probes)
-
-
 # --------------------------------------------------------------------- toolchain
 
 
@@ -349,15 +308,12 @@ def _offload(cfg: JobConfig, machine: Machine) -> list[Finding]:
 def _memory(cfg: JobConfig, dims: ParallelDims, machine: Machine, *, tp_mesh: DeviceMesh | None) -> list[Finding]:
     """The estimate of planning/estimate_memory.py for this job against the memory one rank can use."""
     # Imported here: the estimator (its fake-tensor trace of a block) loads only when this check runs.
-    from planning.memory import Setup, estimate, resolve_auto_ac
+    from planning.memory import estimate, resolve_auto_ac
 
     findings = []
     if cfg.activation_checkpoint.mode == "auto":  # what train.py will choose on this machine, said
-        gpu = machine.device_memory_gib if machine.cuda else None
         try:
-            cfg, choice = resolve_auto_ac(
-                cfg, world_size=dims.world_size, cuda=machine.cuda, cuda_memory_gib=gpu, tp_mesh=tp_mesh
-            )
+            cfg, choice = resolve_auto_ac(cfg, world_size=dims.world_size, machine=machine, tp_mesh=tp_mesh)
         except ConfigError as e:  # no budget without CUDA, or a job that fits with no choice: both numbers said
             return [Finding("error", *problem.split(": ", 1)) for problem in e.problems]
         assert choice is not None
@@ -365,7 +321,7 @@ def _memory(cfg: JobConfig, dims: ParallelDims, machine: Machine, *, tp_mesh: De
     if machine.device_memory_gib is None:
         return findings
     try:
-        job = Setup.of(cfg, dims.world_size, cuda=machine.cuda)
+        job = Job.of(cfg, machine, world_size=dims.world_size)
     except ConfigError:  # a shape TP or PP cannot split: the run refuses it at start-up, with its own message
         return findings
     e = estimate(job, tp_mesh=tp_mesh)
@@ -376,7 +332,7 @@ def _memory(cfg: JobConfig, dims: ParallelDims, machine: Machine, *, tp_mesh: De
                 "note",
                 "parallelism.fsdp_defer_reduce_scatter",
                 f"{job.grad_accum} micro-batches reduce-scatter once per step, for {e['accumulators'] / GiB:.1f} GiB "
-                f"per rank of unsharded {job.reduce_dtype} gradients held through the step (about {need:.1f} GiB in "
+                f"per rank of unsharded {cfg.training.mixed_precision_reduce} gradients held through the step (about {need:.1f} GiB in "
                 "all); set it to false to reduce-scatter per micro-batch in the memory of the shards",
             )
         )
@@ -399,26 +355,27 @@ def _memory(cfg: JobConfig, dims: ParallelDims, machine: Machine, *, tp_mesh: De
     ]
 
 
-def _routing_skew(job: Setup, *, need: float, have: float, what: str, tp_mesh: DeviceMesh | None) -> list[Finding]:
+def _routing_skew(job: Job, *, need: float, have: float, what: str, tp_mesh: DeviceMesh | None) -> list[Finding]:
     """Under expert parallel no token is dropped (no capacity factor, parallelisms/ep.py): the rows a rank's experts
     receive, and the buffers that hold them, follow the routing. Balanced routing fits (`need` GiB of `have`); the
     worst routing sends all of the ep group's tokens x top_k to one rank's experts in every block. Where that does not
-    fit: how many times the balanced rows the rank has room for, found on the estimate (Setup.ep_load)."""
+    fit: how many times the balanced rows the rank has room for, found on the estimate (Job.ep_load)."""
     from planning.memory import estimate  # (as _memory: the estimator loads only when this check runs)
 
-    if job.ep == 1:
+    ep = job.dims.ep
+    if ep == 1:
         return []
     total = lambda load: estimate(dataclasses.replace(job, ep_load=load), tp_mesh=tp_mesh)["total"] / GiB  # noqa: E731
-    worst = total(float(job.ep))
+    worst = total(float(ep))
     if worst <= have:
         return []
-    fits, over = 1.0, float(job.ep)  # the estimate grows with the load: bisect to a tenth of the balanced rows
+    fits, over = 1.0, float(ep)  # the estimate grows with the load: bisect to a tenth of the balanced rows
     while over - fits > 0.1:
         mid = (fits + over) / 2
         fits, over = (mid, over) if total(mid) <= have else (fits, mid)
     message = (
         f"no token is dropped (no capacity factor), so a rank holds what routing sends its experts: about {need:.1f} "
-        f"GiB balanced, {worst:.1f} GiB with all {job.ep} ranks' tokens x top_k on its experts, and a rank has "
+        f"GiB balanced, {worst:.1f} GiB with all {ep} ranks' tokens x top_k on its experts, and a rank has "
         f"{what}: room for {fits:.1f}x the balanced rows (the log's moe load, max/mean tokens per expert, must stay "
         "below it); keep model.moe.router_aux_loss_coef or load_balance_coeff on, or use full AC or a smaller "
         "local_batch_size"

@@ -20,8 +20,8 @@ the mesh, the pipeline stages, and parallelize_model's TP, AC, compile wrappers 
               (default 8) of 80 GiB each
     inputs    the data, tokenizer and weights the job reads that this machine lacks: notes, not errors
 
-Async TP (a CUDA-only compiler pass) is checked against a CUDA + NCCL machine and then left off
-(parallelize_model's planning), and nothing is compiled: compile wraps blocks lazily.
+Async TP (a CUDA-only compiler pass) is checked against a CUDA + NCCL machine and then left off, and nothing is
+compiled: compile wraps blocks lazily.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ from config import (
 from data.inputs import input_problems
 from loss import Loss
 from models import family
+from parallelisms.async_tp import require_async_tp
 from parallelisms.ep import all_to_all_bytes
 from parallelisms.float8 import converts, gathers_float8
 from parallelisms.fsdp import DTYPES, applies_fsdp, reshards_after_forward
@@ -58,9 +59,9 @@ from parallelisms.parallelize import build_model
 from parallelisms.pp import check_microbatches, rank_stages, stage_layers
 from planning import doctor
 from planning.exchanges import cp_kv_bytes
+from planning.job import Job, Machine
 from planning.memory import (
     GiB,
-    Setup,
     estimate,
     hidden_matrices,
     job_costs,
@@ -73,6 +74,7 @@ from planning.memory import (
 from planning.trace import BlockCosts
 
 PLANNED_GPU_GIB = 80  # the GPUs a dry run plans for: H100s, 80 GiB each
+PLANNED = Machine(cuda=True, device_memory_gib=PLANNED_GPU_GIB)
 
 
 def run(cfg: JobConfig) -> int:
@@ -93,19 +95,16 @@ def run(cfg: JobConfig) -> int:
         mesh = dims.build_mesh("cpu")
         # Mode "auto" chosen for the GPUs planned for, as train.py chooses it on them.
         tp_mesh = mesh["tp"] if dims.tp_enabled else None
-        cfg, choice = resolve_auto_ac(
-            cfg, world_size=world_size, cuda=True, cuda_memory_gib=PLANNED_GPU_GIB, tp_mesh=tp_mesh
-        )
+        cfg, choice = resolve_auto_ac(cfg, world_size=world_size, machine=PLANNED, tp_mesh=tp_mesh)
         lines += [f"activation_checkpoint.mode = auto: {choice.describe()}", ""] if choice is not None else []
         args = run_model_args(cfg)
-        model, pipeline = build_model(  # as train.py builds it
-            cfg, args, dims=dims, mesh=mesh, loss_fn=Loss(), device=torch.device("cpu"), planning=True
+        model, pipeline = build_model(  # as train.py builds it, async TP checked and left off (_without_async_tp)
+            _without_async_tp(cfg, dims), args, dims=dims, mesh=mesh, loss_fn=Loss(), device=torch.device("cpu")
         )
         parts = pipeline.parts if pipeline else [model]
         local = sum(_local_numel(p) for part in parts for p in part.parameters())
-        lines += plan_lines(
-            cfg, dims, args, mesh=mesh, local_params=local, job=Setup.of(cfg, dims.world_size, cuda=True)
-        )
+        job = Job.of(cfg, PLANNED, world_size=dims.world_size)
+        lines += plan_lines(cfg, dims, args, mesh=mesh, local_params=local, job=job)
     finally:
         dist.destroy_process_group()
     # Optional parts (planning/doctor.py): each adds its lines and says whether it found an error.
@@ -120,12 +119,28 @@ def run(cfg: JobConfig) -> int:
     return 1 if errors else 0
 
 
+def _without_async_tp(cfg: JobConfig, dims: ParallelDims) -> JobConfig:
+    """Async TP checked against the CUDA + NCCL machine planned for (parallelisms/async_tp.py's rule: ConfigError
+    where it could not run there), then the config to build with it off: its switches are compiler passes for a real
+    TP group, which the fake process group is not; what it changes in the blocks is in no printed number."""
+    par, compile = cfg.parallelism, cfg.compile
+    if not par.enable_async_tensor_parallel:
+        return cfg
+    require_async_tp(
+        compile_enabled=compile.enable and "model" in compile.components,
+        tp_degree=dims.tp,
+        device_type="cuda",
+        backend="nccl",
+    )
+    return dataclasses.replace(cfg, parallelism=dataclasses.replace(par, enable_async_tensor_parallel=False))
+
+
 def _local_numel(p: torch.Tensor) -> int:
     return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
 
 
 def plan_lines(
-    cfg: JobConfig, dims: ParallelDims, args: Any, *, mesh: DeviceMesh, local_params: int, job: Setup
+    cfg: JobConfig, dims: ParallelDims, args: Any, *, mesh: DeviceMesh, local_params: int, job: Job
 ) -> list[str]:
     """The plan's lines before the doctor's: layout, groups, params, memory and comm (the module docstring)."""
     t, par = cfg.training, cfg.parallelism
@@ -184,8 +199,8 @@ def plan_lines(
     return lines
 
 
-def memory_lines(job: Setup, *, pp: bool, tp_mesh: DeviceMesh | None) -> list[str]:
-    """planning/estimate_memory.py's prediction for the pp rank that needs the most (the doctor's Setup of this run)."""
+def memory_lines(job: Job, *, pp: bool, tp_mesh: DeviceMesh | None) -> list[str]:
+    """planning/estimate_memory.py's prediction for the pp rank that needs the most (the doctor's Job of this run)."""
     e = estimate(job, tp_mesh=tp_mesh)
     where = f" on pp rank {e['pp_rank']}" if pp else ""
     return [
@@ -196,7 +211,7 @@ def memory_lines(job: Setup, *, pp: bool, tp_mesh: DeviceMesh | None) -> list[st
 
 
 def comm_per_step(
-    cfg: JobConfig, dims: ParallelDims, job: Setup, *, grad_accum: int, tp_mesh: DeviceMesh | None = None
+    cfg: JobConfig, dims: ParallelDims, job: Job, *, grad_accum: int, tp_mesh: DeviceMesh | None = None
 ) -> dict[str, tuple[float, str]]:
     """Bytes each rank sends per optimizer step over each mesh dimension (`comm_by_kind`'s, summed), and by what."""
     return {
@@ -208,7 +223,7 @@ def comm_per_step(
 def comm_by_kind(
     cfg: JobConfig,
     dims: ParallelDims,
-    job: Setup,
+    job: Job,
     *,
     grad_accum: int,
     tp_mesh: DeviceMesh | None = None,
@@ -223,7 +238,7 @@ def comm_by_kind(
 def _comm(
     cfg: JobConfig,
     dims: ParallelDims,
-    job: Setup,
+    job: Job,
     *,
     grad_accum: int,
     tp_mesh: DeviceMesh | None = None,
@@ -339,7 +354,7 @@ def _dense_held(
 def _ep(
     cfg: JobConfig,
     dims: ParallelDims,
-    job: Setup,
+    job: Job,
     costs: BlockCosts,
     blocks: int,
     modes: list[str],
@@ -417,7 +432,7 @@ def _expert_tensors(name: str, args: Any) -> int:
 
 
 def _tp_kinds(
-    costs: BlockCosts, job: Setup, *, modes: list[str], last: bool, grad_accum: int, tp_mesh: DeviceMesh | None
+    costs: BlockCosts, job: Job, *, modes: list[str], last: bool, grad_accum: int, tp_mesh: DeviceMesh | None
 ) -> Counter[str]:
     """The traced TP collectives of a step, by kind: rank 0's blocks (of AC `modes`, each traced in its mode), the
     embedding (stage 0, always rank 0's), the head and loss (the last stage's), per micro-batch (of the pipeline:
@@ -425,7 +440,7 @@ def _tp_kinds(
     by_mode = mode_costs(job, tuple(dict.fromkeys(modes)), tp_mesh=tp_mesh)
     traced = sum((Counter(by_mode[mode].tp_block) for mode in modes), Counter()) + Counter(costs.tp_embedding)
     traced += Counter(costs.tp_head) if last else Counter()
-    return Counter({k: (job.tp - 1) / job.tp * job.microbatches * v * grad_accum for k, v in traced.items()})
+    return Counter({k: (job.dims.tp - 1) / job.dims.tp * job.microbatches * v * grad_accum for k, v in traced.items()})
 
 
 def _float8_all_gather(
@@ -504,16 +519,16 @@ EXCESSES = {
 
 @dataclasses.dataclass(frozen=True)
 class _Step:
-    """What `_comm` reads of a step, beyond the mesh: its config, Setup, micro-batches and gradient-norm values."""
+    """What `_comm` reads of a step, beyond the mesh: its config, Job, micro-batches and gradient-norm values."""
 
     cfg: JobConfig
-    job: Setup
+    job: Job
     grad_accum: int
     norm_values: int | None = None
 
 
 def comm_floor(
-    cfg: JobConfig, dims: ParallelDims, job: Setup, *, grad_accum: int, tp_mesh: DeviceMesh | None = None
+    cfg: JobConfig, dims: ParallelDims, job: Job, *, grad_accum: int, tp_mesh: DeviceMesh | None = None
 ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
     """The least a step of this layout sends, by `comm_by_kind`'s keys, and what each cause of EXCESSES adds to it.
 
@@ -549,16 +564,16 @@ def _undone(cause: str, step: _Step) -> _Step:
         case "micro-batches":
             rows = cfg.training.local_batch_size * step.grad_accum
             cfg.training = dataclasses.replace(cfg.training, local_batch_size=rows)
-            return _Step(cfg, dataclasses.replace(step.job, local_batch_size=rows, grad_accum=1), 1)
+            return _Step(cfg, dataclasses.replace(step.job, cfg=cfg), 1)
         case "reshard after forward":
             cfg.parallelism = dataclasses.replace(cfg.parallelism, fsdp_reshard_after_forward="never")
-            return dataclasses.replace(step, cfg=cfg)
+            return dataclasses.replace(step, cfg=cfg, job=dataclasses.replace(step.job, cfg=cfg))
         case "activation checkpointing":
             cfg.activation_checkpoint = ActivationCheckpoint(mode="none")
-            return dataclasses.replace(step, cfg=cfg, job=dataclasses.replace(step.job, ac="none"))
+            return dataclasses.replace(step, cfg=cfg, job=dataclasses.replace(step.job, cfg=cfg))
         case "no loss parallel":
             cfg.parallelism = dataclasses.replace(cfg.parallelism, disable_loss_parallel=False)
-            return dataclasses.replace(step, cfg=cfg, job=dataclasses.replace(step.job, loss_parallel=True))
+            return dataclasses.replace(step, cfg=cfg, job=dataclasses.replace(step.job, cfg=cfg))
         case "gradient norm per tensor":
             return dataclasses.replace(step, norm_values=1)
     raise ValueError(f"cause: expected one of {', '.join(EXCESSES)}, got {cause!r}")

@@ -23,18 +23,9 @@ from typing import Any
 from config import JobConfig
 from errors import ConfigError
 from planning.fake_step import fake_job_memory
-from planning.memory import (
-    DEFAULTS,
-    DTYPE_BYTES,
-    FRAGMENTATION,
-    SHORT_KEYS,
-    GiB,
-    Setup,
-    estimate,
-    estimate_rank,
-    layer_modes,
-    setup,
-)
+from planning.flags import DEFAULTS, FLAGS, job
+from planning.job import GiB, Job, Machine
+from planning.memory import DTYPE_BYTES, FRAGMENTATION, estimate, estimate_rank, layer_modes
 from planning.references import REFERENCES
 
 
@@ -42,37 +33,41 @@ def _row(label: str, value: float, note: str = "") -> str:
     return f"  {label:<30} {value / GiB:8.2f} GiB" + (f"   {note}" if note else "")
 
 
-def breakdown(job: Setup, pp_rank: int | None = None) -> str:
+def breakdown(job: Job, pp_rank: int | None = None) -> str:
     """The per-GPU breakdown as printed by the script: of `pp_rank`, or of the rank that needs the most."""
     e = estimate(job) if pp_rank is None else estimate_rank(job, pp_rank)
     rows = [*_state_rows(job, e), *_activation_rows(job, e), *_peak_rows(job, e)]
     return "\n".join([_heading(job, e, pp_rank), *rows])
 
 
-def _heading(job: Setup, e: dict[str, Any], pp_rank: int | None) -> str:
+def _heading(job: Job, e: dict[str, Any], pp_rank: int | None) -> str:
     """The job in one line; under PP a second one: the schedule and the rank broken down."""
-    shard = f"shard {job.shard // job.cp} x cp {job.cp}" if job.cp > 1 else f"shard {job.shard}"
-    pp = f"pp {job.pp} x " if job.pp > 1 else ""
-    ep = f" (ep {job.ep} x efsdp {job.efsdp})" if job.ep > 1 else ""
+    d, t, ac, par = job.dims, job.cfg.training, job.cfg.activation_checkpoint, job.cfg.parallelism
+    shard = f"shard {d.dp_shard} x cp {d.cp}" if d.cp > 1 else f"shard {job.shard}"
+    pp = f"pp {d.pp} x " if d.pp > 1 else ""
+    ep = f" (ep {d.ep} x efsdp {job.efsdp})" if d.ep > 1 else ""
+    ac_mode = f"selective-{ac.selective_ac_option}" if ac.mode == "selective" else ac.mode  # as --ac spells it
     heading = (
-        f"{job.family} {job.flavor}: {job.fam.num_params(job.args) / 1e9:.2f}B params | {job.ngpu} GPUs = "
-        f"{pp}replicate {job.replicate} x {shard} x tp {job.tp}{ep} | local batch {job.local_batch_size} x "
-        f"{job.seq_len} tokens, grad accumulation {job.grad_accum} | params {job.param_dtype}, reduce "
-        f"{job.reduce_dtype} | AC {job.ac} | RMSNorm {job.rmsnorm}" + (" | CPU offload" if job.cpu_offload else "")
+        f"{job.cfg.model.name} {job.cfg.model.flavor}: {job.fam.num_params(job.args) / 1e9:.2f}B params | "
+        f"{d.world_size} GPUs = {pp}replicate {d.dp_replicate} x {shard} x tp {d.tp}{ep} | local batch "
+        f"{t.local_batch_size} x {t.seq_len} tokens, grad accumulation {job.grad_accum} | params "
+        f"{t.mixed_precision_param}, reduce {t.mixed_precision_reduce} | AC {ac_mode} | RMSNorm {job.machine.norm}"
+        + (" | CPU offload" if job.cpu_offload else "")
     )
-    if job.pp == 1:
+    if d.pp == 1:
         return heading
     which = "the worst" if pp_rank is None else "asked for"
     return (
-        f"{heading}\n  pipeline: {job.pp_schedule}, {job.microbatches} micro-batches of {job.pp_microbatch_size} x "
-        f"{job.seq_len} tokens, {len(job.stages)} stages | pp rank {e['pp_rank']} ({which}): stage(s) "
+        f"{heading}\n  pipeline: {par.pipeline_parallel_schedule}, {job.microbatches} micro-batches of "
+        f"{par.pipeline_parallel_microbatch_size} x {t.seq_len} tokens, {len(job.stages)} stages | pp rank "
+        f"{e['pp_rank']} ({which}): stage(s) "
         f"{e['pp_stages']}, {e['rank_blocks']} blocks, up to {e['microbatches_held']} micro-batch(es) in flight"
     )
 
 
-def _state_rows(job: Setup, e: dict[str, Any]) -> list[str]:
+def _state_rows(job: Job, e: dict[str, Any]) -> list[str]:
     """The sharded state, the gathered parameters and the unsharded gradients."""
-    if job.pp > 1:
+    if job.dims.pp > 1:
         grads = "reduce-scattered at the end of the step"
         gathered = "the rank's stages, from their first forward to the end of the step"
         accumulators = "unsharded, reduce_dtype, from a stage's first backward"
@@ -80,7 +75,7 @@ def _state_rows(job: Setup, e: dict[str, Any]) -> list[str]:
     else:
         grads = "reduce-scattered block by block in backward"
         units = f"norm+output unit {e['output_unit'] / GiB:.2f}, + 2 blocks x {e['block_unit'] / GiB:.2f}"
-        if job.ep > 1:
+        if job.dims.ep > 1:
             units += f" (this rank's experts {e['experts_unit'] / GiB:.2f} of it)"
         gathered = f"{units} in backward"
         unsharded = _row("root unit's gradient", e["root_grad"], "unsharded, param_dtype, loss backward to the end")
@@ -90,8 +85,10 @@ def _state_rows(job: Setup, e: dict[str, Any]) -> list[str]:
         what = "unsharded, reduce_dtype, first backward to the step's last (fsdp_defer_reduce_scatter)"
         deferred = [_row("gradient accumulators", e["accumulators"], what)]
     sharded = "4 B per parameter of the rank / (shard x tp)"
-    if job.ep > 1:
-        sharded = f"4 B per parameter: the dense ones / (shard x tp), the experts / (ep {job.ep} x efsdp {job.efsdp})"
+    if job.dims.ep > 1:
+        sharded = (
+            f"4 B per parameter: the dense ones / (shard x tp), the experts / (ep {job.dims.ep} x efsdp {job.efsdp})"
+        )
     return [
         _row("sharded fp32 params", e["params"], sharded),
         _row("AdamW state (2 x fp32)", e["adam"])
@@ -105,12 +102,16 @@ def _state_rows(job: Setup, e: dict[str, Any]) -> list[str]:
     ]
 
 
-def _activation_rows(job: Setup, e: dict[str, Any]) -> list[str]:
+def _activation_rows(job: Job, e: dict[str, Any]) -> list[str]:
     """The activations, the loss's buffers, one block's backward and the pipeline's buffers."""
-    checkpointed = f", {e['act_per_block_checkpointed'] / GiB:.3f} checkpointed" if job.ac != "none" else ""
-    held = f", {e['microbatches_held']} micro-batch(es) of them held" if job.pp > 1 else ""
+    checkpointed = (
+        f", {e['act_per_block_checkpointed'] / GiB:.3f} checkpointed"
+        if job.cfg.activation_checkpoint.mode != "none"
+        else ""
+    )
+    held = f", {e['microbatches_held']} micro-batch(es) of them held" if job.dims.pp > 1 else ""
     per_block = f"per micro-batch{held}; per block {e['act_per_block_no_ac'] / GiB:.3f} without AC{checkpointed}"
-    exchange = f" + EP rows in flight {e['ep_exchange'] / GiB:.2f}" if job.ep > 1 else ""
+    exchange = f" + EP rows in flight {e['ep_exchange'] / GiB:.2f}" if job.dims.ep > 1 else ""
     block_backward = (
         f"recompute {e['recompute'] / GiB:.2f} + activation grads {e['grad_acts'] / GiB:.2f}{exchange} "
         f"+ unsharded grads/RS {e['rs_buffers'] / GiB:.2f}"
@@ -121,12 +122,12 @@ def _activation_rows(job: Setup, e: dict[str, Any]) -> list[str]:
         _row("logits + loss buffers", e["loss_buffers"], _loss_note(job)),
         _row("one block's backward", e["block_backward"], block_backward),
     ]
-    if job.ep > 1:
+    if job.dims.ep > 1:
         rows.append(_row("expert-parallel exchange", e["ep_exchange"], _exchange_note(job, e)))
-    return rows + ([_row("pp send/recv buffers", e["pp_buffers"])] if job.pp > 1 else [])
+    return rows + ([_row("pp send/recv buffers", e["pp_buffers"])] if job.dims.pp > 1 else [])
 
 
-def _exchange_note(job: Setup, e: dict[str, Any]) -> str:
+def _exchange_note(job: Job, e: dict[str, Any]) -> str:
     """What expert parallel's all-to-all moves per MoE block and where its rows are counted."""
     load = "balanced routing" if job.ep_load == 1 else f"{job.ep_load:g} x balanced routing's rows"
     return (
@@ -135,28 +136,28 @@ def _exchange_note(job: Setup, e: dict[str, Any]) -> str:
     )
 
 
-def _loss_note(job: Setup) -> str:
+def _loss_note(job: Job) -> str:
     """The logits the loss buffers are made of, and the bytes per logit."""
-    tokens, param_bytes = job.microbatch_tokens, DTYPE_BYTES[job.param_dtype]
-    per_logit = (12 if job.tp == 1 else 16) + (param_bytes if job.logits_kept_in_backward else 0)
+    tokens, param_bytes = job.microbatch_tokens, DTYPE_BYTES[job.cfg.training.mixed_precision_param]
+    per_logit = (12 if job.dims.tp == 1 else 16) + (param_bytes if job.logits_kept_in_backward else 0)
     kept = "logits held through backward" if job.logits_kept_in_backward else "logits freed before backward"
     if job.chunk_tokens:
-        tokens, per_logit = job.chunk_tokens, 8 + param_bytes + (8 if job.tp == 1 else 12)
+        tokens, per_logit = job.chunk_tokens, 8 + param_bytes + (8 if job.dims.tp == 1 else 12)
         kept = (
             f"chunked: one chunk of {tokens:,} tokens at a time + the gradients of the final norm's output and the "
             "output"
         )
-    return f"{tokens:,} x {job.args.vocab_size // job.tp:,} logits x {per_logit} B ({kept})"
+    return f"{tokens:,} x {job.args.vocab_size // job.dims.tp:,} logits x {per_logit} B ({kept})"
 
 
-def _peak_rows(job: Setup, e: dict[str, Any]) -> list[str]:
+def _peak_rows(job: Job, e: dict[str, Any]) -> list[str]:
     """The allocated and reserved peaks, the overhead outside the allocator and the total."""
     muon = f", Muon's step {e['muon_step_phase'] / GiB:.2f}" if job.muon else ""
     phases = (
         f"at the {e['peak_phase']}: static state + max(loss phase {e['loss_phase'] / GiB:.2f}, "
         f"block phase {e['block_phase'] / GiB:.2f}, embedding phase {e['embedding_phase'] / GiB:.2f}{muon})"
     )
-    if job.allocator == "cuda":
+    if job.machine.reserves:
         reserved = (
             f"static + shards {e['rs_pool'] / GiB:.2f} + all-gather outputs {e['ag_pool'] / GiB:.2f} + "
             f"{1 + FRAGMENTATION:.2f} x compute stream {e['compute_peak'] / GiB:.2f} (caching allocator)"
@@ -171,9 +172,9 @@ def _peak_rows(job: Setup, e: dict[str, Any]) -> list[str]:
     ]
 
 
-def fake_breakdown(job: Setup, pp_rank: int = 0) -> str:
+def fake_breakdown(job: Job, pp_rank: int = 0) -> str:
     """fake_job_memory's categories at its peak next to the formula's allocated peak, for the same rank (MiB)."""
-    if job.ep > 1:
+    if job.dims.ep > 1:
         raise ValueError(
             "expert parallel reads its all-to-all's split sizes from the routing, which fake tensors do not have; "
             "the formulas' estimate is the breakdown above"
@@ -206,7 +207,7 @@ def references() -> str:
         lines.append(
             f"{ref.name:<52} {e['allocator_peak'] / GiB:6.1f} {reserved:6.1f} {e['total'] / GiB:6.1f}  {published}"
         )
-        where = f"peak at the {e['peak_phase']}" + (f", pp rank {e['pp_rank']}" if ref.job.pp > 1 else "")
+        where = f"peak at the {e['peak_phase']}" + (f", pp rank {e['pp_rank']}" if ref.job.dims.pp > 1 else "")
         lines.append(f"{'':<52} {'':>6} {'':>6} {'':>6}  {ref.note}; {where}")
     return "\n".join(lines)
 
@@ -221,7 +222,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p.add_argument("--config", help="a TOML of the run (default: the flags' config keys over " + _defaults() + ")")
     p.add_argument("--ngpu", type=int, default=8, help="GPUs in the job")
     defaults = JobConfig()
-    for name, key in SHORT_KEYS.items():
+    for name, key in FLAGS.items():
         flag = "--" + name.replace("_", "-")
         if isinstance(functools.reduce(getattr, key.split("."), defaults), bool):
             p.add_argument(flag, dest=name, action="store_true", default=None, help=key)
@@ -249,12 +250,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
 
 
 def _defaults() -> str:
-    return ", ".join(f"{SHORT_KEYS[name]} = {value}" for name, value in DEFAULTS.items())
+    return ", ".join(f"{FLAGS[name]} = {value}" for name, value in DEFAULTS.items())
 
 
 def _as_flags(problem: str) -> str:
-    """A problem the loader states in config keys, in this command's flags (SHORT_KEYS)."""
-    for name, key in SHORT_KEYS.items():
+    """A problem the loader states in config keys, in this command's flags (planning/flags.py FLAGS)."""
+    for name, key in FLAGS.items():
         flag = "--" + name.replace("_", "-")
         problem = re.sub(rf"set {re.escape(key)} = '?([^';]+)'?", rf"pass {flag} \1", problem)
         problem = problem.replace(key, flag)
@@ -269,32 +270,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.references:
         print(references())
         return 0
-    short = {name: getattr(args, name) for name in SHORT_KEYS}
+    flags = {name: getattr(args, name) for name in FLAGS}
+    machine = Machine(
+        cuda=True, caching_allocator=args.allocator == "cuda", overhead_gib=args.overhead_gib, rmsnorm=args.rmsnorm
+    )
     try:
-        job = setup(
-            args.ngpu,
-            config=args.config,
-            rmsnorm=args.rmsnorm,
-            grad_accum=args.grad_accum,
-            overrides=overrides,
-            **short,
+        the_job = job(
+            args.ngpu, config=args.config, machine=machine, grad_accum=args.grad_accum, extra=overrides, **flags
         )
-        job = dataclasses.replace(
-            job, allocator=args.allocator, overhead_gib=args.overhead_gib, logits_kept_in_backward=args.keep_logits
-        )
-        layer_modes(job, [0])  # mode auto is chosen where the job starts: refused here in one line, naming the way
-        if args.pp_rank is not None and not 0 <= args.pp_rank < job.pp:
-            raise ValueError(f"--pp-rank: expected 0 to {job.pp - 1}, got {args.pp_rank}")
+        the_job = dataclasses.replace(the_job, logits_kept_in_backward=args.keep_logits)
+        layer_modes(the_job, [0])  # mode auto is chosen where the job starts: refused here in one line, naming the way
+        if args.pp_rank is not None and not 0 <= args.pp_rank < the_job.dims.pp:
+            raise ValueError(f"--pp-rank: expected 0 to {the_job.dims.pp - 1}, got {args.pp_rank}")
     except ConfigError as e:
         print("\n".join(f"error: {_as_flags(problem)}" for problem in e.problems), file=sys.stderr)
         return 2
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(breakdown(job, args.pp_rank))
+    print(breakdown(the_job, args.pp_rank))
     if args.fake_step:
         try:
-            print(fake_breakdown(job, 0 if args.pp_rank is None else args.pp_rank))
+            print(fake_breakdown(the_job, 0 if args.pp_rank is None else args.pp_rank))
         except ValueError as e:  # a job the fake step cannot run (interleaved schedules, context parallel, EP)
             print(f"error: --fake-step: {e}", file=sys.stderr)
             return 2

@@ -4,6 +4,7 @@ counts")."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -14,10 +15,9 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 
-from config import JobConfig, Model, Training
 from models import with_seq_len
-from parallelisms.parallel_dims import ParallelDims
-from planning.memory import Setup, ac_section, estimate_rank
+from planning.job import Job
+from planning.memory import estimate_rank, layer_modes
 
 GiB = 2**30
 
@@ -153,10 +153,10 @@ def _peak_by_category(tracker: Any) -> dict[str, int]:
     return peak
 
 
-def fake_job_memory(job: Setup, *, pp_rank: int = 0, device: str = "cpu") -> dict[str, int]:
+def fake_job_memory(job: Job, *, pp_rank: int = 0, device: str = "cpu") -> dict[str, int]:
     """fake_step_memory for `job`: pp rank `pp_rank`'s stage (the whole model without PP) built on the meta
-    device, parallelized by parallelize_model on job.ngpu fake ranks (this process rank 0 of them; it
-    starts the fake process group unless one of job.ngpu ranks is running, and ends what it started),
+    device, parallelized by parallelize_model on the job's fake ranks (this process rank 0 of them; it
+    starts the fake process group unless one of job's ranks is running, and ends what it started),
     stepped with the micro-batches the stage holds at once (estimate_rank's microbatches_held).
 
     Single-stage schedules only (1F1B, GPipe): an interleaved rank's stages interleave their
@@ -164,7 +164,7 @@ def fake_job_memory(job: Setup, *, pp_rank: int = 0, device: str = "cpu") -> dic
     Not under context parallel (the fake step does not cut windows), and with AdamW only (Muon's exchange, muon.py,
     exchanges every rank's block indices once through real collectives).
     """
-    if job.cp > 1:
+    if job.dims.cp > 1:
         raise ValueError("context parallel (cp > 1) is estimated by the formulas only (the breakdown above)")
     if job.muon:  # its exchange plans every rank's blocks once with real collectives
         raise ValueError(
@@ -175,9 +175,9 @@ def fake_job_memory(job: Setup, *, pp_rank: int = 0, device: str = "cpu") -> dic
     from parallelisms.parallelize import parallelize_model
     from parallelisms.pp import stage_module
 
-    if job.pp > 1 and len(job.stages) != job.pp:
+    if job.dims.pp > 1 and len(job.stages) != job.dims.pp:
         raise ValueError(
-            f"fake_job_memory: {job.pp_schedule} runs {len(job.stages) // job.pp} stages per rank; "
+            f"fake_job_memory: {job.cfg.parallelism.pipeline_parallel_schedule} runs {len(job.stages) // job.dims.pp} stages per rank; "
             "only single-stage schedules (1F1B, GPipe) are stepped on fake tensors"
         )
     started = not dist.is_initialized()
@@ -185,44 +185,39 @@ def fake_job_memory(job: Setup, *, pp_rank: int = 0, device: str = "cpu") -> dic
         # Registers torch's "fake" backend (torch.testing, torch 2.13): collectives that return at once.
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=job.ngpu)
-    elif dist.get_world_size() != job.ngpu:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=job.dims.world_size)
+    elif dist.get_world_size() != job.dims.world_size:
         raise ValueError(
-            f"fake_job_memory: a process group of {dist.get_world_size()} ranks runs, the job has {job.ngpu}"
+            f"fake_job_memory: a process group of {dist.get_world_size()} ranks runs, the job has {job.dims.world_size}"
         )
     try:
-        # The job's sections as a run's config holds them (the family by name, no converter, nothing compiled).
-        cfg = JobConfig(
-            model=Model(name=job.family),
-            training=Training(
-                seq_len=job.seq_len,
-                local_batch_size=job.local_batch_size,
-                mixed_precision_param=job.param_dtype,
-                mixed_precision_reduce=job.reduce_dtype,
-                enable_cpu_offload=job.cpu_offload,
-                loss_chunk_tokens=job.chunk_tokens,
-            ),
-            parallelism=job.parallelism,
-            activation_checkpoint=ac_section(job),
+        # The run's config as the job holds it, without what a fake step cannot run: no converter, nothing compiled,
+        # CPU offload only where the machine has CUDA; mode "auto" refused (chosen where the job starts).
+        layer_modes(job, [0])
+        t = job.cfg.training
+        cfg = dataclasses.replace(
+            job.cfg,
+            model=dataclasses.replace(job.cfg.model, converters=[]),
+            training=dataclasses.replace(t, enable_cpu_offload=job.cpu_offload, loss_chunk_tokens=job.chunk_tokens),
             compile=Compile(enable=False),
         )
-        dims = ParallelDims.from_config(job.parallelism, world_size=job.ngpu)
+        dims = job.dims
         mesh = dims.build_mesh(device)
         with torch.device("meta"):
-            model = job.fam.model_cls(with_seq_len(job.args, job.seq_len))
-        if job.pp > 1:
+            model = job.fam.model_cls(with_seq_len(job.args, t.seq_len))
+        if job.dims.pp > 1:
             stages, g = job.stages, pp_rank
             model = stage_module(model, stages[g], first=g == 0, last=g == len(stages) - 1)
         model = parallelize_model(model, cfg, dims=dims, mesh=mesh, device=torch.device(device))
         return fake_step_memory(
             model,
             optimizer_factory=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True),
-            batch=job.microbatch_tokens // job.seq_len,
-            seq_len=job.seq_len,
+            batch=job.microbatch_tokens // t.seq_len,
+            seq_len=t.seq_len,
             loss_fn=Loss(job.chunk_tokens),
             device=torch.device(device),
-            param_dtype=getattr(torch, job.param_dtype),
-            loss_parallel=job.tp > 1,
+            param_dtype=getattr(torch, t.mixed_precision_param),
+            loss_parallel=job.dims.tp > 1,
             microbatches=int(estimate_rank(job, pp_rank, tp_mesh=mesh["tp"])["microbatches_held"]),
             accumulated=job.grad_accum > 1,
         )

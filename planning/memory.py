@@ -1,5 +1,5 @@
-"""The memory of one GPU of a training setup, per pipeline rank, allocated and reserved, term by term: `Setup` (a
-run's config on its ranks, `Setup.of` or `setup`), `estimate` (the worst rank) and `estimate_rank`, from the job's
+"""The memory of one GPU of a training setup, per pipeline rank, allocated and reserved, term by term: `estimate` (the
+worst rank) and `estimate_rank` of a Job (planning/job.py: the run's config, its ranks, its machine), from the job's
 shapes and a trace of one block of its model (planning/trace.py; what context and expert parallel exchange:
 planning/exchanges.py). How each term is modelled: docs/planning.md, "How the estimator counts"."""
 
@@ -9,276 +9,25 @@ import dataclasses
 import functools
 import types
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from config import (
-    BLOCK_AC_MODES,
-    ActivationCheckpoint,
-    JobConfig,
-    Parallelism,
-    global_batch_size,
-    grad_accum_steps,
-    load_config,
-    model_args,
-)
+from config import BLOCK_AC_MODES, ActivationCheckpoint, JobConfig
 from errors import ConfigError
-from loss import chunk_tokens_for
-from models import ModelFamily, family
-from parallelisms.ac import block_modes
-from parallelisms.fsdp import applies_fsdp
-from parallelisms.parallel_dims import ParallelDims, layout_problems
-from parallelisms.pp import SCHEDULES, rank_stages, stage_layers
+from models import family
+from parallelisms.ac import BlockMode, block_modes
+from parallelisms.pp import SCHEDULES, rank_stages
 from planning.exchanges import cp_kv_bytes, ep_bytes
-from planning.trace import BlockCosts, RMSNorm, block_costs
+from planning.job import GiB, Job, Machine
+from planning.trace import BlockCosts, block_costs
 
-GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-AC_MODES = ("none", "full", "selective-op", "selective-2")
 # Compute-stream bytes the caching allocator reserves beyond the allocated peak, as a share of it:
 # calibrated on torchtitan's 8B peaks (docs/planning.md, "How the estimator counts": "Reserved").
 FRAGMENTATION = 0.17
-
-
-# --------------------------------------------------------------- whole GPU
-
-
-@dataclass(frozen=True)
-class Setup:
-    """One training setup as estimate() reads it: a run's config resolved for `ngpu` ranks, and the machine's facts
-    that no config key holds. Made by Setup.of (a loaded JobConfig: the doctor, the dry run) or setup() (the
-    command's flags and keywords: config keys through the same loader)."""
-
-    family: str  # model.name: the folder of models/ that has the flavor
-    flavor: str  # model.flavor
-    args: Any  # the model's shape: the flavor's, a Hugging Face config.json's, or one no flavor has
-    ngpu: int  # ranks of the job (GPUs, or CPU processes)
-    parallelism: Parallelism  # the [parallelism] section: degrees and the pipeline's split (torchtitan v0.2.2's keys)
-    tp: int
-    replicate: int
-    cp: int  # context_parallel_degree (parallelisms/cp.py): each rank holds seq_len / cp of every window
-    pp: int
-    # expert_parallel_degree (parallelisms/ep.py): a mixture of experts' routed experts split over ep ranks, each rank's
-    # sharded by FSDP over the efsdp ranks left (ParallelDims.efsdp); 1 without expert parallel
-    ep: int
-    seq_len: int
-    local_batch_size: int
-    # Micro-batches per optimizer step: training.global_batch_size / (local_batch_size x dp). From the
-    # second on, the gradient shards of the earlier ones are alive through forward and backward.
-    grad_accum: int
-    param_dtype: str  # training.mixed_precision_param
-    reduce_dtype: str  # training.mixed_precision_reduce
-    ac: str  # activation_checkpoint: none, full, selective-op, selective-<k>, per_block or auto (choose_ac resolves it)
-    cpu_offload: bool  # training.enable_cpu_offload, on CUDA
-    # training.loss_chunk_tokens (-1: chunks where the logits are large, loss.py; 0, torchtitan's loss: all at once).
-    loss_chunk_tokens: int
-    loss_parallel: bool  # not parallelism.disable_loss_parallel: under TP the loss runs on vocabulary shards
-    z_loss_weight: float  # training.z_loss_weight: the z-loss's collectives, under loss parallel
-    # parallelism.fsdp_defer_reduce_scatter: with grad_accum > 1 (and FSDP, no PP), every unit's gradient stays
-    # unsharded in reduce_dtype from the first micro-batch's backward to the step's last (parallelisms/fsdp.py).
-    defer_reduce_scatter: bool
-    # The machine, not the config. "cuda": the caching allocator reserves more than it allocates (docs/planning.md,
-    # "How the estimator counts": "Reserved"); "cpu": CPU ranks have none, reserved = allocated.
-    allocator: Literal["cuda", "cpu"]
-    overhead_gib: float  # CUDA context + NCCL, outside the allocator
-    rmsnorm: RMSNorm  # the fused CUDA kernel (torch >= 2.8), or the composite one (CPU eager, older torch)
-    muon: bool  # optimizer.name = "Muon" (muon.py): one momentum for the hidden matrices, its exchange at the step
-    # train.py, like torchtitan, deletes the logits before loss.backward(); a loop that keeps
-    # them alive holds T x V/tp more elements in param_dtype through the loss backward.
-    logits_kept_in_backward: bool = False
-    ac_blocks: tuple[str, ...] = ()  # activation_checkpoint.per_block, for ac "per_block": "none", "op" or "full" each
-    # Under expert parallel, the rows each MoE block's experts on this rank receive, as a multiple of balanced
-    # routing's (its ep group's tokens x top_k / ep): 1 balanced; up to ep where routing sends all of the group's rows
-    # to this rank's experts. No capacity factor drops any (parallelisms/ep.py): the experts' buffers grow with it.
-    ep_load: float = 1.0
-
-    @classmethod
-    def of(cls, cfg: JobConfig, ngpu: int, *, cuda: bool, rmsnorm: RMSNorm | None = None) -> Setup:
-        """A loaded config on `ngpu` CUDA GPUs or CPU ranks. ConfigError for a shape the layout cannot split, which
-        the run itself refuses with its own message."""
-        problems = layout_problems(cfg, world_size=ngpu)
-        if problems:
-            raise ConfigError(*problems)
-        training, ac, par = cfg.training, cfg.activation_checkpoint, cfg.parallelism
-        dims = ParallelDims.from_config(par, world_size=ngpu)
-        return cls(
-            family=cfg.model.name,
-            flavor=cfg.model.flavor,
-            args=model_args(cfg.model),
-            ngpu=ngpu,
-            parallelism=par,
-            tp=dims.tp,
-            replicate=dims.dp_replicate,
-            cp=dims.cp,
-            pp=dims.pp,
-            ep=dims.ep,
-            seq_len=training.seq_len,
-            local_batch_size=training.local_batch_size,
-            grad_accum=grad_accum_steps(
-                global_batch_size(training, dp=dims.dp), local_batch=training.local_batch_size, dp=dims.dp
-            ),
-            param_dtype=training.mixed_precision_param,
-            reduce_dtype=training.mixed_precision_reduce,
-            ac=f"selective-{ac.selective_ac_option}" if ac.mode == "selective" else ac.mode,
-            cpu_offload=training.enable_cpu_offload and cuda,
-            loss_chunk_tokens=training.loss_chunk_tokens,
-            loss_parallel=not par.disable_loss_parallel,
-            z_loss_weight=training.z_loss_weight,
-            defer_reduce_scatter=par.fsdp_defer_reduce_scatter,
-            muon=cfg.optimizer.name == "Muon",
-            # A CPU process has no CUDA context, NCCL buffers or caching allocator; its eager RMSNorm is the
-            # composite one.
-            allocator="cuda" if cuda else "cpu",
-            overhead_gib=2.0 if cuda else 0.5,
-            rmsnorm=rmsnorm or ("fused" if cuda else "composite"),
-            ac_blocks=tuple(ac.per_block),
-        )
-
-    @property
-    def fam(self) -> ModelFamily:
-        return family(self.family)
-
-    @property
-    def pp_schedule(self) -> str:
-        return self.parallelism.pipeline_parallel_schedule
-
-    @property
-    def pp_microbatch_size(self) -> int:
-        return self.parallelism.pipeline_parallel_microbatch_size
-
-    @property
-    def shard(self) -> int:
-        """The ranks FSDP shards parameters over: dp_shard x cp."""
-        return self.ngpu // (self.pp * self.tp * self.replicate)
-
-    @property
-    def efsdp(self) -> int:
-        """Under expert parallel, the ranks FSDP shards each rank's experts over: dp_shard x cp x tp / ep
-        (ParallelDims.efsdp); without it the experts are sharded as the rest of their block, over `shard`."""
-        return self.shard * self.tp // self.ep if self.ep > 1 else self.shard
-
-    @property
-    def local_seq_len(self) -> int:
-        """The tokens of each window this rank computes: seq_len / cp."""
-        return self.seq_len // self.cp
-
-    @property
-    def stages(self) -> list[list[int]]:
-        """The blocks of every (virtual) pipeline stage; one stage of all blocks without PP."""
-        return stage_layers(self.args, self.parallelism) if self.pp > 1 else [list(range(self.args.n_layers))]
-
-    @property
-    def microbatches(self) -> int:
-        """Micro-batches of the pipeline per local batch (1 without PP; grad_accum counts the loader's)."""
-        return self.local_batch_size // self.pp_microbatch_size if self.pp > 1 else 1
-
-    @property
-    def microbatch_tokens(self) -> int:
-        """T: the tokens one forward of a stage (or of the model, without PP) processes on this rank."""
-        return (self.pp_microbatch_size if self.pp > 1 else self.local_batch_size) * self.local_seq_len
-
-    @property
-    def fsdp(self) -> bool:
-        """Whether the run shards with FSDP; a job of one rank does not, and trains a bf16 param_dtype under autocast
-        (parallelisms/fsdp.py applies_fsdp)."""
-        dims = ParallelDims.from_config(self.parallelism, world_size=self.ngpu)
-        return applies_fsdp(dims, param_dtype=self.param_dtype, cpu_offload=self.cpu_offload)
-
-    @property
-    def defers_reduce_scatter(self) -> bool:
-        """parallelism.fsdp_defer_reduce_scatter where it changes something: FSDP, several micro-batches, no PP."""
-        return self.defer_reduce_scatter and self.fsdp and self.grad_accum > 1 and self.pp == 1
-
-    @property
-    def accumulates_unsharded(self) -> bool:
-        """Whether gradients are summed unsharded in reduce_dtype across micro-batches: pipeline stages always,
-        FSDP when it defers its reduce-scatters."""
-        return self.pp > 1 or self.defers_reduce_scatter
-
-    @property
-    def autocast(self) -> bool:
-        return not self.fsdp and self.param_dtype != "float32"
-
-    @property
-    def chunk_tokens(self) -> int:
-        """The loss's chunk for this job's micro-batches (loss.chunk_tokens_for of loss_chunk_tokens); 0 = whole."""
-        shards = self.tp if self.loss_parallel else 1
-        return chunk_tokens_for(
-            self.loss_chunk_tokens, tokens=self.microbatch_tokens, vocab=self.args.vocab_size // shards
-        )
-
-
-# The estimator's short names (planning/estimate_memory.py's flags, setup()'s keywords) -> the config keys they set;
-# the command's other flags are the machine's (GPUs, allocator, overhead, RMSNorm kernel) and the question asked.
-SHORT_KEYS = {
-    "model": "model.name",
-    "flavor": "model.flavor",
-    "tp": "parallelism.tensor_parallel_degree",
-    "replicate": "parallelism.data_parallel_replicate_degree",
-    "cp": "parallelism.context_parallel_degree",
-    "pp": "parallelism.pipeline_parallel_degree",
-    "ep": "parallelism.expert_parallel_degree",
-    "pp_schedule": "parallelism.pipeline_parallel_schedule",
-    "pp_microbatch_size": "parallelism.pipeline_parallel_microbatch_size",
-    "pp_layers_per_stage": "parallelism.pipeline_parallel_layers_per_stage",
-    "pp_first_stage_less_layers": "parallelism.pipeline_parallel_first_stage_less_layers",
-    "pp_last_stage_less_layers": "parallelism.pipeline_parallel_last_stage_less_layers",
-    "defer_reduce_scatter": "parallelism.fsdp_defer_reduce_scatter",
-    "seq_len": "training.seq_len",
-    "local_batch_size": "training.local_batch_size",
-    "param_dtype": "training.mixed_precision_param",
-    "reduce_dtype": "training.mixed_precision_reduce",
-    "cpu_offload": "training.enable_cpu_offload",
-    "loss_chunk_tokens": "training.loss_chunk_tokens",
-    "optimizer": "optimizer.name",
-    "ac": "activation_checkpoint.mode",  # selective-op or selective-<k>: mode selective and its selective_ac_option
-}
-# Without a --config: a job worth estimating, not the debug model (the rest are the config's defaults).
-DEFAULTS = {"flavor": "llama3_8b", "seq_len": 8192, "local_batch_size": 1, "ac": "selective-op"}
-
-
-def short_overrides(values: dict[str, Any]) -> list[str]:
-    """Short names and values as the loader's `--section.key=value` overrides (SHORT_KEYS); grad_accum is setup()'s."""
-    values = {name: value for name, value in values.items() if value is not None}
-    if unknown := sorted(set(values) - set(SHORT_KEYS)):
-        raise TypeError(f"no config key for {', '.join(unknown)}; the short names are {', '.join(SHORT_KEYS)}")
-    if "ac" in values:
-        mode, _, option = str(values.pop("ac")).partition("-")
-        values["ac"] = mode
-        if option:
-            values["activation_checkpoint.selective_ac_option"] = option
-    as_text = {name: str(value).lower() if isinstance(value, bool) else str(value) for name, value in values.items()}
-    return [f"--{SHORT_KEYS.get(name, name)}={value}" for name, value in as_text.items()]
-
-
-def setup(
-    ngpu: int = 8,
-    *,
-    config: str | None = None,
-    cuda: bool = True,
-    rmsnorm: RMSNorm | None = None,
-    args: Any = None,
-    grad_accum: int | None = None,
-    overrides: tuple[str, ...] | list[str] = (),
-    **short: Any,
-) -> Setup:
-    """The Setup of a config (a TOML, or DEFAULTS without one) with short-named keys set (SHORT_KEYS) on `ngpu` GPUs,
-    through the run's own loader: ConfigError names the keys. grad_accum: micro-batches per step, as the
-    training.global_batch_size it takes; overrides: `--section.key=value` (any key); args: a model shape no flavor
-    has."""
-    short = {name: value for name, value in short.items() if value is not None}
-    argv = [*([f"--config={config}"] if config else []), *short_overrides(short if config else {**DEFAULTS, **short})]
-    argv += overrides
-    cfg = load_config(argv)
-    job = Setup.of(cfg, ngpu, cuda=cuda, rmsnorm=rmsnorm)  # the layout's problems first, in the run's words
-    if grad_accum is not None:
-        dp = ParallelDims.from_config(cfg.parallelism, world_size=ngpu).dp
-        cfg = load_config([*argv, f"--training.global_batch_size={grad_accum * cfg.training.local_batch_size * dp}"])
-        job = Setup.of(cfg, ngpu, cuda=cuda, rmsnorm=rmsnorm)
-    return job if args is None else dataclasses.replace(job, args=args)
 
 
 @functools.cache
@@ -333,25 +82,19 @@ def rank_ops(schedule: str, *, pp_rank: int, pp: int, n_local: int, n_mb: int) -
     ]
 
 
-def ac_section(job: Setup) -> ActivationCheckpoint:
-    """The job's AC settings as the [activation_checkpoint] section the run applies (mode "auto" refused: it is
-    chosen where the job starts)."""
-    if job.ac == "auto":
+def layer_modes(job: Job, layers: list[int]) -> list[BlockMode]:
+    """What activation checkpointing does to each of `layers` (blocks of a model or stage, by index in the model):
+    apply_ac's own rule (parallelisms/ac.py block_modes) on the job's [activation_checkpoint]. Mode "auto" is refused:
+    it is chosen where the job starts."""
+    if job.cfg.activation_checkpoint.mode == "auto":
         raise ConfigError(
             'activation_checkpoint.mode: "auto" is chosen block by block where the job starts (train.py, --print-config, '
             "the doctor, the dry run: each prints its choice); to estimate it here, pass the per_block it printed"
         )
-    mode, _, option = job.ac.partition("-")
-    return ActivationCheckpoint(mode=mode, selective_ac_option=option or "op", per_block=list(job.ac_blocks))
+    return block_modes(job.cfg.activation_checkpoint, layers)
 
 
-def layer_modes(job: Setup, layers: list[int]) -> list[str]:
-    """What activation checkpointing does to each of `layers` (blocks of a model or stage, by index in the model):
-    apply_ac's own rule (parallelisms/ac.py block_modes) on the job's AC settings."""
-    return block_modes(ac_section(job), layers)
-
-
-def _main_mode(job: Setup) -> str:
+def _main_mode(job: Job) -> BlockMode:
     """The block AC mode that recomputes most among the job's blocks: its trace gives the costs that are one number
     for every block (job_costs)."""
     used = set(layer_modes(job, list(range(job.args.n_layers))))
@@ -359,46 +102,32 @@ def _main_mode(job: Setup) -> str:
 
 
 def mode_costs(
-    job: Setup, modes: tuple[str, ...] = BLOCK_AC_MODES, *, tp_mesh: DeviceMesh | None = None
-) -> dict[str, BlockCosts]:
+    job: Job, modes: tuple[BlockMode, ...] = BLOCK_AC_MODES, *, tp_mesh: DeviceMesh | None = None
+) -> dict[BlockMode, BlockCosts]:
     """block_costs of one micro-batch of `job` through one block, in its param_dtype, for each block AC mode in
     `modes` ("none", "op", "full"). Under context parallel the block is traced on this rank's tokens, and attention's
     keys and values span the whole window (`cp_kv_bytes`); under expert parallel a block keeps what `ep_bytes` says."""
     extra, costs = cp_kv_bytes(job), {}
     for mode in modes:
-        traced = block_costs(
-            job.fam,
-            job.args,
-            batch=job.microbatch_tokens // job.local_seq_len,
-            seq_len=job.local_seq_len,
-            dtype=getattr(torch, job.param_dtype),
-            ac={"none": "none", "op": "selective-op", "full": "full"}[mode],
-            tp=job.tp,
-            rmsnorm=job.rmsnorm,
-            tp_mesh=tp_mesh,
-            loss_parallel=job.loss_parallel,
-            loss_chunk_tokens=job.chunk_tokens,
-            z_loss=job.z_loss_weight > 0,
-            autocast=job.autocast,
-        )
+        traced = block_costs(job, mode, tp_mesh=tp_mesh)
         ep = ep_bytes(job, traced)
         kept = traced.kept + (extra["kept"] + ep["kept"] if mode == "op" else 0)
         costs[mode] = dataclasses.replace(traced, saved=traced.saved + extra["saved"] + ep["saved"], kept=kept)
     return costs
 
 
-def job_costs(job: Setup, *, tp_mesh: DeviceMesh | None = None) -> BlockCosts:
+def job_costs(job: Job, *, tp_mesh: DeviceMesh | None = None) -> BlockCosts:
     """mode_costs of the job's blocks: those of the mode that recomputes most among them (`_main_mode`), which differ
     from the others' in what a block keeps (`kept`) and in the recomputation's collectives and FLOPs."""
     mode = _main_mode(job)
     return mode_costs(job, (mode,), tp_mesh=tp_mesh)[mode]
 
 
-def activation_bytes(job: Setup, *, tp_mesh: DeviceMesh | None = None) -> dict[str, int]:
+def activation_bytes(job: Job, *, tp_mesh: DeviceMesh | None = None) -> dict[str, int]:
     """Bytes saved for backward at the end of one micro-batch's forward through the whole model (what
     benchmarks/memory.py measures), by part: the blocks, what lies outside them (token ids, the final
     norm and its gathered output), the loss's fp32 log-softmax."""
-    args, param_bytes, tokens = job.args, DTYPE_BYTES[job.param_dtype], job.microbatch_tokens
+    args, param_bytes, tokens = job.args, DTYPE_BYTES[job.cfg.training.mixed_precision_param], job.microbatch_tokens
     modes = layer_modes(job, list(range(args.n_layers)))
     by_mode = mode_costs(job, tuple(dict.fromkeys(["none", *modes])), tp_mesh=tp_mesh)
     costs = by_mode[_main_mode(job)]
@@ -406,7 +135,7 @@ def activation_bytes(job: Setup, *, tp_mesh: DeviceMesh | None = None) -> dict[s
     checkpointed = any(mode != "none" for mode in modes)
     blocks = sum(kept[mode] for mode in modes)
     outside = 16 * tokens + costs.final_norm + param_bytes * tokens * args.dim + cp_kv_bytes(job)["mask"]
-    log_softmax = 4 * tokens * args.vocab_size // job.tp
+    log_softmax = 4 * tokens * args.vocab_size // job.dims.tp
     return {
         "per_block_no_ac": costs.saved,
         "per_block_checkpointed": costs.kept if checkpointed else 0,
@@ -441,9 +170,9 @@ class _RankParams:
     root: int
     """The root unit: final norm + output projection (or the tied matrix)."""
     shard: int
-    """The ranks FSDP shards the dense parameters over (Setup.shard)."""
+    """The ranks FSDP shards the dense parameters over (Job.shard)."""
     experts_shard: int
-    """The ranks FSDP shards this rank's experts over (Setup.efsdp)."""
+    """The ranks FSDP shards this rank's experts over (Job.efsdp)."""
 
     @property
     def last_stage(self) -> int:
@@ -485,10 +214,10 @@ class _RankParams:
         return max([self.sharded_block] + [n / self.shard for n in ends])
 
 
-def _rank_params(job: Setup, costs: BlockCosts, pp_rank: int) -> _RankParams:
+def _rank_params(job: Job, costs: BlockCosts, pp_rank: int) -> _RankParams:
     stages = job.stages
-    local = rank_stages(pp_rank, pp=job.pp, stages=len(stages)) if job.pp > 1 else [0]
-    experts = costs.experts_params / job.ep  # the trace's block holds every expert: TP leaves them whole
+    local = rank_stages(pp_rank, pp=job.dims.pp, stages=len(stages)) if job.dims.pp > 1 else [0]
+    experts = costs.experts_params / job.dims.ep  # the trace's block holds every expert: TP leaves them whole
     return _RankParams(
         stages,
         local,
@@ -501,11 +230,13 @@ def _rank_params(job: Setup, costs: BlockCosts, pp_rank: int) -> _RankParams:
     )
 
 
-def _hidden(job: Setup, params: _RankParams) -> float:
+def _hidden(job: Job, params: _RankParams) -> float:
     """The rank's parameters Muon updates (its blocks' hidden matrices, TP's shards of them); 0 without Muon."""
     blocks = sum(len(params.stages[g]) for g in params.local)
     return (
-        blocks * tp_rank_elements(job.family, job.args, list(job.fam.hidden_matrices), tp=job.tp) if job.muon else 0.0
+        blocks * tp_rank_elements(job.cfg.model.name, job.args, list(job.fam.hidden_matrices), tp=job.dims.tp)
+        if job.muon
+        else 0.0
     )
 
 
@@ -527,7 +258,7 @@ class _ShardedState:
     """The gradient shards of the step's earlier micro-batches (gradient accumulation), on the GPU."""
 
 
-def _sharded_state(job: Setup, params: _RankParams) -> _ShardedState:
+def _sharded_state(job: Job, params: _RankParams) -> _ShardedState:
     master, grads, adam = (n * params.sharded for n in (4, 4, 8))
     adam -= 4 * _hidden(job, params) / job.shard  # Muon keeps one momentum for a hidden matrix, AdamW two moments
     on_gpu = not job.cpu_offload
@@ -543,14 +274,14 @@ def _sharded_state(job: Setup, params: _RankParams) -> _ShardedState:
     )
 
 
-def _gathered_params(job: Setup, params: _RankParams) -> dict[str, float]:
+def _gathered_params(job: Job, params: _RankParams) -> dict[str, float]:
     """Bytes of the parameters gathered in param_dtype during each phase of backward (loss, block, embedding).
 
     Without PP the embedding and blocks are resharded after forward and the root (norm + output) is not; in
     backward one block is gathered plus the prefetched one, and the embedding is not gathered again (its backward
     does not read it, parallelisms/fsdp.py). Under PP the rank's stages stay gathered from their first forward to
     the end of the step."""
-    param_bytes = DTYPE_BYTES[job.param_dtype]
+    param_bytes = DTYPE_BYTES[job.cfg.training.mixed_precision_param]
     if not job.fsdp:
         # One rank, nothing gathered: under autocast each weight's param_dtype copy lives while autograd needs it, the
         # output projection's through the loss backward (chunked: the chunk term's), a block's through its backward
@@ -559,7 +290,7 @@ def _gathered_params(job: Setup, params: _RankParams) -> dict[str, float]:
             return dict.fromkeys(("loss", "block", "embedding"), 0.0)
         root = 0.0 if job.chunk_tokens else param_bytes * params.root
         return {"loss": root, "block": param_bytes * params.block, "embedding": 0.0}
-    if job.pp > 1:
+    if job.dims.pp > 1:
         return dict.fromkeys(("loss", "block", "embedding"), param_bytes * params.total)
     root = param_bytes * params.root
     return {"loss": root, "block": param_bytes * (params.root + 2 * params.block), "embedding": root}
@@ -604,8 +335,8 @@ class _Activations:
         return self.token_ids + (self.final_norm + self.log_softmax if last else self.stage_output)
 
 
-def _activations(job: Setup, costs: BlockCosts, stages: list[list[int]], *, tp_mesh: DeviceMesh | None) -> _Activations:
-    param_bytes, tokens, dim = DTYPE_BYTES[job.param_dtype], job.microbatch_tokens, job.args.dim
+def _activations(job: Job, costs: BlockCosts, stages: list[list[int]], *, tp_mesh: DeviceMesh | None) -> _Activations:
+    param_bytes, tokens, dim = DTYPE_BYTES[job.cfg.training.mixed_precision_param], job.microbatch_tokens, job.args.dim
     chunked = job.chunk_tokens > 0
     modes = [layer_modes(job, stage) for stage in stages]
     used = tuple(dict.fromkeys(mode for stage in modes for mode in stage if mode != "none"))
@@ -616,8 +347,8 @@ def _activations(job: Setup, costs: BlockCosts, stages: list[list[int]], *, tp_m
         modes=modes,
         token_ids=16 * tokens + cp_kv_bytes(job)["mask"],
         final_norm=costs.final_norm + param_bytes * tokens * dim,
-        log_softmax=0 if chunked else 4 * tokens * job.args.vocab_size // job.tp,
-        stage_output=param_bytes * tokens * dim / job.tp,
+        log_softmax=0 if chunked else 4 * tokens * job.args.vocab_size // job.dims.tp,
+        stage_output=param_bytes * tokens * dim / job.dims.tp,
     )
 
 
@@ -645,9 +376,12 @@ class _Transients:
     """Zero bubble: per block, what its weight gradients need between a micro-batch's input and weight backward."""
 
 
-def _transients(job: Setup, costs: BlockCosts, params: _RankParams) -> _Transients:
-    tp, tokens, vocab, dim = job.tp, job.microbatch_tokens, job.args.vocab_size, job.args.dim
-    param_bytes, reduce_bytes = DTYPE_BYTES[job.param_dtype], DTYPE_BYTES[job.reduce_dtype]
+def _transients(job: Job, costs: BlockCosts, params: _RankParams) -> _Transients:
+    tp, tokens, vocab, dim = job.dims.tp, job.microbatch_tokens, job.args.vocab_size, job.args.dim
+    param_bytes, reduce_bytes = (
+        DTYPE_BYTES[job.cfg.training.mixed_precision_param],
+        DTYPE_BYTES[job.cfg.training.mixed_precision_reduce],
+    )
     ep = ep_bytes(job, costs)
     # Start of the loss backward, in fp32 per logit: the saved log-softmax (4, counted with the activations) plus,
     # for the fused cross-entropy (tp 1), nll's gradient and log-softmax's gradient (4 + 4); under loss parallel
@@ -676,7 +410,7 @@ def _transients(job: Setup, costs: BlockCosts, params: _RankParams) -> _Transien
         exchange=ep["exchange"],
         exchange_rows=ep["received_rows"],
         root_grad=(param_bytes if job.fsdp else 4) * costs.root_params,
-        pp_buffers=2 * param_bytes * tokens * dim / tp if job.pp > 1 else 0.0,
+        pp_buffers=2 * param_bytes * tokens * dim / tp if job.dims.pp > 1 else 0.0,
         weight_grad_inputs=costs.matmul_inputs,
     )
 
@@ -688,7 +422,7 @@ class _Replay:
 
     def __init__(
         self,
-        job: Setup,
+        job: Job,
         *,
         params: _RankParams,
         state: _ShardedState,
@@ -697,10 +431,13 @@ class _Replay:
         transients: _Transients,
     ) -> None:
         self.params, self.state, self.gathered, self.acts, self.transients = params, state, gathered, acts, transients
-        self.pipelined, self.fsdp = job.pp > 1, job.fsdp
+        self.pipelined, self.fsdp = job.dims.pp > 1, job.fsdp
         # Gradients summed unsharded from a stage's first backward on (PP, or FSDP deferring its reduce-scatters).
         self.accumulates = job.accumulates_unsharded
-        self.param_bytes, self.reduce_bytes = DTYPE_BYTES[job.param_dtype], DTYPE_BYTES[job.reduce_dtype]
+        self.param_bytes, self.reduce_bytes = (
+            DTYPE_BYTES[job.cfg.training.mixed_precision_param],
+            DTYPE_BYTES[job.cfg.training.mixed_precision_reduce],
+        )
         self.held: dict[tuple[int, int], float] = {}  # (local stage, micro-batch) -> its activations
         self.backward_done: set[int] = set()  # stages with reduce_dtype accumulators (after their first backward)
         self.phases: dict[str, tuple[float, float, str]] = {}  # phase -> (bytes, shards among them, where)
@@ -772,7 +509,7 @@ class _Replay:
             self.phases[phase] = (value, shards, where)
 
 
-def estimate_rank(job: Setup, pp_rank: int = 0, *, tp_mesh: DeviceMesh | None = None) -> dict[str, float | int | str]:
+def estimate_rank(job: Job, pp_rank: int = 0, *, tp_mesh: DeviceMesh | None = None) -> dict[str, float | int | str]:
     """Per-GPU bytes by component, the allocated peak and the reserved estimate of one pp rank (the module
     docstring tells the story). tp_mesh: see block_costs."""
     costs = job_costs(job, tp_mesh=tp_mesh)
@@ -782,9 +519,17 @@ def estimate_rank(job: Setup, pp_rank: int = 0, *, tp_mesh: DeviceMesh | None = 
     replay = _Replay(
         job, params=params, state=state, gathered=_gathered_params(job, params), acts=acts, transients=transients
     )
-    if job.pp > 1:
+    if job.dims.pp > 1:
         n_local, n_mb = len(params.local), job.microbatches
-        replay.run(rank_ops(job.pp_schedule, pp_rank=pp_rank, pp=job.pp, n_local=n_local, n_mb=n_mb))
+        replay.run(
+            rank_ops(
+                job.cfg.parallelism.pipeline_parallel_schedule,
+                pp_rank=pp_rank,
+                pp=job.dims.pp,
+                n_local=n_local,
+                n_mb=n_mb,
+            )
+        )
     elif job.accumulates_unsharded:  # the second micro-batch runs with every gradient accumulated unsharded
         replay.run([("F", 0, 0), ("B", 0, 0), ("F", 0, 1), ("B", 0, 1)])
     else:
@@ -794,15 +539,15 @@ def estimate_rank(job: Setup, pp_rank: int = 0, *, tp_mesh: DeviceMesh | None = 
     return _report(job, pp_rank, replay)
 
 
-def _muon_step(job: Setup, params: _RankParams, state: _ShardedState) -> float:
+def _muon_step(job: Job, params: _RankParams, state: _ShardedState) -> float:
     """Bytes alive beyond the static state in Muon's step (muon.py): every gradient shard, each hidden matrix's
     Nesterov update (float32) and its orthogonalized blocks (bfloat16), and the largest matrix whole on its owner:
     the blocks sent and received, the matrix, the iteration's operand, its Gram matrices and result (bfloat16)."""
     local = _hidden(job, params) / job.shard
-    return state.grads * state.on_gpu + (4 + 2) * local + 6 * 2 * max(hidden_matrices(job.family, job.args))
+    return state.grads * state.on_gpu + (4 + 2) * local + 6 * 2 * max(hidden_matrices(job.cfg.model.name, job.args))
 
 
-def _peak(job: Setup, replay: _Replay) -> dict[str, float | str]:
+def _peak(job: Job, replay: _Replay) -> dict[str, float | str]:
     """The allocated peak (static state + the worst phase) and what the caching allocator reserves for it: state +
     the reduce-scatter stream's shards + the all-gather stream's flat outputs + the compute stream's peak with
     fragmentation (docs/planning.md, "How the estimator counts": "Reserved")."""
@@ -810,11 +555,11 @@ def _peak(job: Setup, replay: _Replay) -> dict[str, float | str]:
     peak_phase, peak_value, _, peak_where = replay.worst()
     allocated = state.static + peak_value
     rs_pool = state.grads if state.on_gpu else 4 * params.largest_shard
-    ag_pool = DTYPE_BYTES[job.param_dtype] * max(params.largest_unit, 2 * params.block)
+    ag_pool = DTYPE_BYTES[job.cfg.training.mixed_precision_param] * max(params.largest_unit, 2 * params.block)
     compute = max(value - shards for value, shards, _ in phases.values())
     if not job.fsdp:  # one rank: no FSDP streams, the gradients are the compute stream's
         rs_pool, ag_pool, compute = 0.0, 0.0, max(value for value, _, _ in phases.values())
-    if job.allocator == "cuda":
+    if job.machine.reserves:
         reserved = state.static + rs_pool + ag_pool + (1 + FRAGMENTATION) * compute
     else:
         reserved = allocated
@@ -829,14 +574,17 @@ def _peak(job: Setup, replay: _Replay) -> dict[str, float | str]:
     }
 
 
-def _report(job: Setup, pp_rank: int, replay: _Replay) -> dict[str, float | int | str]:
+def _report(job: Job, pp_rank: int, replay: _Replay) -> dict[str, float | int | str]:
     """estimate_rank's result: every term of the breakdown, the peak and the reserved estimate."""
     params, state, acts, transients, phases = replay.params, replay.state, replay.acts, replay.transients, replay.phases
-    param_bytes, reduce_bytes = DTYPE_BYTES[job.param_dtype], DTYPE_BYTES[job.reduce_dtype]
+    param_bytes, reduce_bytes = (
+        DTYPE_BYTES[job.cfg.training.mixed_precision_param],
+        DTYPE_BYTES[job.cfg.training.mixed_precision_reduce],
+    )
     recompute = max(acts.no_ac - min(acts.blocks(g), default=acts.no_ac) for g in params.local)  # the worst block's
     block_backward = recompute + transients.activation_grads + transients.exchange + transients.reduce_scatter_inputs
     peak = _peak(job, replay)
-    overhead = job.overhead_gib * GiB
+    overhead = job.machine.overhead
     return {
         "pp_rank": pp_rank,
         "pp_stages": ", ".join(map(str, params.local)),
@@ -878,9 +626,9 @@ def _report(job: Setup, pp_rank: int, replay: _Replay) -> dict[str, float | int 
     }
 
 
-def estimate(job: Setup, *, tp_mesh: DeviceMesh | None = None) -> dict[str, float | int | str]:
+def estimate(job: Job, *, tp_mesh: DeviceMesh | None = None) -> dict[str, float | int | str]:
     """estimate_rank of the pp rank that needs the most memory (reserved; without PP the one rank)."""
-    return max((estimate_rank(job, rank, tp_mesh=tp_mesh) for rank in range(job.pp)), key=lambda e: e["reserved"])
+    return max((estimate_rank(job, rank, tp_mesh=tp_mesh) for rank in range(job.dims.pp)), key=lambda e: e["reserved"])
 
 
 # --------------------------------------------------------------- activation checkpointing chosen to fit
@@ -936,7 +684,7 @@ def ac_budget_gib(cfg: ActivationCheckpoint, *, cuda_memory_gib: float | None) -
     return AUTO_BUDGET_SHARE * cuda_memory_gib
 
 
-def choose_ac(job: Setup, *, budget_gib: float, tp_mesh: DeviceMesh | None = None) -> ACChoice:
+def choose_ac(job: Job, *, budget_gib: float, tp_mesh: DeviceMesh | None = None) -> ACChoice:
     """Mode "auto": each block's AC mode ("none", "op" or "full"), the assignment with the least recomputation (FLOPs,
     as the block's trace counts them) whose estimated memory (`estimate`'s total) fits `budget_gib`.
 
@@ -949,7 +697,7 @@ def choose_ac(job: Setup, *, budget_gib: float, tp_mesh: DeviceMesh | None = Non
 
     def trial(f: int, o: int) -> dict[str, float | int | str]:
         modes = ("full",) * f + ("op",) * o + ("none",) * (n - f - o)
-        return estimate(dataclasses.replace(job, ac="per_block", ac_blocks=modes), tp_mesh=tp_mesh)
+        return estimate(with_ac(job, mode="per_block", per_block=list(modes)), tp_mesh=tp_mesh)
 
     best: tuple[float, int, int, int, dict] | None = None  # (recompute, checkpointed blocks, f, o, estimate)
     for f in range(n + 1):
@@ -968,7 +716,7 @@ def choose_ac(job: Setup, *, budget_gib: float, tp_mesh: DeviceMesh | None = Non
         if best is None or (cost, f + hi) < best[:2]:
             best = (cost, f + hi, f, hi, fits)
     if best is None:
-        full = estimate(dataclasses.replace(job, ac="full"), tp_mesh=tp_mesh)
+        full = estimate(with_ac(job, mode="full"), tp_mesh=tp_mesh)
         raise ConfigError(
             f"activation_checkpoint.memory_budget_gib: the job needs about {full['total'] / GiB:.3g} GiB per rank even "
             f"with full AC on every block, over the budget of {budget_gib:.3g} GiB; use more GPUs (FSDP, TP, PP), "
@@ -979,18 +727,25 @@ def choose_ac(job: Setup, *, budget_gib: float, tp_mesh: DeviceMesh | None = Non
     return ACChoice(modes=modes, estimate=fits, budget=budget, recompute_flops=cost)
 
 
+def with_ac(job: Job, **changes: Any) -> Job:
+    """The job with these [activation_checkpoint] keys changed (e.g. mode="per_block", per_block=[...])."""
+    ac = dataclasses.replace(job.cfg.activation_checkpoint, **changes)
+    return dataclasses.replace(job, cfg=dataclasses.replace(job.cfg, activation_checkpoint=ac))
+
+
 def resolve_auto_ac(
-    cfg: JobConfig, *, world_size: int, cuda: bool, cuda_memory_gib: float | None, tp_mesh: DeviceMesh | None = None
+    cfg: JobConfig, *, world_size: int, machine: Machine, tp_mesh: DeviceMesh | None = None
 ) -> tuple[JobConfig, ACChoice | None]:
     """A config of mode "auto" as the run applies it: mode "per_block" with `choose_ac`'s blocks, and the choice; any
-    other config unchanged, and None. The job runs on `world_size` ranks, CUDA GPUs of `cuda_memory_gib` each (this
-    one's, or the one a plan is made for; None: no CUDA device) or CPU ranks. train.py, --print-config, the dry run
-    and the doctor all resolve it here. ConfigError: no budget without CUDA, or a job that fits with no assignment."""
+    other config unchanged, and None. The job runs on `world_size` ranks of `machine`: CUDA GPUs of its
+    device_memory_gib each (this one's, or the one a plan is made for) or CPU ranks. train.py, --print-config, the dry
+    run and the doctor all resolve it here. ConfigError: no budget without CUDA, or a job that fits with no
+    assignment."""
     ac = cfg.activation_checkpoint
     if ac.mode != "auto":
         return cfg, None
-    budget = ac_budget_gib(ac, cuda_memory_gib=cuda_memory_gib)
-    choice = choose_ac(Setup.of(cfg, world_size, cuda=cuda), budget_gib=budget, tp_mesh=tp_mesh)
+    budget = ac_budget_gib(ac, cuda_memory_gib=machine.cuda_memory_gib)
+    choice = choose_ac(Job.of(cfg, machine, world_size=world_size), budget_gib=budget, tp_mesh=tp_mesh)
     chosen = dataclasses.replace(ac, mode="per_block", per_block=list(choice.modes), memory_budget_gib=0.0)
     return dataclasses.replace(cfg, activation_checkpoint=chosen), choice
 

@@ -3,17 +3,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from planning.memory import Setup, setup
+from planning.flags import job
+from planning.job import GPU, Job, Machine
 
 GiB = 2**30
 
 
 @dataclass(frozen=True)
 class Reference:
-    """A published peak and the setup that reproduces it (planning.memory.setup's GPUs and short-named keys)."""
+    """A published peak and the setup that reproduces it (planning.flags.job's GPUs and flags, on `TT_MACHINE`)."""
 
     name: str
     keys: dict[str, Any]
@@ -21,15 +23,16 @@ class Reference:
     note: str
 
     @property
-    def job(self) -> Setup:
-        return setup(**self.keys)
+    def job(self) -> Job:
+        return job(machine=TT_MACHINE, **self.keys)
 
 
 # torchtitan docs/performance.md (benchmarks/llama3_h100_202412_torchtitan.md): H100 SXM with
 # 96 GB HBM2e, torch nightly of 2024-12-23, eager nn.RMSNorm (composite then), `del pred` before
 # backward; "Memory(GiB)" is torch.cuda.max_memory_reserved, without the CUDA context / NCCL, the
 # maximum over all GPUs.
-_TT = dict(rmsnorm="composite", loss_chunk_tokens=0)  # and its loss: all logits at once
+TT_MACHINE: Machine = dataclasses.replace(GPU, rmsnorm="composite")
+_TT = dict(loss_chunk_tokens=0)  # and its loss: all logits at once
 # Table 5's 405B: FSDP 8 x TP 8 x PP 8, local batch 32 in torchtitan's default micro-batches then (as many as
 # stages: 8 of 4 sequences), full AC.
 _TT_405B_PP = dict(

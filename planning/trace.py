@@ -10,7 +10,7 @@ import functools
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -27,9 +27,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from errors import warn
 from models import ModelFamily
 
-GiB = 2**30
+if TYPE_CHECKING:
+    from parallelisms.ac import BlockMode
+    from planning.job import Job
 
-RMSNorm = Literal["fused", "composite"]
+GiB = 2**30
 
 
 # ----------------------------------------------------------------- the model's costs
@@ -83,65 +85,41 @@ class BlockCosts:
 _TRACES: dict[tuple, BlockCosts] = {}
 
 
-def block_costs(
-    family: ModelFamily,
-    args: Any,
-    *,
-    batch: int,
-    seq_len: int,
-    dtype: torch.dtype,
-    ac: str,
-    tp: int = 1,
-    rmsnorm: RMSNorm = "fused",
-    tp_mesh: DeviceMesh | None = None,
-    loss_parallel: bool = True,
-    loss_chunk_tokens: int = 0,
-    z_loss: bool = False,
-    autocast: bool = False,
-) -> BlockCosts:
-    """The costs of `trace_costs` under `ac` (none, full, selective-op or selective-<k>; "selective-<k>" is traced as full
-    AC, which is what the blocks it checkpoints get), `saved` from a trace without AC; cached per shape.
+def block_costs(job: Job, mode: BlockMode, *, tp_mesh: DeviceMesh | None = None) -> BlockCosts:
+    """The costs of `trace_costs` of one micro-batch of `job` through one block under the block AC mode `mode` ("none",
+    "op" or "full": parallelisms/ac.py block_modes), `saved` from a trace without AC; cached per shape.
 
     tp > 1 needs a TP mesh: `tp_mesh` (the run's mesh["tp"] when a process group runs), else a fake
     process group of tp ranks is started for the trace and ended after it."""
-    mode = {"none": "none", "selective-op": "op"}.get(ac, "full")
     traced = {}
     for m in dict.fromkeys(("none", mode)):
-        key = (
-            family.name,
-            args,
-            batch,
-            seq_len,
-            dtype,
-            m,
-            tp,
-            rmsnorm,
-            loss_parallel,
-            loss_chunk_tokens,
-            z_loss,
-            autocast,
-        )
+        key = (*_shape(job), m)
         if key not in _TRACES:
-            with _tp_mesh(tp, tp_mesh) as mesh:
-                _TRACES[key] = trace_costs(
-                    family,
-                    args,
-                    batch=batch,
-                    seq_len=seq_len,
-                    dtype=dtype,
-                    ac=m,
-                    rmsnorm=rmsnorm,
-                    tp_mesh=mesh,
-                    loss_parallel=loss_parallel,
-                    loss_chunk_tokens=loss_chunk_tokens,
-                    z_loss=z_loss,
-                    autocast=autocast,
-                )
+            with _tp_mesh(job.dims.tp, tp_mesh) as mesh:
+                _TRACES[key] = trace_costs(job, m, tp_mesh=mesh)
         traced[m] = _TRACES[key]
     recompute = traced[mode].backward_flops - traced["none"].backward_flops
     none = traced["none"]
     return dataclasses.replace(
         traced[mode], saved=none.saved, experts_saved=none.experts_saved, recompute_flops=recompute
+    )
+
+
+def _shape(job: Job) -> tuple:
+    """What a block's trace depends on: every job of these shares it."""
+    t = job.cfg.training
+    return (
+        job.cfg.model.name,
+        job.args,
+        job.microbatch_tokens // job.local_seq_len,
+        job.local_seq_len,
+        t.mixed_precision_param,
+        job.dims.tp,
+        job.machine.norm,
+        job.loss_parallel,
+        job.chunk_tokens,
+        t.z_loss_weight > 0,
+        job.autocast,
     )
 
 
@@ -208,33 +186,19 @@ def _warn_unfused_norms(family: ModelFamily, block: nn.Module) -> None:
             )
 
 
-def trace_costs(
-    family: ModelFamily,
-    args: Any,
-    *,
-    batch: int,
-    seq_len: int,
-    dtype: torch.dtype,
-    ac: Literal["none", "full", "op"],
-    rmsnorm: RMSNorm = "fused",
-    tp_mesh: DeviceMesh | None = None,
-    loss_parallel: bool = True,
-    loss_chunk_tokens: int = 0,
-    z_loss: bool = False,
-    autocast: bool = False,
-) -> BlockCosts:
-    """One forward and backward of a one-block model of `family` on fake tensors (no memory, no compute),
-    parallelized as a run does it (the family's TP plan over `tp_mesh`, `apply_ac`; the loss.py loss of
-    `loss_chunk_tokens` and `z_loss`, on vocabulary shards with `loss_parallel`), watched op by op: in `dtype`
-    parameters as FSDP's mixed precision gives them, or with `autocast` in float32 parameters under autocast to
-    `dtype`, as one rank trains (parallelisms/fsdp.py autocast; its casts are activations then).
+def trace_costs(job: Job, mode: BlockMode, *, tp_mesh: DeviceMesh | None = None) -> BlockCosts:
+    """One forward and backward of a one-block model of the job's family on fake tensors (no memory, no compute), on
+    this rank's tokens of one micro-batch, parallelized as a run does it (the family's TP plan over `tp_mesh`,
+    `apply_ac` in the block AC mode `mode`; the loss.py loss of the job's chunk and z-loss, on vocabulary shards under
+    loss parallel), watched op by op: parameters in param_dtype as FSDP's mixed precision gives them, or in float32
+    under autocast to it, as one rank trains (parallelisms/fsdp.py autocast; its casts are activations then).
 
     Saved bytes are storages an op created that are still alive once forward is over (what autograd, a
     checkpoint or selective AC's cache hold), parameters and buffers not counted. So every term is
     whatever the family's modules really keep, SwiGLU or not. The kernels are this machine's (the
     CPU's); one difference matters on CUDA: nn.RMSNorm is a fused kernel there (PyTorch >= 2.8) that
     saves its input and one fp32 scale per row, where the CPU's composite one saves fp32 copies. With
-    rmsnorm "fused" the trace counts each RMSNorm of an uncheckpointed block (and the final one) so.
+    the machine's RMSNorm "fused" the trace counts each RMSNorm of an uncheckpointed block (and the final one) so.
     """
     from config import ActivationCheckpoint
     from loss import Loss
@@ -242,15 +206,16 @@ def trace_costs(
     from parallelisms.ac import apply_ac
     from parallelisms.tp import apply_tp, loss_parallel_context
 
-    one = dataclasses.replace(args, n_layers=1, max_seq_len=seq_len, attn_mask_type="causal")
+    family, seq_len, rmsnorm, autocast = job.fam, job.local_seq_len, job.machine.norm, job.autocast
+    dtype, batch = getattr(torch, job.cfg.training.mixed_precision_param), job.microbatch_tokens // seq_len
+    one = dataclasses.replace(job.args, n_layers=1, max_seq_len=seq_len, attn_mask_type="causal")
     with torch.device("meta"):
         model = family.model_cls(one).to(torch.float32 if autocast else dtype)
     model.init_buffers(torch.device("meta"))  # float32 again, as in training: FSDP's mixed precision casts parameters
     if tp_mesh is not None:
-        apply_tp(model, tp_mesh, block_plan=family.tp_plan, loss_parallel=loss_parallel, seq_len=seq_len)
-    if ac != "none":
-        cfg = ActivationCheckpoint(mode="full" if ac == "full" else "selective", selective_ac_option="op")
-        apply_ac(model, cfg, saved_linears=family.sac_saved_linears)
+        apply_tp(model, tp_mesh, block_plan=family.tp_plan, loss_parallel=job.loss_parallel, seq_len=seq_len)
+    # The one block's mode, in the [activation_checkpoint] section apply_ac reads.
+    apply_ac(model, ActivationCheckpoint(mode="per_block", per_block=[mode]), saved_linears=family.sac_saved_linears)
     block = model.layers["0"]
     if rmsnorm == "fused":
         _warn_unfused_norms(family, block)
@@ -262,9 +227,9 @@ def trace_costs(
         watch.skip |= {_key(_local(t)) for t in [*model.parameters(), *model.buffers()]}
         tokens, labels = (torch.randint(0, one.vocab_size, (batch, seq_len)) for _ in range(2))
         # The step's loss, as train.py computes it: its collectives count with the output projection's.
-        with loss_parallel_context(tp_mesh is not None and loss_parallel):
+        with loss_parallel_context(tp_mesh is not None and job.loss_parallel):
             with observe_ops(watch.on_op):
-                loss_fn = Loss(loss_chunk_tokens, z_loss_weight=1.0 if z_loss else 0.0)
+                loss_fn = Loss(job.chunk_tokens, z_loss_weight=1.0 if job.cfg.training.z_loss_weight > 0 else 0.0)
                 with fsdp.autocast(dtype if autocast else None, "cpu"):
                     loss = model(tokens, head=functools.partial(loss_fn, model, labels=labels)).total
             watch.phase = "after"
@@ -272,7 +237,7 @@ def trace_costs(
             experts_saved = watch.saved(experts) if experts is not None else 0
             if rmsnorm == "fused":
                 final_norm += watch.fused_correction(model.norm)
-                if ac == "none":
+                if mode == "none":
                     saved += sum(watch.fused_correction(m) for m in block.modules() if isinstance(m, nn.RMSNorm))
             watch.phase = "backward"
             with observe_ops(watch.on_op):

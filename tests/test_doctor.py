@@ -272,12 +272,13 @@ def test_expert_parallel_groups_across_nodes_are_a_warning() -> None:
 def test_routing_beyond_what_a_rank_has_room_for_is_a_warning() -> None:
     """No token is dropped under expert parallel: a rank that routing sends its whole ep group's rows holds them all.
     Where balanced routing fits and that does not, a warning says how far from balanced routing may go (the largest
-    Setup.ep_load that fits, to a tenth); where even that fits, nothing; where balanced routing does not fit, the
+    Job.ep_load that fits, to a tenth); where even that fits, nothing; where balanced routing does not fit, the
     memory error alone. Two CPU ranks share the host's memory."""
-    from planning.memory import GiB, Setup, estimate
+    from planning.job import CPU, Job
+    from planning.memory import GiB, estimate
 
     cfg = moe(parallelism__expert_parallel_degree=2)
-    job = Setup.of(cfg, 2, cuda=False)
+    job = Job.of(cfg, CPU, world_size=2)
     total = lambda load: estimate(dataclasses.replace(job, ep_load=load))["total"] / GiB  # noqa: E731
     balanced, worst = total(1.0), total(2.0)
     have = (balanced + worst) / 2  # a rank's share of the host

@@ -14,7 +14,7 @@ from config import REPO, JobConfig, Parallelism
 from models.llama3 import FLAVORS
 from parallelisms.parallel_dims import ParallelDims
 from planning.dry_run import EXCESSES, comm_by_kind, comm_floor
-from planning.memory import Setup
+from planning.job import CPU, Job
 from tests.launch import python, two_at_a_time
 from tests.parity_worker import GLOBAL_BATCH, LAYOUTS, TINY_SHAPES, TRAINING, Z_LOSS_WEIGHT, Layout
 
@@ -96,7 +96,7 @@ def test_dry_run_of_the_second_family_with_its_inputs_elsewhere() -> None:
 # ------------------------------------------------- communication, predicted and measured
 
 
-def layout_plan(layout: Layout) -> tuple[JobConfig, ParallelDims, Setup]:
+def layout_plan(layout: Layout) -> tuple[JobConfig, ParallelDims, Job]:
     """A parity layout (tests/parity_worker.py) as the dry run sees a job: the tiny model, its batch, one step."""
     cfg = JobConfig()
     cfg.parallelism = Parallelism(
@@ -125,7 +125,7 @@ def layout_plan(layout: Layout) -> tuple[JobConfig, ParallelDims, Setup]:
         cfg.optimizer = dataclasses.replace(cfg.optimizer, name="Muon", muon_orthogonalize=layout.muon)
     if layout.float8_linear is not None:
         cfg.model.converters, cfg.quantize.linear.float8 = ["quantize.linear.float8"], layout.float8_linear
-    return cfg, dims, dataclasses.replace(Setup.of(cfg, dims.world_size, cuda=False), args=TINY_SHAPES[layout.family])
+    return cfg, dims, Job.of(cfg, CPU, world_size=dims.world_size, args=TINY_SHAPES[layout.family])
 
 
 EAGER = [name for name, layout in LAYOUTS.items() if not layout.compile]

@@ -28,6 +28,8 @@ from optimizer import build_optimizer
 from parallelisms.ac import apply_ac
 from parallelisms.compile import inductor_cache_dir
 from parallelisms.tp import check_tp
+from planning.flags import job as planned_job
+from planning.job import CPU
 from planning.trace import block_costs
 from tests.instruments import count_calls, count_host_reads, count_ops
 from tests.launch import REPO
@@ -359,10 +361,11 @@ def test_recomputation_is_counted_not_assumed() -> None:
     batch = tokens // SEQ_LEN
     attention = 2 * 2 * batch * TINY.n_heads * SEQ_LEN * SEQ_LEN * TINY.head_dim
     for mode, recomputed in (
-        ("selective-op", recomputed_op // layers),
+        ("op", recomputed_op // layers),
         ("full", recomputed_full // layers + attention),
     ):
-        costs = block_costs(LLAMA3, TINY, batch=batch, seq_len=SEQ_LEN, dtype=torch.float32, ac=mode)
+        shape = dict(flavor="debugmodel", seq_len=SEQ_LEN, local_batch_size=batch, param_dtype="float32")
+        costs = block_costs(planned_job(1, machine=CPU, args=TINY, **shape), mode)
         assert costs.recompute_flops == recomputed, mode
 
     # activation_checkpoint.early_stop = false (torchtitan's default): the recomputation runs the whole

@@ -12,7 +12,8 @@ from config import Parallelism
 from errors import ConfigError
 from models.llama3 import FLAVORS
 from parallelisms.pp import SCHEDULES, check_microbatches, rank_stages, stage_layers
-from planning.memory import estimate, setup
+from planning.flags import job as planned_job
+from planning.memory import estimate
 from tests.launch import python
 
 
@@ -75,7 +76,9 @@ def test_interleaved_micro_batches_come_in_rounds(schedule: str) -> None:
         found = []
         for n in range(1, most + 1):
             try:
-                job = setup(flavor="llama3_8b", ngpu=pp, pp=pp, pp_schedule=schedule, local_batch_size=n, seq_len=1024)
+                job = planned_job(
+                    flavor="llama3_8b", ngpu=pp, pp=pp, pp_schedule=schedule, local_batch_size=n, seq_len=1024
+                )
             except ConfigError as e:
                 (line,) = e.problems
                 assert line.startswith(f"parallelism.pipeline_parallel_microbatch_size: 1 makes {n} micro-batches")

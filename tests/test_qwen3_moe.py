@@ -435,10 +435,13 @@ def test_the_estimator_counts_the_experts_in_what_ac_recomputes() -> None:
     """planning/trace.py looks the FLOP formulas up at each op, so the family's grouped matmuls (custom ops registered
     when the family imports) count: full AC recomputes one block's forward as FlopCounterMode counts it, plus the
     attention forward that the flash backward reruns (without the experts it counted 2/3 of a debug block)."""
+    from planning.flags import job
+    from planning.job import CPU
     from planning.trace import block_costs
 
     args, batch, seq = with_seq_len(FLAVORS["debugmodel"], 64), 2, 64
-    full = block_costs(FAMILY, args, batch=batch, seq_len=seq, dtype=torch.float32, ac="full")
+    shape = dict(model="qwen3_moe", flavor="debugmodel", seq_len=seq, local_batch_size=batch, param_dtype="float32")
+    full = block_costs(job(1, machine=CPU, args=args, **shape), "full")
     model = Transformer(args)
     model.init_weights()
     with FlopCounterMode(display=False) as counter:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
@@ -212,17 +211,21 @@ def test_auto_ac_trains_as_its_choice_written_out_by_hand(tmp_path: Path, seed: 
     """activation_checkpoint.mode = "auto" on 2 ranks (FSDP 2) with a budget a quarter of the way from the estimated
     peak of full AC everywhere to op SAC's: a mix. It trains bit for bit as the run of the same blocks written out
     (mode "per_block"), prints its choice once at start-up, and the run folder's config records what ran."""
-    from planning.memory import GiB, Setup, estimate, resolve_auto_ac
+    from planning.job import CPU, Job
+    from planning.memory import GiB, estimate, resolve_auto_ac, with_ac
 
     auto, hand = tmp_path / "auto", tmp_path / "hand"
-    job = Setup.of(load_config(run_args(auto, steps=4, seed=seed)), 2, cuda=False)
-    op, full = (estimate(dataclasses.replace(job, ac=ac))["total"] for ac in ("selective-op", "full"))
+    job = Job.of(load_config(run_args(auto, steps=4, seed=seed)), CPU, world_size=2)
+    op, full = (
+        estimate(with_ac(job, **ac))["total"]
+        for ac in ({"mode": "selective", "selective_ac_option": "op"}, {"mode": "full"})
+    )
     budget = (
         "--activation_checkpoint.mode=auto",
         f"--activation_checkpoint.memory_budget_gib={(3 * full + op) / 4 / GiB}",
     )
     _, choice = resolve_auto_ac(
-        load_config(run_args(auto, steps=4, seed=seed, extra=budget)), world_size=2, cuda=False, cuda_memory_gib=None
+        load_config(run_args(auto, steps=4, seed=seed, extra=budget)), world_size=2, machine=CPU
     )
     assert choice is not None and len(set(choice.modes)) > 1, choice
     written = ("--activation_checkpoint.mode=per_block", f"--activation_checkpoint.per_block={','.join(choice.modes)}")
