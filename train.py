@@ -647,7 +647,7 @@ def config_summary(cfg: JobConfig) -> str:
     """The resolved config plus the numbers derived from it (--print-config)."""
     t, par = cfg.training, cfg.parallelism
     fam, args = family(cfg.model.name), model_args(cfg.model)
-    world = int(os.environ.get("WORLD_SIZE", 0))
+    world = env_world_size() or 0
     # Without WORLD_SIZE: the smallest world the degrees fit (data-parallel degree 1), said as such.
     assumed = world == 0
     world = world or (

@@ -20,7 +20,7 @@ and on what would merely run badly, and lives here:
                    expert parallel, how unbalanced a routing the rank has room for (no token is dropped)
     data           a run that would read its corpus many times over; a tokenizer whose vocabulary
                    is far smaller than the model's embedding (most of it never trained)
-    evals          in-loop lm-eval tasks (downstream.py) whose forwards would take more than a tenth of
+    evals          in-loop lm-eval tasks (evaluation/downstream.py) whose forwards would take more than a tenth of
                    the run's FLOPs
 
 Severity: an error means the run would fail (stopping it before any allocation), a warning that
@@ -31,7 +31,6 @@ fork that deletes this file deletes that call with it.
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
 import sys
 from dataclasses import dataclass
@@ -40,7 +39,7 @@ from typing import Literal
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from config import JobConfig, float8_settings, global_batch_size, load_config, model_args
+from config import JobConfig, env_world_size, float8_settings, global_batch_size, load_config, model_args
 from data.corpus import corpus_size
 from data.inputs import input_problems
 from data.tokenizers import build_tokenizer
@@ -478,9 +477,12 @@ def main(argv: list[str]) -> int:
         else:
             rest.append(argv[i])
         i += 1
-    world = options.get("--world-size") or os.environ.get("WORLD_SIZE", "1")
-    if not world.isdigit() and "--world-size" not in options:
-        problems.append(f"WORLD_SIZE: {world!r} is not a number of ranks; pass --world-size N")
+    world = options.get("--world-size", "")
+    if not world:
+        try:
+            world = str(env_world_size() or 1)
+        except ConfigError as e:
+            problems.append(f"{e.problems[0]}, or pass --world-size N")
     try:
         cfg = load_config(rest, extra_checks=layout_checks(int(world)) if world.isdigit() else None)
     except ConfigError as e:
