@@ -221,10 +221,13 @@ class Pipeline:
         )
         if not self.has_last:
             return LossTerms.zeros(self.extras, device=labels.device)
+        # The schedule's first step also runs the stages once to infer their shapes (on data of no meaning): the
+        # last stage's head ran once more then, before the micro-batches. The step's terms are the last ones.
+        terms = self.terms[-len(losses) :]
         return LossTerms(
             torch.stack([loss.detach() for loss in losses]).sum(),
-            self._summed([t.cross_entropy for t in self.terms]),
-            {name: self._summed([t.extras[name] for t in self.terms]) for name in self.extras},
+            self._summed([t.cross_entropy for t in terms]),
+            {name: self._summed([t.extras[name] for t in terms]) for name in self.extras},
         )
 
     @torch.no_grad()
