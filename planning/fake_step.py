@@ -135,7 +135,8 @@ def _forwards_then_backwards(
         # The tracker refuses a second forward of the root module (it takes it for the next step); its per-module
         # statistics are all it resets, not the peak.
         tracker.reset_mod_stats()
-        outputs.append(model(x, head=head))
+        out = model(x, head=head)
+        outputs.append(out.total if head is not None else out)  # the loss's total (loss.py LossTerms), or hidden states
     for out in outputs:
         if stage:
             model.set_requires_gradient_sync(False)
