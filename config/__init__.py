@@ -56,6 +56,7 @@ from config.sections import (
     INPUT_PATH,
     REPO,
     ActivationCheckpoint,
+    BlockMode,
     Checkpoint,
     Comm,
     Compile,
@@ -84,6 +85,7 @@ from config.sections import (
 __all__ = [
     "ActivationCheckpoint",
     "BLOCK_AC_MODES",
+    "BlockMode",
     "Checkpoint",
     "Comm",
     "Compile",

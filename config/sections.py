@@ -591,9 +591,10 @@ class ActivationCheckpoint(TorchtitanActivationCheckpoint):
         return p
 
 
-# What activation checkpointing does to one block (parallelisms/ac.py): keep everything, op SAC, or full recompute;
-# in that order of recompute.
-BLOCK_AC_MODES = ("none", "op", "full")
+# What activation checkpointing does to one block (parallelisms/ac.py `block_modes`): keep everything, op SAC, or
+# full recompute; in that order of recompute. Every spelling of [activation_checkpoint] comes down to one per block.
+BlockMode = Literal["none", "op", "full"]
+BLOCK_AC_MODES: tuple[BlockMode, ...] = typing.get_args(BlockMode)
 
 
 @dataclass

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -39,6 +39,7 @@ from torch.utils.checkpoint import (
     set_checkpoint_early_stop,
 )
 
+from config import BlockMode  # what AC does to one block; `block_modes` gives each block's
 from errors import ConfigError, warn
 
 if TYPE_CHECKING:
@@ -46,9 +47,6 @@ if TYPE_CHECKING:
 
 aten = torch.ops.aten
 
-# What AC does to one block (`block_modes`): keeps every activation, selective op AC, or full recomputation. Every
-# spelling of [activation_checkpoint] comes down to one of these per block (config.BLOCK_AC_MODES, per_block's values).
-BlockMode = Literal["none", "op", "full"]
 
 # Ops whose outputs selective op AC keeps whatever the model: what is expensive to recompute.
 _SAVE_OPS: frozenset[torch._ops.OpOverload] = frozenset(

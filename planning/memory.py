@@ -15,10 +15,10 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from config import BLOCK_AC_MODES, ActivationCheckpoint, JobConfig
+from config import BLOCK_AC_MODES, ActivationCheckpoint, BlockMode, JobConfig
 from errors import ConfigError
 from models import family
-from parallelisms.ac import BlockMode, block_modes
+from parallelisms.ac import block_modes
 from parallelisms.pp import SCHEDULES, rank_stages
 from planning.exchanges import cp_kv_bytes, ep_bytes
 from planning.job import GiB, Job, Machine

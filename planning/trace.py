@@ -28,7 +28,7 @@ from errors import warn
 from models import ModelFamily
 
 if TYPE_CHECKING:
-    from parallelisms.ac import BlockMode
+    from config import BlockMode
     from planning.job import Job
 
 GiB = 2**30
