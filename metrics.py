@@ -231,8 +231,9 @@ class LogStep:
     """After each step: every metrics.log_freq steps and after the last, the step's metrics go to the
     logger (rank 0). Reading the loss is the one host sync of a logged step; the others read nothing.
 
-    Throughput is averaged over the steps since the last logged one, the time of validations and checkpoint saves
-    left out (`pause`), of the logger's ETA too; the first logged window of a process includes start-up
+    Throughput is averaged over the steps since the last logged one, the time of the work after the log (validations,
+    evals, checkpoint saves: train.py's AfterStepWork measures it) left out (`pause`), of the logger's ETA too; the
+    first logged window of a process includes start-up
     (compilation, allocation) and says so."""
 
     def __init__(

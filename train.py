@@ -47,7 +47,7 @@ from data.corpus import open_corpus
 from data.inputs import input_problems
 from data.loader import Batch, GlobalBatchLoader
 from data.mixture import open_mixture
-from data.tokenizers import build_tokenizer
+from data.tokenizers import Tokenizer, build_tokenizer
 from distributed import CollectiveTimeout, collective_on_rank0, init_distributed
 from errors import ConfigError, RecipeError, is_rank0, report, writable_folder
 from evaluation.downstream import EvalStep
@@ -122,7 +122,7 @@ class Run:
     mesh: DeviceMesh
     cpu_group: dist.ProcessGroup | None  # stop requests, the slow-rank report: gloo's (None: the default group is)
     model_args: Any  # the family's ModelArgs
-    tokenizer: Any
+    tokenizer: Tokenizer
     forward_backward: ForwardBackward  # micro-batches through the model or the pipeline (forward.py)
     optimizer: SkipStepOptimizer
     loader: GlobalBatchLoader
