@@ -21,7 +21,7 @@ import torch
 
 from data.chat import IGNORE_INDEX
 from data.loader import Batch
-from loss import Loss, LossTerms, target_logprobs
+from loss import Loss, LossTerms, document_logprobs, target_logprobs
 from optimizer import clip_grad_norm_
 from parallelisms.cp import ContextParallel, context_parallel
 from parallelisms.fsdp import autocast, autocast_dtype, sync_gradients_on
@@ -99,6 +99,9 @@ class ForwardBackward:
                 self._syncing = last
             # The loss applies the output projection itself, inside the model's forward (loss.py).
             head = functools.partial(self.loss_fn, self.model, labels=labels)
+            if batch.pairs is not None:  # preference pairs (dpo.py): the loss compares each pair's two documents
+                pairs = batch.pairs._replace(ids=batch.pairs.ids.to(self.device))
+                head = functools.partial(head, segments=segments, pairs=pairs)
             with autocast(self.autocast_to, self.device.type):
                 terms = self.model(inputs, segments=segments, head=head).divided(divisor)
             terms.total.backward()
@@ -147,6 +150,16 @@ class ForwardBackward:
         with loss_parallel_context(self.loss_parallel), autocast(self.autocast_to, self.device.type):
             return self.model(inputs, head=head)
 
+    def score_documents(self, batch: Batch, *, documents: int) -> torch.Tensor:
+        """Forward only (inside `scoring()`): per row of the batch, the log-probabilities of its counted labels summed
+        over each of its first `documents` documents (loss.py `document_logprobs`): a (bs, documents) fp32 device tensor,
+        equal on the ranks of a TP group. Not under context or pipeline parallel (dpo.py refuses both)."""
+        assert self.cp is None and self.pipeline is None, "dpo.py refuses context and pipeline parallel"
+        inputs, labels, segments, _ = self._placed(batch)
+        head = functools.partial(document_logprobs, self.model, labels=labels, segments=segments, documents=documents)
+        with loss_parallel_context(self.loss_parallel), autocast(self.autocast_to, self.device.type):
+            return self.model(inputs, segments=segments, head=head)
+
     def _scored(self, rows: int, labels: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         if not rows:
             return torch.zeros((), device=self.device)
@@ -154,7 +167,7 @@ class ForwardBackward:
 
     def _placed(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, float]:
         """The micro-batch as this rank computes it: its context-parallel part, on the device."""
-        inputs, labels, segments, divisor = batch
+        inputs, labels, segments, divisor, _ = batch
         if self.cp is not None:
             inputs, labels = self.cp.shard(inputs), self.cp.shard(labels)
         segments = segments.to(self.device) if segments is not None else None

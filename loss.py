@@ -240,3 +240,55 @@ def target_logprobs(
     out[:, 0].index_add_(0, rows, logprob)
     out[:, 1].index_add_(0, rows, missed)
     return out
+
+
+def document_logprobs(
+    model: torch.nn.Module,
+    h: torch.Tensor,
+    labels: torch.Tensor,
+    segments: torch.Tensor,
+    *,
+    documents: int,
+    chunk_tokens: int = AUTO_CHUNK_TOKENS,
+) -> torch.Tensor:
+    """Scoring whole sequences (a preference pair's replies, dpo.py): per row of `labels` (bs, seqlen), the fp32
+    log-probabilities of its counted labels (not IGNORE_INDEX) summed over each of its first `documents` documents
+    (`segments`, the document of each position), as a (bs, documents) tensor, differentiable.
+
+    Only the counted positions are projected, `chunk_tokens` at a time, each chunk under activation checkpointing as
+    the chunked cross-entropy's are (`chunked_sums`): forward and backward hold one chunk's logits, never the whole
+    micro-batch's. Under loss parallel the log-softmax and the label's entry are computed on the vocabulary shards,
+    as `target_logprobs` does (`loss_parallel_context` is the caller's)."""
+    rows_, seqlen = labels.shape
+    mesh = h.device_mesh if isinstance(h, DTensor) else None
+    if mesh is not None:  # sequence parallel: the final norm's output gathered once, as in chunked_sums
+        h = h.redistribute(placements=[Replicate()] * mesh.ndim).to_local()
+    counted = (labels != -100) & (segments < documents)  # IGNORE_INDEX (data/chat.py)
+    rows, positions = counted.nonzero(as_tuple=True)
+    picked, wanted = h[rows, positions], labels[rows, positions]
+    slots = rows * documents + segments[rows, positions].long()  # (row, document) flattened
+    sums = [
+        checkpoint(_document_sums, model.project, mesh, rows_ * documents, *chunk, use_reentrant=False)
+        for chunk in zip(picked.split(chunk_tokens), wanted.split(chunk_tokens), slots.split(chunk_tokens), strict=True)
+    ]
+    if not sums:
+        return h.new_zeros(rows_, documents, dtype=torch.float32) + 0 * h.sum()
+    return sum(sums).view(rows_, documents)
+
+
+def _document_sums(
+    project: Callable[[torch.Tensor], torch.Tensor],
+    mesh: object,
+    slots: int,
+    part: torch.Tensor,
+    target: torch.Tensor,
+    slot: torch.Tensor,
+) -> torch.Tensor:
+    if mesh is not None:  # the projection's TP plan takes the DTensor it was given
+        part = DTensor.from_local(part, mesh, [Replicate()] * mesh.ndim)
+    lp = F.log_softmax(project(part).float(), dim=-1)
+    if isinstance(lp, DTensor):  # loss parallel: (tokens, vocab / tp) on each rank
+        target_lp = full_tensor(-F.nll_loss(lp, target, reduction="none"))
+    else:
+        target_lp = lp.gather(-1, target[:, None])[:, 0]
+    return torch.zeros(slots, device=target_lp.device, dtype=torch.float32).index_add(0, slot, target_lp)

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+import dpo
 from checkpoint import CheckpointManager, ModelInterop, SaveStep, prepare_dump_folder
 from checkpoint.torchtitan import schedule_disagreement
 from config import (
@@ -55,7 +56,7 @@ from evaluation.validation import ValidateStep
 from fleet import pause_points, step_faults
 from fleet.monitor import Fleet
 from forward import ForwardBackward
-from loss import LossTerms, build_loss_fn
+from loss import Loss, LossTerms, build_loss_fn
 from metrics import LogStep, MetricsLogger, StepResult
 from models import family
 from models.moe import Balancer
@@ -205,7 +206,6 @@ def build(
     """Everything the run holds, in the order it is needed; None when there is nothing to train (a seed
     checkpoint was written, the run is finished, or a stop came during start-up). changed: the keys the command
     line set, which the banner names."""
-    t = cfg.training
     set_determinism(cfg.debug)
     # Parallel layout and the pitfalls of this job on this machine (planning/doctor.py, optional), before any compute.
     dims = ParallelDims.from_config(cfg.parallelism, world_size=world_size)
@@ -220,12 +220,7 @@ def build(
     tokenizer, loader = build_data(cfg, dp_rank=dims.dp_rank(mesh), dp_degree=dims.dp, vocab_size=args.vocab_size)
 
     # Model: meta device -> (pipeline stages) -> parallelize -> allocate -> initialize.
-    loss_fn = build_loss_fn(
-        cfg.compile,
-        chunk_tokens=t.loss_chunk_tokens,
-        z_loss_weight=t.z_loss_weight,
-        vocab_shards=dims.tp if uses_loss_parallel(cfg, dims) else 1,
-    )
+    loss_fn = build_run_loss(cfg, dims)
     model, pipeline = build_model(cfg, args, dims=dims, mesh=mesh, loss_fn=loss_fn, device=device)
     if cfg.model.print_after_conversion and rank == 0:
         print(model, flush=True)
@@ -255,6 +250,9 @@ def build(
     if rank == 0:
         print_banner(cfg, args, dims=dims, loader=loader, start_step=start_step, device=device, changed=changed)
     resume(cfg, checkpoint, state, optimizer, start_step=start_step)
+    forward_backward = ForwardBackward.for_run(cfg, model, pipeline, loss_fn, dims=dims, mesh=mesh, device=device)
+    if cfg.dpo.enable:  # the reference's log-probabilities of every pair, from the initial weights (dpo.py)
+        dpo.prepare_reference(cfg, loss_fn, forward_backward, loader, dims=dims, start_step=start_step)
     # Signals have been recorded since the first line (fleet/stop.py); the ranks first agree here, after start-up.
     request = stop.StopRequest(cpu_group, stop_file=Path(cfg.job.dump_folder) / "STOP", is_rank0=rank == 0)
     if reason := request.requested():
@@ -268,7 +266,7 @@ def build(
         cpu_group=cpu_group,
         model_args=args,
         tokenizer=tokenizer,
-        forward_backward=ForwardBackward.for_run(cfg, model, pipeline, loss_fn, dims=dims, mesh=mesh, device=device),
+        forward_backward=forward_backward,
         optimizer=optimizer,
         loader=loader,
         checkpoint=checkpoint,
@@ -303,6 +301,7 @@ def after_step_work(run: Run) -> AfterStepWork:
         StopOnNonfinite(run.optimizer, run.checkpoint),
         CollectiveTimeout(cfg.comm, groups=[None, run.cpu_group]),  # the default group, and gloo's under NCCL
         *([run.balancer] if run.balancer is not None else []),  # before the log, which reads the step's routing
+        *([dpo.ReferenceCheck(fb.loss_fn, dpo.how_computed(cfg, run.dims), run.cpu_group)] if cfg.dpo.enable else []),
         log,
     ]
     # A slow rank named, a hang ended (fleet/monitor.py): a step ends after its log; the next starts after all the rest.
@@ -382,7 +381,7 @@ def build_data(cfg: JobConfig, *, dp_rank: int, dp_degree: int, vocab_size: int)
     corpus = (
         open_mixture(cfg.data, tokenizer, cfg.model.tokenizer_path)
         if cfg.data.mixture
-        else open_corpus(cfg.data, tokenizer, cfg.model.tokenizer_path)
+        else open_corpus(cfg.data, tokenizer, cfg.model.tokenizer_path, pairs=cfg.dpo.enable)
     )
     loader = GlobalBatchLoader(
         corpus,
@@ -395,8 +394,20 @@ def build_data(cfg: JobConfig, *, dp_rank: int, dp_degree: int, vocab_size: int)
         seed=cfg.debug.seed,
         strict_resume=not cfg.data.ignore_resume_mismatch,
         pad_samples=cfg.data.pad_samples,
+        count_format_tokens=not cfg.dpo.mask_format_tokens,  # preference pairs (dpo.py)
     )
     return tokenizer, loader
+
+
+def build_run_loss(cfg: JobConfig, dims: ParallelDims) -> Loss | dpo.PreferenceLoss:
+    """The next-token loss (loss.py), or on preference pairs the DPO loss (dpo.py); on vocabulary shards under loss
+    parallel."""
+    t, vocab_shards = cfg.training, dims.tp if uses_loss_parallel(cfg, dims) else 1
+    if cfg.dpo.enable:
+        return dpo.build_loss(cfg.dpo, cfg.compile, chunk_tokens=t.loss_chunk_tokens, vocab_shards=vocab_shards)
+    return build_loss_fn(
+        cfg.compile, chunk_tokens=t.loss_chunk_tokens, z_loss_weight=t.z_loss_weight, vocab_shards=vocab_shards
+    )
 
 
 def build_run_optimizer(cfg: JobConfig, model: torch.nn.Module, *, pp_degree: int) -> SkipStepOptimizer:

@@ -521,6 +521,13 @@ def validate(cfg: JobConfig) -> list[str]:
         *cfg.data.problems(training_dataset=t.dataset, attn_mask_type=m.attn_mask_type),
         *cfg.validation.problems(training=t, pp=cfg.parallelism.pipeline_parallel_degree),
         *cfg.eval.problems(pp=cfg.parallelism.pipeline_parallel_degree),
+        *cfg.dpo.problems(
+            chat=cfg.data.chat,
+            mixture=bool(cfg.data.mixture),
+            pp=cfg.parallelism.pipeline_parallel_degree,
+            cp=cfg.parallelism.context_parallel_degree,
+            z_loss_weight=t.z_loss_weight,
+        ),
     ]
 
 

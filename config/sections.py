@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from config.dpo import Dpo
+from config.parts import optional_part
 from config.torchtitan import (
     OTHER_CONVERTERS,
     Experimental,
@@ -36,12 +38,6 @@ REPO = Path(__file__).resolve().parents[1]
 SHIPPED_TOKENIZER, SHIPPED_CORPUS = "assets/tokenizer", "assets/corpus/stories.jsonl"
 # A field that names a file or folder to read; see resolve_input_paths.
 INPUT_PATH = {"input_path": True}
-
-
-def optional_part(path: str, default: Any) -> Any:
-    """A key of an optional part (docs/development.md "Removing a part"): in a fork that deleted `path`, a value other than the
-    default asks for what is gone and is refused in one line."""
-    return field(default=default, metadata={"part": path})
 
 
 # ------------------------------------------------------------------------ sections
@@ -859,6 +855,7 @@ class JobConfig:
     data: Data = field(default_factory=Data)
     validation: Validation = field(default_factory=Validation)
     eval: Eval = field(default_factory=Eval)
+    dpo: Dpo = field(default_factory=Dpo)
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)

@@ -67,6 +67,8 @@ class TokenCorpus:
         self.tokens, self.doc_ends = [], []
         # Chat data (data/chat.py): per token, 1 where the loss counts it (an assistant's token), else 0.
         self.loss_masks: list[np.ndarray] | None = [] if self.manifest.get("chat") else None
+        # Preference pairs (data/preference.py): documents 2k and 2k + 1 are pair k's chosen and rejected.
+        self.pairs = bool(self.manifest["source"].get("pairs"))
         for shard in self.manifest["shards"]:
             tokens, ends = (self._open(folder / shard[f"{kind}_file"], key, again) for kind in ("tokens", "doc_ends"))
             mask = self._open(folder / shard["loss_mask_file"], key, again) if self.loss_masks is not None else tokens
@@ -127,15 +129,24 @@ class TokenCorpus:
 # ------------------------------------------------------------------ train.py's corpus
 
 
-def open_corpus(cfg: Data, tokenizer: Tokenizer, tokenizer_path: str, *, key: str = "data.path") -> TokenCorpus:
+def open_corpus(
+    cfg: Data, tokenizer: Tokenizer, tokenizer_path: str, *, key: str = "data.path", pairs: bool = False
+) -> TokenCorpus:
     """The corpus `[data] path` names; raw files are prepared into the cache first (a collective).
 
     Every rank calls it. Under torch.distributed the ranks share the tokenizing and wait for each other.
-    key: the config key that named the path (validation.dataset_path for held-out data), for errors.
+    key: the config key that named the path (validation.dataset_path for held-out data), for errors. pairs: its rows
+    are preference pairs (dpo.enable; data/preference.py).
     """
     path = Path(cfg.path)
     if is_prepared(path):
         corpus = TokenCorpus(path, key=key)
+        if corpus.pairs != pairs:
+            what = "preference pairs" if pairs else "documents"
+            raise ConfigError(
+                f"dpo.enable: {path} was not prepared as {what}; set dpo.enable = {str(not pairs).lower()}, or prepare "
+                f"it again{' with prepare_data.py --pairs' if pairs else ''}"
+            )
         if (corpus.loss_masks is not None) != cfg.chat:
             what = "chat data (a loss mask beside the tokens)" if cfg.chat else "plain text"
             raise ConfigError(
@@ -154,7 +165,7 @@ def open_corpus(cfg: Data, tokenizer: Tokenizer, tokenizer_path: str, *, key: st
                 f"model.tokenizer_path; point model.tokenizer_path at that tokenizer, or prepare the data again"
             )
         return corpus
-    source = raw_source(cfg, key=key, tokenizer_path=tokenizer_path)
+    source = dataclasses.replace(raw_source(cfg, key=key, tokenizer_path=tokenizer_path), pairs=pairs)
     if source.format == "hub":  # not in the local cache: a stream is prepared once, never at every start
         raise ConfigError(not_cached(source, tokenizer=tokenizer_path))
     if source.input_bytes > MAX_RAW_BYTES:
@@ -175,6 +186,10 @@ def open_corpus(cfg: Data, tokenizer: Tokenizer, tokenizer_path: str, *, key: st
     if nulls := corpus.manifest["null_documents"]:
         total = nulls + corpus.manifest["documents"]
         warn(f"{key}: {nulls:,} of {total:,} documents of {cfg.path} have no text (null); they are skipped")
+    if pairs:
+        from data.preference import warn_dropped
+
+        warn_dropped(corpus.manifest["dropped"], path=cfg.path, pairs=corpus.manifest["documents"] // 2)
     return corpus
 
 

@@ -15,6 +15,10 @@ taking rows [r*local, (r+1)*local) of each. So a run on 1, 2 or 8 ranks sees the
 every step, resumes bit-exactly on another world size, and the loader's state is one integer
 (plus what it was reading, to refuse resuming on other data).
 
+A preference corpus (data/preference.py, for dpo.py) is read as windows of whole pairs (`PreferenceWindows`); each
+micro-batch then carries the ids of its pairs (`Batch.pairs`), and its divisor makes the step's loss the mean over
+the pairs of the global batch.
+
 A mixture of corpora (data/mixture.py) first maps sample k to (source, j), j counting that source's
 samples; the source then reads its window j as a single corpus reads window k, with its own shuffle
 and its own epochs. A single corpus is the mixture of one source, whose j is k.
@@ -34,6 +38,7 @@ from config import grad_accum_steps
 from data.chat import IGNORE_INDEX, ChatWindows
 from data.corpus import TokenCorpus
 from data.mixture import MixedCorpus
+from data.preference import FORMAT, Pairs, PreferenceWindows
 from errors import ConfigError, is_rank0
 
 
@@ -43,14 +48,18 @@ class Batch(NamedTuple):
     segments: torch.Tensor | None  # (bs, seq_len) int32: index of each input token's document in its window
     # What this micro-batch's loss (summed over counted labels / label positions) is divided by, so that the
     # step's gradient is the mean over the counted labels of the whole global batch: the gradient
-    # accumulation steps when every label counts.
+    # accumulation steps when every label counts. Preference data: the global batch's pairs over the data-parallel
+    # ranks, the loss being a sum over pairs (dpo.py).
     loss_divisor: float
+    # Preference data: the ids of each row's pairs (data/preference.py Pairs). None otherwise.
+    pairs: Pairs | None = None
 
 
 class Sample(NamedTuple):
     tokens: np.ndarray  # (window,) int64
     segments: np.ndarray  # (window,) int32: each token's document in the window
     loss_mask: np.ndarray | None = None  # (window,) uint8, chat data: 1 where the token counts in the loss
+    pairs: np.ndarray | None = None  # preference data: the ids of the window's pairs
 
 
 _MASK64 = (1 << 64) - 1
@@ -93,6 +102,7 @@ class GlobalBatchLoader:
     seed: int = 0
     strict_resume: bool = True  # refuse a checkpoint of other data, tokenizer, window or global batch
     pad_samples: bool = False  # chat data: one sample per window instead of packing whole samples
+    count_format_tokens: bool = False  # preference data: the chat format's tokens in a reply count (mask value 2)
     sample_index: int = 0  # samples consumed by all ranks together: the checkpointed position
     reading_seconds: float = 0.0  # time spent reading this rank's samples so far (fleet/monitor.py compares the ranks')
 
@@ -101,11 +111,17 @@ class GlobalBatchLoader:
         mixed = isinstance(self.corpus, MixedCorpus)
         self.sources = self.corpus.sources if mixed else [self.corpus]
         self.mixture = self.corpus.mixture if mixed else None
-        # Chat sources are read as windows of whole samples, the others as the token stream cut every window tokens.
+        # Chat sources are read as windows of whole samples (preference data: of whole pairs), the others as the token
+        # stream cut every window tokens.
+        if mixed and any(source.pairs for source in self.sources):
+            raise ConfigError("data.mixture: preference pairs are trained on alone (dpo.enable); set data.path instead")
         self.chat = [
-            ChatWindows(source, self.window, pad=self.pad_samples) if source.loss_masks is not None else None
+            (PreferenceWindows if source.pairs else ChatWindows)(source, self.window, pad=self.pad_samples)
+            if source.loss_masks is not None
+            else None
             for source in self.sources
         ]
+        self.pairs = isinstance(self.chat[0], PreferenceWindows)
         self.windows = [
             chat.count if chat is not None else source.num_tokens // self.window
             for source, chat in zip(self.sources, self.chat, strict=True)
@@ -132,13 +148,24 @@ class GlobalBatchLoader:
         """The window that sample `sample` reads: its tokens, document index per token (and chat loss mask)."""
         source, window = self.locate(sample)
         if (chat := self.chat[source]) is not None:
-            return Sample(*chat.get(window))
+            return Sample(*chat.get(window))  # with a preference window's pair ids
         corpus, start = self.sources[source], window * self.window
         tokens = corpus.read(start, self.window)
         segments = np.zeros(self.window, dtype=np.int32)
         segments[corpus.doc_starts(start, self.window)] = 1
         segments[0] = 0  # a document that began before the window is this window's document 0
         return Sample(tokens, np.cumsum(segments, dtype=np.int32))
+
+    def count_pairs(self, first: int, count: int) -> tuple[int, int]:
+        """How many preference pairs samples [first, first + count) hold, all ranks together, and their counted
+        chosen tokens."""
+        windows = [self.locate(k)[1] for k in range(first, first + count)]
+        chosen = self.chat[0].chosen_tokens[self.count_format_tokens]
+        return int(self.chat[0].pairs_in[windows].sum()), int(chosen[windows].sum())
+
+    def sample_window(self, window: int) -> Sample:
+        """Window `window` of a single corpus, whatever the order the steps read it in (dpo.py scores every pair)."""
+        return Sample(*self.chat[0].get(window)) if self.chat[0] is not None else self.sample(window)
 
     def count_labels(self, first: int, count: int) -> int:
         """How many labels count in the loss among samples [first, first + count), all ranks together."""
@@ -164,20 +191,38 @@ class GlobalBatchLoader:
         per_micro = self.local_batch_size * self.dp_degree
         # Each rank's label positions in a micro-batch, times the ranks: the global batch's counted labels over
         # that is grad_accum when every label counts.
-        divisor = self.count_labels(base, self.global_batch_size) / (per_micro * (self.window - 1))
+        chosen_per_pair = 0.0
+        if self.pairs:
+            pairs, chosen = self.count_pairs(base, self.global_batch_size)
+            divisor, chosen_per_pair = pairs / self.dp_degree, chosen / pairs
+        else:
+            divisor = self.count_labels(base, self.global_batch_size) / (per_micro * (self.window - 1))
         for micro in range(self.grad_accum):
             began = time.perf_counter()
             first = base + micro * per_micro + self.dp_rank * self.local_batch_size
             rows = [self.sample(first + j) for j in range(self.local_batch_size)]
-            batch = torch.from_numpy(np.stack([row.tokens for row in rows]))
-            labels = batch[:, 1:]
-            if any(row.loss_mask is not None for row in rows):
-                counted = np.stack([row.loss_mask if row.loss_mask is not None else np.ones(self.window, np.uint8)
-                                    for row in rows])[:, 1:]  # fmt: skip
-                labels = labels.masked_fill(torch.from_numpy(counted == 0), IGNORE_INDEX)
-            segments = torch.from_numpy(np.stack([row.segments for row in rows])[:, :-1])
+            batch = self.batch(rows, divisor, chosen_tokens_per_pair=chosen_per_pair)
             self.reading_seconds += time.perf_counter() - began
-            yield Batch(batch[:, :-1], labels, segments, divisor)
+            yield batch
+
+    def batch(self, rows: list[Sample], divisor: float, *, chosen_tokens_per_pair: float = 1.0) -> Batch:
+        """Samples as a micro-batch: the inputs, their labels (IGNORE_INDEX where a mask says the loss skips), the
+        documents, and a preference batch's pair ids."""
+        tokens = torch.from_numpy(np.stack([row.tokens for row in rows]))
+        labels = tokens[:, 1:]
+        if any(row.loss_mask is not None for row in rows):
+            mask = np.stack([row.loss_mask if row.loss_mask is not None else np.ones(self.window, np.uint8)
+                             for row in rows])[:, 1:]  # fmt: skip
+            skipped = (mask == 0) | ((mask == FORMAT) & (not self.count_format_tokens))
+            labels = labels.masked_fill(torch.from_numpy(skipped), IGNORE_INDEX)
+        segments = torch.from_numpy(np.stack([row.segments for row in rows])[:, :-1])
+        pairs = None
+        if self.pairs:
+            ids = torch.full((len(rows), max(len(row.pairs) for row in rows)), -1, dtype=torch.int64)
+            for r, row in enumerate(rows):
+                ids[r, : len(row.pairs)] = torch.from_numpy(row.pairs)
+            pairs = Pairs(ids, chosen_tokens_per_pair)
+        return Batch(tokens[:, :-1], labels, segments, divisor, pairs)
 
     def abandon_step(self) -> None:
         """The step `next_step` last began was abandoned (a stop request): its samples come again next time."""
@@ -188,7 +233,8 @@ class GlobalBatchLoader:
             "dataset": self.corpus.fingerprint, "tokenizer": self.corpus.tokenizer_fingerprint,
             "window": self.window, "global_batch_size": self.global_batch_size,
             "shuffle": self.shuffle, "seed": self.seed if self.shuffle else 0,
-        } | ({"pad_samples": self.pad_samples} if any(c is not None for c in self.chat) else {})  # fmt: skip
+        } | ({"pad_samples": self.pad_samples} if any(c is not None for c in self.chat) else {}) | (
+            {"count_format_tokens": self.count_format_tokens} if self.pairs else {})  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
         return {"sample_index": self.sample_index, **self._identity()}

@@ -10,7 +10,9 @@ data at start-up, into a cache, with the ranks splitting the chunks among them. 
                          gzip file or a JSON array cut into parts of about the chunk size as it is read
     doc_ends-00000.npy   int64, where each of those documents ends in the shard
     loss_mask-00000.npy  chat data only (data/chat.py): uint8 per token, 1 on the assistant's tokens
-                         (a conversation is its chat template's rendering, no BOS/EOS added)
+                         (a conversation is its chat template's rendering, no BOS/EOS added); preference
+                         pairs (data/preference.py): each pair's chosen and rejected sequence, 1 on a reply's
+                         own text, 2 on the chat format's tokens inside it
     shard-00000.json     the shard's record (documents, tokens, sha256 of its input and of its tokens, its
                          part and whether it is the chunk's last), written after the two files: a rerun
                          skips the parts whose record matches
@@ -38,7 +40,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -46,6 +48,9 @@ from data.chat import ChatRenderer, chat_renderer
 from data.sources import Chunk, Reading, Source, read_chunks, texts, values
 from data.tokenizers import Tokenizer, build_tokenizer
 from errors import ConfigError
+
+if TYPE_CHECKING:
+    from data.preference import PairRenderer
 
 FORMAT = "llama3-recipe/tokens-v1"
 CHUNK_BYTES = 16 * 2**20
@@ -107,14 +112,14 @@ class _Worker:
     """Tokenizes chunks into shards; one per process (the tokenizer is built once per process)."""
 
     tokenizer: Tokenizer | None = None
-    chat: ChatRenderer | None = None
+    chat: ChatRenderer | PairRenderer | None = None
 
     @classmethod
-    def init(cls, tokenizer_path: str, chat: bool = False) -> None:
+    def init(cls, tokenizer_path: str, chat: bool = False, pairs: bool = False) -> None:
         # Each worker is one core: the Rust tokenizer would otherwise spread a batch over all of them.
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         cls.tokenizer = build_tokenizer(tokenizer_path)
-        cls.chat = chat_renderer(tokenizer_path) if chat else None
+        cls.chat = renderer(tokenizer_path, chat=chat, pairs=pairs)
 
     @classmethod
     def run(cls, chunk: Chunk, output: Path, text_column: str, where: str) -> dict[str, Any]:
@@ -122,30 +127,59 @@ class _Worker:
         return write_shard(chunk, cls.tokenizer, output, text_column=text_column, where=where, chat=cls.chat)
 
 
+def renderer(tokenizer_path: str, *, chat: bool, pairs: bool) -> ChatRenderer | PairRenderer | None:
+    """What renders a source's rows: preference pairs, conversations, or nothing (texts)."""
+    if pairs:
+        from data.preference import PairRenderer
+
+        return PairRenderer(tokenizer_path)
+    return chat_renderer(tokenizer_path) if chat else None
+
+
 def write_shard(
-    chunk: Chunk, tokenizer: Tokenizer, output: Path, *, text_column: str, where: str, chat: ChatRenderer | None = None
+    chunk: Chunk,
+    tokenizer: Tokenizer,
+    output: Path,
+    *,
+    text_column: str,
+    where: str,
+    chat: ChatRenderer | PairRenderer | None = None,
 ) -> dict[str, Any]:
     """Tokenize one chunk into its shard files (tmp + rename) and record; returns the record.
 
     With `chat` each document is a conversation, rendered by its template (BOS and the turns' ends included),
-    and a third file, the loss mask, marks the assistant's tokens."""
+    and a third file, the loss mask, marks the assistant's tokens; with a PairRenderer each row is a preference
+    pair, two documents (data/preference.py), and the record counts the rows dropped."""
+    dropped = None
     if chat is None:
         flat, ends, nulls = _text_documents(chunk, tokenizer, text_column=text_column, where=where)
         arrays = {"tokens": flat, "doc_ends": ends}
+    elif not isinstance(chat, ChatRenderer):
+        from data.preference import pair_documents
+
+        rows = values(chunk, column=None, key="data.path")
+        flat, ends, mask, dropped = pair_documents(
+            rows, chat, origin=chunk.origin, dtype=token_dtype(tokenizer.vocab_size)
+        )
+        arrays, nulls = {"tokens": flat, "doc_ends": ends, "loss_mask": mask}, sum(r is None for r in rows)
     else:
         flat, ends, mask, nulls = _chat_documents(chunk, chat, text_column=text_column, vocab_size=tokenizer.vocab_size)
         arrays = {"tokens": flat, "doc_ends": ends, "loss_mask": mask}
-    record = {
-        "index": chunk.index,
-        "part": chunk.part,
-        "last_part": chunk.last_part,
-        "documents": len(ends),
-        "null_documents": nulls,
-        "tokens": int(flat.size),
-        "input_bytes": chunk.input_bytes,
-        "input_sha256": chunk.digest,
-        "tokens_sha256": hashlib.sha256(flat.tobytes()).hexdigest(),
-    } | ({"loss_tokens": int(arrays["loss_mask"].sum())} if chat is not None else {})
+    record = (
+        {
+            "index": chunk.index,
+            "part": chunk.part,
+            "last_part": chunk.last_part,
+            "documents": len(ends),
+            "null_documents": nulls,
+            "tokens": int(flat.size),
+            "input_bytes": chunk.input_bytes,
+            "input_sha256": chunk.digest,
+            "tokens_sha256": hashlib.sha256(flat.tobytes()).hexdigest(),
+        }
+        | ({"loss_tokens": int((arrays["loss_mask"] > 0).sum())} if chat is not None else {})
+        | ({"dropped": dropped} if dropped is not None else {})
+    )
     for kind, array in arrays.items():
         tmp = output / (shard_name(chunk.index, kind, chunk.part) + ".tmp")
         with open(tmp, "wb") as f:
@@ -184,6 +218,14 @@ def _chat_documents(
     flat = np.fromiter((t for ids, _ in rendered for t in ids), dtype=token_dtype(vocab_size), count=int(lengths.sum()))
     mask = np.concatenate([m for _, m in rendered]) if rendered else np.zeros(0, np.uint8)
     return flat, np.cumsum(lengths), mask, len(rows) - len(rendered)
+
+
+def _summed(counts: list[dict[str, int]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for count in counts:
+        for reason, n in count.items():
+            total[reason] = total.get(reason, 0) + n
+    return total
 
 
 def _done(output: Path, chunk: Chunk) -> dict[str, Any] | None:
@@ -239,10 +281,10 @@ def _tokenize(
     if workers > 0:
         # spawn: no inherited threads or tokenizer state in the workers.
         pool = multiprocessing.get_context("spawn").Pool(
-            workers, initializer=_Worker.init, initargs=(tokenizer_path, source.chat)
+            workers, initializer=_Worker.init, initargs=(tokenizer_path, source.chat, source.pairs)
         )
     else:
-        _Worker.tokenizer, _Worker.chat = tokenizer, chat_renderer(tokenizer_path) if source.chat else None
+        _Worker.tokenizer, _Worker.chat = tokenizer, renderer(tokenizer_path, chat=source.chat, pairs=source.pairs)
     pending: deque[tuple[Chunk, Any]] = deque()
     try:
         for chunk in reading:
@@ -288,6 +330,7 @@ def write_manifest(output: Path, *, chunks: int, key: str = "--source") -> dict[
         "null_documents": sum(s["null_documents"] for s in shards),
         "tokens": sum(s["tokens"] for s in shards),
         **({"loss_tokens": sum(s["loss_tokens"] for s in shards)} if "chat" in the_plan else {}),
+        **({"dropped": _summed([s["dropped"] for s in shards])} if the_plan["source"].get("pairs") else {}),
         "input_bytes": sum(s["input_bytes"] for s in shards),
         "fingerprint": hashlib.sha256("".join(s["tokens_sha256"] for s in shards).encode()).hexdigest()[:16],
         "shards": shards,

@@ -74,6 +74,9 @@ CHUNKING = (
     "arrays streamed in parts"
 )
 
+# A preference pair's columns, TRL's names (data/preference.py).
+PAIR_COLUMNS = ("prompt", "chosen", "rejected")
+
 
 @dataclass(frozen=True)
 class Source:
@@ -87,6 +90,12 @@ class Source:
     split: str = "train"
     key: str = "data.path"  # the config key or command-line flag that named it, for messages
     chat: bool = False  # text_column holds conversations (data/chat.py), not texts
+    pairs: bool = False  # rows are preference pairs, read whole: PAIR_COLUMNS (data/preference.py)
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """The columns a row is read from: the text column, or a preference pair's three."""
+        return PAIR_COLUMNS if self.pairs else (self.text_column,)
 
     @property
     def input_bytes(self) -> int:
@@ -99,7 +108,7 @@ class Source:
             {"path": str(f.resolve()), "bytes": f.stat().st_size, "mtime_ns": f.stat().st_mtime_ns} for f in self.files
         ]
         return {"path": self.path, "format": self.format, "name": self.name, "split": self.split,
-                "text_column": self.text_column, "files": files, "chunking": CHUNKING} | ({"chat": True} if self.chat else {})  # fmt: skip
+                "text_column": self.text_column, "files": files, "chunking": CHUNKING} | ({"chat": True} if self.chat else {}) | ({"pairs": True} if self.pairs else {})  # fmt: skip
 
     def setting(self, name: str) -> str:
         """How the user names another setting of this source, in its key's section: data.split beside data.path,
@@ -426,7 +435,12 @@ def _arrow_batches(mapped: Any) -> tuple[Any, Iterator[Any]]:
 
 
 def _has_column(source: Source, file: Path, names: list[str]) -> None:
-    if source.text_column not in names:
+    if source.pairs and (missing := [c for c in PAIR_COLUMNS if c not in names]):
+        raise ConfigError(
+            f"{source.key}: {file} has no column {', '.join(missing)} (columns: {', '.join(names)}); preference data "
+            f"has TRL's columns {', '.join(PAIR_COLUMNS)}"
+        )
+    if not source.pairs and source.text_column not in names:
         key = source.setting("messages_column" if source.chat else "text_column")
         raise ConfigError(f"{key}: {file} has no column '{source.text_column}' (columns: {', '.join(names)})")
 
@@ -764,8 +778,8 @@ def _read_row_groups(source: Source, piece: Piece, raw: _Counted, records: list[
 
     parquet = pq.ParquetFile(raw, metadata=piece.footer)  # the footer is not read again for every chunk
     groups = range(piece.start, piece.stop)
-    for batch in parquet.iter_batches(row_groups=groups, columns=[source.text_column], batch_size=4096):
-        records.extend(batch.column(0).to_pylist())
+    for batch in parquet.iter_batches(row_groups=groups, columns=list(source.columns), batch_size=4096):
+        records.extend(batch.to_pylist() if source.pairs else batch.column(0).to_pylist())
 
 
 def _read_batches(source: Source, piece: Piece, records: list[Any]) -> int:
@@ -775,13 +789,13 @@ def _read_batches(source: Source, piece: Piece, records: list[Any]) -> int:
     read = 0
     with pa.memory_map(str(piece.file)) as mapped:
         schema, batches = _arrow_batches(mapped)
-        column = schema.get_field_index(source.text_column)
+        columns = [schema.get_field_index(name) for name in source.columns]
         for index, batch in enumerate(batches):
             if index >= piece.stop:
                 break
             if index >= piece.start:
-                values = batch.column(column)
-                records.extend(values.to_pylist())
+                values = batch.select(columns)
+                records.extend(values.to_pylist() if source.pairs else values.column(0).to_pylist())
                 read += values.nbytes
     return read
 
@@ -802,11 +816,12 @@ def _hub_texts(source: Source) -> Iterator[Any]:
             f"{source.key}: could not open the hub dataset {source.path} ({type(e).__name__}: {e})"
         ) from None
     for row in stream:
-        yield row.get(source.text_column)
+        yield {name: row.get(name) for name in PAIR_COLUMNS} if source.pairs else row.get(source.text_column)
 
 
-def values(chunk: Chunk, *, column: str, key: str = "data.text_column") -> list[Any]:
-    """The chunk's values of `column`, one per document (JSON lines parsed here, in the worker)."""
+def values(chunk: Chunk, *, column: str | None, key: str = "data.text_column") -> list[Any]:
+    """The chunk's values of `column`, one per document (JSON lines parsed here, in the worker); None: the rows whole
+    (preference pairs)."""
     if chunk.kind == "texts":
         return chunk.records
     out = []
@@ -815,6 +830,9 @@ def values(chunk: Chunk, *, column: str, key: str = "data.text_column") -> list[
             row = json.loads(line)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"data.path: {chunk.origin(i)} is not valid JSON ({e})") from None
+        if column is None and isinstance(row, dict):
+            out.append(row)
+            continue
         if not isinstance(row, dict) or column not in row:
             have = ", ".join(row) if isinstance(row, dict) else type(row).__name__
             raise ConfigError(f"{key}: {chunk.origin(i)} has no column '{column}' (it has: {have})")

@@ -8,6 +8,9 @@
     # Chat data ([data] chat = true): the tokenizer folder's chat template, the assistant's tokens marked
     python scripts/prepare_data.py --source assets/corpus/chat.jsonl --chat --tokenizer assets/tokenizer \
         --output data/chat --workers 2
+    # Preference pairs (dpo.py): TRL's prompt / chosen / rejected columns, each pair two documents
+    python scripts/prepare_data.py --source assets/corpus/preferences.jsonl --chat --pairs \
+        --tokenizer assets/tokenizer --output data/preferences --workers 2
     # Across nodes: task K of N (a Slurm array: scripts/slurm/prepare_data.sbatch) reads and writes chunks K, K + N, ...
     python scripts/prepare_data.py ... --task $SLURM_ARRAY_TASK_ID --tasks $SLURM_ARRAY_TASK_COUNT
 
@@ -61,6 +64,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--messages-column", default="messages", help="with --chat: the column of message lists")
     p.add_argument(
+        "--pairs",
+        action="store_true",
+        help="with --chat: rows are preference pairs (prompt, chosen, rejected: TRL's formats), each two documents "
+        "(train with [dpo] enable = true)",
+    )
+    p.add_argument(
         "--tokenizer", help='tokenizer.json, a Hugging Face tokenizer folder, or "byte"; required but with --finish'
     )
     p.add_argument("--output", required=True, type=Path, help="the folder to write (resumed if it holds a partial run)")
@@ -97,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             key="--source",
             tokenizer=args.tokenizer,
         )
-        source = dataclasses.replace(source, chat=args.chat)
+        source = dataclasses.replace(source, chat=args.chat or args.pairs, pairs=args.pairs)
         build_tokenizer(args.tokenizer, key="--tokenizer")  # its problems in this script's words
         begin = time.perf_counter()
         manifest = prepare(
