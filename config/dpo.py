@@ -29,7 +29,9 @@ class Dpo:
     reference: Literal["precomputed"] = "precomputed"
     """The reference model's log-probabilities: computed once before step 1 from the initial weights and stored beside the prepared data."""
 
-    def problems(self, *, chat: bool, mixture: bool, pp: int, cp: int, z_loss_weight: float) -> list[str]:
+    def problems(
+        self, *, chat: bool, attn_mask_type: str, mixture: bool, pp: int, cp: int, z_loss_weight: float
+    ) -> list[str]:
         """What DPO needs of the rest of the config: chat data of its own, and no pipeline or context parallel yet."""
         if not self.enable:
             return []
@@ -53,6 +55,11 @@ class Dpo:
             )
         if not chat:
             p.append("dpo.enable: preference pairs are rendered with the chat template; set data.chat = true")
+        if attn_mask_type != "block_causal":
+            p.append(
+                "dpo.enable: a pair's rejected reply would attend to its chosen one in the same window under "
+                'model.attn_mask_type = "causal"; set it to "block_causal"'
+            )
         if mixture:
             p.append("data.mixture: preference pairs are trained on alone (dpo.enable); set data.path instead")
         if pp > 1:

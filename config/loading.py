@@ -523,6 +523,7 @@ def validate(cfg: JobConfig) -> list[str]:
         *cfg.eval.problems(pp=cfg.parallelism.pipeline_parallel_degree),
         *cfg.dpo.problems(
             chat=cfg.data.chat,
+            attn_mask_type=cfg.model.attn_mask_type,
             mixture=bool(cfg.data.mixture),
             pp=cfg.parallelism.pipeline_parallel_degree,
             cp=cfg.parallelism.context_parallel_degree,

@@ -80,7 +80,13 @@ class PairRenderer:
                 return DROPPED[0]
             if chosen == rejected:
                 return DROPPED[1]
-            return (*self._text(prompt, chosen), *self._text(prompt, rejected))
+            (c_ids, c_mask), (r_ids, r_mask) = self._text(prompt, chosen), self._text(prompt, rejected)
+            if (
+                int(np.argmax(c_mask > 0)) != int(np.argmax(r_mask > 0))
+                or c_ids[: int(np.argmax(c_mask > 0))] != r_ids[: int(np.argmax(r_mask > 0))]
+            ):
+                return DROPPED[2]
+            return c_ids, c_mask, r_ids, r_mask
         for name, value in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
             if not isinstance(value, list):
                 raise ConfigError(
@@ -100,32 +106,33 @@ class PairRenderer:
             return DROPPED[1]
         rendered = [self._conversation(prompt, reply, where=where) for reply in (chosen, rejected)]
         (c_ids, c_mask, c_prompt), (r_ids, r_mask, r_prompt) = rendered
-        if c_prompt != r_prompt or c_ids[:c_prompt] != r_ids[:r_prompt] or c_prompt < 0:
+        if c_prompt < 0 or c_prompt != r_prompt or c_ids[:c_prompt] != r_ids[:r_prompt]:
             return DROPPED[2]
         return c_ids, c_mask, r_ids, r_mask
 
     def _text(self, prompt: str, reply: str) -> tuple[list[int], np.ndarray]:
+        """A standard row as TRL frames it: the prompt as the tokenizer frames a text, the reply after it closed by EOS
+        (the text tokenized whole, so that tokens merge across the boundary as they do)."""
         framing = self.tokenizer.framing
-        prompt_ids, reply_ids = self.tokenizer.encode_batch([prompt, reply])
-        ids = [*framing.before, *prompt_ids, *reply_ids, self.tokenizer.eos_id]
+        prompt_ids, whole = self.tokenizer.encode_batch([prompt, prompt + reply])
+        prompt_ids, ids = framing.prompt(prompt_ids), framing.prompt([*whole, self.tokenizer.eos_id])
         mask = np.zeros(len(ids), dtype=np.uint8)
-        mask[len(ids) - len(reply_ids) - 1 : -1] = CONTENT
-        mask[-1] = FORMAT
+        mask[_shared(prompt_ids, ids) :] = CONTENT
+        mask[len(framing.before) + len(whole) :] = FORMAT  # the EOS and what the tokenizer puts after a text
         return ids, mask
 
     def _conversation(
         self, prompt: list[dict[str, Any]], reply: list[dict[str, Any]], *, where: str
     ) -> tuple[list[int], np.ndarray, int]:
-        """ids and mask of prompt + reply, and the prompt's token count (-1: the conversation does not begin with
-        the prompt as the template renders it before a reply)."""
-        ids, assistant = self.chat.render(prompt + reply, where=where)
+        """ids and mask of prompt + reply as the template renders them, and the prompt's token count: the reply is
+        every token after the prompt rendered with the generation prompt (TRL's split), its tokens of the messages'
+        text 1, the rest of it 2. -1: the template renders the prompt otherwise before a reply."""
         text = self.chat._render(prompt + reply)
         before = self.chat._render(prompt, generation_prompt=True)
-        ((offset_ids, offsets),) = self.tokenizer.encode_with_offsets([text])
-        if not text.startswith(before) or offset_ids != ids:
+        ((ids, offsets),) = self.tokenizer.encode_with_offsets([text])
+        if not text.startswith(before):
             return ids, np.zeros(len(ids), np.uint8), -1
         starts = np.array([start for start, _ in offsets], dtype=np.int64)
-        in_reply = (assistant == 1) & (starts >= len(before))
         spans, at = [], len(before)
         for message in reply:
             begin = text.find(message["content"], at)
@@ -137,9 +144,16 @@ class PairRenderer:
             spans.append((begin, begin + len(message["content"])))
             at = begin + len(message["content"])
         content = assistant_mask(offsets, spans).astype(bool)
-        mask = np.where(in_reply, np.where(content, CONTENT, FORMAT), 0).astype(np.uint8)
-        prompt_tokens = int(np.searchsorted(starts, len(before)))
-        return ids, mask, prompt_tokens
+        mask = np.where(starts >= len(before), np.where(content, CONTENT, FORMAT), 0).astype(np.uint8)
+        return ids, mask, int(np.searchsorted(starts, len(before)))
+
+
+def _shared(a: list[int], b: list[int]) -> int:
+    """The length of the common prefix of a and b."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def pair_documents(
