@@ -101,9 +101,9 @@ class PreferenceLoss:
         tokens = reply_tokens(labels, segments, documents=2 * per_row).view(-1, per_row, 2)
         valid = ids >= 0
         reference = self.reference[ids.clamp(min=0)]  # (rows, pairs per row, 2)
-        if self.gap is not None:
-            gap = ((logps.detach() - reference).abs() / tokens.clamp(min=1))[valid]
-            self.gap = torch.maximum(self.gap, gap.max() if gap.numel() else self.gap)
+        if self.gap is not None:  # the first step's largest gap per reply token (ReferenceCheck)
+            gap = torch.where(valid[..., None], (logps.detach() - reference).abs() / tokens.clamp(min=1), 0.0)
+            self.gap = torch.maximum(self.gap, gap.max())
         ratios = logps - reference
         delta = ratios[..., 0] - ratios[..., 1]
         total = torch.zeros((), device=h.device)
@@ -112,11 +112,12 @@ class PreferenceLoss:
                 per_pair = -logps[..., 0] / pairs.chosen_tokens_per_pair
             else:
                 per_pair = self._pair_loss(kind, delta, ratios, tokens)
-            total = total + weight * per_pair[valid].sum()
+            total = total + weight * torch.where(valid, per_pair, 0.0).sum()
         rewards = self.settings.beta * ratios.detach()
-        chosen, rejected = rewards[..., 0][valid], rewards[..., 1][valid]
-        values = (chosen, rejected, (chosen > rejected).float(), chosen - rejected, *logps.detach()[valid].unbind(-1))
-        return LossTerms(total, total.detach(), {name: v.sum() for name, v in zip(METRICS, values, strict=True)})
+        chosen, rejected = rewards[..., 0], rewards[..., 1]
+        values = (chosen, rejected, (chosen > rejected).float(), chosen - rejected, *logps.detach().unbind(-1))
+        sums = {name: torch.where(valid, v, 0.0).sum() for name, v in zip(METRICS, values, strict=True)}
+        return LossTerms(total, total.detach(), sums)
 
     def _pair_loss(self, kind: str, delta: torch.Tensor, ratios: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         beta, ls = self.settings.beta, self.settings.label_smoothing
@@ -132,11 +133,13 @@ class PreferenceLoss:
 
 
 def reply_tokens(labels: torch.Tensor, segments: torch.Tensor, *, documents: int) -> torch.Tensor:
-    """Per row, the counted labels of each of its first `documents` documents: (bs, documents) fp32."""
-    counted = (labels != -100) & (segments < documents)
-    slots = torch.arange(labels.shape[0], device=labels.device)[:, None] * documents + segments.long()
-    out = torch.zeros(labels.shape[0] * documents, device=labels.device)
-    return out.index_add(0, slots[counted], torch.ones_like(slots[counted], dtype=torch.float32)).view(-1, documents)
+    """Per row, the counted labels of each of its first `documents` documents: (bs, documents) fp32 (no host sync)."""
+    rows = labels.shape[0]
+    counted = ((labels != -100) & (segments < documents)).flatten()
+    slot = (torch.arange(rows, device=labels.device)[:, None] * documents + segments.long()).flatten()
+    out = torch.zeros(rows * documents + 1, device=labels.device)
+    out.index_add_(0, torch.where(counted, slot, rows * documents), counted.float())
+    return out[:-1].view(rows, documents)
 
 
 def build_loss(settings: Dpo, compile: Compile, *, chunk_tokens: int, vocab_shards: int) -> PreferenceLoss:

@@ -255,25 +255,26 @@ def document_logprobs(
     log-probabilities of its counted labels (not IGNORE_INDEX) summed over each of its first `documents` documents
     (`segments`, the document of each position), as a (bs, documents) tensor, differentiable.
 
-    Only the counted positions are projected, `chunk_tokens` at a time, each chunk under activation checkpointing as
-    the chunked cross-entropy's are (`chunked_sums`): forward and backward hold one chunk's logits, never the whole
-    micro-batch's. Under loss parallel the log-softmax and the label's entry are computed on the vocabulary shards,
-    as `target_logprobs` does (`loss_parallel_context` is the caller's)."""
-    rows_, seqlen = labels.shape
+    The tokens are projected `chunk_tokens` at a time, each chunk under activation checkpointing as the chunked
+    cross-entropy's are (`chunked_sums`): forward and backward hold one chunk's logits, never the whole micro-batch's.
+    Every position is projected and the uncounted ones weighted 0, as the cross-entropy does, so that nothing depends
+    on how many count: no host sync. Under loss parallel the log-softmax and the label's entry are computed on the
+    vocabulary shards, as `target_logprobs` does (`loss_parallel_context` is the caller's)."""
+    rows, seqlen = labels.shape
     mesh = h.device_mesh if isinstance(h, DTensor) else None
     if mesh is not None:  # sequence parallel: the final norm's output gathered once, as in chunked_sums
         h = h.redistribute(placements=[Replicate()] * mesh.ndim).to_local()
-    counted = (labels != -100) & (segments < documents)  # IGNORE_INDEX (data/chat.py)
-    rows, positions = counted.nonzero(as_tuple=True)
-    picked, wanted = h[rows, positions], labels[rows, positions]
-    slots = rows * documents + segments[rows, positions].long()  # (row, document) flattened
-    sums = [
-        checkpoint(_document_sums, model.project, mesh, rows_ * documents, *chunk, use_reentrant=False)
-        for chunk in zip(picked.split(chunk_tokens), wanted.split(chunk_tokens), slots.split(chunk_tokens), strict=True)
-    ]
-    if not sums:
-        return h.new_zeros(rows_, documents, dtype=torch.float32) + 0 * h.sum()
-    return sum(sums).view(rows_, documents)
+    counted = ((labels != -100) & (segments < documents)).flatten()  # IGNORE_INDEX (data/chat.py)
+    slots = rows * documents  # and one more, where the uncounted positions add their zeros
+    slot = (torch.arange(rows, device=labels.device)[:, None] * documents + segments.long()).flatten()
+    slot = torch.where(counted, slot, slots)
+    targets = torch.where(counted, labels.flatten(), 0)
+    chunks = zip(
+        *(t.split(chunk_tokens) for t in (h.flatten(0, 1), targets, slot, counted.float())),
+        strict=True,
+    )
+    sums = [checkpoint(_document_sums, model.project, mesh, slots + 1, *c, use_reentrant=False) for c in chunks]
+    return sum(sums)[:slots].view(rows, documents)
 
 
 def _document_sums(
@@ -283,6 +284,7 @@ def _document_sums(
     part: torch.Tensor,
     target: torch.Tensor,
     slot: torch.Tensor,
+    weight: torch.Tensor,
 ) -> torch.Tensor:
     if mesh is not None:  # the projection's TP plan takes the DTensor it was given
         part = DTensor.from_local(part, mesh, [Replicate()] * mesh.ndim)
@@ -291,4 +293,4 @@ def _document_sums(
         target_lp = full_tensor(-F.nll_loss(lp, target, reduction="none"))
     else:
         target_lp = lp.gather(-1, target[:, None])[:, 0]
-    return torch.zeros(slots, device=target_lp.device, dtype=torch.float32).index_add(0, slot, target_lp)
+    return torch.zeros(slots, device=target_lp.device).index_add(0, slot, target_lp * weight)
