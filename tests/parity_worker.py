@@ -37,6 +37,7 @@ import models
 from config import (
     ActivationCheckpoint,
     Compile,
+    Dpo,
     JobConfig,
     Model,
     Optimizer,
@@ -46,7 +47,9 @@ from config import (
 )
 from data.chat import IGNORE_INDEX
 from data.loader import Batch
+from data.preference import Pairs
 from distributed import mean_over_loss_ranks
+from dpo import PreferenceLoss
 from forward import ForwardBackward
 from loss import Loss, build_loss_fn
 from models import with_seq_len
@@ -172,6 +175,7 @@ class Layout:
     muon: str = ""
     # float8 linears (FLOAT8): "all_gather" (each all-gather scales its weights) or "precompute" (once after each step)
     float8: str = ""
+    dpo: bool = False  # dpo.py's loss (DPO_SETTINGS) on the pairs of dpo_pairs(), documents kept apart
 
     @property
     def float8_linear(self) -> QuantizeLinearFloat8 | None:
@@ -298,7 +302,18 @@ EP_LAYOUTS: dict[str, Layout] = {
     "qwen3_moe_ep2_fsdp2_full_ac": Layout(dp_shard=4, ep=2, ac=FULL, family="qwen3_moe"),
     "qwen3_moe_ep2_tp2": Layout(dp_shard=2, tp=2, ep=2, family="qwen3_moe"),
 }
+# DPO (dpo.py): each pair's summed reply log-probabilities, on vocabulary shards, in chunks; a step's pairs split
+# unevenly over ranks and micro-batches. (Its Qwen3 MoE layout is among EP_LAYOUTS.)
+DPO_LAYOUTS: dict[str, Layout] = {
+    "fsdp2_accum2_dpo": Layout(dp_shard=2, grad_accum=2, dpo=True, block_causal=True),
+    "tp2_chunked_loss_dpo": Layout(tp=2, loss_chunk_tokens=16, dpo=True, block_causal=True),
+    "hsdp2x2_dpo": Layout(dp_replicate=2, dp_shard=2, dpo=True, block_causal=True),
+    "fsdp2_tp2_op_sac_dpo": Layout(dp_shard=2, tp=2, ac=OP_SAC, dpo=True, block_causal=True),
+    "fsdp2_compile_full_ac_dpo": Layout(dp_shard=2, ac=FULL, compile=True, dpo=True, block_causal=True),
+}
+EP_LAYOUTS["qwen3_moe_ep2_dpo"] = Layout(dp_shard=2, ep=2, family="qwen3_moe", dpo=True, block_causal=True)
 LAYOUTS |= CHAT_LAYOUTS
+LAYOUTS |= DPO_LAYOUTS
 LAYOUTS |= CP_LAYOUTS
 LAYOUTS |= EP_LAYOUTS
 
@@ -348,6 +363,61 @@ def chat_labels(tokens: torch.Tensor) -> torch.Tensor:
     return tokens[:, 1:].masked_fill(~counted, IGNORE_INDEX)
 
 
+DPO_SETTINGS = Dpo(enable=True, beta=0.1, loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.2])
+# Each row's documents (its pairs' chosen and rejected, then padding): uneven lengths and pairs per row.
+DPO_DOCUMENTS = [[7, 9, 6, 8], [12, 14], [5, 6, 9, 7], [10, 8, 6, 7]]
+DPO_PROMPT = 3  # tokens of a document's start that no label counts
+
+
+def dpo_pairs(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Pairs, float]:
+    """Preference pairs packed as data/preference.py packs them: (labels, segments, pair ids, the global batch's
+    pairs) of `tokens`; a label counts where its token is a reply's (past its document's DPO_PROMPT tokens)."""
+    segments = torch.full((GLOBAL_BATCH, SEQ_LEN), 0, dtype=torch.int32)
+    counted = torch.zeros(GLOBAL_BATCH, SEQ_LEN, dtype=torch.bool)
+    ids = torch.full((GLOBAL_BATCH, 2), -1, dtype=torch.int64)
+    for row, lengths in enumerate(DPO_DOCUMENTS):
+        at = 0
+        for document, length in enumerate(lengths):
+            segments[row, at : at + length] = document
+            counted[row, at + DPO_PROMPT - 1 : at + length - 1] = True  # label t is token t + 1
+            at += length
+        segments[row, at:] = len(lengths)
+        ids[row, : len(lengths) // 2] = torch.arange(len(lengths) // 2) + 2 * row
+    chosen = sum(length - DPO_PROMPT for lengths in DPO_DOCUMENTS for length in lengths[0::2])
+    pairs = int((ids >= 0).sum())
+    return tokens[:, 1:].masked_fill(~counted, IGNORE_INDEX), segments, Pairs(ids, chosen / pairs), pairs
+
+
+def dpo_loss(reference: torch.Tensor, *, chunk_tokens: int = 0, vocab_shards: int = 1) -> PreferenceLoss:
+    loss = PreferenceLoss(DPO_SETTINGS, chunk_tokens=chunk_tokens, vocab_shards=vocab_shards)
+    loss.reference = reference
+    return loss
+
+
+def dpo_reference(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """The initial model's [chosen, rejected] log-probabilities of each pair of dpo_pairs(), one process."""
+    labels, segments, pairs, count = dpo_pairs(tokens)
+    forward = ForwardBackward(model, Loss(), device=torch.device("cpu"))
+    with forward.scoring():
+        scores = forward.score_documents(Batch(tokens[:, :-1], labels, segments, 1.0, pairs), documents=4)
+    table = torch.zeros(2 * GLOBAL_BATCH, 2)
+    valid = pairs.ids >= 0
+    table[pairs.ids[valid]] = scores.view(GLOBAL_BATCH, 2, 2)[valid]
+    return table
+
+
+def dpo_reference_run(family: str, initial: dict[str, torch.Tensor], tokens: torch.Tensor) -> dict[str, Any]:
+    """One process's DPO on dpo_pairs() from `initial`: its reference table, losses and final weights."""
+    model = build_tiny(block_causal=True, family=family)
+    model.load_state_dict(initial)
+    table = dpo_reference(model, tokens)
+    labels, segments, pairs, count = dpo_pairs(tokens)
+    losses, times = train(
+        model, tokens, labels=labels, segments=segments, pairs=pairs, divisor=count, loss_fn=dpo_loss(table)
+    )
+    return {"reference": table, "losses": losses, "times": times, "final": model.state_dict()}
+
+
 def loss_divisor(labels: torch.Tensor, rows: int, dp: int) -> float:
     """Batch.loss_divisor (data/loader.py) of a rank's `rows` of the global batch `labels`."""
     return int((labels != IGNORE_INDEX).sum()) / (rows * SEQ_LEN * dp)
@@ -375,6 +445,8 @@ def train(
     precompute_float8_scales: bool = False,
     grad_norms: list[float] | None = None,
     expert_meshes: tuple[DeviceMesh, DeviceMesh] | None = None,
+    pairs: Pairs | None = None,
+    loss_fn: Any = None,
 ) -> tuple[list[float], list[float]]:
     """`steps` steps of train.py's `train_step` on `tokens` (this rank's slice); (losses, seconds per step).
     counts: filled with what decides GPU speed: the host reads of the last step, the graphs dynamo compiled
@@ -401,10 +473,17 @@ def train(
     # The rows as `grad_accum` micro-batches (a divisor of counted labels holds for all of them: the step's).
     rows = [torch.arange(len(tokens)).tensor_split(grad_accum)[i] for i in range(grad_accum)]
     batch = [
-        Batch(tokens[r, :-1], labels[r], segments[r] if segments is not None else None, divisor or grad_accum)
+        Batch(
+            tokens[r, :-1],
+            labels[r],
+            segments[r] if segments is not None else None,
+            divisor or grad_accum,
+            pairs._replace(ids=pairs.ids[r]) if pairs is not None else None,  # DPO: each micro-batch's pairs
+        )
         for r in rows
     ]
-    loss_fn = build_loss_fn(Compile(), chunk_tokens=loss_chunk_tokens, z_loss_weight=z_loss_weight)
+    if loss_fn is None:
+        loss_fn = build_loss_fn(Compile(), chunk_tokens=loss_chunk_tokens, z_loss_weight=z_loss_weight)
     device = torch.device("cpu")
     forward_backward = ForwardBackward(
         model,
@@ -537,6 +616,9 @@ def write_reference(path: Path) -> dict:
         )
     )
     ref["chat"]["final"] = chat.state_dict()
+    # The same start on preference pairs (dpo.py), and Qwen3 MoE's (expert parallel's layout).
+    ref["dpo"] = dpo_reference_run("llama3", initial, tokens)
+    ref["qwen3_moe"]["dpo"] = dpo_reference_run("qwen3_moe", ref["qwen3_moe"]["initial"], tokens)
     torch.save(ref, path)
     return ref
 
@@ -612,6 +694,13 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
     rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
     segments = ref["segments"][rows] if layout.block_causal else None
     labels = chat_labels(ref["tokens"]) if layout.chat else None
+    family = ref if layout.family == "llama3" else ref[layout.family]
+    pairs, dpo, divisor = None, None, loss_divisor(labels, per_rank, dims.dp) if labels is not None else None
+    if layout.dpo:  # the global batch's pairs over the data-parallel ranks (data/loader.py)
+        labels, all_segments, all_pairs, count = dpo_pairs(ref["tokens"])
+        segments, pairs, divisor = all_segments[rows], all_pairs._replace(ids=all_pairs.ids[rows]), count / dims.dp
+        vocab_shards = dims.tp if dims.tp_enabled and layout.loss_parallel else 1
+        dpo = dpo_loss(family["dpo"]["reference"], chunk_tokens=layout.loss_chunk_tokens, vocab_shards=vocab_shards)
     collectives: Counter[str] = Counter()
     counts: dict[str, Any] = {}
     passes: dict[str, list] = {}
@@ -623,7 +712,9 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
             model,
             ref["tokens"][rows],
             labels=labels[rows] if labels is not None else None,
-            divisor=loss_divisor(labels, per_rank, dims.dp) if labels is not None else None,
+            divisor=divisor,
+            pairs=pairs,
+            loss_fn=dpo,
             segments=segments,
             loss_parallel=dims.tp_enabled and layout.loss_parallel,
             loss_chunk_tokens=layout.loss_chunk_tokens,
@@ -641,8 +732,9 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
             expert_meshes=dims.expert_meshes(mesh) if dims.ep_enabled else None,
         )
     counts["summed_matmuls"] = sum(p.rewrites for p in passes.get("post_grad_custom_pre_pass", []))
-    family = ref if layout.family == "llama3" else ref[layout.family]
-    if layout.chat:
+    if layout.dpo:
+        expected = family["dpo"]
+    elif layout.chat:
         expected = ref["chat"]
     elif layout.block_causal:
         expected = family["block_causal"]
