@@ -46,6 +46,7 @@ SHIPPED: dict[str, Launch] = {
     "configs/debug_tp.toml": Launch(2),
     "configs/finetune_chat.toml": Launch(8, gpus_per_node=8),
     "configs/finetune_hf.toml": Launch(8, gpus_per_node=8),
+    "configs/llama3_8b_dpo.toml": Launch(8, gpus_per_node=8),
     "configs/fixes/1_single_activation_checkpoint.toml": Launch(2),
     "configs/fixes/2_stateless_forward.toml": Launch(2),
     "configs/fixes/3_hsdp_2nodes.toml": Launch(16, gpus_per_node=8),
