@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import shlex
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +20,7 @@ import pytest
 
 from config import REPO
 from data.preference import CONTENT, DROPPED, FORMAT, PairRenderer, pair_documents
-from tests.launch import python
+from tests.launch import python, torchrun
 from tests.tiny_hf import tiny_hf_folder, tokenizer_folder
 from tests.trl_dpo import run_trl_dpo, trl_tokenize
 
@@ -175,3 +179,35 @@ def test_rows_that_are_no_pair_are_dropped_and_counted(tmp_path: Path) -> None:
     ids, text_mask, _, _ = renderer.render(rows[4], where="row 4")
     assert ids[0] == renderer.tokenizer.framing.before[0] and ids[-1] == renderer.tokenizer.eos_id
     assert text_mask[-1] == FORMAT and (text_mask[:-1] != FORMAT).all()
+
+
+def test_the_readmes_dpo_commands_align_a_checkpoint_and_answer(seed: Path, tmp_path: Path) -> None:
+    """README's DPO lines as written, on the seed checkpoint instead of the chat fine-tune's, for 2 steps instead of
+    60, on 64 of the shipped pairs, into a temporary folder: the reference is scored first, step 1's rewards are 0, the
+    held-out chat loss and the lm-eval task are scored during DPO, and the checkpoint answers. The figures the README
+    states are those of its results row."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("Then align it with DPO") :]
+    train, ask = re.search(r"```bash\n(.*?)```", section, flags=re.S)[1].strip().splitlines()
+    assert train.endswith("train.py --config configs/debug_dpo.toml"), train
+    pairs = (REPO / "assets/corpus/preferences.jsonl").read_text().splitlines()[:64]
+    data, dump = tmp_path / "pairs.jsonl", tmp_path / "debug_dpo"
+    data.write_text("\n".join(pairs) + "\n")
+    nproc, script, *args = shlex.split(train.removeprefix(".venv/bin/torchrun "))
+    run = torchrun(
+        script, *args, f"--checkpoint.initial_load_path={seed}", "--training.steps=2", f"--job.dump_folder={dump}",
+        f"--data.path={data}", f"--data.cache_folder={tmp_path / 'cache'}", "--metrics.log_freq=1",
+        nproc=int(nproc.removeprefix("--nproc_per_node=")),
+    )  # fmt: skip
+    assert "dpo: reference log-probabilities of 64 pairs computed" in run.stdout, run.stdout
+    step1 = next(line for line in run.stdout.splitlines() if line.startswith("step 1/2"))
+    assert "rewards/chosen 0 | rewards/rejected 0 |" in step1, step1
+    assert "validation at step 2" in run.stdout and "eval at step 2: stories_facts" in run.stdout, run.stdout
+    ask = ask.replace(".venv/bin/python", sys.executable).replace("outputs/debug_dpo", str(dump))
+    proc = subprocess.run(["bash", "-c", ask.replace("step-60", "step-2")], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.startswith("What does a cow say?"), proc.stderr[-3000:]
+    stated = re.search(
+        r"rewards/accuracies goes from ([\d.]+) at step 5 to ([\d.]+) at step 50", " ".join(text.split())
+    )
+    rows = [json.loads(line) for line in (REPO / "docs/results/cpu.jsonl").read_text().splitlines()]
+    assert set(stated.groups()) <= set(next(row for row in rows if row["id"] == "dpo-1")["figures"]), stated.groups()
