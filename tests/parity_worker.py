@@ -311,11 +311,12 @@ DPO_LAYOUTS: dict[str, Layout] = {
     "fsdp2_tp2_op_sac_dpo": Layout(dp_shard=2, tp=2, ac=OP_SAC, dpo=True, block_causal=True),
     "fsdp2_compile_full_ac_dpo": Layout(dp_shard=2, ac=FULL, compile=True, dpo=True, block_causal=True),
 }
-EP_LAYOUTS["qwen3_moe_ep2_dpo"] = Layout(dp_shard=2, ep=2, family="qwen3_moe", dpo=True, block_causal=True)
+DPO_EP_LAYOUTS = {"qwen3_moe_ep2_dpo": Layout(dp_shard=2, ep=2, family="qwen3_moe", dpo=True, block_causal=True)}
 LAYOUTS |= CHAT_LAYOUTS
 LAYOUTS |= DPO_LAYOUTS
 LAYOUTS |= CP_LAYOUTS
 LAYOUTS |= EP_LAYOUTS
+LAYOUTS |= DPO_EP_LAYOUTS  # expert parallel's, last (EP_LAYOUTS says why)
 
 
 # ------------------------------------------------------------------- shared pieces
@@ -695,12 +696,18 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
     segments = ref["segments"][rows] if layout.block_causal else None
     labels = chat_labels(ref["tokens"]) if layout.chat else None
     family = ref if layout.family == "llama3" else ref[layout.family]
-    pairs, dpo, divisor = None, None, loss_divisor(labels, per_rank, dims.dp) if labels is not None else None
+    divisor = loss_divisor(labels, per_rank, dims.dp) if labels is not None else None
+    preference: dict[str, Any] = {}  # DPO's pairs and loss
     if layout.dpo:  # the global batch's pairs over the data-parallel ranks (data/loader.py)
         labels, all_segments, all_pairs, count = dpo_pairs(ref["tokens"])
-        segments, pairs, divisor = all_segments[rows], all_pairs._replace(ids=all_pairs.ids[rows]), count / dims.dp
+        segments, divisor = all_segments[rows], count / dims.dp
         vocab_shards = dims.tp if dims.tp_enabled and layout.loss_parallel else 1
-        dpo = dpo_loss(family["dpo"]["reference"], chunk_tokens=layout.loss_chunk_tokens, vocab_shards=vocab_shards)
+        preference = {
+            "pairs": all_pairs._replace(ids=all_pairs.ids[rows]),
+            "loss_fn": dpo_loss(
+                family["dpo"]["reference"], chunk_tokens=layout.loss_chunk_tokens, vocab_shards=vocab_shards
+            ),
+        }
     collectives: Counter[str] = Counter()
     counts: dict[str, Any] = {}
     passes: dict[str, list] = {}
@@ -713,8 +720,7 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
             ref["tokens"][rows],
             labels=labels[rows] if labels is not None else None,
             divisor=divisor,
-            pairs=pairs,
-            loss_fn=dpo,
+            **preference,
             segments=segments,
             loss_parallel=dims.tp_enabled and layout.loss_parallel,
             loss_chunk_tokens=layout.loss_chunk_tokens,
@@ -732,9 +738,7 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
             expert_meshes=dims.expert_meshes(mesh) if dims.ep_enabled else None,
         )
     counts["summed_matmuls"] = sum(p.rewrites for p in passes.get("post_grad_custom_pre_pass", []))
-    if layout.dpo:
-        expected = family["dpo"]
-    elif layout.chat:
+    if layout.chat:
         expected = ref["chat"]
     elif layout.block_causal:
         expected = family["block_causal"]
@@ -746,6 +750,8 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
         expected = family
     if layout.float8:
         expected = ref["muon_float8"] if layout.muon else ref["float8"]
+    if layout.dpo:
+        expected = family["dpo"]
 
     final = get_model_state_dict(model, options=options)
     # Every rank compares the weights it holds (a pipeline stage: its own); the worst over all ranks.
