@@ -37,7 +37,9 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -195,11 +197,13 @@ def prepare_reference(
 ) -> None:
     """The reference's log-probabilities of every pair, read from beside the prepared data, or computed there now
     with the initial weights (a fresh run only: a resumed policy is no longer the reference); `loss_fn` holds them,
-    and watches the gap at step 1 of a fresh run."""
+    and watches the gap at step 1 of a fresh run. Rank 0 reads and writes the files and hands the others the table, so
+    that nodes need not share the folder."""
     identity = reference_identity(cfg, loader)
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
     table = Path(loader.corpus.folder) / "reference" / f"{key}.npy"
-    if not table.is_file():
+    found = _on_rank0(lambda: read_reference(table) if table.is_file() else None)
+    if found is None:
         if start_step:
             raise ConfigError(
                 f"dpo.reference: {table} (the reference's log-probabilities this run started from) is missing, and a "
@@ -207,16 +211,16 @@ def prepare_reference(
                 "job.dump_folder"
             )
         begin = time.perf_counter()
-        logps = score_pairs(forward, loader)
+        found = score_pairs(forward, loader, parts=table.with_suffix(".parts")), {"computed": how_computed(cfg, dims)}
         if is_rank0():
-            write_reference(table, logps, identity=identity, computed=how_computed(cfg, dims))
+            write_reference(table, found[0], identity=identity, computed=found[1]["computed"])
+            shutil.rmtree(table.with_suffix(".parts"), ignore_errors=True)
             print(
                 f"dpo: reference log-probabilities of {len(loader.chat[0].kept):,} pairs computed with the initial "
                 f"weights in {time.perf_counter() - begin:.1f} s -> {table}",
                 flush=True,
             )
-        dist.barrier()
-    values, meta = read_reference(table)
+    values, meta = found
     loss_fn.reference = torch.from_numpy(values).to(forward.device)
     loss_fn.computed_with = meta["computed"]
     if is_rank0():
@@ -225,33 +229,62 @@ def prepare_reference(
         loss_fn.gap = torch.zeros((), device=forward.device)
 
 
-def score_pairs(forward: ForwardBackward, loader: GlobalBatchLoader) -> np.ndarray:
-    """Every pair's summed log-probabilities [chosen, rejected] under the model as it is: the windows split over the
-    data-parallel ranks, local_batch_size at a time, every rank running the same number of forwards; (pairs, 2)
-    float32 on rank 0 (nan for a pair dropped for its length), None elsewhere."""
+def _on_rank0(read: Callable[[], Any]) -> Any:
+    """What `read` returns on rank 0, on every rank; its ConfigError raised on every rank alike."""
+    out: list[Any] = [None]
+    if is_rank0():
+        try:
+            out[0] = ("ok", read())
+        except ConfigError as e:
+            out[0] = ("error", e)
+    dist.broadcast_object_list(out, src=0)
+    kind, value = out[0]
+    if kind == "error":
+        raise value
+    return value
+
+
+BLOCK_ROUNDS = 64  # rounds of forwards per saved part of the reference pass: the most a restart scores again
+
+
+def score_pairs(forward: ForwardBackward, loader: GlobalBatchLoader, *, parts: Path) -> np.ndarray:
+    """Every pair's summed log-probabilities [chosen, rejected] under the model as it is, (pairs, 2) float32 on every
+    rank (nan for a pair dropped for its length): the windows split over the data-parallel ranks, local_batch_size at
+    a time, every rank running the same number of forwards. Each BLOCK_ROUNDS rounds rank 0 writes a part into
+    `parts`; a pass stopped and started again scores only the blocks it has no part of."""
     windows = loader.chat[0]
     per_round = loader.local_batch_size * loader.dp_degree
     rounds = -(-windows.count // per_round)
-    found_ids, found = [], []
-    with forward.scoring():
-        for round_ in range(rounds):
-            first = round_ * per_round + loader.dp_rank * loader.local_batch_size
-            mine = [j for j in range(first, first + loader.local_batch_size) if j < windows.count]
-            rows = [loader.sample_window(j) for j in (mine or [0])]
-            batch = loader.batch(rows, 1.0)
-            scores = forward.score_documents(batch, documents=2 * batch.pairs.ids.shape[1])
-            scores = scores.view(len(rows), -1, 2).cpu()
-            if mine:
-                ids = batch.pairs.ids
-                found_ids.append(ids[ids >= 0])
-                found.append(scores[ids >= 0])
-    ids = torch.cat(found_ids) if found_ids else torch.zeros(0, dtype=torch.int64)
-    values = torch.cat(found) if found else torch.zeros(0, 2)
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (ids.numpy(), values.numpy()))
+    done = _on_rank0(lambda: {int(f.stem.split("-")[1]): np.load(f) for f in parts.glob("part-*.npy")})
     table = np.full((windows.pairs, 2), np.nan, dtype=np.float32)
-    for part_ids, part in gathered:
-        table[part_ids] = part
+    for values in done.values():
+        table[values[:, 0].astype(np.int64)] = values[:, 1:]
+    if done and is_rank0():
+        blocks = -(-rounds // BLOCK_ROUNDS)
+        print(f"dpo: the reference pass resumes: {len(done)} of its {blocks} blocks are in {parts}", flush=True)
+    with forward.scoring():
+        for block in range(0, rounds, BLOCK_ROUNDS):
+            if block in done:
+                continue
+            found = []
+            for round_ in range(block, min(block + BLOCK_ROUNDS, rounds)):
+                first = round_ * per_round + loader.dp_rank * loader.local_batch_size
+                mine = [j for j in range(first, first + loader.local_batch_size) if j < windows.count]
+                batch = loader.batch([loader.sample_window(j) for j in (mine or [0])], 1.0)
+                scores = forward.score_documents(batch, documents=2 * batch.pairs.ids.shape[1]).cpu()
+                ids, scores = batch.pairs.ids, scores.view(len(batch.inputs), -1, 2)
+                if mine:
+                    found.append(torch.cat([ids[ids >= 0, None].double(), scores[ids >= 0].double()], dim=1))
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, torch.cat(found).numpy() if found else np.zeros((0, 3)))
+            part = np.concatenate(gathered)
+            table[part[:, 0].astype(np.int64)] = part[:, 1:]
+            if is_rank0():
+                parts.mkdir(parents=True, exist_ok=True)
+                tmp = parts / f"part-{block:08d}.tmp-{os.getpid()}"
+                with open(tmp, "wb") as f:
+                    np.save(f, part)
+                os.replace(tmp, parts / f"part-{block:08d}.npy")
     return table
 
 

@@ -125,7 +125,7 @@ def test_dpo_equals_trls_dpotrainer_at_every_step(tmp_path: Path, loss_type: lis
 
 def test_a_reference_computed_another_way_stops_step_1_in_one_line(tmp_path: Path) -> None:
     """The reference scored in fp32, the run in bf16: at step 1 the rewards are not 0; the run stops in one line
-    that names the difference, exit status 2."""
+    that names the difference, exit status 2. And the reference pass resumes from the parts it wrote."""
     hf = tiny_hf_folder(tmp_path / "hf", seed=2)
     data, cache = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(8)), tmp_path / "cache"
     first = dpo_run(hf, data, tmp_path / "a", cache, "--training.steps=1")
@@ -135,6 +135,18 @@ def test_a_reference_computed_another_way_stops_step_1_in_one_line(tmp_path: Pat
     lines = [line for line in other.stderr.splitlines() if "dpo.reference" in line]
     assert len(lines) == 1 and "mixed_precision_param float32 then, bfloat16 now" in lines[0], other.stderr[-3000:]
     assert "Traceback" not in other.stderr
+    # A reference pass stopped after its first block: started again, it scores only what no part holds.
+    (table,) = cache.glob("*/reference/*.npy")
+    parts, values = table.with_suffix(".parts"), np.load(table)
+    parts.mkdir()
+    np.save(parts / "part-00000000.npy", np.concatenate([np.arange(len(values))[:, None], values], axis=1))
+    table.unlink()
+    again = dpo_run(hf, data, tmp_path / "c", cache, "--training.steps=1")
+    assert again.returncode == 0 and "the reference pass resumes: 1 of its 1 blocks" in again.stdout, again.stderr
+    assert (
+        logged(tmp_path / "c")[0]["loss"] == logged(tmp_path / "a")[0]["loss"]
+        and np.load(table).tolist() == values.tolist()
+    )
 
 
 @pytest.mark.parametrize("convention", ["llama3", "smollm2", "qwen3"])
@@ -197,12 +209,24 @@ def test_the_readmes_dpo_commands_align_a_checkpoint_and_answer(seed: Path, tmp_
     run = torchrun(
         script, *args, f"--checkpoint.initial_load_path={seed}", "--training.steps=2", f"--job.dump_folder={dump}",
         f"--data.path={data}", f"--data.cache_folder={tmp_path / 'cache'}", "--metrics.log_freq=1",
-        nproc=int(nproc.removeprefix("--nproc_per_node=")),
+        "--metrics.enable_tensorboard", "--metrics.enable_wandb", nproc=int(nproc.removeprefix("--nproc_per_node=")),
+        env={"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_PROJECT": "test"},
     )  # fmt: skip
     assert "dpo: reference log-probabilities of 64 pairs computed" in run.stdout, run.stdout
     step1 = next(line for line in run.stdout.splitlines() if line.startswith("step 1/2"))
     assert "rewards/chosen 0 | rewards/rejected 0 |" in step1, step1
     assert "validation at step 2" in run.stdout and "eval at step 2: stories_facts" in run.stdout, run.stdout
+    # TRL's metrics under their names in metrics.jsonl, TensorBoard and wandb's offline run file alike.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(dump / "tb"))
+    events.Reload()
+    for row in logged(dump):
+        for name in METRICS[1:]:
+            tb = {e.step: e.value for e in events.Scalars(name)}
+            assert tb[row["step"]] == pytest.approx(row[name], rel=1e-6, abs=1e-9), name
+    (run_file,) = (dump / "wandb").glob("offline-run-*/run-*.wandb")
+    assert all(name.encode() in run_file.read_bytes() for name in METRICS)
     ask = ask.replace(".venv/bin/python", sys.executable).replace("outputs/debug_dpo", str(dump))
     proc = subprocess.run(["bash", "-c", ask.replace("step-60", "step-2")], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stdout.startswith("What does a cow say?"), proc.stderr[-3000:]
