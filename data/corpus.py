@@ -142,10 +142,10 @@ def open_corpus(
     if is_prepared(path):
         corpus = TokenCorpus(path, key=key)
         if corpus.pairs != pairs:
-            what = "preference pairs" if pairs else "documents"
             raise ConfigError(
-                f"dpo.enable: {path} was not prepared as {what}; set dpo.enable = {str(not pairs).lower()}, or prepare "
-                f"it again{' with prepare_data.py --pairs' if pairs else ''}"
+                f"dpo.enable: {path} holds preference pairs; set dpo.enable = true to train on them with DPO"
+                if corpus.pairs
+                else f"dpo.enable: {path} holds no preference pairs; prepare them with prepare_data.py --chat --pairs"
             )
         if (corpus.loss_masks is not None) != cfg.chat:
             what = "chat data (a loss mask beside the tokens)" if cfg.chat else "plain text"

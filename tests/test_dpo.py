@@ -90,28 +90,34 @@ def assert_equal_to_trl(ours: list[dict[str, float]], trl: list[dict[str, float]
     return f"largest relative difference over {len(ours)} steps: {worst:.2g}"
 
 
-@pytest.mark.parametrize("loss_type", [["sigmoid"], ["sigmoid", "sft"]], ids=["sigmoid", "sigmoid+sft"])
+@pytest.mark.parametrize(
+    "loss_type", [["sigmoid"], ["sigmoid", "sft"], ["ipo", "hinge", "robust"]], ids=["sigmoid", "sigmoid+sft", "others"]
+)
 def test_dpo_equals_trls_dpotrainer_at_every_step(tmp_path: Path, loss_type: list[str]) -> None:
     """10 steps of 4 pairs: loss, rewards/* and logps/* equal to TRL's at every step; step 1 is ln 2 (sigmoid) with
-    every reward 0. Llama 3's form (NLL 0.2 on the chosen) also resumes from step 5 to the same steps 6..10."""
+    every reward 0. Llama 3's form (NLL 0.2 on the chosen) also resumes from step 5 to the same steps 6..10. TRL's
+    other losses in one run, weighted 1, 0.5 and 0.25, robust's label smoothing 0.1."""
     hf = tiny_hf_folder(tmp_path / "hf", seed=1)
     rows = preference_rows(STEPS * PAIRS_PER_STEP)
     pairs = as_trl_pairs(hf, rows)
     assert pairs[:6] == trl_tokenize(hf, rows[:6], output_dir=tmp_path / "tok"), "rendered as TRL renders them"
-    weights = [1.0, 0.2][: len(loss_type)]
+    weights = [1.0, 0.5, 0.25] if "ipo" in loss_type else [1.0, 0.2][: len(loss_type)]
+    smoothing = 0.1 if "robust" in loss_type else 0.0
     data, dump, cache = write_jsonl(tmp_path / "pairs.jsonl", rows), tmp_path / "run", tmp_path / "cache"
     saves = ["--checkpoint.enable", "--checkpoint.interval=5"] if "sft" in loss_type else []
-    kinds = [f"--dpo.loss_type={','.join(loss_type)}", f"--dpo.loss_weights={','.join(map(str, weights))}"]
+    kinds = [f"--dpo.loss_type={','.join(loss_type)}", f"--dpo.loss_weights={','.join(map(str, weights))}",
+             f"--dpo.label_smoothing={smoothing}"]  # fmt: skip
     run = dpo_run(hf, data, dump, cache, *kinds, *saves)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "dpo: reference log-probabilities of 40 pairs computed" in run.stdout, run.stdout
     ours = logged(dump)
     trl = run_trl_dpo(hf, pairs, beta=BETA, loss_type=loss_type, loss_weights=weights, lr=LR, steps=STEPS,
-                      pairs_per_step=PAIRS_PER_STEP, output_dir=tmp_path / "trl")  # fmt: skip
+                      pairs_per_step=PAIRS_PER_STEP, output_dir=tmp_path / "trl", label_smoothing=smoothing)  # fmt: skip
     print(f"{'+'.join(loss_type)}: {assert_equal_to_trl(ours, trl)}")
     assert ours[0]["rewards/chosen"] == ours[0]["rewards/rejected"] == 0.0
     if loss_type == ["sigmoid"]:
         assert abs(ours[0]["loss"] - math.log(2)) < 1e-7
+    if "sft" not in loss_type:
         return
     shutil.rmtree(dump / "checkpoint" / "step-10")
     resumed = dpo_run(hf, data, dump, cache, *kinds, *saves)
@@ -235,3 +241,31 @@ def test_the_readmes_dpo_commands_align_a_checkpoint_and_answer(seed: Path, tmp_
     )
     rows = [json.loads(line) for line in (REPO / "docs/results/cpu.jsonl").read_text().splitlines()]
     assert set(stated.groups()) <= set(next(row for row in rows if row["id"] == "dpo-1")["figures"]), stated.groups()
+
+
+def test_pairs_read_alike_from_jsonl_parquet_and_a_datasets_folder(tmp_path: Path) -> None:
+    """TRL's preference columns as people hold them: the same rows as JSON lines, a parquet file and a `datasets`
+    folder (save_to_disk) prepare into the same tokens and masks, each pair two documents; a preference corpus
+    opened as plain data, or plain data as pairs, is refused in one line."""
+    import datasets
+
+    from config import Data
+    from data.corpus import open_corpus
+    from data.tokenizers import build_tokenizer
+    from errors import ConfigError
+
+    folder = tokenizer_folder(tmp_path / "tok")
+    rows = preference_rows(12)
+    write_jsonl(tmp_path / "pairs.jsonl", rows)
+    table = datasets.Dataset.from_list(rows)
+    table.to_parquet(str(tmp_path / "pairs.parquet"))
+    table.save_to_disk(str(tmp_path / "pairs_ds"))
+    tokenizer, prepared = build_tokenizer(str(folder)), []
+    for name in ("pairs.jsonl", "pairs.parquet", "pairs_ds"):
+        cfg = Data(path=str(tmp_path / name), chat=True, cache_folder=str(tmp_path / "cache"))
+        corpus = open_corpus(cfg, tokenizer, str(folder), pairs=True)
+        assert corpus.pairs and corpus.manifest["documents"] == 24, name
+        prepared.append((np.concatenate(corpus.tokens).tolist(), np.concatenate(corpus.loss_masks).tolist()))
+    assert prepared[0] == prepared[1] == prepared[2]
+    with pytest.raises(ConfigError, match="holds preference pairs; set dpo.enable = true"):
+        open_corpus(Data(path=str(corpus.folder), chat=True), tokenizer, str(folder))
