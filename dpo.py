@@ -28,11 +28,16 @@ run reads them, so training holds one model. At step 1 the policy is the referen
 sigmoid loss is ln 2: `ReferenceCheck` stops the run in one line where they differ (another dtype, layout or padding
 than the reference was computed with), naming what differs.
 
-Not yet: a live reference model (a second sharded copy), context and pipeline parallel (both refused in one line).
+Or live (dpo.reference = "live", TRL's default): a second model, built and sharded as the policy is, frozen, in eval
+mode, holding the initial weights, scores each micro-batch before the policy does: no table, one more forward a
+micro-batch and the weights once more in memory.
+
+Not yet: context and pipeline parallel (both refused in one line).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -50,6 +55,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from config import Compile, Dpo
+from data.preference import Pairs
 from errors import ConfigError, is_rank0
 from loss import AUTO_CHUNK_TOKENS, Loss, LossTerms, document_logprobs
 
@@ -80,7 +86,8 @@ class PreferenceLoss:
         self.weights = settings.loss_weights or [1.0] * len(settings.loss_type)
         self.chunk_tokens = chunk_tokens if chunk_tokens > 0 else AUTO_CHUNK_TOKENS
         self.vocab_shards = vocab_shards
-        self.reference: torch.Tensor | None = None  # (pairs of the corpus, 2) fp32: [chosen, rejected]
+        self.reference: torch.Tensor | None = None  # precomputed: (pairs of the corpus, 2) fp32, [chosen, rejected]
+        self.live: torch.nn.Module | None = None  # or the live reference model, frozen, sharded like the policy
         self.gap: torch.Tensor | None = None  # watching: the largest policy - reference gap per reply token so far
 
     @property
@@ -91,18 +98,34 @@ class PreferenceLoss:
         """What validation scores during DPO: the plain cross-entropy of the held-out data."""
         return Loss(self.chunk_tokens, vocab_shards=self.vocab_shards)
 
+    def placed(self, pairs: Pairs, inputs: torch.Tensor, labels: torch.Tensor, segments: torch.Tensor) -> Pairs:
+        """A micro-batch's pairs on the device with their reference log-probabilities (forward.py calls it before the
+        policy's forward, in its layout): the precomputed table's rows, or the live reference's forward, no autograd."""
+        ids = pairs.ids.to(labels.device)
+        if self.live is None:
+            assert self.reference is not None, (
+                "the reference log-probabilities are set before step 1 (prepare_reference)"
+            )
+            return pairs._replace(ids=ids, reference=self.reference[ids.clamp(min=0)])
+        documents = 2 * ids.shape[1]
+        head = functools.partial(
+            document_logprobs, self.live, labels=labels, segments=segments, documents=documents,
+            chunk_tokens=self.chunk_tokens,
+        )  # fmt: skip
+        with torch.no_grad():
+            scores = self.live(inputs, segments=segments, head=head)
+        return pairs._replace(ids=ids, reference=scores.view(-1, ids.shape[1], 2))
+
     def __call__(
-        self, model: torch.nn.Module, h: torch.Tensor, labels: torch.Tensor, *, segments: torch.Tensor, pairs: Any
+        self, model: torch.nn.Module, h: torch.Tensor, labels: torch.Tensor, *, segments: torch.Tensor, pairs: Pairs
     ) -> LossTerms:
-        assert self.reference is not None, "the reference log-probabilities are set before step 1 (prepare_reference)"
-        ids = pairs.ids
+        ids, reference = pairs.ids, pairs.reference
         per_row = ids.shape[1]
         logps = document_logprobs(
             model, h, labels, segments, documents=2 * per_row, chunk_tokens=self.chunk_tokens
         ).view(-1, per_row, 2)
         tokens = reply_tokens(labels, segments, documents=2 * per_row).view(-1, per_row, 2)
         valid = ids >= 0
-        reference = self.reference[ids.clamp(min=0)]  # (rows, pairs per row, 2)
         if self.gap is not None:  # the first step's largest gap per reply token (ReferenceCheck)
             gap = torch.where(valid[..., None], (logps.detach() - reference).abs() / tokens.clamp(min=1), 0.0)
             self.gap = torch.maximum(self.gap, gap.max())
@@ -194,11 +217,22 @@ def prepare_reference(
     *,
     dims: ParallelDims,
     start_step: int,
+    build_reference: Callable[[], torch.nn.Module],
 ) -> None:
-    """The reference's log-probabilities of every pair, read from beside the prepared data, or computed there now
-    with the initial weights (a fresh run only: a resumed policy is no longer the reference); `loss_fn` holds them,
-    and watches the gap at step 1 of a fresh run. Rank 0 reads and writes the files and hands the others the table, so
-    that nodes need not share the folder."""
+    """dpo.reference = "precomputed": the reference's log-probabilities of every pair, read from beside the prepared
+    data, or computed there now with the initial weights (a fresh run only: a resumed policy is no longer the
+    reference); rank 0 reads and writes the files and hands the others the table, so that nodes need not share the
+    folder. "live": the reference model, built by `build_reference` (as the policy is) and loaded with the initial
+    weights. `loss_fn` holds either, and watches the gap at step 1 of a fresh run."""
+    if cfg.dpo.reference == "live":
+        loss_fn.live = live_reference(cfg, forward.model, build=build_reference, start_step=start_step)
+        if is_rank0():
+            print(f"dpo: reference live (a frozen copy of the initial weights, sharded like the policy), beta "
+                  f"{cfg.dpo.beta}, losses {', '.join(cfg.dpo.loss_type)}", flush=True)  # fmt: skip
+        loss_fn.computed_with = how_computed(cfg, dims)
+        if not start_step:
+            loss_fn.gap = torch.zeros((), device=forward.device)
+        return
     identity = reference_identity(cfg, loader)
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
     table = Path(loader.corpus.folder) / "reference" / f"{key}.npy"
@@ -227,6 +261,32 @@ def prepare_reference(
         print(f"dpo: reference precomputed ({table}), beta {cfg.dpo.beta}, losses {', '.join(cfg.dpo.loss_type)}")
     if not start_step:
         loss_fn.gap = torch.zeros((), device=forward.device)
+
+
+def live_reference(
+    cfg: JobConfig, policy: torch.nn.Module, *, build: Callable[[], torch.nn.Module], start_step: int
+) -> torch.nn.Module:
+    """The live reference: a second model sharded like the policy, in eval mode, frozen (no gradient, so no optimizer
+    state; not in checkpoints). A fresh run copies the policy's initial weights shard for shard; a resumed one reads
+    checkpoint.initial_load_path (or model.hf_assets_path) again: a random init has nothing to read."""
+    ck = cfg.checkpoint
+    if start_step and ck.initial_load_path is None and not (ck.initial_load_in_hf and cfg.model.hf_assets_path):
+        raise ConfigError(
+            'dpo.reference: "live" resumes from the initial weights, and this run started from a random init; set '
+            'checkpoint.initial_load_path, or use dpo.reference = "precomputed"'
+        )
+    reference = build().eval().requires_grad_(False)
+    if start_step:
+        from checkpoint import CheckpointManager, ModelInterop
+
+        # The run's own folder holds the policy's checkpoints: only the initial weights are read.
+        CheckpointManager(
+            ck, dump_folder=cfg.job.dump_folder, model=reference, optimizer=None, stateful={},
+            interop=ModelInterop.from_config(cfg.model),
+        ).load_initial()  # fmt: skip
+    else:
+        reference.load_state_dict(policy.state_dict())
+    return reference
 
 
 def _on_rank0(read: Callable[[], Any]) -> Any:

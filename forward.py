@@ -99,10 +99,10 @@ class ForwardBackward:
                 self._syncing = last
             # The loss applies the output projection itself, inside the model's forward (loss.py).
             head = functools.partial(self.loss_fn, self.model, labels=labels)
-            if batch.pairs is not None:  # preference pairs (dpo.py): the loss compares each pair's two documents
-                pairs = batch.pairs._replace(ids=batch.pairs.ids.to(self.device))
-                head = functools.partial(head, segments=segments, pairs=pairs)
             with autocast(self.autocast_to, self.device.type):
+                if batch.pairs is not None:  # preference pairs (dpo.py): their reference log-probs, then the policy's
+                    pairs = self.loss_fn.placed(batch.pairs, inputs, labels, segments)
+                    head = functools.partial(head, segments=segments, pairs=pairs)
                 terms = self.model(inputs, segments=segments, head=head).divided(divisor)
             terms.total.backward()
         return terms.detached()

@@ -14,7 +14,7 @@ import gc
 import os
 import sys
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -252,7 +252,10 @@ def build(
     resume(cfg, checkpoint, state, optimizer, start_step=start_step)
     forward_backward = ForwardBackward.for_run(cfg, model, pipeline, loss_fn, dims=dims, mesh=mesh, device=device)
     if cfg.dpo.enable:  # the reference's log-probabilities of every pair, from the initial weights (dpo.py)
-        dpo.prepare_reference(cfg, loss_fn, forward_backward, loader, dims=dims, start_step=start_step)
+        dpo.prepare_reference(
+            cfg, loss_fn, forward_backward, loader, dims=dims, start_step=start_step,
+            build_reference=model_builder(cfg, args, dims=dims, mesh=mesh, loss_fn=loss_fn, device=device),
+        )  # fmt: skip
     # Signals have been recorded since the first line (fleet/stop.py); the ranks first agree here, after start-up.
     request = stop.StopRequest(cpu_group, stop_file=Path(cfg.job.dump_folder) / "STOP", is_rank0=rank == 0)
     if reason := request.requested():
@@ -408,6 +411,21 @@ def build_run_loss(cfg: JobConfig, dims: ParallelDims) -> Loss | dpo.PreferenceL
     return build_loss_fn(
         cfg.compile, chunk_tokens=t.loss_chunk_tokens, z_loss_weight=t.z_loss_weight, vocab_shards=vocab_shards
     )
+
+
+def model_builder(
+    cfg: JobConfig, args: Any, *, dims: ParallelDims, mesh: DeviceMesh, loss_fn: Any, device: torch.device
+) -> Callable[[], torch.nn.Module]:
+    """Another model built as the run's is, parallelized, allocated and initialized (DPO's live reference, dpo.py);
+    the random numbers its initialization draws are not the run's."""
+
+    def build() -> torch.nn.Module:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            model, _ = build_model(cfg, args, dims=dims, mesh=mesh, loss_fn=loss_fn, device=device)
+            init_model(model, None, device=device)
+        return model
+
+    return build
 
 
 def build_run_optimizer(cfg: JobConfig, model: torch.nn.Module, *, pp_degree: int) -> SkipStepOptimizer:

@@ -231,6 +231,11 @@ class CheckpointManager:
             )
             log(f"resumed from {path}" + (f" (not restored: {', '.join(sorted(excluded))})" if excluded else ""))
             return
+        self.load_initial()
+
+    def load_initial(self) -> None:
+        """The model's initial weights: initial_load_path's (DCP, or Hugging Face safetensors with initial_load_in_hf),
+        or none to load (a random init). Also what a DPO run's live reference starts from on a resume (dpo.py)."""
         if self.cfg.initial_load_in_hf:
             interop = self._interop("reads Hugging Face folders")
             folder = Path(self.cfg.initial_load_path or interop.hf_assets_path or "")

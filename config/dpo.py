@@ -26,8 +26,8 @@ class Dpo:
     """The probability that a pair's preference is wrong, in [0, 0.5): the robust loss's (robust DPO)."""
     mask_format_tokens: bool = True
     """Count only the replies' own text, not the chat format's tokens around it (the end of turn, headers): Llama 3's change (docs/failures.md #8)."""
-    reference: Literal["precomputed"] = "precomputed"
-    """The reference model's log-probabilities: computed once before step 1 from the initial weights and stored beside the prepared data."""
+    reference: Literal["precomputed", "live"] = "precomputed"
+    """The reference model's log-probabilities: precomputed once before step 1 from the initial weights and stored beside the prepared data (training holds one model), or live: a frozen copy of the initial weights, sharded like the policy, scores each micro-batch (no gradients, no optimizer state, not in checkpoints)."""
 
     def problems(
         self, *, chat: bool, attn_mask_type: str, mixture: bool, pp: int, cp: int, z_loss_weight: float

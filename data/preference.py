@@ -49,10 +49,12 @@ DROPPED = (
 class Pairs(NamedTuple):
     """A micro-batch's pairs (data/loader.py Batch.pairs)."""
 
-    ids: (
-        torch.Tensor
-    )  # (bs, max pairs in a row) int64: row r's documents 2i, 2i + 1 are pair ids[r, i]; -1 past its last
+    # (bs, max pairs in a row) int64: row r's documents 2i and 2i + 1 are pair ids[r, i]; -1 past its last pair.
+    ids: torch.Tensor
     chosen_tokens_per_pair: float  # the global batch's counted chosen tokens over its pairs (the sft term's mean)
+    # (bs, max pairs in a row, 2): the reference's log-probabilities [chosen, rejected] of each pair, once placed on
+    # the device (dpo.py PreferenceLoss.placed); None from the loader.
+    reference: torch.Tensor | None = None
 
 
 class PairRenderer:

@@ -176,6 +176,7 @@ class Layout:
     # float8 linears (FLOAT8): "all_gather" (each all-gather scales its weights) or "precompute" (once after each step)
     float8: str = ""
     dpo: bool = False  # dpo.py's loss (DPO_SETTINGS) on the pairs of dpo_pairs(), documents kept apart
+    dpo_live: bool = False  # its reference a second model in the layout (dpo.reference = "live"), not the table
 
     @property
     def float8_linear(self) -> QuantizeLinearFloat8 | None:
@@ -310,6 +311,9 @@ DPO_LAYOUTS: dict[str, Layout] = {
     "hsdp2x2_dpo": Layout(dp_replicate=2, dp_shard=2, dpo=True, block_causal=True),
     "fsdp2_tp2_op_sac_dpo": Layout(dp_shard=2, tp=2, ac=OP_SAC, dpo=True, block_causal=True),
     "fsdp2_compile_full_ac_dpo": Layout(dp_shard=2, ac=FULL, compile=True, dpo=True, block_causal=True),
+    # The live reference: a frozen copy sharded as the policy is, its forward before the policy's.
+    "fsdp2_dpo_live": Layout(dp_shard=2, dpo=True, dpo_live=True, block_causal=True),
+    "tp2_chunked_loss_dpo_live": Layout(tp=2, loss_chunk_tokens=16, dpo=True, dpo_live=True, block_causal=True),
 }
 DPO_EP_LAYOUTS = {"qwen3_moe_ep2_dpo": Layout(dp_shard=2, ep=2, family="qwen3_moe", dpo=True, block_causal=True)}
 LAYOUTS |= CHAT_LAYOUTS
@@ -708,6 +712,12 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
                 family["dpo"]["reference"], chunk_tokens=layout.loss_chunk_tokens, vocab_shards=vocab_shards
             ),
         }
+        if layout.dpo_live:  # a second model of this layout holding the initial weights, frozen
+            live, _ = build_model(cfg, model_args(block_causal=True, family=layout.family), dims=dims, mesh=mesh,
+                                  loss_fn=build_loss_fn(Compile()), device=torch.device("cpu"))  # fmt: skip
+            init_model(live, None, device=torch.device("cpu"))
+            set_model_state_dict(live, {k: v for k, v in initial.items() if k in held}, options=options)
+            preference["loss_fn"].live = live.eval().requires_grad_(False)
     collectives: Counter[str] = Counter()
     counts: dict[str, Any] = {}
     passes: dict[str, list] = {}

@@ -95,8 +95,9 @@ def assert_equal_to_trl(ours: list[dict[str, float]], trl: list[dict[str, float]
 )
 def test_dpo_equals_trls_dpotrainer_at_every_step(tmp_path: Path, loss_type: list[str]) -> None:
     """10 steps of 4 pairs: loss, rewards/* and logps/* equal to TRL's at every step; step 1 is ln 2 (sigmoid) with
-    every reward 0. Llama 3's form (NLL 0.2 on the chosen) also resumes from step 5 to the same steps 6..10. TRL's
-    other losses in one run, weighted 1, 0.5 and 0.25, robust's label smoothing 0.1."""
+    every reward 0. Sigmoid with the live reference (TRL's default), Llama 3's form (NLL 0.2 on the chosen) with the
+    precomputed one, each also resumed from step 5 to the same steps 6..10. TRL's other losses in one run, weighted
+    1, 0.5 and 0.25, robust's label smoothing 0.1."""
     hf = tiny_hf_folder(tmp_path / "hf", seed=1)
     rows = preference_rows(STEPS * PAIRS_PER_STEP)
     pairs = as_trl_pairs(hf, rows)
@@ -104,12 +105,16 @@ def test_dpo_equals_trls_dpotrainer_at_every_step(tmp_path: Path, loss_type: lis
     weights = [1.0, 0.5, 0.25] if "ipo" in loss_type else [1.0, 0.2][: len(loss_type)]
     smoothing = 0.1 if "robust" in loss_type else 0.0
     data, dump, cache = write_jsonl(tmp_path / "pairs.jsonl", rows), tmp_path / "run", tmp_path / "cache"
-    saves = ["--checkpoint.enable", "--checkpoint.interval=5"] if "sft" in loss_type else []
+    resumed_too = loss_type != ["ipo", "hinge", "robust"]
+    saves = ["--checkpoint.enable", "--checkpoint.interval=5"] if resumed_too else []
+    if loss_type == ["sigmoid"]:  # TRL's own default: a frozen copy of the initial weights scores each micro-batch
+        saves.append("--dpo.reference=live")
     kinds = [f"--dpo.loss_type={','.join(loss_type)}", f"--dpo.loss_weights={','.join(map(str, weights))}",
              f"--dpo.label_smoothing={smoothing}"]  # fmt: skip
     run = dpo_run(hf, data, dump, cache, *kinds, *saves)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "dpo: reference log-probabilities of 40 pairs computed" in run.stdout, run.stdout
+    live = "--dpo.reference=live" in saves
+    assert ("dpo: reference live" if live else "dpo: reference log-probabilities of 40 pairs computed") in run.stdout
     ours = logged(dump)
     trl = run_trl_dpo(hf, pairs, beta=BETA, loss_type=loss_type, loss_weights=weights, lr=LR, steps=STEPS,
                       pairs_per_step=PAIRS_PER_STEP, output_dir=tmp_path / "trl", label_smoothing=smoothing)  # fmt: skip
@@ -117,7 +122,7 @@ def test_dpo_equals_trls_dpotrainer_at_every_step(tmp_path: Path, loss_type: lis
     assert ours[0]["rewards/chosen"] == ours[0]["rewards/rejected"] == 0.0
     if loss_type == ["sigmoid"]:
         assert abs(ours[0]["loss"] - math.log(2)) < 1e-7
-    if "sft" not in loss_type:
+    if not resumed_too:
         return
     shutil.rmtree(dump / "checkpoint" / "step-10")
     resumed = dpo_run(hf, data, dump, cache, *kinds, *saves)
