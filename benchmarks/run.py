@@ -42,6 +42,7 @@ from benchmarks import (
     compile_cache,
     context_parallel,
     data_pipeline,
+    dpo_format,
     float8,
     generation,
     gpu_costs,
@@ -67,6 +68,7 @@ BENCHMARKS = {
         memory,
         muon,
         moe_balance,
+        dpo_format,
         context_parallel,
         data_pipeline,
         float8,
@@ -82,8 +84,8 @@ BENCHMARKS = {
 # progress lines' estimate of the rest, scaled by how the run is going. "train" is --train-rows' part on CPU.
 SECONDS = {
     "recompute": 20, "metadata": 12, "comm_volume": 28, "compile_cache": 66, "async_tp_fusion": 40, "memory": 30,
-    "muon": 18, "moe_balance": 8, "context_parallel": 40, "data_pipeline": 30, "float8": 11, "gpu_costs": 18,
-    "generation": 45, "vs_torchtitan": 300, "checkpoint_checksums": 20, "train": 150,
+    "muon": 18, "moe_balance": 8, "dpo_format": 300, "context_parallel": 40, "data_pipeline": 30, "float8": 11,
+    "gpu_costs": 18, "generation": 45, "vs_torchtitan": 300, "checkpoint_checksums": 20, "train": 150,
 }  # fmt: skip
 # make bench's settings where they are not the benchmark's own defaults, so that the whole run stays within 12
 # minutes on 2 cores (docs/benchmarks.md#make-bench): fewer tokens, rounds, steps or megabytes than a run of the
