@@ -229,6 +229,9 @@ def table(results: dict[str, Any]) -> str:
         shown = ", ".join(f"{k} {v:.5f}" if k.startswith("eot") else f"{k} {v:.3f}" for k, v in m.items())
         lines.append(f"{name}: {shown}{trained}")
         lines.append("  e.g. " + " | ".join(repr(g["text"]) for g in results["scored"][name]["greedy"][:3]))
+    counted, masked = (results["scored"][side]["greedy"] for side in SIDES)
+    differ = sum(a["text"] != b["text"] for a, b in zip(counted, masked, strict=True))
+    lines.append(f"counted vs masked: {differ} of {len(counted)} greedy replies differ")
     return "\n".join(lines)
 
 
