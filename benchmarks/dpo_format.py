@@ -4,14 +4,16 @@ what the end-of-turn token and the greedy replies do after the same DPO steps fr
     python -m benchmarks.dpo_format --out outputs/bench/dpo_format.json
 
 One run, every model made in it through train.py on 2 CPU ranks (gloo), from one seed: the debug Llama (6.2M
-parameters) chat-tuned from random initialization on assets/corpus/chat.jsonl for `--sft-steps` steps (the start:
-it answers in the corpus's format and ends its turn), then from that checkpoint `--steps` DPO steps on the first
-`--pairs` pairs of assets/corpus/preferences.jsonl at its last learning rate, once with the format tokens counted
-(dpo.mask_format_tokens = false, configs/fixes/8_dpo_format_tokens.toml) and once masked (the default), the same
-pairs in the same order, plain DPO (the sigmoid loss, beta 0.1, no NLL term). The shipped template closes every
-assistant reply with <|end_of_text|> and has no header inside the reply, so that one token per reply is what the
-two runs differ in. Then the start and both results are scored on the first `--held-out` pairs of
-assets/corpus/preferences_validation.jsonl (none of them trained on):
+parameters) chat-tuned from random initialization on assets/corpus/chat.jsonl for `--sft-steps` steps (the start: it
+answers in the corpus's format and ends its turn), then from that checkpoint `--steps` DPO steps on the first
+`--pairs` pairs of assets/corpus/preferences.jsonl at the fine-tune's last learning rate (`--lr`), once with the
+format tokens counted (dpo.mask_format_tokens = false, configs/fixes/8_dpo_format_tokens.toml) and once masked (the
+default), the same pairs in the same order, plain DPO (the sigmoid loss, beta 0.1, no NLL term). The shipped
+template closes every assistant reply with <|end_of_text|> and has no header inside the reply, so that one token per
+reply is what the two runs differ in. Then the start and both results are scored on the first `--held-out` pairs of
+assets/corpus/preferences_validation.jsonl (none of them trained on; its questions are arithmetic the training pairs
+do not ask, which the debug model mostly gets wrong). `--start STEP` begins from a chat model of yours instead (the
+README's outputs/debug_chat/checkpoint/step-40).
 
     P(end of turn)    the probability of the <|end_of_text|> that closes the chosen (the rejected) reply, given the
                       prompt and the reply's text: the mean over the held-out pairs
@@ -153,10 +155,10 @@ def score(
     for i, (row, reply) in enumerate(zip(rows, replies, strict=True)):
         ended = bool(reply) and reply[-1] in stops
         said = reply[:-1] if ended else reply
-        chosen = int((sequences[2 * i][1] == CONTENT).sum())
+        chosen, spoken = int((sequences[2 * i][1] == CONTENT).sum()), tokenizer.decode(said)
         greedy.append({
-            "text": tokenizer.decode(said), "ended": ended, "repeats": repeats(reply),
-            "cut_short": ended and 2 * len(said) < chosen, "right": tokenizer.decode(said) == row["chosen"][0]["content"],
+            "text": spoken, "ended": ended, "repeats": repeats(reply),
+            "cut_short": ended and 2 * len(said) < chosen, "right": spoken == row["chosen"][0]["content"],
         })  # fmt: skip
     out: dict[str, Any] = {"eot": eot_pairs, "text_logps": text_pairs, "greedy": greedy}
     if start is not None:
@@ -213,9 +215,9 @@ def table(results: dict[str, Any]) -> str:
     s = results["settings"]
     made = f"chat-tuned {s['sft_steps']} steps from random init" if s["made_start"] else f"from {s['start']}"
     lines = [
-        f"debug Llama {made}, then {s['steps']} DPO steps (sigmoid, beta "
-        f"0.1, lr {s['lr']:g}) on {s['pairs']} pairs, 2 ranks x {s['batch']} x {s['seq_len']} tokens; scored on "
-        f"{s['held_out']} held-out pairs, greedy replies of at most {s['new_tokens']} tokens; {results['seconds']:.0f} s"
+        f"debug Llama {made}, then {s['steps']} DPO steps (sigmoid, beta 0.1, lr {s['lr']:g}) on {s['pairs']} pairs, "
+        f"2 ranks x {s['batch']} x {s['seq_len']} tokens; scored on {s['held_out']} held-out pairs, greedy replies of "
+        f"at most {s['new_tokens']} tokens; {results['seconds']:.0f} s"
     ]
     for name in ("start", *SIDES):
         m = summary(results["scored"][name])
@@ -241,7 +243,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--start", type=Path, help="a chat model's step folder to start from instead (--sft-steps unused)")
     p.add_argument("--steps", type=int, default=30, help="DPO steps per side")
     # The chat fine-tune's last learning rate (3e-3 decayed to a tenth). 1e-4 moved no reward in 20 steps; 1e-3
-    # collapsed both runs' greedy replies to "." (docs/benchmarks.md#8-dpo-that-counts-the-chat-formats-tokens).
+    # broke both runs' greedy replies (docs/benchmarks.md#8-dpo-that-counts-the-chat-formats-tokens).
     p.add_argument("--lr", type=float, default=3e-4, help="the DPO runs' peak learning rate")
     p.add_argument("--pairs", type=int, default=256, help="the first pairs of preferences.jsonl trained on")
     p.add_argument("--held-out", type=int, default=64, help="the first pairs of preferences_validation.jsonl scored")
