@@ -56,6 +56,7 @@ SHIPPED: dict[str, Launch] = {
     "configs/fixes/5_memory.toml": Launch(2),
     "configs/fixes/6_muon_shards.toml": Launch(2),
     "configs/fixes/7_moe_balance.toml": Launch(2),
+    "configs/fixes/8_dpo_format_tokens.toml": Launch(2),
     "configs/llama3_8b.toml": Launch(8, gpus_per_node=8),
     "configs/llama3_8b_128k.toml": Launch(64, gpus_per_node=8),
     "configs/llama3_70b.toml": Launch(64, gpus_per_node=8),
