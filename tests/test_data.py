@@ -515,7 +515,7 @@ def test_an_abandoned_step_reads_its_samples_again(corpus: TokenCorpus) -> None:
 
 def test_inputs_labels_and_segments(corpus: TokenCorpus) -> None:
     ld = loader(corpus, local=2, global_=2)
-    ((inputs, labels, segments, _),) = list(ld.next_step())
+    ((inputs, labels, segments, *_),) = list(ld.next_step())
     assert inputs.shape == labels.shape == segments.shape == (2, 16)
     assert torch.equal(inputs[:, 1:], labels[:, :-1])
     window = corpus.read(0, 17)

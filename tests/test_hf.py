@@ -365,7 +365,7 @@ def test_two_rank_fsdp_fine_tune_from_hf_weights_matches_hf_loss_then_exports(tm
     loader = GlobalBatchLoader(
         corpus, window=seq + 1, local_batch_size=2 * local_bs, global_batch_size=2 * local_bs, dp_rank=0, dp_degree=1
     )
-    ((inputs, labels, _, _),) = loader.next_step()
+    ((inputs, labels, *_),) = loader.next_step()
     hf = AutoModelForCausalLM.from_pretrained(hf_folder)
     with torch.no_grad():
         hf_loss = F.cross_entropy(hf(inputs).logits.flatten(0, 1), labels.flatten()).item()
