@@ -265,7 +265,7 @@ def test_windows_hold_whole_conversations_and_label_only_the_replies(prepared: P
         first = ld.sample_index
         step = list(ld.next_step())
         for row, labels in enumerate(torch.cat([b.labels for b in step])):
-            tokens, _, mask = ld.sample(first + row)
+            tokens, _, mask, _ = ld.sample(first + row)
             assert labels.tolist() == np.where(mask[1:] == 1, tokens[1:], IGNORE_INDEX).tolist()
         counted = sum(int((b.labels != IGNORE_INDEX).sum()) for b in step)
         # The divisor makes the step's loss the mean over its counted labels (2 rows per micro-batch).
