@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from config import Compile, Dpo
+from config import Dpo
 from data.preference import Pairs
 from errors import ConfigError, is_rank0
 from loss import AUTO_CHUNK_TOKENS, Loss, LossTerms, document_logprobs
@@ -167,10 +167,8 @@ def reply_tokens(labels: torch.Tensor, segments: torch.Tensor, *, documents: int
     return out[:-1].view(rows, documents)
 
 
-def build_loss(settings: Dpo, compile: Compile, *, chunk_tokens: int, vocab_shards: int) -> PreferenceLoss:
-    """The DPO loss of `[dpo]`; `compile` is not applied to it (its per-token log-probs are a gather, not a fused
-    cross-entropy)."""
-    del compile
+def build_loss(settings: Dpo, *, chunk_tokens: int, vocab_shards: int) -> PreferenceLoss:
+    """The DPO loss of `[dpo]`, on logits whose vocabulary is split over `vocab_shards` ranks (loss parallel)."""
     return PreferenceLoss(settings, chunk_tokens=chunk_tokens, vocab_shards=vocab_shards)
 
 

@@ -407,7 +407,7 @@ def build_run_loss(cfg: JobConfig, dims: ParallelDims) -> Loss | dpo.PreferenceL
     parallel."""
     t, vocab_shards = cfg.training, dims.tp if uses_loss_parallel(cfg, dims) else 1
     if cfg.dpo.enable:
-        return dpo.build_loss(cfg.dpo, cfg.compile, chunk_tokens=t.loss_chunk_tokens, vocab_shards=vocab_shards)
+        return dpo.build_loss(cfg.dpo, chunk_tokens=t.loss_chunk_tokens, vocab_shards=vocab_shards)
     return build_loss_fn(
         cfg.compile, chunk_tokens=t.loss_chunk_tokens, z_loss_weight=t.z_loss_weight, vocab_shards=vocab_shards
     )
