@@ -98,9 +98,14 @@ class PreferenceLoss:
         """What validation scores during DPO: the plain cross-entropy of the held-out data."""
         return Loss(self.chunk_tokens, vocab_shards=self.vocab_shards)
 
+    def given(self, batch: Any, inputs: torch.Tensor, labels: torch.Tensor, segments: torch.Tensor) -> dict[str, Any]:
+        """The micro-batch's segments and its pairs with their reference log-probabilities (`placed`), before the
+        policy's forward (forward.py)."""
+        return {"segments": segments, "pairs": self.placed(batch.pairs, inputs, labels, segments)}
+
     def placed(self, pairs: Pairs, inputs: torch.Tensor, labels: torch.Tensor, segments: torch.Tensor) -> Pairs:
         """A micro-batch's pairs on the device with their reference log-probabilities (forward.py calls it before the
-        policy's forward, in its layout): the precomputed table's rows, or the live reference's forward, no autograd."""
+        policy's forward, in its layout: `given`): the precomputed table's rows, or the live reference's forward, no autograd."""
         ids = pairs.ids.to(labels.device)
         if self.live is None:
             assert self.reference is not None, (

@@ -97,12 +97,11 @@ class ForwardBackward:
             if last != self._syncing:  # gradients cross replicas once per step: off before the last micro-batch
                 sync_gradients_on(self.model, last_microbatch=last, defer_reduce_scatter=self.defer_reduce_scatter)
                 self._syncing = last
-            # The loss applies the output projection itself, inside the model's forward (loss.py).
-            head = functools.partial(self.loss_fn, self.model, labels=labels)
             with autocast(self.autocast_to, self.device.type):
-                if batch.pairs is not None:  # preference pairs (dpo.py): their reference log-probs, then the policy's
-                    pairs = self.loss_fn.placed(batch.pairs, inputs, labels, segments)
-                    head = functools.partial(head, segments=segments, pairs=pairs)
+                # The loss applies the output projection itself, inside the model's forward (loss.py), with what it
+                # computes first (DPO's reference log-probabilities, a teacher's forward: Loss.given).
+                given = self.loss_fn.given(batch, inputs, labels, segments)
+                head = functools.partial(self.loss_fn, self.model, labels=labels, **given)
                 terms = self.model(inputs, segments=segments, head=head).divided(divisor)
             terms.total.backward()
         return terms.detached()

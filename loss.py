@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, replace
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -135,6 +135,12 @@ class Loss:
             return LossTerms(ce, ce.detach(), {})
         ce, z = ce / labels.numel(), z / labels.numel()
         return LossTerms(ce + self.z_loss_weight * z, ce.detach(), {"z_loss": z.detach()})
+
+    def given(self, batch: Any, inputs: torch.Tensor, labels: torch.Tensor, segments: Any) -> dict[str, Any]:
+        """What this loss takes besides the final hidden states and the labels, computed from the micro-batch before
+        the model's forward (forward.py): nothing here; DPO's reference log-probabilities (dpo.py), a teacher's hidden
+        states (distill.py)."""
+        return {}
 
     @property
     def extras(self) -> tuple[str, ...]:

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+import distill
 import dpo
 from checkpoint import CheckpointManager, ModelInterop, SaveStep, prepare_dump_folder
 from checkpoint.torchtitan import schedule_disagreement
@@ -220,7 +221,7 @@ def build(
     tokenizer, loader = build_data(cfg, dp_rank=dims.dp_rank(mesh), dp_degree=dims.dp, vocab_size=args.vocab_size)
 
     # Model: meta device -> (pipeline stages) -> parallelize -> allocate -> initialize.
-    loss_fn = build_run_loss(cfg, dims)
+    loss_fn = build_run_loss(cfg, dims, mesh=mesh, device=device)
     model, pipeline = build_model(cfg, args, dims=dims, mesh=mesh, loss_fn=loss_fn, device=device)
     if cfg.model.print_after_conversion and rank == 0:
         print(model, flush=True)
@@ -402,12 +403,19 @@ def build_data(cfg: JobConfig, *, dp_rank: int, dp_degree: int, vocab_size: int)
     return tokenizer, loader
 
 
-def build_run_loss(cfg: JobConfig, dims: ParallelDims) -> Loss | dpo.PreferenceLoss:
-    """The next-token loss (loss.py), or on preference pairs the DPO loss (dpo.py); on vocabulary shards under loss
-    parallel."""
+def build_run_loss(
+    cfg: JobConfig, dims: ParallelDims, *, mesh: DeviceMesh, device: torch.device
+) -> Loss | dpo.PreferenceLoss:
+    """The next-token loss (loss.py), or on preference pairs the DPO loss (dpo.py), or with a teacher the
+    distillation loss, its teacher built and loaded (distill.py); on vocabulary shards under loss parallel."""
     t, vocab_shards = cfg.training, dims.tp if uses_loss_parallel(cfg, dims) else 1
     if cfg.dpo.enable:
         return dpo.build_loss(cfg.dpo, chunk_tokens=t.loss_chunk_tokens, vocab_shards=vocab_shards)
+    if cfg.distill.enable:
+        return distill.build_loss(
+            cfg, dims=dims, mesh=mesh, device=device, chunk_tokens=t.loss_chunk_tokens,
+            z_loss_weight=t.z_loss_weight, vocab_shards=vocab_shards,
+        )  # fmt: skip
     return build_loss_fn(
         cfg.compile, chunk_tokens=t.loss_chunk_tokens, z_loss_weight=t.z_loss_weight, vocab_shards=vocab_shards
     )

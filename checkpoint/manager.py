@@ -233,14 +233,15 @@ class CheckpointManager:
             return
         self.load_initial()
 
-    def load_initial(self) -> None:
+    def load_initial(self, *, what: str = "model weights") -> None:
         """The model's initial weights: initial_load_path's (DCP, or Hugging Face safetensors with initial_load_in_hf),
-        or none to load (a random init). Also what a DPO run's live reference starts from on a resume (dpo.py)."""
+        or none to load (a random init). Also what a DPO run's live reference starts from on a resume (dpo.py), and a
+        distillation's teacher (distill.py); `what` names them in the log."""
         if self.cfg.initial_load_in_hf:
             interop = self._interop("reads Hugging Face folders")
             folder = Path(self.cfg.initial_load_path or interop.hf_assets_path or "")
             self._load_hf(folder)
-            log(f"initialized model weights from the Hugging Face folder {folder}")
+            log(f"initialized {what} from the Hugging Face folder {folder}")
         elif self.cfg.initial_load_path is not None:
             path = Path(self.cfg.initial_load_path)
             metadata = verify(path, key="checkpoint.initial_load_path")
@@ -249,7 +250,7 @@ class CheckpointManager:
                 self._load_torchtitan(path, metadata, None, key="checkpoint.initial_load_path")
             else:
                 self._load(path, metadata, ModelAndOptimizer(self.model, None), {}, key="checkpoint.initial_load_path")
-            log(f"initialized model weights from {path}" + (" (torchtitan's checkpoint)" if self.torchtitan else ""))
+            log(f"initialized {what} from {path}" + (" (torchtitan's checkpoint)" if self.torchtitan else ""))
 
     def _load(
         self,

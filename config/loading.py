@@ -529,6 +529,7 @@ def validate(cfg: JobConfig) -> list[str]:
             cp=cfg.parallelism.context_parallel_degree,
             z_loss_weight=t.z_loss_weight,
         ),
+        *cfg.distill.problems(pp=cfg.parallelism.pipeline_parallel_degree, dpo=cfg.dpo.enable),
     ]
 
 

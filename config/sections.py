@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from config.distill import Distill
 from config.dpo import Dpo
 from config.parts import optional_part
 from config.torchtitan import (
@@ -856,6 +857,7 @@ class JobConfig:
     validation: Validation = field(default_factory=Validation)
     eval: Eval = field(default_factory=Eval)
     dpo: Dpo = field(default_factory=Dpo)
+    distill: Distill = field(default_factory=Distill)
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)

@@ -40,6 +40,11 @@ def input_problems(cfg: JobConfig) -> list[str]:
         p.append(
             f"checkpoint.initial_load_path: {ck.initial_load_path} is not a folder; point it at a checkpoint step folder (contains .metadata) or a Hugging Face folder (initial_load_in_hf)"
         )
+    if cfg.distill.enable and cfg.distill.teacher_path and not Path(cfg.distill.teacher_path).is_dir():
+        p.append(
+            f"distill.teacher_path: {cfg.distill.teacher_path} is not a folder; point it at a checkpoint step folder "
+            "(contains .metadata) or a Hugging Face folder (config.json, *.safetensors)"
+        )
     return p
 
 
