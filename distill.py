@@ -40,11 +40,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import tomllib
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
@@ -175,7 +175,12 @@ class DistillLoss(Loss):
             teacher_h = teacher_h.redistribute(placements=[Replicate()] * teacher_h.device_mesh.ndim)
         z = self.z_loss_weight > 0
         part = functools.partial(chunk_sums, model.project, self.teacher.project, self.settings, z)
-        chunks = zip(h.flatten(0, 1).split(chunk), teacher_h.flatten(0, 1).split(chunk), labels.flatten().split(chunk))
+        chunks = zip(
+            h.flatten(0, 1).split(chunk),
+            teacher_h.flatten(0, 1).split(chunk),
+            labels.flatten().split(chunk),
+            strict=True,
+        )
         if chunk >= labels.numel():  # one chunk: nothing to recompute
             sums = [part(*next(chunks))]
         else:
