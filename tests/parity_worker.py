@@ -37,6 +37,7 @@ import models
 from config import (
     ActivationCheckpoint,
     Compile,
+    Distill,
     Dpo,
     JobConfig,
     Model,
@@ -48,6 +49,7 @@ from config import (
 from data.chat import IGNORE_INDEX
 from data.loader import Batch
 from data.preference import Pairs
+from distill import DistillLoss
 from distributed import mean_over_loss_ranks
 from dpo import PreferenceLoss
 from forward import ForwardBackward
@@ -177,6 +179,7 @@ class Layout:
     float8: str = ""
     dpo: bool = False  # dpo.py's loss (DPO_SETTINGS) on the pairs of dpo_pairs(), documents kept apart
     dpo_live: bool = False  # its reference a second model in the layout (dpo.reference = "live"), not the table
+    distill: bool = False  # distill.py's loss (DISTILL_SETTINGS) against a teacher of the family in this layout
 
     @property
     def float8_linear(self) -> QuantizeLinearFloat8 | None:
@@ -316,11 +319,24 @@ DPO_LAYOUTS: dict[str, Layout] = {
     "tp2_chunked_loss_dpo_live": Layout(tp=2, loss_chunk_tokens=16, dpo=True, dpo_live=True, block_causal=True),
 }
 DPO_EP_LAYOUTS = {"qwen3_moe_ep2_dpo": Layout(dp_shard=2, ep=2, family="qwen3_moe", dpo=True, block_causal=True)}
+# Distillation (distill.py): a teacher built and sharded as the student, the divergence in chunks on vocabulary shards,
+# on chat labels (some count, unevenly over rows). (Its Qwen3 MoE layout is among the expert-parallel ones, last.)
+DISTILL_LAYOUTS: dict[str, Layout] = {
+    "fsdp2_distill": Layout(dp_shard=2, chat=True, block_causal=True, distill=True),
+    "tp2_chunked_loss_distill": Layout(tp=2, loss_chunk_tokens=16, chat=True, block_causal=True, distill=True),
+    "cp2_distill": Layout(cp=2, chat=True, block_causal=True, distill=True),
+    "fsdp2_tp2_distill": Layout(dp_shard=2, tp=2, chat=True, block_causal=True, distill=True),
+}
+DISTILL_EP_LAYOUTS = {
+    "qwen3_moe_ep2_distill": Layout(dp_shard=2, ep=2, family="qwen3_moe", chat=True, block_causal=True, distill=True)
+}
 LAYOUTS |= CHAT_LAYOUTS
 LAYOUTS |= DPO_LAYOUTS
+LAYOUTS |= DISTILL_LAYOUTS
 LAYOUTS |= CP_LAYOUTS
 LAYOUTS |= EP_LAYOUTS
 LAYOUTS |= DPO_EP_LAYOUTS  # expert parallel's, last (EP_LAYOUTS says why)
+LAYOUTS |= DISTILL_EP_LAYOUTS
 
 
 # ------------------------------------------------------------------- shared pieces
@@ -421,6 +437,25 @@ def dpo_reference_run(family: str, initial: dict[str, torch.Tensor], tokens: tor
         model, tokens, labels=labels, segments=segments, pairs=pairs, divisor=count, loss_fn=dpo_loss(table)
     )
     return {"reference": table, "losses": losses, "times": times, "final": model.state_dict()}
+
+
+# The forward KL's counterpart in a JSD at temperature 2 exercises both log-softmaxes and the mixture's gradients.
+DISTILL_SETTINGS = Distill(enable=True, beta=0.5, temperature=2.0, kd_ratio=0.5)
+TEACHER_SEED = 7  # the teacher: the student's family and shape, other weights
+
+
+def distill_run(family: str, initial: dict[str, torch.Tensor], tokens: torch.Tensor, segments: torch.Tensor) -> dict:
+    """One process's distillation on chat_labels() from `initial`, its teacher build_tiny(seed=TEACHER_SEED): the
+    teacher's weights, losses and the student's final weights."""
+    model = build_tiny(block_causal=True, family=family)
+    model.load_state_dict(initial)
+    teacher = build_tiny(seed=TEACHER_SEED, block_causal=True, family=family).eval().requires_grad_(False)
+    labels = chat_labels(tokens)
+    losses, times = train(
+        model, tokens, labels=labels, divisor=loss_divisor(labels, GLOBAL_BATCH, 1), segments=segments,
+        loss_fn=DistillLoss(DISTILL_SETTINGS, teacher),
+    )  # fmt: skip
+    return {"teacher": teacher.state_dict(), "losses": losses, "times": times, "final": model.state_dict()}
 
 
 def loss_divisor(labels: torch.Tensor, rows: int, dp: int) -> float:
@@ -624,6 +659,9 @@ def write_reference(path: Path) -> dict:
     # The same start on preference pairs (dpo.py), and Qwen3 MoE's (expert parallel's layout).
     ref["dpo"] = dpo_reference_run("llama3", initial, tokens)
     ref["qwen3_moe"]["dpo"] = dpo_reference_run("qwen3_moe", ref["qwen3_moe"]["initial"], tokens)
+    # The same start distilled from a teacher (distill.py), and Qwen3 MoE's.
+    ref["distill"] = distill_run("llama3", initial, tokens, ref["segments"])
+    ref["qwen3_moe"]["distill"] = distill_run("qwen3_moe", ref["qwen3_moe"]["initial"], tokens, ref["segments"])
     torch.save(ref, path)
     return ref
 
@@ -718,6 +756,16 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
             init_model(live, None, device=torch.device("cpu"))
             set_model_state_dict(live, {k: v for k, v in initial.items() if k in held}, options=options)
             preference["loss_fn"].live = live.eval().requires_grad_(False)
+    if layout.distill:  # the teacher in this layout, as distill.build_teacher builds it, its weights the reference's
+        teacher, _ = build_model(cfg, model_args(block_causal=True, family=layout.family), dims=dims, mesh=mesh,
+                                 loss_fn=build_loss_fn(Compile()), device=torch.device("cpu"))  # fmt: skip
+        init_model(teacher, None, device=torch.device("cpu"))
+        set_model_state_dict(teacher, dict(family["distill"]["teacher"]), options=options)  # a copy, as above
+        vocab_shards = dims.tp if dims.tp_enabled and layout.loss_parallel else 1
+        preference["loss_fn"] = DistillLoss(
+            DISTILL_SETTINGS, teacher.eval().requires_grad_(False), chunk_tokens=layout.loss_chunk_tokens,
+            vocab_shards=vocab_shards,
+        )  # fmt: skip
     collectives: Counter[str] = Counter()
     counts: dict[str, Any] = {}
     passes: dict[str, list] = {}
@@ -762,6 +810,8 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
         expected = ref["muon_float8"] if layout.muon else ref["float8"]
     if layout.dpo:
         expected = family["dpo"]
+    if layout.distill:
+        expected = family["distill"]
 
     final = get_model_state_dict(model, options=options)
     # Every rank compares the weights it holds (a pipeline stage: its own); the worst over all ranks.

@@ -111,8 +111,10 @@ def test_a_step_reads_nothing_back_and_compiled_steps_neither_recompile_nor_brea
 def expert_exchange_reads(layout: Layout, reads: dict[str, int]) -> dict[str, int]:
     """The host reads expert parallel's exchange makes in a step (parallelisms/ep.py dispatch: its split sizes), once
     per MoE block of the rank and forward. (An AC block's recomputation reads them again, in backward, where the
-    counter, a torch function mode, does not see: torch.utils.checkpoint recomputes outside it.)"""
+    counter, a torch function mode, does not see: torch.utils.checkpoint recomputes outside it.) A teacher of the
+    family reads its own."""
     forwards = layout.grad_accum if layout.pp == 1 else GLOBAL_BATCH // (layout.dp_replicate * layout.dp_shard)
+    forwards *= 2 if layout.distill else 1  # a teacher's forward before each of the student's (distill.py)
     site = next((site for site in reads if site.startswith("tolist at ep.py:")), "tolist at ep.py (none found)")
     return {site: TINY_SHAPES[layout.family].n_layers // layout.pp * forwards}
 
