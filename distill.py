@@ -275,7 +275,8 @@ PROBE = "The quick brown fox: 3.14159 naïve café 日本語 def f(x):\n\treturn
 
 def check_vocabulary(cfg: JobConfig, tcfg: JobConfig) -> None:
     """The teacher's next-token distribution is over its own vocabulary: the student's must be the same ids for the
-    same tokens. Refused in one line where the embedding sizes differ or the tokenizers split a probe text apart."""
+    same tokens (special tokens and chat framing may differ: Qwen3's shipped tokenizer beside the shipped one). Refused
+    in one line where the embedding sizes or the tokenizers' vocabularies differ."""
     from data.tokenizers import build_tokenizer
 
     student, teacher = model_args(cfg.model).vocab_size, model_args(tcfg.model).vocab_size
@@ -284,9 +285,12 @@ def check_vocabulary(cfg: JobConfig, tcfg: JobConfig) -> None:
     if theirs is None and saved.is_file():
         theirs = tomllib.loads(saved.read_text()).get("model", {}).get("tokenizer_path")
     same = student == teacher
-    if same and theirs and Path(theirs).exists() and cfg.model.tokenizer_path:
+    if same and theirs and (theirs == "byte" or Path(theirs).exists()) and cfg.model.tokenizer_path:
         a, b = build_tokenizer(cfg.model.tokenizer_path), build_tokenizer(theirs, key="distill.teacher_path")
-        same = a.vocab_size == b.vocab_size and a.encode_batch([PROBE]) == b.encode_batch([PROBE])
+        if hasattr(a, "vocab") and hasattr(b, "vocab"):  # Hugging Face tokenizers: token for token
+            same = a.vocab() == b.vocab()
+        else:  # the byte tokenizer beside another: by how they split a text
+            same = a.vocab_size == b.vocab_size and a.encode_batch([PROBE]) == b.encode_batch([PROBE])
     if not same:
         raise ConfigError(
             f"distill.teacher_path: the teacher ({tcfg.model.name}, {teacher:,} embeddings, tokenizer {theirs}) and the "

@@ -139,6 +139,10 @@ class HFTokenizer:
         """Each text's ids and, per token, the [start, end) characters of the text it covers (the chat mask)."""
         return [(e.ids, e.offsets) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
+    def vocab(self) -> dict[str, int]:
+        """Every token and its id, added tokens included (distill.py compares a teacher's with the student's)."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
 
