@@ -20,6 +20,8 @@ from data.chat import IGNORE_INDEX
 from distill import DistillLoss, check_vocabulary, divergence, teacher_config
 from errors import ConfigError
 from loss import Loss
+from tests.conftest import TINY
+from tests.launch import python, torchrun
 
 VOCAB, ROWS, SEQ = 96, 3, 11
 
@@ -180,3 +182,44 @@ def test_the_teacher_is_the_model_its_folder_names_and_its_vocabulary_must_be_th
     shutil.copytree(REPO / "assets" / "tokenizer", tmp_path / "copy")
     (step.parent / "config.toml").write_text(toml.format(tmp_path / "copy"))
     check_vocabulary(cfg, teacher_config(cfg))
+
+
+def test_a_teacher_read_from_a_step_folder_or_a_hugging_face_folder_in_any_layout_is_the_model_it_saved(
+    seed: Path, tmp_path: Path
+) -> None:
+    """The student started from the seed checkpoint, the teacher the same weights: read from the step folder (its
+    config.toml names the model) on one process and under TP 2 (sharded and loaded as the student is), or from its
+    Hugging Face export, the teacher's distribution is the student's at step 1, so kd_loss is 0 to fp32 rounding and
+    the loss is the run's without a teacher."""
+    hf = tmp_path / "hf"
+    proc = python("scripts/convert_hf.py", "to-hf", str(seed), str(hf), "--flavor", "debugmodel", "--tokenizer-path",
+                  "assets/tokenizer", "--dtype", "float32")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    common = [*TINY, "--training.steps=1", f"--checkpoint.initial_load_path={seed}", "--distill.enable=true"]
+    runs = {
+        "alone": python("train.py", *common[:-1], f"--job.dump_folder={tmp_path / 'alone'}"),
+        "step": python("train.py", *common, f"--distill.teacher_path={seed}", f"--job.dump_folder={tmp_path / 'step'}"),
+        "hf": python("train.py", *common, f"--distill.teacher_path={hf}", f"--job.dump_folder={tmp_path / 'hf_run'}"),
+        "tp2": torchrun(
+            "train.py",
+            *common,
+            f"--distill.teacher_path={seed}",
+            f"--job.dump_folder={tmp_path / 'tp2'}",
+            "--parallelism.tensor_parallel_degree=2",
+            "--parallelism.data_parallel_shard_degree=1",
+            nproc=2,
+        ),  # fmt: skip
+    }
+    for name, run in runs.items():
+        assert run.returncode == 0, (name, run.stderr[-3000:])
+    logged = {
+        name: json.loads((tmp_path / folder / "metrics.jsonl").read_text().splitlines()[0])
+        for name, folder in (("alone", "alone"), ("step", "step"), ("hf", "hf_run"), ("tp2", "tp2"))
+    }
+    for name in ("step", "hf", "tp2"):
+        assert abs(logged[name]["kd_loss"]) < 1e-5, (name, logged[name])
+        assert logged[name]["loss"] == pytest.approx(logged["alone"]["loss"], rel=1e-6), name
+    assert (
+        "distill: teacher llama3 debugmodel" in runs["step"].stdout
+        and "distill: teacher llama3 hf" in runs["hf"].stdout
+    )
