@@ -36,7 +36,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -200,12 +199,15 @@ def source_shape(path: Path) -> tuple[ModelFamily, Any]:
 
         fam = family_of_hf_config(path)
         return fam, model_args_from_hf(fam, path)
+    from checkpoint import refuse_folder_of_steps
+    from checkpoint.folder import is_checkpoint
     from config import load_config, model_args
 
-    if not (path.parent / "config.toml").is_file():
+    refuse_folder_of_steps(path, key="--from")  # a run folder or its checkpoint folder, not a step
+    if not is_checkpoint(path) or not (path.parent / "config.toml").is_file():
         raise ConfigError(
-            f"--from: {path} has no config.json and no config.toml beside it; point it at a Hugging Face folder or at a "
-            "step folder of a run (train.py writes config.toml beside its step folders)"
+            f"--from: {path} is no Hugging Face folder (config.json) nor a run's step folder (.metadata, config.toml "
+            "beside it); point it at one"
         )
     cfg = load_config(["--config", str(path.parent / "config.toml")])
     return family(cfg.model.name), model_args(cfg.model)
@@ -244,7 +246,9 @@ def write_student(
     with torch.device("meta"):
         model = fam.model_cls(args)
     model.load_state_dict(state, strict=True, assign=True)  # the pruned shapes are the student's, every one
-    partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    partial = out.with_name(f".{out.name}.partial")  # a failed run's leftover is ours to replace
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
     try:
         to_hf(model, fam, args, partial, dtype=dtype)
         config = json.loads((partial / "config.json").read_text()) | token_ids

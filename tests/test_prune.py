@@ -142,6 +142,9 @@ def test_the_student_trains_in_train_py_and_prunes_again_from_its_checkpoint(
     step = dump / "checkpoint" / "step-1"
     assert (step.parent / "config.toml").is_file()
     again = tmp_path / "again"
+    assert refusal(["--from", str(step.parent), "--to", str(again)]).startswith(
+        f"--from: {step.parent} is a checkpoint"
+    )
     assert prune(["--from", str(step), "--to", str(again), "--layers=1", "--dtype=float32"]) == 0
     from inference import load_model
 
@@ -171,7 +174,9 @@ def test_bad_input_is_refused_in_one_line_naming_the_flag(teachers: dict[str, Pa
     assert refusal([*qwen, "--heads=3"]).startswith("--heads: 3 is not a multiple of the 2 key/value heads")
     assert refusal([*moe, "--ffn-dim=16"]).startswith("--ffn-dim: qwen3_moe is a mixture of experts")
     assert refusal(["--from", str(tmp_path / "nothing"), "--to", str(out)]).startswith("--from:")
-    assert refusal(["--from", str(tmp_path), "--to", str(out)]).startswith(f"--from: {tmp_path} has no config.json")
+    assert refusal(["--from", str(tmp_path), "--to", str(out)]).startswith(
+        f"--from: {tmp_path} is no Hugging Face folder"
+    )
     (out / "x").mkdir(parents=True)
     assert refusal([*llama]).startswith(f"--to: {out} already exists")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["student"]  # nothing else written, no partial folder
