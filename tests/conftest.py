@@ -39,6 +39,7 @@ SHIPPED: dict[str, Launch] = {
     "configs/debug_ac_op.toml": Launch(2),
     "configs/debug_compile.toml": Launch(2),
     "configs/debug_dpo.toml": Launch(2),
+    "configs/debug_distill.toml": Launch(2),
     "configs/debug_cp.toml": Launch(2),
     "configs/debug_fsdp_tp.toml": Launch(4),
     "configs/debug_hsdp.toml": Launch(4),

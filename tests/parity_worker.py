@@ -326,6 +326,8 @@ DISTILL_LAYOUTS: dict[str, Layout] = {
     "tp2_chunked_loss_distill": Layout(tp=2, loss_chunk_tokens=16, chat=True, block_causal=True, distill=True),
     "cp2_distill": Layout(cp=2, chat=True, block_causal=True, distill=True),
     "fsdp2_tp2_distill": Layout(dp_shard=2, tp=2, chat=True, block_causal=True, distill=True),
+    # The teacher's blocks compiled too: its no-grad graph beside the student's, neither recompiled after step 1.
+    "fsdp2_compile_distill": Layout(dp_shard=2, compile=True, chat=True, block_causal=True, distill=True),
 }
 DISTILL_EP_LAYOUTS = {
     "qwen3_moe_ep2_distill": Layout(dp_shard=2, ep=2, family="qwen3_moe", chat=True, block_causal=True, distill=True)

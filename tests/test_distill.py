@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
+import shlex
 import shutil
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -223,3 +225,38 @@ def test_a_teacher_read_from_a_step_folder_or_a_hugging_face_folder_in_any_layou
         "distill: teacher llama3 debugmodel" in runs["step"].stdout
         and "distill: teacher llama3 hf" in runs["hf"].stdout
     )
+
+
+def test_the_readmes_distillation_commands_train_a_student_from_random_init_and_pruned(
+    seed: Path, tmp_path: Path
+) -> None:
+    """README's distillation lines as written, the seed checkpoint as the teacher instead of `make train`'s step 100,
+    2 steps instead of 100, into a temporary folder: the teacher is named, each step logs kd_loss, the held-out loss is
+    scored, and the pruned student is the teacher's 2 blocks. The figures the README states are its results row's."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## Distill a smaller model") :]
+    lines = re.search(r"```bash\n(.*?)```", section, flags=re.S)[1].strip().splitlines()
+    scratch, prune, pruned = lines
+    assert scratch.endswith("train.py --config configs/debug_distill.toml"), scratch
+    student = tmp_path / "student"
+    prune = prune.replace("outputs/debug/checkpoint/step-100", str(seed)).replace("outputs/student", str(student))
+    nproc, *_ = shlex.split(scratch.removeprefix(".venv/bin/torchrun "))
+    for name, line in (("scratch", scratch), ("prune", prune), ("pruned", pruned)):
+        args = shlex.split(line.replace("outputs/student", str(student)))
+        if name == "prune":
+            proc = python(*args[1:])
+            assert proc.returncode == 0 and "2 of 6 blocks" in proc.stdout, proc.stderr[-3000:]
+            continue
+        dump = tmp_path / name
+        proc = torchrun(
+            *args[2:], f"--distill.teacher_path={seed}", "--training.steps=2", "--validation.freq=2",
+            f"--job.dump_folder={dump}", "--metrics.log_freq=1", nproc=int(nproc.removeprefix("--nproc_per_node=")),
+        )  # fmt: skip
+        assert proc.returncode == 0, (name, proc.stderr[-3000:])
+        assert f"distill: teacher llama3 debugmodel (6.2M parameters) from {seed}, frozen" in proc.stdout
+        assert "kd_loss" in next(line for line in proc.stdout.splitlines() if line.startswith("step 2/2"))
+        assert "validation at step 2" in proc.stdout and (dump / "checkpoint" / "step-2").is_dir()
+    stated = re.search(r"held-out loss at step 100 is ([\d.]+), ([\d.]+)", " ".join(section.split())).groups()
+    rows = [json.loads(line) for line in (REPO / "docs/results/cpu.jsonl").read_text().splitlines()]
+    figures = " ".join(next(row for row in rows if row["id"] == "distill-1")["figures"])
+    assert all(value in figures for value in stated), stated

@@ -93,6 +93,11 @@ FLAVORS: dict[str, ModelArgs] = {
         dim=256, n_layers=6, n_heads=16, n_kv_heads=16, vocab_size=2048,
         max_seq_len=2048, rope_scaling=_LLAMA31_ROPE,
     ),
+    # The debug model's 2-block student (configs/debug_distill.toml): the shape scripts/prune.py --layers 0,5 leaves.
+    "debugmodel_2layers": ModelArgs(
+        dim=256, n_layers=2, n_heads=16, n_kv_heads=16, vocab_size=2048,
+        max_seq_len=2048, rope_scaling=_LLAMA31_ROPE,
+    ),
     # Llama 3.2 1B / 3B: tied input and output embeddings.
     "llama3_1b": ModelArgs(
         dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5,
