@@ -76,7 +76,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                             args=args, config="configs/debug_distill.toml")  # fmt: skip
             runs[f"{start}_{side}"] = {"held_out": held_out(metrics), "step_ms": step_ms(metrics),
                                        "kd_loss": [m["kd_loss"] for m in metrics if "kd_loss" in m][-1:]}  # fmt: skip
-    scored = harness.run_python("eval.py", "--checkpoint", str(teacher), capture=True)  # the teacher's held-out loss
+    # The teacher's held-out loss on the same tokens: eval.py on as many ranks scores what validation did.
+    scored = harness.run_python("eval.py", "--checkpoint", str(teacher), nproc=args.nproc, capture=True)
     if scored.returncode != 0:
         raise SystemExit(f"eval.py exited with status {scored.returncode}: {scored.stderr[-2000:]}")
     teacher_loss = float(scored.stdout.split("| loss ")[1].split()[0])
