@@ -41,6 +41,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -140,15 +141,16 @@ def chunk_sums(
     return full_tensor(ce), kd, full_tensor(z_sum) if z else None
 
 
+@dataclass(frozen=True)
 class DistillLoss(Loss):
     """The student's loss against the labels and the teacher (module docstring): `loss(model, h, labels,
     teacher_h=...)` as LossTerms, the cross-entropy apart and the divergence as the extra `kd_loss` for the metrics.
-    `given` runs the teacher's forward on a micro-batch before the student's (forward.py)."""
+    `given` runs the teacher's forward on a micro-batch before the student's (forward.py). The cross-entropy's
+    settings are Loss's."""
 
-    def __init__(self, settings: Distill, teacher: torch.nn.Module, **loss: Any):
-        super().__init__(**loss)
-        object.__setattr__(self, "settings", settings)  # Loss is a frozen dataclass
-        object.__setattr__(self, "teacher", teacher)
+    _: KW_ONLY
+    settings: Distill = field(default_factory=lambda: Distill(enable=True))  # [distill]
+    teacher: torch.nn.Module | None = None  # frozen, in eval mode, laid out as the student is (build_teacher)
 
     @property
     def extras(self) -> tuple[str, ...]:
@@ -203,8 +205,7 @@ def _hidden(h: torch.Tensor) -> torch.Tensor:
 def build_loss(cfg: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh, device: torch.device, **loss: Any) -> Loss:
     """The distillation loss of `[distill]` with its teacher built, sharded and loaded (`build_teacher`); `loss`: the
     cross-entropy's settings (chunk_tokens, z_loss_weight, vocab_shards)."""
-    teacher = build_teacher(cfg, dims=dims, mesh=mesh, device=device)
-    return DistillLoss(cfg.distill, teacher, **loss)
+    return DistillLoss(settings=cfg.distill, teacher=build_teacher(cfg, dims=dims, mesh=mesh, device=device), **loss)
 
 
 # ------------------------------------------------------------------ the teacher

@@ -455,7 +455,7 @@ def distill_run(family: str, initial: dict[str, torch.Tensor], tokens: torch.Ten
     labels = chat_labels(tokens)
     losses, times = train(
         model, tokens, labels=labels, divisor=loss_divisor(labels, GLOBAL_BATCH, 1), segments=segments,
-        loss_fn=DistillLoss(DISTILL_SETTINGS, teacher),
+        loss_fn=DistillLoss(settings=DISTILL_SETTINGS, teacher=teacher),
     )  # fmt: skip
     return {"teacher": teacher.state_dict(), "losses": losses, "times": times, "final": model.state_dict()}
 
@@ -765,7 +765,7 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
         set_model_state_dict(teacher, dict(family["distill"]["teacher"]), options=options)  # a copy, as above
         vocab_shards = dims.tp if dims.tp_enabled and layout.loss_parallel else 1
         preference["loss_fn"] = DistillLoss(
-            DISTILL_SETTINGS, teacher.eval().requires_grad_(False), chunk_tokens=layout.loss_chunk_tokens,
+            layout.loss_chunk_tokens, settings=DISTILL_SETTINGS, teacher=teacher.eval().requires_grad_(False),
             vocab_shards=vocab_shards,
         )  # fmt: skip
     collectives: Counter[str] = Counter()

@@ -55,7 +55,7 @@ def tensors() -> tuple[Head, Head, torch.Tensor, torch.Tensor, torch.Tensor]:
 def ours(settings: Distill, *, chunk_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """distill.py's divergence term as a mean over the counted labels, and the student's gradient of it."""
     student, teacher, h, teacher_h, labels = tensors()
-    loss = DistillLoss(settings, teacher, chunk_tokens=chunk_tokens)
+    loss = DistillLoss(chunk_tokens, settings=settings, teacher=teacher)
     terms = loss(student, h, labels, teacher_h=teacher_h)
     scale = labels.numel() / (labels != IGNORE_INDEX).sum()  # the terms are over the label positions (loss.py)
     (terms.total * scale).backward()
@@ -126,14 +126,14 @@ def test_the_loss_mixes_the_labels_and_the_teacher_by_kd_ratio_and_logs_the_cros
     plain = Loss(z_loss_weight=1e-2)(student, h, labels)
     settings = Distill(enable=True, beta=0.5, temperature=2.0, kd_ratio=0.3)
     for chunk in (0, 4):
-        terms = DistillLoss(settings, teacher, chunk_tokens=chunk, z_loss_weight=1e-2)(student, h, labels,
+        terms = DistillLoss(chunk, z_loss_weight=1e-2, settings=settings, teacher=teacher)(student, h, labels,
                                                                                        teacher_h=teacher_h)  # fmt: skip
         kd, z = terms.extras["kd_loss"], terms.extras["z_loss"]
         assert torch.allclose(terms.cross_entropy, plain.cross_entropy, rtol=1e-6)
         assert torch.allclose(z, plain.extras["z_loss"], rtol=1e-6)
         assert torch.allclose(terms.total, 0.7 * terms.cross_entropy + 0.3 * kd + 1e-2 * z, rtol=1e-6)
-    assert DistillLoss(settings, teacher).extras == ("kd_loss",)
-    assert type(DistillLoss(settings, teacher).cross_entropy_only()) is Loss
+    assert DistillLoss(settings=settings, teacher=teacher).extras == ("kd_loss",)
+    assert type(DistillLoss(settings=settings, teacher=teacher).cross_entropy_only()) is Loss
 
 
 def test_a_teacher_equal_to_the_student_diverges_by_nothing() -> None:
