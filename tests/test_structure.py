@@ -114,7 +114,7 @@ LAYERS = (
     ("config",),
     ("parallelisms", "data", "loss", "optimizer", "muon", "distributed", "metrics", "profiling", "fleet"),
     ("checkpoint", "forward", "inference"),
-    ("generate", "evaluation", "dpo"),
+    ("generate", "evaluation", "dpo", "distill"),
     ("planning",),
     ("train", "eval"),
 )
