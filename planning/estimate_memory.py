@@ -36,7 +36,7 @@ def _row(label: str, value: float, note: str = "") -> str:
 def breakdown(job: Job, pp_rank: int | None = None) -> str:
     """The per-GPU breakdown as printed by the script: of `pp_rank`, or of the rank that needs the most."""
     e = estimate(job) if pp_rank is None else estimate_rank(job, pp_rank)
-    rows = [*_state_rows(job, e), *_activation_rows(job, e), *_peak_rows(job, e)]
+    rows = [*_state_rows(job, e), *_teacher_rows(job, e), *_activation_rows(job, e), *_peak_rows(job, e)]
     return "\n".join([_heading(job, e, pp_rank), *rows])
 
 
@@ -102,6 +102,22 @@ def _state_rows(job: Job, e: dict[str, Any]) -> list[str]:
     ]
 
 
+def _teacher_rows(job: Job, e: dict[str, Any]) -> list[str]:
+    """[distill]'s frozen teacher (planning/memory.py `_Teacher`): its weights, what it keeps, what the loss adds."""
+    if not job.cfg.distill.enable:
+        return []
+    from distill import teacher_config
+
+    m = teacher_config(job.cfg).model
+    name = f"{m.name} {m.hf_assets_path if m.shape_from_hf_config else m.flavor}"
+    return [
+        _row("teacher's params (fp32 shards)", e["teacher_params"], f"{name}: no gradients, no optimizer state"),
+        _row("teacher's root unit", e["teacher_root"], "norm + output in param_dtype, gathered from its forward on"),
+        _row("teacher's hidden states", e["teacher_hidden"], "to the loss backward; no_grad keeps no activations"),
+        _row("teacher's logits + divergence", e["teacher_loss"], "at the loss phase, beside the student's"),
+    ]
+
+
 def _activation_rows(job: Job, e: dict[str, Any]) -> list[str]:
     """The activations, the loss's buffers, one block's backward and the pipeline's buffers."""
     checkpointed = (
@@ -153,6 +169,8 @@ def _loss_note(job: Job) -> str:
 def _peak_rows(job: Job, e: dict[str, Any]) -> list[str]:
     """The allocated and reserved peaks, the overhead outside the allocator and the total."""
     muon = f", Muon's step {e['muon_step_phase'] / GiB:.2f}" if job.muon else ""
+    if job.cfg.distill.enable:
+        muon += f", teacher forward {e['teacher_forward_phase'] / GiB:.2f}"
     phases = (
         f"at the {e['peak_phase']}: static state + max(loss phase {e['loss_phase'] / GiB:.2f}, "
         f"block phase {e['block_phase'] / GiB:.2f}, embedding phase {e['embedding_phase'] / GiB:.2f}{muon})"

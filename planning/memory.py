@@ -415,6 +415,60 @@ def _transients(job: Job, costs: BlockCosts, params: _RankParams) -> _Transients
     )
 
 
+@dataclass(frozen=True)
+class _Teacher:
+    """[distill]'s frozen teacher on this rank (distill.py: built and sharded as the student is, no gradient, no
+    optimizer state, its forward under no_grad before the student's), as the estimate counts it; zeros without one."""
+
+    params: float = 0.0
+    """FSDP's fp32 shards of what TP left (the model is built in fp32, as the student's master copy; param_dtype is what
+    FSDP gathers): 4 B per parameter / (shard x tp), on the GPU unless CPU offload moves them."""
+    root: float = 0.0
+    """Its root unit (final norm + output projection) gathered in param_dtype from its first forward on: FSDP reshards
+    a root unit in backward, which the teacher never runs (and the loss's teacher.project reads the whole matrix)."""
+    hidden: float = 0.0
+    """Its final hidden states of the micro-batch (tokens x its dim, param_dtype), kept from its forward through the
+    student's loss backward (the chunks' checkpoints hold them)."""
+    loss: float = 0.0
+    """What the divergence adds to the loss phase beyond the student's cross-entropy, per logit of the chunk (or the
+    micro-batch): the teacher's logits in param_dtype and four fp32 logit-sized tensors (the teacher's log-softmax and
+    its exp, the student's second log-softmax, the divergence's gradient; + 4 B under loss parallel's own log-softmax)."""
+    forward: float = 0.0
+    """Its forward's working set beyond `root` and `hidden`: two blocks gathered in param_dtype (one computing, one
+    prefetched) and one block's transient tensors (about two T x D and two of its widest projection's output): no_grad
+    keeps nothing of a block once it is done, so no activations are held."""
+    block_unit: float = 0.0
+    """One of its blocks as FSDP gathers it on this rank, in param_dtype (the all-gather stream's outputs)."""
+
+
+def _teacher(job: Job, *, tp_mesh: DeviceMesh | None) -> _Teacher:
+    """The teacher's terms (`_Teacher`): its shape from distill.teacher_config (its folder's config, else
+    distill.teacher_name / teacher_flavor), its parameters on this rank as the student's are counted (a trace of one
+    of its blocks, planning/trace.py)."""
+    if not job.cfg.distill.enable:
+        return _Teacher()
+    from config import model_args
+    from distill import teacher_config  # a leaf of the recipe: loaded only for a job that distills
+
+    tcfg = teacher_config(job.cfg)
+    tjob = dataclasses.replace(job, cfg=tcfg, args=model_args(tcfg.model))
+    costs = block_costs(tjob, "none", tp_mesh=tp_mesh)
+    params = _rank_params(tjob, costs, 0)
+    param_bytes, tokens = DTYPE_BYTES[job.cfg.training.mixed_precision_param], job.microbatch_tokens
+    tp, vocab, dim = job.dims.tp, job.args.vocab_size, tjob.args.dim
+    logits = (job.chunk_tokens or tokens) * vocab / (tp if job.loss_parallel else 1)
+    return _Teacher(
+        params=0.0 if job.cpu_offload else 4 * params.sharded,
+        root=param_bytes * params.root if job.fsdp else 0.0,
+        hidden=param_bytes * tokens * dim,
+        loss=(param_bytes + (16 if tp == 1 else 20)) * logits,
+        forward=(2 * param_bytes * params.block if job.fsdp else 0.0)
+        + param_bytes * tokens * (dim + dim / tp)
+        + 2 * costs.widest,
+        block_unit=param_bytes * params.block,
+    )
+
+
 class _Replay:
     """The rank's forwards and backwards in its schedule's order, and the worst moment of each phase of backward
     (loss, block, embedding): the bytes alive then beyond the static state, the gradient shards among them (they
@@ -429,8 +483,10 @@ class _Replay:
         gathered: dict[str, float],
         acts: _Activations,
         transients: _Transients,
+        teacher: _Teacher,
     ) -> None:
         self.params, self.state, self.gathered, self.acts, self.transients = params, state, gathered, acts, transients
+        self.teacher = teacher
         self.pipelined, self.fsdp = job.dims.pp > 1, job.fsdp
         # Gradients summed unsharded from a stage's first backward on (PP, or FSDP deferring its reduce-scatters).
         self.accumulates = job.accumulates_unsharded
@@ -469,11 +525,11 @@ class _Replay:
         first = stage not in self.backward_done
         accumulated = sum(params.of_stage(k) for k in self.backward_done)
         accumulators = self.reduce_bytes * accumulated if self.accumulates else 0.0
-        base = state.earlier_grads + accumulators + others + transients.pp_buffers
+        base = state.earlier_grads + accumulators + others + transients.pp_buffers + self.teacher.hidden
         where = f"stage {stage}, micro-batch {key[1]}" if self.pipelined else ""
         last = stage == params.last_stage
         if last:
-            value = self.gathered["loss"] + base + self.held[key] + transients.loss
+            value = self.gathered["loss"] + base + self.held[key] + transients.loss + self.teacher.loss
             self._record("loss", value, state.earlier_grads, where)
         blocks = acts.blocks(stage)
         remaining = sum(blocks) + acts.token_ids
@@ -516,8 +572,15 @@ def estimate_rank(job: Job, pp_rank: int = 0, *, tp_mesh: DeviceMesh | None = No
     params = _rank_params(job, costs, pp_rank)
     state = _sharded_state(job, params)
     acts, transients = _activations(job, costs, params.stages, tp_mesh=tp_mesh), _transients(job, costs, params)
+    teacher = _teacher(job, tp_mesh=tp_mesh)
     replay = _Replay(
-        job, params=params, state=state, gathered=_gathered_params(job, params), acts=acts, transients=transients
+        job,
+        params=params,
+        state=state,
+        gathered=_gathered_params(job, params),
+        acts=acts,
+        transients=transients,
+        teacher=teacher,
     )
     if job.dims.pp > 1:
         n_local, n_mb = len(params.local), job.microbatches
@@ -534,6 +597,9 @@ def estimate_rank(job: Job, pp_rank: int = 0, *, tp_mesh: DeviceMesh | None = No
         replay.run([("F", 0, 0), ("B", 0, 0), ("F", 0, 1), ("B", 0, 1)])
     else:
         replay.run([("F", 0, 0), ("B", 0, 0)])
+    if job.cfg.distill.enable:  # before each micro-batch's forward; from the second on, the earlier gradient shards
+        forward = state.earlier_grads + teacher.forward + teacher.hidden
+        replay.phases["teacher forward"] = (forward, state.earlier_grads, "")
     if job.muon:
         replay.phases["optimizer step"] = (_muon_step(job, params, state), state.grads * state.on_gpu, "Muon")
     return _report(job, pp_rank, replay)
@@ -551,20 +617,22 @@ def _peak(job: Job, replay: _Replay) -> dict[str, float | str]:
     """The allocated peak (static state + the worst phase) and what the caching allocator reserves for it: state +
     the reduce-scatter stream's shards + the all-gather stream's flat outputs + the compute stream's peak with
     fragmentation (docs/planning.md, "How the estimator counts": "Reserved")."""
-    params, state, phases = replay.params, replay.state, replay.phases
+    params, state, phases, teacher = replay.params, replay.state, replay.phases, replay.teacher
     peak_phase, peak_value, _, peak_where = replay.worst()
-    allocated = state.static + peak_value
+    static = state.static + teacher.params + teacher.root  # the teacher's root unit, once gathered, stays
+    allocated = static + peak_value
     rs_pool = state.grads if state.on_gpu else 4 * params.largest_shard
-    ag_pool = DTYPE_BYTES[job.cfg.training.mixed_precision_param] * max(params.largest_unit, 2 * params.block)
+    param_bytes = DTYPE_BYTES[job.cfg.training.mixed_precision_param]
+    ag_pool = max(param_bytes * params.largest_unit, 2 * param_bytes * params.block, 2 * teacher.block_unit)
     compute = max(value - shards for value, shards, _ in phases.values())
     if not job.fsdp:  # one rank: no FSDP streams, the gradients are the compute stream's
         rs_pool, ag_pool, compute = 0.0, 0.0, max(value for value, _, _ in phases.values())
     if job.machine.reserves:
-        reserved = state.static + rs_pool + ag_pool + (1 + FRAGMENTATION) * compute
+        reserved = static + rs_pool + ag_pool + (1 + FRAGMENTATION) * compute
     else:
         reserved = allocated
     return {
-        "peak_phase": (peak_phase if peak_phase == "optimizer step" else f"{peak_phase} backward")
+        "peak_phase": (peak_phase if peak_phase in ("optimizer step", "teacher forward") else f"{peak_phase} backward")
         + (f" ({peak_where})" if peak_where else ""),
         "allocator_peak": allocated,
         "rs_pool": rs_pool,
@@ -619,6 +687,11 @@ def _report(job: Job, pp_rank: int, replay: _Replay) -> dict[str, float | int | 
         "experts_unit": param_bytes * params.experts,
         **{f"{kind}_phase": phases.get(kind, (0.0,))[0] for kind in ("loss", "block", "embedding")},
         "muon_step_phase": phases.get("optimizer step", (0.0,))[0],
+        "teacher_params": replay.teacher.params,
+        "teacher_root": replay.teacher.root,
+        "teacher_hidden": replay.teacher.hidden,
+        "teacher_loss": replay.teacher.loss,
+        "teacher_forward_phase": phases.get("teacher forward", (0.0,))[0],
         **{f"{kind}_phase_at": phases.get(kind, (0.0, 0.0, "-"))[2] for kind in ("loss", "block", "embedding")},
         **peak,
         "overhead": overhead,

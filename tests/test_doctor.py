@@ -242,6 +242,21 @@ def test_memory_fit_on_gpus(llama3_stand_ins: tuple[Path, Path]) -> None:
     assert keys(findings) == [("error", "memory")] and "one GPU's 80 GiB" in findings[0].message
 
 
+def test_a_teacher_counts_in_the_memory_check(llama3_stand_ins: tuple[Path, Path]) -> None:
+    """[distill]: configs/llama3_8b.toml fits 8 GPUs of 80 GiB; with Llama 3 70B as its teacher it does not, its
+    frozen fp32 shards alone 4 B x 70.6e9 / 8 = 33 GiB a rank (planning/memory.py counts its terms)."""
+    from planning.job import Job
+    from planning.memory import estimate
+
+    cfg = load_config(llama3_8b(llama3_stand_ins))
+    plain = estimate(Job.of(cfg, GPUS, world_size=8))
+    cfg.distill = dataclasses.replace(cfg.distill, enable=True, teacher_path="step-0", teacher_flavor="llama3_70b")
+    findings = check(cfg, world_size=8, machine=GPUS, device_memory_gib=80.0)
+    assert keys(findings) == [("error", "memory")] and "one GPU's 80 GiB" in findings[0].message
+    need = float(findings[0].message.split("about ")[1].split(" GiB")[0])
+    assert need > plain["total"] / 2**30 + 4 * 70.55e9 / 8 / 2**30, (need, plain["total"])
+
+
 def test_the_debug_model_fits() -> None:
     cfg = load_config(["--config", "configs/debug.toml"])
     assert check(cfg, world_size=2, device_memory_gib=4.0) == []

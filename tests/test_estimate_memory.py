@@ -359,6 +359,42 @@ def test_muons_state_and_step_as_the_optimizer_holds_them() -> None:
     )
 
 
+TEACHER_70B = ("--distill.enable=true", "--distill.teacher_path=step-0", "--distill.teacher_flavor=llama3_70b")
+
+
+def test_a_teacher_adds_its_weights_hidden_states_and_divergence_and_nothing_else() -> None:
+    """[distill] (distill.py): Llama 3 8B learning from Llama 3 70B on 64 ranks, op SAC, one 8192-token window a rank.
+    The teacher's fp32 shards (4 B per parameter / 64: no gradient, no optimizer state), its root unit gathered in
+    bf16 for the whole run, its hidden states of the micro-batch in every phase of backward, its logits and the
+    divergence at the loss phase: the estimate is larger by exactly these, and no student term changes."""
+    plan = dict(flavor="llama3_8b", seq_len=8192, local_batch_size=1, ac="selective-op")
+    plain, kd = estimate(flags.job(64, **plan)), estimate(flags.job(64, **plan, extra=TEACHER_70B))
+    teacher = FLAVORS["llama3_70b"]
+    assert kd["teacher_params"] == pytest.approx(4 * family("llama3").num_params(teacher) / 64, rel=1e-12)
+    assert kd["teacher_root"] == 2 * (teacher.dim * teacher.vocab_size + teacher.dim)
+    assert kd["teacher_hidden"] == 2 * 8192 * teacher.dim
+    chunk = flags.job(64, **plan).chunk_tokens  # the loss's chunk: both models' logits are made chunk by chunk
+    assert chunk == 2048 and kd["teacher_loss"] == (2 + 16) * chunk * teacher.vocab_size
+    teacher_keys = {key for key in kd if key.startswith("teacher_")}
+    assert {plain[key] for key in teacher_keys} == {0.0}
+    phases = {"loss_phase", "block_phase", "embedding_phase", "allocator_peak", "compute_peak", "reserved", "total"}
+    assert {key for key in plain if kd[key] != plain[key]} == teacher_keys | phases | {"ag_pool"}
+    hidden, loss = kd["teacher_hidden"], kd["teacher_loss"]
+    assert kd["loss_phase"] - plain["loss_phase"] == pytest.approx(hidden + loss)
+    for phase in ("block_phase", "embedding_phase"):
+        assert kd[phase] - plain[phase] == pytest.approx(hidden), phase
+    assert plain["peak_phase"] == kd["peak_phase"] == "loss backward"
+    added = kd["teacher_params"] + kd["teacher_root"] + hidden + loss
+    assert kd["allocator_peak"] - plain["allocator_peak"] == pytest.approx(added)
+    # Its no_grad forward keeps no activations: two of its blocks gathered and one block's transients, less than
+    # the student's backward needs.
+    assert kd["teacher_forward_phase"] < kd["block_phase"] < kd["loss_phase"]
+    # Under TP 8 the same ranks hold the same share of its weights (TP leaves only the norms whole).
+    tp8 = estimate(flags.job(64, **plan, tp=8, extra=TEACHER_70B))
+    assert tp8["teacher_params"] == pytest.approx(kd["teacher_params"], rel=1e-3)
+    assert "teacher's params (fp32 shards)" in breakdown(flags.job(64, **plan, extra=TEACHER_70B))
+
+
 def test_the_fake_step_refuses_muon_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     """--fake-step steps AdamW: with Muon it would check another optimizer's state against Muon's estimate."""
     argv = ["--flavor", "debugmodel", "--ngpu", "2", "--seq-len", "64", "--allocator", "cpu", "--optimizer", "Muon"]
