@@ -88,8 +88,8 @@ def test_the_divergence_is_trls_generalized_jsd_value_and_gradient(beta: float, 
 
 
 def torchtune_kd_losses() -> ModuleType:
-    """torchtune's kd_losses.py as the installed package has it, read alone: torchtune's own __init__ imports a
-    torchao API this torchao no longer has, and these losses need nothing but torch."""
+    """torchtune's module of distillation losses (torchtune/modules/loss/kd_losses), read alone: its package's
+    __init__ imports a torchao API this torchao no longer has, and these losses need nothing but torch."""
     spec = importlib.util.find_spec("torchtune")
     assert spec is not None and spec.origin is not None, "torchtune is in the dev extra (pyproject.toml)"
     path = Path(spec.origin).parent / "modules" / "loss" / "kd_losses.py"
