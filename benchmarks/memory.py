@@ -46,11 +46,6 @@ The bf16 logits and the loss are held by the caller, not saved: they are reporte
 (`logits_bytes`) and not in the column. Counts are exact for eager mode; torch.compile changes
 what is saved.
 
-Apart from the setups, the loss phase alone at Llama 3's vocabulary (`loss_phase`: the output projection and the
-cross-entropy of loss.py; `distill_phase`: distill.DistillLoss, the student's and a frozen teacher's projections, the
-cross-entropy and the divergence), forward and backward, with the whole logits and in chunks: peak bytes of the
-tensors the phase creates (tests.instruments.LiveBytes).
-
 On a CPU-only machine CPU offload cannot show a difference in where memory lives (the compute
 device is the host too): the table reports the shards' `device` (cpu in both cases) and keeps
 the offloaded state out of the device total, which is what a GPU run would do by policy.
@@ -78,8 +73,7 @@ from torch.distributed.tensor import DTensor
 
 from benchmarks import harness
 from benchmarks.harness import MiB, Row
-from config import ActivationCheckpoint, Compile, Distill, JobConfig, Training
-from distill import DistillLoss
+from config import ActivationCheckpoint, Compile, JobConfig, Training
 from loss import chunked_sums
 from models import with_seq_len
 from models.llama3 import FLAVORS, ModelArgs, Transformer
@@ -379,7 +373,7 @@ def rows(results: dict[str, Any]) -> list[Row]:
     row = functools.partial(
         Row, problem=PROBLEM, metric="device memory per rank: state + saved activations", unit="MiB"
     )
-    loss, kd = results["loss_phase"], results["distill_phase"]
+    loss = results["loss_phase"]
     return [
         row(broken=before, broken_value=setups[b]["device_total_bytes"] / MiB,
             fixed=after, fixed_value=setups[a]["device_total_bytes"] / MiB)
@@ -388,9 +382,6 @@ def rows(results: dict[str, Any]) -> list[Row]:
         Row(problem=PROBLEM, metric=f"loss phase peak, {loss['tokens']:,} tokens x vocab {loss['vocab']:,}", unit="MiB",
             broken="whole logits", broken_value=loss["peak_bytes"]["whole"] / MiB,
             fixed=f"chunks of {loss['chunk_tokens']}", fixed_value=loss["peak_bytes"]["chunked"] / MiB),
-        Row(problem=PROBLEM, metric=f"distillation loss phase peak, student + teacher, {kd['tokens']:,} tokens x vocab "
-            f"{kd['vocab']:,}", unit="MiB", broken="whole logits", broken_value=kd["peak_bytes"]["whole"] / MiB,
-            fixed=f"chunks of {kd['chunk_tokens']}", fixed_value=kd["peak_bytes"]["chunked"] / MiB),
     ]  # fmt: skip
 
 
@@ -425,13 +416,6 @@ def table(results: dict[str, Any]) -> str:
         f"logits, {loss['peak_bytes']['chunked'] / MiB:.0f} MiB in chunks of {loss['chunk_tokens']} tokens "
         f"({loss['seconds']['whole']:.1f} s vs {loss['seconds']['chunked']:.1f} s)"
     )
-    kd = results["distill_phase"]
-    lines.append(
-        f"distillation loss phase (student + frozen teacher projections, cross-entropy + divergence, forward + "
-        f"backward, fp32), the same shapes: peak {kd['peak_bytes']['whole'] / MiB:.0f} MiB with the whole logits, "
-        f"{kd['peak_bytes']['chunked'] / MiB:.0f} MiB in chunks of {kd['chunk_tokens']} tokens "
-        f"({kd['seconds']['whole']:.1f} s vs {kd['seconds']['chunked']:.1f} s)"
-    )
     return "\n".join(lines)
 
 
@@ -451,34 +435,6 @@ def loss_phase(*, tokens: int, dim: int, vocab: int, chunk_tokens: int) -> dict[
         with LiveBytes().track() as live:
             loss = chunked_sums(project, h, labels, chunk_tokens=chunk)[0] / labels.numel()
             loss.backward()
-        peaks[name], seconds[name] = live.peak, time.perf_counter() - start
-    return {"tokens": tokens, "dim": dim, "vocab": vocab, "chunk_tokens": chunk_tokens,
-            "logits_bytes": 4 * tokens * vocab, "peak_bytes": peaks, "seconds": seconds}  # fmt: skip
-
-
-class _Head(nn.Module):
-    """What DistillLoss reads of a model: `project` (dim -> vocab) and `args.vocab_size`."""
-
-    def __init__(self, dim: int, vocab: int) -> None:
-        super().__init__()
-        self.project = nn.Linear(dim, vocab, bias=False)
-        self.args = argparse.Namespace(vocab_size=vocab)
-
-
-def distill_phase(*, tokens: int, dim: int, vocab: int, chunk_tokens: int) -> dict[str, Any]:
-    """loss_phase for distill.DistillLoss (forward KL, kd_ratio 0.5): the student's and the frozen teacher's
-    projections of the same shapes, the cross-entropy and the divergence, forward and backward, fp32."""
-    torch.manual_seed(0)
-    student, teacher = _Head(dim, vocab), _Head(dim, vocab).requires_grad_(False)
-    h = torch.randn(1, tokens, dim, requires_grad=True)
-    teacher_h = torch.randn(1, tokens, dim)
-    labels = torch.randint(0, vocab, (1, tokens))
-    peaks, seconds = {}, {}
-    for name, chunk in (("whole", 0), ("chunked", chunk_tokens)):
-        loss_fn = DistillLoss(chunk, settings=Distill(enable=True), teacher=teacher)
-        start = time.perf_counter()
-        with LiveBytes().track() as live:
-            loss_fn(student, h, labels, teacher_h=teacher_h).total.backward()
         peaks[name], seconds[name] = live.peak, time.perf_counter() - start
     return {"tokens": tokens, "dim": dim, "vocab": vocab, "chunk_tokens": chunk_tokens,
             "logits_bytes": 4 * tokens * vocab, "peak_bytes": peaks, "seconds": seconds}  # fmt: skip
@@ -518,11 +474,9 @@ def measure_args(args: argparse.Namespace) -> dict[str, Any]:
                 row[key] = max(r[key] for r in everyone)
             row["per_rank_device_total_bytes"] = [r["device_total_bytes"] for r in everyone]
             setups[name] = row
-        shapes = LOSS_PHASE | {"dim": args.loss_dim}
-        loss = loss_phase(**shapes) if dist.get_rank() == 0 else {}
-        kd = distill_phase(**shapes) if dist.get_rank() == 0 else {}
+        loss = loss_phase(**(LOSS_PHASE | {"dim": args.loss_dim})) if dist.get_rank() == 0 else {}
     meta = {"flavor": args.flavor, "seq_len": args.seq_len, "local_batch_size": args.batch_size, "world": world}
-    return {**meta, "setups": setups, "loss_phase": loss, "distill_phase": kd}
+    return {**meta, "setups": setups, "loss_phase": loss}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -44,6 +44,7 @@ from benchmarks import (
     context_parallel,
     data_pipeline,
     distill,
+    distill_memory,
     dpo_format,
     float8,
     generation,
@@ -68,6 +69,7 @@ BENCHMARKS = {
         compile_cache,
         async_tp_fusion,
         memory,
+        distill_memory,
         muon,
         moe_balance,
         dpo_format,
@@ -87,7 +89,7 @@ BENCHMARKS = {
 # progress lines' estimate of the rest, scaled by how the run is going. "train" is --train-rows' part on CPU.
 SECONDS = {
     "recompute": 20, "metadata": 12, "comm_volume": 28, "compile_cache": 66, "async_tp_fusion": 40, "memory": 30,
-    "muon": 18, "moe_balance": 8, "dpo_format": 300, "distill": 720, "context_parallel": 40, "data_pipeline": 30, "float8": 11,
+    "distill_memory": 34, "muon": 18, "moe_balance": 8, "dpo_format": 300, "distill": 720, "context_parallel": 40, "data_pipeline": 30, "float8": 11,
     "gpu_costs": 18, "generation": 45, "vs_torchtitan": 300, "checkpoint_checksums": 20, "train": 150,
 }  # fmt: skip
 # Parts that run only when named with --only: together with the rest they would not fit make bench's 12 minutes.

@@ -445,8 +445,6 @@ def _teacher(job: Job, *, tp_mesh: DeviceMesh | None) -> _Teacher:
     """The teacher's terms (`_Teacher`): its shape from distill.teacher_config (its folder's config, else
     distill.teacher_name / teacher_flavor), its parameters on this rank as the student's are counted (a trace of one
     of its blocks, planning/trace.py)."""
-    if not job.cfg.distill.enable:
-        return _Teacher()
     from config import model_args
     from distill import teacher_config  # a leaf of the recipe: loaded only for a job that distills
 
@@ -572,7 +570,9 @@ def estimate_rank(job: Job, pp_rank: int = 0, *, tp_mesh: DeviceMesh | None = No
     params = _rank_params(job, costs, pp_rank)
     state = _sharded_state(job, params)
     acts, transients = _activations(job, costs, params.stages, tp_mesh=tp_mesh), _transients(job, costs, params)
-    teacher = _teacher(job, tp_mesh=tp_mesh)
+    teacher = _Teacher()  # none: all zeros
+    if job.cfg.distill.enable:  # [distill]'s frozen teacher (distill.py)
+        teacher = _teacher(job, tp_mesh=tp_mesh)
     replay = _Replay(
         job,
         params=params,
