@@ -23,13 +23,13 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def test_four_students_and_their_teacher_are_scored(results: dict[str, Any]) -> None:
     """Each student's held-out loss at its last step and its step time; a kd_loss only with the teacher; the student
-    from random init starts far above the one pruned from the teacher (the same 2 blocks of the teacher's weights)."""
+    from random init starts above the one pruned from the teacher (the same 2 blocks of the teacher's weights)."""
     runs = results["runs"]
     assert set(runs) == {f"{s}_{side}" for s in distill.STARTS for side in distill.SIDES}
     for name, run in runs.items():
         assert math.isfinite(run["held_out"]) and run["step_ms"] > 0, (name, run)
         assert bool(run["kd_loss"]) == name.endswith("teacher"), (name, run)
-    assert runs["random_labels"]["held_out"] > runs["pruned_labels"]["held_out"] + 1
+    assert runs["random_labels"]["held_out"] > runs["pruned_labels"]["held_out"]
     assert math.isfinite(results["teacher_held_out"])
     rows = distill.rows(results)
     assert [(r.broken, r.fixed) for r in rows] == [("labels alone", "with the teacher")] * 3

@@ -26,7 +26,7 @@ class Distill:
     kd_ratio: float = 0.5
     """The loss is (1 - kd_ratio) x cross-entropy + kd_ratio x the divergence (torchtune's kd_ratio); 1: the teacher alone."""
 
-    def problems(self, *, pp: int, dpo: bool) -> list[str]:
+    def problems(self, *, pp: int, dpo: bool = False) -> list[str]:
         """What distillation needs of its own keys and of the rest of the config."""
         if not self.enable:
             return []
