@@ -23,10 +23,12 @@ entropy, a constant of the student: their gradients are equal, their values diff
 Memory: at Llama 3's 128,256 entries the two models' fp32 logits of 8,192 tokens are 8 GiB before any gradient.
 The teacher's forward stops at its final norm (its hidden states, tokens x its dim, are what the micro-batch keeps
 of it); both projections then run `chunk_tokens` tokens at a time under activation checkpointing, as the chunked
-cross-entropy does, so forward and backward hold one chunk's logits of each model (make bench's distill row
-measures the peak). Under loss parallel each TP rank holds a vocabulary shard of both logits: the log-softmax of
-each is formed over the shards (the maximum and the normalizer all-reduced, parallelisms/tp.py's loss parallel) and
-the divergence's sum over the vocabulary is one more all-reduce. Under context parallel each rank scores its part of
+cross-entropy does, so forward and backward hold one chunk's logits of each model (benchmarks/distill_memory.py
+measures the peak). The teacher's root unit (final norm and output projection) stays gathered after its first
+forward: FSDP reshards a root only in backward, which the teacher never runs (planning/memory.py counts it).
+Under loss parallel each TP rank holds a vocabulary shard of both logits: the log-softmax of each is formed over the
+shards (the maximum and the normalizer all-reduced by `divergence` itself, not torch's loss-parallel log_softmax,
+whose backward assumes an nll_loss after it) and the divergence's sum over the vocabulary is one more all-reduce. Under context parallel each rank scores its part of
 every window with the teacher run in the same layout.
 
 The teacher (`build_teacher`): a checkpoint step folder of this repo (its config.toml names the model) or a Hugging
@@ -227,10 +229,12 @@ def teacher_config(cfg: JobConfig) -> JobConfig:
             "name": family_of_hf_config(folder).name,
             "hf_assets_path": str(folder),
             "shape_from_hf_config": True,
+            "tokenizer_path": str(folder),
         }
     elif saved.is_file():
         own = tomllib.loads(saved.read_text()).get("model", {})
-        changes = {k: own[k] for k in ("name", "flavor", "hf_assets_path", "shape_from_hf_config") if k in own}
+        keys = ("name", "flavor", "hf_assets_path", "shape_from_hf_config", "tokenizer_path")
+        changes = {k: own[k] for k in keys if k in own}
     changes.setdefault("name", d.teacher_name or m.name)
     if not hf:
         changes.setdefault("flavor", d.teacher_flavor or m.flavor)
@@ -281,12 +285,10 @@ def check_vocabulary(cfg: JobConfig, tcfg: JobConfig) -> None:
     from data.tokenizers import build_tokenizer
 
     student, teacher = model_args(cfg.model).vocab_size, model_args(tcfg.model).vocab_size
-    theirs = tcfg.model.hf_assets_path if tcfg.model.shape_from_hf_config else None
-    saved = Path(cfg.distill.teacher_path or "").parent / "config.toml"
-    if theirs is None and saved.is_file():
-        theirs = tomllib.loads(saved.read_text()).get("model", {}).get("tokenizer_path")
+    theirs = tcfg.model.tokenizer_path  # teacher_config's: its folder's, else the student's (nothing to compare)
     same = student == teacher
-    if same and theirs and (theirs == "byte" or Path(theirs).exists()) and cfg.model.tokenizer_path:
+    known = theirs and theirs != cfg.model.tokenizer_path and (theirs == "byte" or Path(theirs).exists())
+    if same and known and cfg.model.tokenizer_path:
         a, b = build_tokenizer(cfg.model.tokenizer_path), build_tokenizer(theirs, key="distill.teacher_path")
         if hasattr(a, "vocab") and hasattr(b, "vocab"):  # Hugging Face tokenizers: token for token
             same = a.vocab() == b.vocab()
