@@ -43,9 +43,9 @@ APPLIED, NONFINITE, SPIKE = 0, 1, 2
 def build_optimizer(
     o: Optimizer, model: torch.nn.Module, *, training: Training | None = None, pp_degree: int = 1
 ) -> SkipStepOptimizer:
-    """AdamW over the model's parameters behind the skip-step gate; `training` gives the skip rules (default: skip
-    non-finite steps only, and stop at the first)."""
-    adamw = torch.optim.AdamW(list(model.parameters()), **adamw_settings(o))
+    """AdamW over the model's parameters that train (frozen ones hold no state: LoRA's base) behind the skip-step
+    gate; `training` gives the skip rules (default: skip non-finite steps only, and stop at the first)."""
+    adamw = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **adamw_settings(o))
     return SkipStepOptimizer([adamw], **skip_rules(model, training=training, pp_degree=pp_degree))
 
 

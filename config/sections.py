@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from config.distill import Distill
+from config.lora import Lora
 from config.dpo import Dpo
 from config.parts import optional_part
 from config.torchtitan import (
@@ -858,6 +859,7 @@ class JobConfig:
     eval: Eval = field(default_factory=Eval)
     dpo: Dpo = field(default_factory=Dpo)
     distill: Distill = field(default_factory=Distill)
+    lora: Lora = field(default_factory=Lora)
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)

@@ -45,6 +45,11 @@ def input_problems(cfg: JobConfig) -> list[str]:
             f"distill.teacher_path: {cfg.distill.teacher_path} is not a folder; point it at a checkpoint step folder "
             "(contains .metadata) or a Hugging Face folder (config.json, *.safetensors)"
         )
+    if cfg.lora.enable and cfg.lora.adapter_path and not Path(cfg.lora.adapter_path, "adapter_config.json").is_file():
+        p.append(
+            f"lora.adapter_path: {cfg.lora.adapter_path} has no adapter_config.json; point it at a PEFT adapter folder "
+            "(adapter_config.json, adapter_model.safetensors), or unset it to start the adapters afresh"
+        )
     return p
 
 

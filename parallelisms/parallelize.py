@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from config import float8_settings
+from lora import apply_lora
 from models import family
 from parallelisms.ac import apply_ac
 from parallelisms.async_tp import apply_async_tp
@@ -36,7 +37,7 @@ def parallelize_model(
     mesh: DeviceMesh,
     device: torch.device,
 ) -> nn.Module:
-    """Apply, in order, float8 -> TP -> EP (+ async TP) -> CP -> activation checkpointing -> compile -> FSDP to a (meta) model,
+    """Apply, in order, float8 -> TP -> EP -> LoRA (+ async TP) -> CP -> activation checkpointing -> compile -> FSDP to a (meta) model,
     as the run's config asks: [training], [parallelism], [activation_checkpoint], [compile] and the float8 linears.
 
     The order is not a matter of taste:
@@ -49,7 +50,9 @@ def parallelize_model(
          Async TP only sets the compiler passes that overlap TP's collectives: on before compile.
       1a. EP splits each block's experts over the "ep" ranks (parallelisms/ep.py), once TP has given each rank its own
          tokens at the MoE, before FSDP shards each rank's experts over the ranks left.
-      1b. CP wraps each attention core (parallelisms/cp.py) before AC and compile see the block, so
+      1b. LoRA's adapters (lora.py) join the linears TP has split, each placed by PEFT's rule for its parallel
+         layer, and the float8 linears, which leave them in the compute dtype; everything after sees them.
+      1c. CP wraps each attention core (parallelisms/cp.py) before AC and compile see the block, so
          its all-gather of keys and values is part of the checkpointed and compiled region.
       2. AC before compile: compile then traces the checkpointed block, so the recomputation
          (and selective AC's save/recompute choices) is part of the compiled graph.
@@ -88,6 +91,8 @@ def parallelize_model(
         ep_mesh, experts_fsdp_mesh = dims.expert_meshes(mesh)
         apply_ep(model, ep_mesh, experts=fam.experts_module)
         experts = (fam.experts_module, experts_fsdp_mesh)
+    if cfg.lora.enable:  # adapters on the final linears, the rest frozen (lora.py)
+        apply_lora(model, cfg.lora, fam)
     if parallelism.enable_async_tensor_parallel:
         apply_async_tp(mesh["tp"], compile_enabled=compile.enable and "model" in compile.components)
     if (cp := context_parallel(mesh, parallelism)) is not None:

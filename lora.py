@@ -1,0 +1,258 @@
+"""LoRA ([lora] enable = true): low-rank adapters on a frozen base, PEFT's model and folder format.
+
+Each target linear y = W x becomes y = W x + s B A dropout(x), A (r, in) and B (out, r), s = lora_alpha / r
+(lora_alpha / sqrt(r) with use_rslora); A starts as PEFT initializes it (Kaiming-uniform, a = sqrt(5), as
+nn.Linear's own weight), B at zero, so step 1 starts from the base exactly. Every other weight is frozen: no
+gradient, no optimizer state (optimizer.py takes the parameters that train), not in checkpoints (a checkpoint holds
+what trains: checkpoint/manager.py; the base is read from checkpoint.initial_load_path again on resume). The targets
+are named by the family's Hugging Face module names (q_proj, ..., down_proj: models/<family>/hf.py PER_LAYER), as
+PEFT's target_modules are; "all-linear" is every nn.Linear of every block, never the output head (PEFT's rule). An
+MoE's grouped experts are no nn.Linear and take none.
+
+Where it sits in parallelisms/parallelize.py: after float8, TP and EP, before CP, AC, compile and FSDP, so that
+  * each target keeps its class and gains two children (a class of its own with this forward mixed in: the way
+    FSDP2 itself extends a module), so the parameter names are the base's plus `<linear>.lora_A.weight` and
+    `<linear>.lora_B.weight`, and the TP plan, float8 and the checkpoints of the base see the modules they know;
+  * under TP the adapters follow PEFT's rule for parallel layers, read off the weight's placement: column-parallel
+    (W split by output rows): A replicated, B split like W; row-parallel (W split by input columns): A split like W,
+    B replicated, so that A x is a partial sum DTensor adds up with W x's in TP's own reduction;
+  * float8 converts the base linears only: the adapters are plain nn.Linear in the compute dtype;
+  * AC, compile and FSDP see the final block: the adapters shard with their block, are recomputed with it, and are
+    part of its graph.
+A model with adapters carries `adapters_off()`, a context under which it is its base: DPO's reference (dpo.py), as
+TRL's is, without a second model.
+
+Removing LoRA: docs/development.md's "Removing a part" (this file, config/lora.py, its call in parallelize_model).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from errors import ConfigError
+
+if TYPE_CHECKING:
+    from config import Lora
+    from models import ModelFamily
+
+ALL_LINEAR = "all-linear"
+PEFT_PREFIX = "base_model.model."  # what PEFT puts before transformers' own names in adapter_model.safetensors
+
+
+class LoRAMixin:
+    """Mixed into an nn.Linear's class (or torchao's Float8Linear) by `apply_lora`: its forward plus the adapter's."""
+
+    lora_A: nn.Linear
+    lora_B: nn.Linear
+    lora_dropout: nn.Module
+    lora_scaling: float
+    lora_enabled: bool
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)  # type: ignore[misc]
+        if not self.lora_enabled:
+            return out
+        return out + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.lora_scaling
+
+    def reset_adapter(self) -> None:
+        """PEFT's initialization: A as nn.Linear's weight is (Kaiming-uniform, a = sqrt(5)), B zero."""
+        with torch.no_grad():
+            nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+            nn.init.zeros_(self.lora_B.weight)
+
+
+@functools.cache
+def _with_adapter(cls: type) -> type:
+    return type(f"LoRA{cls.__name__}", (LoRAMixin, cls), {})
+
+
+def scaling(cfg: Lora) -> float:
+    return cfg.lora_alpha / (math.sqrt(cfg.r) if cfg.use_rslora else cfg.r)
+
+
+# ------------------------------------------------------------------ targets
+
+
+def hf_module_names(fam: ModelFamily) -> dict[str, str]:
+    """Our module name inside a block -> the family's Hugging Face module name (its leaf: "attention.wq" -> "q_proj")."""
+    return {ours: hf.rsplit(".", 1)[-1] for hf, ours in fam.hf.PER_LAYER.items()}
+
+
+def targets(block: nn.Module, fam: ModelFamily, cfg: Lora) -> list[str]:
+    """The names inside `block` of the linears that get adapters: those whose Hugging Face name is in
+    target_modules, or every nn.Linear with "all-linear"; a name that matches no linear of the family is refused."""
+    hf = hf_module_names(fam)
+    linears = [name for name, m in block.named_modules() if isinstance(m, nn.Linear) and name in hf]
+    if cfg.target_modules == [ALL_LINEAR]:
+        return linears
+    known = {hf[name] for name in linears}
+    if unknown := [name for name in cfg.target_modules if name not in known]:
+        raise ConfigError(
+            f"lora.target_modules: {', '.join(unknown)} is no linear of a {fam.name} block; choose from "
+            f'{", ".join(sorted(known))}, or ["{ALL_LINEAR}"]'
+        )
+    return [name for name in linears if hf[name] in cfg.target_modules]
+
+
+def target_names(fam: ModelFamily, args: Any, cfg: Lora) -> list[str]:
+    """The Hugging Face module names (q_proj, ...) a model of `args` gets adapters on, sorted (adapter_config.json's
+    target_modules)."""
+    with torch.device("meta"):
+        block = next(iter(fam.model_cls(args).layers.values()))
+    hf = hf_module_names(fam)
+    return sorted({hf[name] for name in targets(block, fam, cfg)})
+
+
+# ------------------------------------------------------------------ the model
+
+
+def apply_lora(model: nn.Module, cfg: Lora, fam: ModelFamily) -> None:
+    """Adapters on the target linears of every block of `model` (on any device, meta included, after TP and EP),
+    every other parameter frozen; the model's init_weights then initializes the adapters too (or reads
+    lora.adapter_path), and `model.adapters_off()` is a context under which it computes as its base."""
+    s = scaling(cfg)
+    for block in model.layers.values():
+        for name in targets(block, fam, cfg):
+            _add_adapter(block.get_submodule(name), r=cfg.r, dropout=cfg.lora_dropout, scaling=s)
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_adapter(name))
+
+    init_weights = model.init_weights
+
+    def init_with_adapters(*args: Any, **kwargs: Any) -> None:
+        init_weights(*args, **kwargs)
+        for m in adapters(model):
+            m.reset_adapter()
+        if cfg.adapter_path is not None:
+            load_peft_adapter(model, Path(cfg.adapter_path), fam, cfg)
+
+    model.init_weights = init_with_adapters  # type: ignore[method-assign]
+    model.adapters_off = functools.partial(adapters_off, model)  # type: ignore[attr-defined]
+
+
+def _add_adapter(linear: nn.Linear, *, r: int, dropout: float, scaling: float) -> None:
+    w = linear.weight
+    a_place, b_place = _adapter_placements(w)
+    make = functools.partial(torch.empty, device=w.device, dtype=w.dtype)
+    lora_a = nn.Linear(linear.in_features, r, bias=False, device="meta")
+    lora_b = nn.Linear(r, linear.out_features, bias=False, device="meta")
+    for module, shape, place in (
+        (lora_a, (r, linear.in_features), a_place),
+        (lora_b, (linear.out_features, r), b_place),
+    ):
+        t = make(shape)
+        if isinstance(w, DTensor):
+            t = distribute_tensor(t, w.device_mesh, [place], src_data_rank=None)
+        module.weight = nn.Parameter(t)
+    linear.__class__ = _with_adapter(type(linear))
+    linear.lora_A, linear.lora_B = lora_a, lora_b
+    linear.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+    linear.lora_scaling, linear.lora_enabled = scaling, True
+
+
+def _adapter_placements(w: torch.Tensor) -> tuple[Any, Any]:
+    """PEFT's rule for parallel layers, from the weight's TP placement: column-parallel (Shard(0)): A replicated, B
+    split like W; row-parallel (Shard(1)): A split like W, B replicated; a weight TP leaves whole: both whole."""
+    if not isinstance(w, DTensor):
+        return None, None
+    if len(w.placements) != 1:
+        raise ValueError(f"apply_lora runs before FSDP: a weight on a {len(w.placements)}-D mesh is unexpected")
+    (place,) = w.placements
+    if place == Shard(0):
+        return Replicate(), Shard(0)
+    if place == Shard(1):
+        return Shard(1), Replicate()
+    return Replicate(), Replicate()
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a parameter name is an adapter's (`<linear>.lora_A.weight`, `<linear>.lora_B.weight`)."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def adapters(model: nn.Module) -> Iterator[LoRAMixin]:
+    return (m for m in model.modules() if isinstance(m, LoRAMixin))
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """The model as its base while inside: every adapter's path skipped (DPO's reference, TRL's disable_adapter)."""
+    modules = list(adapters(model))
+    for m in modules:
+        m.lora_enabled = False
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.lora_enabled = True
+
+
+# ------------------------------------------------------------------ PEFT's folders
+
+
+def peft_name(fam: ModelFamily, ours: str) -> str:
+    """Our adapter parameter name -> PEFT's key in adapter_model.safetensors:
+    layers.3.attention.wq.lora_A.weight -> base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight."""
+    _, layer, rest = ours.split(".", 2)
+    module, which = rest.rsplit(".", 2)[0], rest.rsplit(".", 2)[1]
+    hf = {o: h for h, o in fam.hf.PER_LAYER.items()}[module]
+    return f"{PEFT_PREFIX}model.layers.{layer}.{hf}.{which}.weight"
+
+
+def read_adapter_config(folder: Path) -> dict[str, Any]:
+    path = folder / "adapter_config.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(
+            f"lora.adapter_path: {path} could not be read ({e}); point it at a PEFT adapter folder"
+        ) from None
+
+
+def load_peft_adapter(model: nn.Module, folder: Path, fam: ModelFamily, cfg: Lora) -> None:
+    """A PEFT adapter folder's weights into the model's adapters (any layout: each rank copies its shard); its
+    adapter_config.json must agree with [lora] (r, lora_alpha, use_rslora, target_modules), which it is refused
+    naming otherwise."""
+    from safetensors.torch import load_file
+
+    saved = read_adapter_config(folder)
+    ours = {"r": cfg.r, "lora_alpha": cfg.lora_alpha, "use_rslora": cfg.use_rslora}
+    differ = [f"{k} {saved.get(k)} (the run: {v})" for k, v in ours.items() if saved.get(k) != v]
+    theirs = sorted(saved.get("target_modules") or [])
+    if theirs != target_names(fam, model.args, cfg):
+        differ.append(f"target_modules {theirs} (the run: {target_names(fam, model.args, cfg)})")
+    if differ:
+        raise ConfigError(
+            f"lora.adapter_path: {folder}'s adapter_config.json has {'; '.join(differ)}; set [lora] to match it"
+        )
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    missing = []
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not is_adapter(name):
+                continue
+            key = peft_name(fam, name)
+            if key not in tensors:
+                missing.append(key)
+                continue
+            t = tensors[key].to(p.dtype)
+            if tuple(t.shape) != tuple(p.shape):
+                raise ConfigError(f"lora.adapter_path: {key} has shape {tuple(t.shape)}, the run's {tuple(p.shape)}")
+            if isinstance(p, DTensor):
+                t = distribute_tensor(t, p.device_mesh, p.placements, src_data_rank=None)
+            p.copy_(t)
+    if missing:
+        raise ConfigError(
+            f"lora.adapter_path: {folder} lacks {len(missing)} of the run's adapters (e.g. {missing[0]}); is it an "
+            "adapter of this model?"
+        )
