@@ -241,7 +241,8 @@ def teacher_config(cfg: JobConfig) -> JobConfig:
     model = dataclasses.replace(m, **changes)
     checkpoint = dataclasses.replace(cfg.checkpoint, initial_load_path=str(folder), initial_load_in_hf=hf)
     ac = dataclasses.replace(cfg.activation_checkpoint, mode="none")
-    return dataclasses.replace(cfg, model=model, checkpoint=checkpoint, activation_checkpoint=ac)
+    lora = dataclasses.replace(cfg.lora, enable=False)  # a student's adapters are its own
+    return dataclasses.replace(cfg, model=model, checkpoint=checkpoint, activation_checkpoint=ac, lora=lora)
 
 
 def build_teacher(cfg: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh, device: torch.device) -> torch.nn.Module:

@@ -37,6 +37,7 @@ Not yet: context and pipeline parallel (both refused in one line).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -88,6 +89,9 @@ class PreferenceLoss:
         self.vocab_shards = vocab_shards
         self.reference: torch.Tensor | None = None  # precomputed: (pairs of the corpus, 2) fp32, [chosen, rejected]
         self.live: torch.nn.Module | None = None  # or the live reference model, frozen, sharded like the policy
+        # What makes `live` the reference while it scores: nothing for a second model; for a policy with adapters
+        # (lora.py), the adapters off.
+        self.as_reference: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         self.gap: torch.Tensor | None = None  # watching: the largest policy - reference gap per reply token so far
 
     @property
@@ -117,7 +121,7 @@ class PreferenceLoss:
             document_logprobs, self.live, labels=labels, segments=segments, documents=documents,
             chunk_tokens=self.chunk_tokens,
         )  # fmt: skip
-        with torch.no_grad():
+        with torch.no_grad(), self.as_reference():
             scores = self.live(inputs, segments=segments, head=head)
         return pairs._replace(ids=ids, reference=scores.view(-1, ids.shape[1], 2))
 
@@ -226,14 +230,25 @@ def prepare_reference(
     data, or computed there now with the initial weights (a fresh run only: a resumed policy is no longer the
     reference); rank 0 reads and writes the files and hands the others the table, so that nodes need not share the
     folder. "live": the reference model, built by `build_reference` (as the policy is) and loaded with the initial
-    weights. `loss_fn` holds either, and watches the gap at step 1 of a fresh run."""
+    weights. `loss_fn` holds either, and watches the gap at step 1 of a fresh run.
+
+    A policy with adapters (lora.py: `adapters_off`) is its own reference with them off, as TRL's is: no second model,
+    live or precomputed; the gap is watched where the adapters start at zero (not from a PEFT folder)."""
+    policy = forward.model
+    base = getattr(policy, "adapters_off", None)
+    watch = not start_step and getattr(policy, "starts_as_base", True)
     if cfg.dpo.reference == "live":
-        loss_fn.live = live_reference(cfg, forward.model, build=build_reference, start_step=start_step)
+        if base is not None:
+            loss_fn.live, loss_fn.as_reference, kind = policy, base, "the policy with its adapters off"
+        else:
+            loss_fn.live = live_reference(cfg, policy, build=build_reference, start_step=start_step)
+            kind = "a frozen copy of the initial weights, sharded like the policy"
         if is_rank0():
-            print(f"dpo: reference live (a frozen copy of the initial weights, sharded like the policy), beta "
-                  f"{cfg.dpo.beta}, losses {', '.join(cfg.dpo.loss_type)}", flush=True)  # fmt: skip
+            print(
+                f"dpo: reference live ({kind}), beta {cfg.dpo.beta}, losses {', '.join(cfg.dpo.loss_type)}", flush=True
+            )
         loss_fn.computed_with = how_computed(cfg, dims)
-        if not start_step:
+        if watch:
             loss_fn.gap = torch.zeros((), device=forward.device)
         return
     identity = reference_identity(cfg, loader)
@@ -248,7 +263,11 @@ def prepare_reference(
                 "job.dump_folder"
             )
         begin = time.perf_counter()
-        found = score_pairs(forward, loader, parts=table.with_suffix(".parts")), {"computed": how_computed(cfg, dims)}
+        with base() if base is not None else contextlib.nullcontext():
+            found = (
+                score_pairs(forward, loader, parts=table.with_suffix(".parts")),
+                {"computed": how_computed(cfg, dims)},
+            )
         if is_rank0():
             write_reference(table, found[0], identity=identity, computed=found[1]["computed"])
             shutil.rmtree(table.with_suffix(".parts"), ignore_errors=True)
@@ -262,7 +281,7 @@ def prepare_reference(
     loss_fn.computed_with = meta["computed"]
     if is_rank0():
         print(f"dpo: reference precomputed ({table}), beta {cfg.dpo.beta}, losses {', '.join(cfg.dpo.loss_type)}")
-    if not start_step:
+    if watch:
         loss_fn.gap = torch.zeros((), device=forward.device)
 
 

@@ -116,16 +116,21 @@ def target_names(fam: ModelFamily, args: Any, cfg: Lora) -> list[str]:
 # ------------------------------------------------------------------ the model
 
 
-def apply_lora(model: nn.Module, cfg: Lora, fam: ModelFamily) -> None:
+def apply_lora(model: nn.Module, cfg: Lora, fam: ModelFamily, *, base_dtype: torch.dtype) -> None:
     """Adapters on the target linears of every block of `model` (on any device, meta included, after TP and EP),
-    every other parameter frozen; the model's init_weights then initializes the adapters too (or reads
-    lora.adapter_path), and `model.adapters_off()` is a context under which it computes as its base."""
+    every other parameter frozen and stored in `base_dtype` (training.mixed_precision_param's: what the forward
+    computes in anyway, so a bf16 base costs nothing in accuracy and halves its memory); the model's init_weights
+    then initializes the adapters too (or reads lora.adapter_path), and `model.adapters_off()` is a context under
+    which it computes as its base."""
     s = scaling(cfg)
     for block in model.layers.values():
         for name in targets(block, fam, cfg):
             _add_adapter(block.get_submodule(name), r=cfg.r, dropout=cfg.lora_dropout, scaling=s)
-    for name, p in model.named_parameters():
-        p.requires_grad_(is_adapter(name))
+    for name, p in list(model.named_parameters()):
+        if not is_adapter(name):
+            owner, _, leaf = name.rpartition(".")
+            frozen = nn.Parameter(p.detach().to(base_dtype), requires_grad=False)
+            setattr(model.get_submodule(owner), leaf, frozen)
 
     init_weights = model.init_weights
 
@@ -138,6 +143,7 @@ def apply_lora(model: nn.Module, cfg: Lora, fam: ModelFamily) -> None:
 
     model.init_weights = init_with_adapters  # type: ignore[method-assign]
     model.adapters_off = functools.partial(adapters_off, model)  # type: ignore[attr-defined]
+    model.starts_as_base = cfg.adapter_path is None  # type: ignore[attr-defined]  # B = 0: step 1 is the base
 
 
 def _add_adapter(linear: nn.Linear, *, r: int, dropout: float, scaling: float) -> None:

@@ -213,3 +213,24 @@ def first_damaged(
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
         worst = int(agreed.item())
     return None if worst == 2 * len(names) else (names[worst // 2], worst % 2)
+
+
+def folder_digests(folder: Path, *, group: dist.ProcessGroup | None = None) -> dict[str, str]:
+    """{file name: xxh3_128} of the weights in `folder`, on every rank: a checkpoint's checksums.json as recorded (its
+    files were verified against it on loading), else its sizes (saved without one); a Hugging Face folder's
+    *.safetensors, hashed now, each rank every world-th file (a collective of `group`). What a run that trains on a
+    frozen base records of it, to check on resume that the base is the same (checkpoint/manager.py BaseRecord)."""
+    if (folder / ".metadata").is_file():
+        files = read_manifest(folder)
+        if files is not None:
+            return {name: f["hash"] for name, f in files.items()}
+        return {f.name: f"size {f.stat().st_size}" for f in sorted(folder.iterdir()) if f.is_file()}
+    names = sorted(f.name for f in folder.glob("*.safetensors"))
+    distributed = dist.is_initialized()
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if distributed else (0, 1)
+    mine = {names[i]: file_digest(folder / names[i])[1] for i in range(rank, len(names), world)}
+    if not distributed or world == 1:
+        return mine
+    everyone: list[dict[str, str]] = [{} for _ in range(world)]
+    dist.all_gather_object(everyone, mine, group=group)
+    return dict(sorted(item for part in everyone for item in part.items()))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -19,6 +20,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.staging import StagingOptions
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -27,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from checkpoint.checksums import ChecksumWriter
+from checkpoint.checksums import ChecksumWriter, folder_digests
 from checkpoint.folder import OutOfSpace, complete_checkpoints, log, rank, refuse_all_damaged, set_aside
 from checkpoint.hf_export import export_hf_folder
 from checkpoint.torchtitan import TorchtitanState, is_torchtitan, load_torchtitan, torchtitan_named
@@ -44,15 +46,26 @@ class ModelAndOptimizer(Stateful):
 
     optimizer None: the model alone (seed checkpoints, model-only last saves, loading without it).
     model_dtype: the dtype the model weights are saved in (a model-only last save's export_dtype).
+    only: the model's parameters of these names alone (a frozen base's or the trainable ones: `split_frozen`);
+    None: all of them.
     """
 
     def __init__(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, model_dtype: torch.dtype | None = None
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        *,
+        model_dtype: torch.dtype | None = None,
+        only: frozenset[str] | None = None,
     ):
-        self.model, self.optimizer, self.model_dtype = model, optimizer, model_dtype
+        self.model, self.optimizer, self.model_dtype, self.only = model, optimizer, model_dtype, only
+
+    def model_state(self) -> dict[str, Any]:
+        state = get_model_state_dict(self.model)
+        return state if self.only is None else {name: t for name, t in state.items() if name in self.only}
 
     def state_dict(self) -> dict[str, Any]:
-        model = get_model_state_dict(self.model)
+        model = self.model_state()
         if self.model_dtype is not None:
             model = {name: tensor.to(self.model_dtype) for name, tensor in model.items()}
         state = {"model": model}
@@ -61,9 +74,33 @@ class ModelAndOptimizer(Stateful):
         return torch.utils._pytree.tree_map_only(torch.Tensor, _plain, state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_model_state_dict(self.model, state["model"])
+        set_model_state_dict(self.model, state["model"], options=StateDictOptions(strict=self.only is None))
         if self.optimizer is not None:
             set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+
+
+def split_frozen(model: nn.Module) -> tuple[frozenset[str], frozenset[str]] | None:
+    """(trainable, frozen) parameter names where the model has both (LoRA: adapters on a frozen base), else None.
+    Such a model's checkpoints hold the trainable parameters (and their optimizer state) alone; the frozen ones are
+    initial_load_path's, read again on resume and checked to be the same files (`BaseRecord`)."""
+    trainable = frozenset(name for name, p in model.named_parameters() if p.requires_grad)
+    frozen = frozenset(name for name, p in model.named_parameters() if not p.requires_grad)
+    return (trainable, frozen) if trainable and frozen else None
+
+
+class BaseRecord(Stateful):
+    """Which files a checkpoint's trainable parameters were trained on top of (`split_frozen`): initial_load_path's
+    (or the Hugging Face folder's) digests, saved with every checkpoint and compared on resume."""
+
+    def __init__(self) -> None:
+        self.now: dict[str, Any] | None = None  # the base this process loaded
+        self.saved: dict[str, Any] | None = None  # the one the checkpoint loaded was trained on
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"files": json.dumps(self.now, sort_keys=True)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.saved = json.loads(state["files"])
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -147,6 +184,7 @@ class CheckpointManager:
         self._stager = None
         self._resume_checked: tuple[tuple[int, Path] | None] | None = None  # _resume_from's answer, once found
         self.torchtitan: TorchtitanState | None = None  # what torchtitan's checkpoint said, when one was loaded
+        self.base = BaseRecord()  # the files of a frozen base (split_frozen), recorded with each checkpoint
         if cfg.async_mode == "async_with_pinned_mem" and not torch.cuda.is_available():
             raise ConfigError(
                 "checkpoint.async_mode: async_with_pinned_mem stages checkpoints through pinned (page-locked) memory, "
@@ -221,36 +259,63 @@ class CheckpointManager:
                 return
             parts = {} if model_only else {k: v for k, v in self.stateful.items() if k not in excluded}
             optimizer = None if model_only or "optimizer" in excluded else self.optimizer
+            if split := split_frozen(self.model):  # the frozen base first, from where it came; the step holds the rest
+                self.load_initial(what="the frozen base")
+                parts["frozen_base"] = self.base
             self._load(
                 path,
                 metadata,
-                ModelAndOptimizer(self.model, optimizer),
+                ModelAndOptimizer(self.model, optimizer, only=split[0] if split else None),
                 parts,
                 key="checkpoint.folder",
                 load_model="model" not in excluded,
             )
+            if split:
+                self._check_base(path)
             log(f"resumed from {path}" + (f" (not restored: {', '.join(sorted(excluded))})" if excluded else ""))
             return
-        self.load_initial()
+        self.load_initial(what="the frozen base" if split_frozen(self.model) else "model weights")
 
     def load_initial(self, *, what: str = "model weights") -> None:
         """The model's initial weights: initial_load_path's (DCP, or Hugging Face safetensors with initial_load_in_hf),
-        or none to load (a random init). Also what a DPO run's live reference starts from on a resume (dpo.py), and a
-        distillation's teacher (distill.py); `what` names them in the log."""
+        or none to load (a random init); of a model with a frozen base (split_frozen), the frozen parameters alone,
+        whose files are recorded (BaseRecord). Also what a DPO run's live reference starts from on a resume (dpo.py),
+        and a distillation's teacher (distill.py); `what` names them in the log."""
+        split = split_frozen(self.model)
         if self.cfg.initial_load_in_hf:
             interop = self._interop("reads Hugging Face folders")
             folder = Path(self.cfg.initial_load_path or interop.hf_assets_path or "")
             self._load_hf(folder)
             log(f"initialized {what} from the Hugging Face folder {folder}")
         elif self.cfg.initial_load_path is not None:
-            path = Path(self.cfg.initial_load_path)
+            path = folder = Path(self.cfg.initial_load_path)
             metadata = verify(path, key="checkpoint.initial_load_path")
             verify_contents(path, key="checkpoint.initial_load_path", group=self.process_group)
             if is_torchtitan(metadata):
                 self._load_torchtitan(path, metadata, None, key="checkpoint.initial_load_path")
             else:
-                self._load(path, metadata, ModelAndOptimizer(self.model, None), {}, key="checkpoint.initial_load_path")
+                weights = ModelAndOptimizer(self.model, None, only=split[1] if split else None)
+                self._load(path, metadata, weights, {}, key="checkpoint.initial_load_path")
             log(f"initialized {what} from {path}" + (" (torchtitan's checkpoint)" if self.torchtitan else ""))
+        else:
+            folder = None
+        if split:
+            files = folder_digests(folder, group=self.process_group) if folder is not None else {}
+            self.base.now = {"path": str(folder) if folder is not None else None, "files": files}
+
+    def _check_base(self, path: Path) -> None:
+        """The frozen base loaded now is the one the checkpoint at `path` was trained on, or one line saying so."""
+        saved, now = self.base.saved or {}, self.base.now or {}
+        if saved.get("files") == now.get("files") and (saved.get("files") or saved.get("path") == now.get("path")):
+            return
+        where = now.get("path") or "a random init (no checkpoint.initial_load_path)"
+        was = saved.get("path") or "a random init"
+        differ = sorted(set(saved.get("files", {}).items()) ^ set(now.get("files", {}).items()))
+        detail = f", e.g. {differ[0][0]}" if differ else ""
+        raise ConfigError(
+            f"checkpoint.initial_load_path: {where} is not the frozen base {path} was trained on ({was}; its files "
+            f"differ{detail}); point checkpoint.initial_load_path (or model.hf_assets_path) at that base"
+        )
 
     def _load(
         self,
@@ -262,7 +327,7 @@ class CheckpointManager:
         key: str,
         load_model: bool = True,
     ) -> None:
-        model_state = get_model_state_dict(self.model)
+        model_state = weights.model_state()
         check_holds(path, metadata, {f"model_and_optimizer.model.{k}": v for k, v in model_state.items()}, key=key)
         state: dict[str, Any] = {**parts}
         if load_model or weights.optimizer is not None:
@@ -370,13 +435,16 @@ class CheckpointManager:
         self._point("start", step)
         model_only = model_only or (last and self.cfg.last_save_model_only)
         dtype = getattr(torch, self.cfg.export_dtype) if last and self.cfg.last_save_model_only else None
+        split = split_frozen(self.model)  # a frozen base is initial_load_path's: the checkpoint holds the rest
         state: dict[str, Any] = {
             "model_and_optimizer": ModelAndOptimizer(
-                self.model, None if model_only else self.optimizer, model_dtype=dtype
+                self.model, None if model_only else self.optimizer, model_dtype=dtype, only=split[0] if split else None
             )
         }
         if not model_only:
             state.update(self.stateful)
+        if split:
+            state["frozen_base"] = self.base
         with self._out_of_space(step):
             if self.cfg.async_mode != "disabled" and not (wait or last):
                 self._pending = (self._async_save(state, self._writer(partial, step)), step)

@@ -26,7 +26,7 @@ class Lora:
     adapter_path: str | None = field(default=None, metadata={"input_path": True})
     """A PEFT adapter folder (adapter_config.json, adapter_model.safetensors) the adapters start from; unset: A as PEFT initializes it, B zero. Its r, lora_alpha, use_rslora and target_modules are the run's."""
 
-    def problems(self, *, optimizer: str) -> list[str]:
+    def problems(self, *, optimizer: str, seed_checkpoint: bool) -> list[str]:
         """What LoRA needs of its own keys and of the rest of the config."""
         if not self.enable:
             return []
@@ -39,6 +39,11 @@ class Lora:
             p.append('lora.target_modules: empty; name the linears (["q_proj", "v_proj"]) or ["all-linear"]')
         if "all-linear" in self.target_modules and len(self.target_modules) > 1:
             p.append('lora.target_modules: "all-linear" stands alone; give it or a list of module names')
+        if seed_checkpoint:
+            p.append(
+                "checkpoint.create_seed_checkpoint: a seed holds a model's initial weights, and a LoRA run's base comes "
+                "from checkpoint.initial_load_path; create the seed with lora.enable = false"
+            )
         if optimizer == "Muon":
             p.append('optimizer.name: Muon orthogonalizes whole weight matrices, not adapters; use "AdamW" with LoRA')
         return p

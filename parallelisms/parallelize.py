@@ -92,7 +92,7 @@ def parallelize_model(
         apply_ep(model, ep_mesh, experts=fam.experts_module)
         experts = (fam.experts_module, experts_fsdp_mesh)
     if cfg.lora.enable:  # adapters on the final linears, the rest frozen (lora.py)
-        apply_lora(model, cfg.lora, fam)
+        apply_lora(model, cfg.lora, fam, base_dtype=DTYPES[training.mixed_precision_param])
     if parallelism.enable_async_tensor_parallel:
         apply_async_tp(mesh["tp"], compile_enabled=compile.enable and "model" in compile.components)
     if (cp := context_parallel(mesh, parallelism)) is not None:
