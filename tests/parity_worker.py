@@ -40,6 +40,7 @@ from config import (
     Distill,
     Dpo,
     JobConfig,
+    Lora,
     Model,
     Optimizer,
     Parallelism,
@@ -53,6 +54,7 @@ from distill import DistillLoss
 from distributed import mean_over_loss_ranks
 from dpo import PreferenceLoss
 from forward import ForwardBackward
+from lora import apply_lora
 from loss import Loss, build_loss_fn
 from models import with_seq_len
 from models.llama3 import FLAVORS, ModelArgs
@@ -180,6 +182,7 @@ class Layout:
     dpo: bool = False  # dpo.py's loss (DPO_SETTINGS) on the pairs of dpo_pairs(), documents kept apart
     dpo_live: bool = False  # its reference a second model in the layout (dpo.reference = "live"), not the table
     distill: bool = False  # distill.py's loss (DISTILL_SETTINGS) against a teacher of the family in this layout
+    lora: bool = False  # lora.py's adapters (LORA_SETTINGS) on the frozen base; with dpo_live the base is the reference
 
     @property
     def float8_linear(self) -> QuantizeLinearFloat8 | None:
@@ -313,7 +316,6 @@ DPO_LAYOUTS: dict[str, Layout] = {
     "tp2_chunked_loss_dpo": Layout(tp=2, loss_chunk_tokens=16, dpo=True, block_causal=True),
     "hsdp2x2_dpo": Layout(dp_replicate=2, dp_shard=2, dpo=True, block_causal=True),
     "fsdp2_tp2_op_sac_dpo": Layout(dp_shard=2, tp=2, ac=OP_SAC, dpo=True, block_causal=True),
-    "fsdp2_compile_full_ac_dpo": Layout(dp_shard=2, ac=FULL, compile=True, dpo=True, block_causal=True),
     # The live reference: a frozen copy sharded as the policy is, its forward before the policy's.
     "fsdp2_dpo_live": Layout(dp_shard=2, dpo=True, dpo_live=True, block_causal=True),
     "tp2_chunked_loss_dpo_live": Layout(tp=2, loss_chunk_tokens=16, dpo=True, dpo_live=True, block_causal=True),
@@ -332,9 +334,27 @@ DISTILL_LAYOUTS: dict[str, Layout] = {
 DISTILL_EP_LAYOUTS = {
     "qwen3_moe_ep2_distill": Layout(dp_shard=2, ep=2, family="qwen3_moe", chat=True, block_causal=True, distill=True)
 }
+# LoRA (lora.py): adapters on every linear of the tiny model's blocks, A and B nonzero (lora_run), the base frozen. TP
+# splits them by PEFT's rule (column-parallel: B split, A whole; row-parallel: A split); the frozen base must not move.
+LORA_LAYOUTS: dict[str, Layout] = {
+    "fsdp2_lora": Layout(dp_shard=2, lora=True),
+    "tp2_lora": Layout(tp=2, lora=True),
+    "cp2_lora": Layout(cp=2, lora=True),
+    "pp2_lora": Layout(pp=2, lora=True),
+    "fsdp2_tp2_op_sac_lora": Layout(dp_shard=2, tp=2, ac=OP_SAC, lora=True),
+    # DPO's reference the policy itself with its adapters off (no second model), scoring before each forward; and
+    # compiled (DPO's compiled layout): the adapters' switch is a second graph of the block, not a recompile a step.
+    "fsdp2_compile_full_ac_dpo_lora": Layout(
+        dp_shard=2, ac=FULL, compile=True, dpo=True, dpo_live=True, block_causal=True, lora=True
+    ),
+    "tp2_chunked_loss_dpo_lora": Layout(
+        tp=2, loss_chunk_tokens=16, dpo=True, dpo_live=True, block_causal=True, lora=True
+    ),
+}
 LAYOUTS |= CHAT_LAYOUTS
 LAYOUTS |= DPO_LAYOUTS
 LAYOUTS |= DISTILL_LAYOUTS
+LAYOUTS |= LORA_LAYOUTS
 LAYOUTS |= CP_LAYOUTS
 LAYOUTS |= EP_LAYOUTS
 LAYOUTS |= DPO_EP_LAYOUTS  # expert parallel's, last (EP_LAYOUTS says why)
@@ -458,6 +478,41 @@ def distill_run(family: str, initial: dict[str, torch.Tensor], tokens: torch.Ten
         loss_fn=DistillLoss(settings=DISTILL_SETTINGS, teacher=teacher),
     )  # fmt: skip
     return {"teacher": teacher.state_dict(), "losses": losses, "times": times, "final": model.state_dict()}
+
+
+LORA_SETTINGS = Lora(enable=True, r=4, lora_alpha=8.0)  # every linear of a block; scale 2
+LORA_SEED = 11  # the adapters' start: A and B both random, so that both take gradients from step 1
+
+
+def lora_model(family: str, initial: dict[str, torch.Tensor], *, block_causal: bool = False) -> nn.Module:
+    """The tiny model of `family` with LORA_SETTINGS' adapters, its base `initial`, A and B drawn from LORA_SEED."""
+    model = build_tiny(block_causal=block_causal, family=family)
+    apply_lora(model, LORA_SETTINGS, models.family(family), base_dtype=torch.float32)
+    model.load_state_dict(initial, strict=False)
+    generator = torch.Generator().manual_seed(LORA_SEED)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.05)
+    return model
+
+
+def lora_run(family: str, initial: dict[str, torch.Tensor], tokens: torch.Tensor) -> dict[str, Any]:
+    """One process's LoRA training from `initial` (plain next-token loss), and its DPO on dpo_pairs() with the base
+    (the adapters off) as the reference: the initial weights (base and adapters), losses and final weights."""
+    model = lora_model(family, initial)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    losses, times = train(model, tokens)
+    run = {"initial": start, "losses": losses, "times": times, "final": model.state_dict()}
+    policy = lora_model(family, initial, block_causal=True)
+    with policy.adapters_off():
+        table = dpo_reference(policy, tokens)
+    labels, segments, pairs, count = dpo_pairs(tokens)
+    losses, times = train(
+        policy, tokens, labels=labels, segments=segments, pairs=pairs, divisor=count, loss_fn=dpo_loss(table)
+    )
+    run["dpo"] = {"reference": table, "losses": losses, "times": times, "final": policy.state_dict()}
+    return run
 
 
 def loss_divisor(labels: torch.Tensor, rows: int, dp: int) -> float:
@@ -664,6 +719,8 @@ def write_reference(path: Path) -> dict:
     # The same start distilled from a teacher (distill.py), and Qwen3 MoE's.
     ref["distill"] = distill_run("llama3", initial, tokens, ref["segments"])
     ref["qwen3_moe"]["distill"] = distill_run("qwen3_moe", ref["qwen3_moe"]["initial"], tokens, ref["segments"])
+    # The same start with LoRA's adapters on the frozen base (lora.py), and its DPO with the base as the reference.
+    ref["lora"] = lora_run("llama3", initial, tokens)
     torch.save(ref, path)
     return ref
 
@@ -714,6 +771,8 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
     )
     if layout.float8_linear is not None:
         cfg.model.converters, cfg.quantize.linear.float8 = ["quantize.linear.float8"], layout.float8_linear
+    if layout.lora:
+        cfg.lora = LORA_SETTINGS
     # As train.py builds it (pipeline stages included); init_model fills the RoPE buffer, the weights come from
     # the reference next.
     model, pipeline = build_model(
@@ -730,6 +789,8 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
     # weights this rank holds (a pipeline stage holds some).
     held = get_model_state_dict(model).keys()
     initial = ref["initial"] if layout.family == "llama3" else ref[layout.family]["initial"]
+    if layout.lora:  # the base and the adapters lora_run started from
+        initial = ref["lora"]["initial"]
     set_model_state_dict(model, {k: v for k, v in initial.items() if k in held}, options=options)
 
     # Each data-parallel rank takes its slice of the global batch; the TP ranks of one
@@ -752,7 +813,9 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
                 family["dpo"]["reference"], chunk_tokens=layout.loss_chunk_tokens, vocab_shards=vocab_shards
             ),
         }
-        if layout.dpo_live:  # a second model of this layout holding the initial weights, frozen
+        if layout.dpo_live and layout.lora:  # the policy with its adapters off (dpo.prepare_reference)
+            preference["loss_fn"].live, preference["loss_fn"].as_reference = model, model.adapters_off
+        elif layout.dpo_live:  # a second model of this layout holding the initial weights, frozen
             live, _ = build_model(cfg, model_args(block_causal=True, family=layout.family), dims=dims, mesh=mesh,
                                   loss_fn=build_loss_fn(Compile()), device=torch.device("cpu"))  # fmt: skip
             init_model(live, None, device=torch.device("cpu"))
@@ -814,6 +877,8 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
         expected = family["dpo"]
     if layout.distill:
         expected = family["distill"]
+    if layout.lora:
+        expected = ref["lora"]["dpo"] if layout.dpo else ref["lora"]
 
     final = get_model_state_dict(model, options=options)
     # Every rank compares the weights it holds (a pipeline stage: its own); the worst over all ranks.
