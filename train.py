@@ -249,7 +249,11 @@ def build(
     if (start_step := resume_step(cfg, checkpoint)) is None:
         return None
     if rank == 0:
-        print_banner(cfg, args, dims=dims, loader=loader, start_step=start_step, device=device, changed=changed)
+        frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)  # LoRA's base
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad) if frozen else None
+        print_banner(
+            cfg, args, dims=dims, loader=loader, start_step=start_step, device=device, changed=changed, trained=trained
+        )
     resume(cfg, checkpoint, state, optimizer, start_step=start_step)
     forward_backward = ForwardBackward.for_run(cfg, model, pipeline, loss_fn, dims=dims, mesh=mesh, device=device)
     if cfg.dpo.enable:  # the reference's log-probabilities of every pair, from the initial weights (dpo.py)
@@ -513,13 +517,17 @@ def print_banner(
     start_step: int,
     device: torch.device,
     changed: Sequence[str] = (),
+    trained: int | None = None,
 ) -> None:
+    """trained: the parameters that train where the others are frozen (this rank's pipeline stage's)."""
     t, data = cfg.training, cfg.data
     if cfg.job.description:
         print(described(cfg.job.description, changed), flush=True)
     corpus = f"mixture of {', '.join(data.mixture)}" if data.mixture else data.path
     fam = family(cfg.model.name)
     active = f" ({fam.active_params(args) / 1e6:,.1f}M active)" if fam.active_params else ""
+    if trained is not None:
+        active += f" ({trained / 1e6:,.2f}M train, the rest frozen)"
     print(
         f"{model_label(cfg)}: {fam.num_params(args) / 1e6:,.1f}M parameters{active} | world "
         f"{dims.world_size} = " + (f"pp {dims.pp} x " if dims.pp_enabled else "") + f"{dims.describe()} | global batch "
