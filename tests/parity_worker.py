@@ -813,14 +813,14 @@ def run_layout(name: str, layout: Layout, ref: dict) -> dict:
                 family["dpo"]["reference"], chunk_tokens=layout.loss_chunk_tokens, vocab_shards=vocab_shards
             ),
         }
-        if layout.dpo_live and layout.lora:  # the policy with its adapters off (dpo.prepare_reference)
-            preference["loss_fn"].live, preference["loss_fn"].as_reference = model, model.adapters_off
-        elif layout.dpo_live:  # a second model of this layout holding the initial weights, frozen
+        if layout.dpo_live:  # a second model of this layout holding the initial weights, frozen
             live, _ = build_model(cfg, model_args(block_causal=True, family=layout.family), dims=dims, mesh=mesh,
                                   loss_fn=build_loss_fn(Compile()), device=torch.device("cpu"))  # fmt: skip
             init_model(live, None, device=torch.device("cpu"))
             set_model_state_dict(live, {k: v for k, v in initial.items() if k in held}, options=options)
             preference["loss_fn"].live = live.eval().requires_grad_(False)
+        if layout.dpo_live and layout.lora:  # but with adapters, the policy with them off (dpo.prepare_reference)
+            preference["loss_fn"].live, preference["loss_fn"].as_reference = model, model.adapters_off
     if layout.distill:  # the teacher in this layout, as distill.build_teacher builds it, its weights the reference's
         teacher, _ = build_model(cfg, model_args(block_causal=True, family=layout.family), dims=dims, mesh=mesh,
                                  loss_fn=build_loss_fn(Compile()), device=torch.device("cpu"))  # fmt: skip
