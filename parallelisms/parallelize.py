@@ -78,13 +78,16 @@ def parallelize_model(
     if float8 is not None:
         apply_float8(model, float8, device=device, fsdp_sharded=dims.dp_shard > 1)
     if dims.tp_enabled:
+        float8_styles = float8 is not None and float8_tp_supported(float8, mesh["tp"])
+        if cfg.lora.enable:  # the adapters read a linear's input in the compute dtype, not float8's cast of it
+            float8_styles = False
         apply_tp(
             model,
             mesh["tp"],
             block_plan=fam.tp_plan,
             loss_parallel=not parallelism.disable_loss_parallel,
             seq_len=training.seq_len,
-            adapt_block_plan=adapt_tp_plan if float8 is not None and float8_tp_supported(float8, mesh["tp"]) else None,
+            adapt_block_plan=adapt_tp_plan if float8_styles else None,
         )
     experts = None  # (name inside a block, the mesh FSDP shards them over) under expert parallel
     if dims.ep_enabled:
