@@ -184,11 +184,13 @@ def build_loss(settings: Dpo, *, chunk_tokens: int, vocab_shards: int) -> Prefer
 # ------------------------------------------------------------------ the reference
 
 
-def reference_identity(cfg: JobConfig, loader: GlobalBatchLoader) -> dict[str, Any]:
-    """What the reference's log-probabilities depend on: the pairs' tokens, the tokens counted, the initial weights."""
+def reference_identity(cfg: JobConfig, loader: GlobalBatchLoader, *, adapters: str | None = None) -> dict[str, Any]:
+    """What the reference's log-probabilities depend on: the pairs' tokens, the tokens counted, the initial weights
+    (and the adapter folder a policy with adapters started from, lora.py)."""
     ck = cfg.checkpoint
     weights = ck.initial_load_path or (cfg.model.hf_assets_path if ck.initial_load_in_hf else None)
-    return {
+    started = {"adapters": _folder_identity(adapters)} if adapters else {}
+    return started | {
         "data": loader.corpus.fingerprint,
         "window": loader.window,
         "count_format_tokens": loader.count_format_tokens,
@@ -232,14 +234,13 @@ def prepare_reference(
     folder. "live": the reference model, built by `build_reference` (as the policy is) and loaded with the initial
     weights. `loss_fn` holds either, and watches the gap at step 1 of a fresh run.
 
-    A policy with adapters (lora.py: `adapters_off`) is its own reference with them off, as TRL's is: no second model,
-    live or precomputed; the gap is watched where the adapters start at zero (not from a PEFT folder)."""
+    A live reference of a policy with adapters (lora.py: `as_reference`) is the policy as it started, as TRL's is: the
+    adapters off, or at their starting values; no second model."""
     policy = forward.model
-    base = getattr(policy, "adapters_off", None)
-    watch = not start_step and getattr(policy, "starts_as_base", True)
+    watch = not start_step
     if cfg.dpo.reference == "live":
-        if base is not None:
-            loss_fn.live, loss_fn.as_reference, kind = policy, base, "the policy with its adapters off"
+        if (as_reference := getattr(policy, "as_reference", None)) is not None:
+            loss_fn.live, loss_fn.as_reference, kind = policy, as_reference, "the policy as it started, its adapters'"
         else:
             loss_fn.live = live_reference(cfg, policy, build=build_reference, start_step=start_step)
             kind = "a frozen copy of the initial weights, sharded like the policy"
@@ -251,7 +252,7 @@ def prepare_reference(
         if watch:
             loss_fn.gap = torch.zeros((), device=forward.device)
         return
-    identity = reference_identity(cfg, loader)
+    identity = reference_identity(cfg, loader, adapters=getattr(policy, "adapters_from", None))
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
     table = Path(loader.corpus.folder) / "reference" / f"{key}.npy"
     found = _on_rank0(lambda: read_reference(table) if table.is_file() else None)
@@ -263,11 +264,7 @@ def prepare_reference(
                 "job.dump_folder"
             )
         begin = time.perf_counter()
-        with base() if base is not None else contextlib.nullcontext():
-            found = (
-                score_pairs(forward, loader, parts=table.with_suffix(".parts")),
-                {"computed": how_computed(cfg, dims)},
-            )
+        found = score_pairs(forward, loader, parts=table.with_suffix(".parts")), {"computed": how_computed(cfg, dims)}
         if is_rank0():
             write_reference(table, found[0], identity=identity, computed=found[1]["computed"])
             shutil.rmtree(table.with_suffix(".parts"), ignore_errors=True)

@@ -19,8 +19,9 @@ Where it sits in parallelisms/parallelize.py: after float8, TP and EP, before CP
   * float8 converts the base linears only: the adapters are plain nn.Linear in the compute dtype;
   * AC, compile and FSDP see the final block: the adapters shard with their block, are recomputed with it, and are
     part of its graph.
-A model with adapters carries `adapters_off()`, a context under which it is its base: DPO's reference (dpo.py), as
-TRL's is, without a second model.
+A model with adapters carries `as_reference()`, a context under which it is DPO's reference (dpo.py) as TRL 1.16's is,
+without a second model: its initial self. Adapters that start at zero: the base, the adapters off (`adapters_off`);
+adapters read from lora.adapter_path: those, as they started, swapped in for the forward (`adapters_as_started`).
 
 Removing LoRA: docs/development.md's "Removing a part" (this file, config/lora.py, its call in parallelize_model).
 """
@@ -121,7 +122,7 @@ def apply_lora(model: nn.Module, cfg: Lora, fam: ModelFamily, *, base_dtype: tor
     every other parameter frozen and stored in `base_dtype` (training.mixed_precision_param's: what the forward
     computes in anyway, so a bf16 base costs nothing in accuracy and halves its memory); the model's init_weights
     then initializes the adapters too (or reads lora.adapter_path), and `model.adapters_off()` is a context under
-    which it computes as its base."""
+    which it computes as its base; `model.as_reference()` as it started (DPO's reference)."""
     s = scaling(cfg)
     for block in model.layers.values():
         for name in targets(block, fam, cfg):
@@ -140,10 +141,13 @@ def apply_lora(model: nn.Module, cfg: Lora, fam: ModelFamily, *, base_dtype: tor
             m.reset_adapter()
         if cfg.adapter_path is not None:
             load_peft_adapter(model, Path(cfg.adapter_path), fam, cfg)
+            started = {name: p.detach().clone() for name, p in model.named_parameters() if is_adapter(name)}
+            model.as_reference = functools.partial(adapters_as_started, model, started)  # type: ignore[attr-defined]
+            model.adapters_from = cfg.adapter_path  # type: ignore[attr-defined]  # what a reference table is keyed on
 
     model.init_weights = init_with_adapters  # type: ignore[method-assign]
     model.adapters_off = functools.partial(adapters_off, model)  # type: ignore[attr-defined]
-    model.starts_as_base = cfg.adapter_path is None  # type: ignore[attr-defined]  # B = 0: step 1 is the base
+    model.as_reference = model.adapters_off  # type: ignore[attr-defined]  # B = 0: the start is the base
 
 
 def _add_adapter(linear: nn.Linear, *, r: int, dropout: float, scaling: float) -> None:
@@ -201,6 +205,23 @@ def adapters_off(model: nn.Module) -> Iterator[None]:
     finally:
         for m in modules:
             m.lora_enabled = True
+
+
+@contextlib.contextmanager
+def adapters_as_started(model: nn.Module, started: dict[str, torch.Tensor]) -> Iterator[None]:
+    """The model with its adapters' starting values swapped in while inside (no autograd: DPO's reference forward):
+    what TRL 1.16 makes of a PEFT model with a pretrained adapter, a frozen copy of it as the reference adapter."""
+    params = dict(model.named_parameters())
+    now = {name: params[name].detach().clone() for name in started}
+    with torch.no_grad():
+        for name, t in started.items():
+            params[name].copy_(t)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, t in now.items():
+                params[name].copy_(t)
 
 
 # ------------------------------------------------------------------ PEFT's folders

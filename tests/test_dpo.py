@@ -134,6 +134,37 @@ def test_dpo_equals_trls_dpotrainer_at_every_step(tmp_path: Path, loss_type: lis
         assert all(a[name] == b[name] for name in METRICS), (a, b)
 
 
+def test_dpo_with_lora_equals_trls_dpotrainer_on_a_peft_model(tmp_path: Path) -> None:
+    """LoRA (lora.py): 10 steps from a PEFT adapter made by PEFT itself with B nonzero, so that the policy is not its
+    base; the reference is the policy as it started (TRL 1.16 with a PeftModel and no ref_model copies the adapter as a
+    frozen "ref" adapter; adapters that start at zero are the base, the adapters off): every metric equal to TRL's at
+    every step, step 1's rewards 0."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    hf = tiny_hf_folder(tmp_path / "hf", seed=3)
+    torch.manual_seed(0)
+    linears = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    adapter = tmp_path / "adapter"
+    peft = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32),
+        LoraConfig(r=4, lora_alpha=8, target_modules=linears, init_lora_weights=False, task_type="CAUSAL_LM"),
+    )
+    peft.save_pretrained(adapter)
+    rows = preference_rows(STEPS * PAIRS_PER_STEP)
+    data, dump, cache = write_jsonl(tmp_path / "pairs.jsonl", rows), tmp_path / "run", tmp_path / "cache"
+    lora = ["--lora.enable", f"--lora.adapter_path={adapter}", "--lora.r=4", "--lora.lora_alpha=8"]
+    run = dpo_run(hf, data, dump, cache, "--dpo.reference=live", *lora)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "dpo: reference live (the policy as it started, its adapters')" in run.stdout
+    ours = logged(dump)
+    trl = run_trl_dpo(hf, as_trl_pairs(hf, rows), beta=BETA, loss_type=["sigmoid"], loss_weights=None, lr=LR,
+                      steps=STEPS, pairs_per_step=PAIRS_PER_STEP, output_dir=tmp_path / "trl", adapter=adapter)  # fmt: skip
+    print(f"LoRA: {assert_equal_to_trl(ours, trl)}")
+    assert ours[0]["rewards/chosen"] == ours[0]["rewards/rejected"] == 0.0 and abs(ours[-1]["rewards/margins"]) > 0
+
+
 def test_a_reference_computed_another_way_stops_step_1_in_one_line(tmp_path: Path) -> None:
     """The reference scored in fp32, the run in bf16: at step 1 the rewards are not 0; the run stops in one line
     that names the difference, exit status 2. And the reference pass resumes from the parts it wrote."""

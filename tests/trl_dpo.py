@@ -112,6 +112,7 @@ def run_trl_dpo(
     adam_eps: float = 1e-8,
     micro_batches: int = 1,
     precompute_ref: bool = False,
+    adapter: Path | None = None,
 ) -> list[dict[str, float]]:
     """TRL's logged metrics at each of `steps` optimizer steps (one dict a step, in order) of DPOTrainer on the
     transformers model in `model_dir` (its tokenizer files too: the pad id), fp32, eager attention.
@@ -120,7 +121,8 @@ def run_trl_dpo(
     order, pairs_per_step a step in `micro_batches` equal micro-batches. torch's AdamW over every parameter (one
     group: weight decay on all, as the recipe's), a constant learning rate from step 1, no clipping unless
     max_grad_norm. The reference is a frozen copy of the initial weights, or (precompute_ref) their log-probs computed
-    before step 1.
+    before step 1. adapter: a PEFT adapter folder the policy trains (PeftModel, the base frozen, AdamW over the
+    adapters); TRL's reference is then the model with its adapters disabled, no copy.
     """
     if len(pairs) != steps * pairs_per_step:
         raise ValueError(
@@ -139,7 +141,12 @@ def run_trl_dpo(
         }
     )
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=adam_betas, eps=adam_eps, weight_decay=weight_decay)
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter, is_trainable=True)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=lr, betas=adam_betas, eps=adam_eps, weight_decay=weight_decay)
     args = _config(
         output_dir,
         per_device_train_batch_size=pairs_per_step // micro_batches,
