@@ -249,11 +249,7 @@ def build(
     if (start_step := resume_step(cfg, checkpoint)) is None:
         return None
     if rank == 0:
-        frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)  # LoRA's base
-        trained = sum(p.numel() for p in model.parameters() if p.requires_grad) if frozen else None
-        print_banner(
-            cfg, args, dims=dims, loader=loader, start_step=start_step, device=device, changed=changed, trained=trained
-        )
+        print_banner(cfg, args, model, dims=dims, loader=loader, start_step=start_step, device=device, changed=changed)
     resume(cfg, checkpoint, state, optimizer, start_step=start_step)
     forward_backward = ForwardBackward.for_run(cfg, model, pipeline, loss_fn, dims=dims, mesh=mesh, device=device)
     if cfg.dpo.enable:  # the reference's log-probabilities of every pair, from the initial weights (dpo.py)
@@ -511,23 +507,24 @@ def resume(
 def print_banner(
     cfg: JobConfig,
     args: Any,
+    model: torch.nn.Module,
     *,
     dims: ParallelDims,
     loader: GlobalBatchLoader,
     start_step: int,
     device: torch.device,
     changed: Sequence[str] = (),
-    trained: int | None = None,
 ) -> None:
-    """trained: the parameters that train where the others are frozen (this rank's pipeline stage's)."""
     t, data = cfg.training, cfg.data
     if cfg.job.description:
         print(described(cfg.job.description, changed), flush=True)
     corpus = f"mixture of {', '.join(data.mixture)}" if data.mixture else data.path
     fam = family(cfg.model.name)
     active = f" ({fam.active_params(args) / 1e6:,.1f}M active)" if fam.active_params else ""
-    if trained is not None:
-        active += f" ({trained / 1e6:,.2f}M train, the rest frozen)"
+    if any(not p.requires_grad for p in model.parameters()):  # a frozen base (LoRA): what trains, of this stage's
+        active += (
+            f" ({sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6:,.2f}M train, the rest frozen)"
+        )
     print(
         f"{model_label(cfg)}: {fam.num_params(args) / 1e6:,.1f}M parameters{active} | world "
         f"{dims.world_size} = " + (f"pp {dims.pp} x " if dims.pp_enabled else "") + f"{dims.describe()} | global batch "

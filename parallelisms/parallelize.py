@@ -45,17 +45,16 @@ def parallelize_model(
          torchao Float8Linear), and the TP plan, compile and FSDP must all see the final modules: the float8 TP
          styles apply to Float8Linear only, compile traces their casts, FSDP's float8 all-gather hooks into their
          weights.
-      1. TP: it replaces parameters by DTensors sharded over "tp" and installs the
-         input/output redistributions; every later step must see those final parameters.
-         Async TP only sets the compiler passes that overlap TP's collectives: on before compile.
+      1. TP: it replaces parameters by DTensors sharded over "tp" and installs the input/output redistributions;
+         every later step must see those final parameters. Async TP only sets the compiler passes that overlap TP's
+         collectives: on before compile.
       1a. EP splits each block's experts over the "ep" ranks (parallelisms/ep.py), once TP has given each rank its own
          tokens at the MoE, before FSDP shards each rank's experts over the ranks left.
-      1b. LoRA's adapters (lora.py) join the linears TP has split, each placed by PEFT's rule for its parallel
-         layer, and the float8 linears, which leave them in the compute dtype; everything after sees them.
-      1c. CP wraps each attention core (parallelisms/cp.py) before AC and compile see the block, so
-         its all-gather of keys and values is part of the checkpointed and compiled region.
-      2. AC before compile: compile then traces the checkpointed block, so the recomputation
-         (and selective AC's save/recompute choices) is part of the compiled graph.
+      1b. LoRA's adapters (lora.py) join the final linears, placed by PEFT's rule for TP's parallel layers.
+      1c. CP wraps each attention core (parallelisms/cp.py) before AC and compile see the block, so its all-gather
+         of keys and values is part of the checkpointed and compiled region.
+      2. AC before compile: compile then traces the checkpointed block, so the recomputation (and selective AC's
+         save/recompute choices) is part of the compiled graph.
       3. Compile per block before FSDP: each block's forward becomes one graph (shared by all
          blocks); FSDP's all-gather and reshard hooks, added next on the same modules, run
          eagerly around it at the block boundary instead of breaking the graph (checked on
@@ -82,13 +81,9 @@ def parallelize_model(
         if cfg.lora.enable:  # the adapters read a linear's input in the compute dtype, not float8's cast of it
             float8_styles = False
         apply_tp(
-            model,
-            mesh["tp"],
-            block_plan=fam.tp_plan,
-            loss_parallel=not parallelism.disable_loss_parallel,
-            seq_len=training.seq_len,
-            adapt_block_plan=adapt_tp_plan if float8_styles else None,
-        )
+            model, mesh["tp"], block_plan=fam.tp_plan, loss_parallel=not parallelism.disable_loss_parallel,
+            seq_len=training.seq_len, adapt_block_plan=adapt_tp_plan if float8_styles else None,
+        )  # fmt: skip
     experts = None  # (name inside a block, the mesh FSDP shards them over) under expert parallel
     if dims.ep_enabled:
         ep_mesh, experts_fsdp_mesh = dims.expert_meshes(mesh)

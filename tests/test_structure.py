@@ -112,7 +112,7 @@ LAYERS = (
     ("errors",),
     ("models",),
     ("config",),
-    ("parallelisms", "data", "loss", "optimizer", "muon", "distributed", "metrics", "profiling", "fleet"),
+    ("parallelisms", "lora", "data", "loss", "optimizer", "muon", "distributed", "metrics", "profiling", "fleet"),
     ("checkpoint", "forward", "inference"),
     ("generate", "evaluation", "dpo", "distill"),
     ("planning",),
