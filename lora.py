@@ -228,7 +228,8 @@ def load_peft_adapter(model: nn.Module, folder: Path, fam: ModelFamily, cfg: Lor
     saved = read_adapter_config(folder)
     ours = {"r": cfg.r, "lora_alpha": cfg.lora_alpha, "use_rslora": cfg.use_rslora}
     differ = [f"{k} {saved.get(k)} (the run: {v})" for k, v in ours.items() if saved.get(k) != v]
-    theirs = sorted(saved.get("target_modules") or [])
+    # PEFT saves "all-linear" as the full names it found (model.layers.0.self_attn.q_proj, ...): their last parts.
+    theirs = sorted({name.rsplit(".", 1)[-1] for name in saved.get("target_modules") or []})
     if theirs != target_names(fam, model.args, cfg):
         differ.append(f"target_modules {theirs} (the run: {target_names(fam, model.args, cfg)})")
     if differ:
@@ -377,7 +378,7 @@ def read_peft_folder(folder: Path, fam: ModelFamily, *, key: str) -> tuple[dict[
     ] + [f"{k} {saved[k]!r}" for k in ("rank_pattern", "alpha_pattern", "modules_to_save") if saved.get(k)]
     if unlike:
         raise ConfigError(f"{key}: {folder} is no plain LoRA adapter ({', '.join(unlike)}); only those are read here")
-    hf_to_ours = {h: o for o, h in fam.hf.PER_LAYER.items()}
+    hf_to_ours = fam.hf.PER_LAYER  # (HF module name -> ours)
     prefix = f"{PEFT_PREFIX}model.layers."
     adapters = {}
     for name, t in load_file(str(folder / ADAPTER_WEIGHTS)).items():

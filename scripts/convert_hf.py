@@ -233,7 +233,7 @@ def main(argv: list[str]) -> int:
             base=opts.base,
             dtype=DTYPES[opts.dtype] or torch.float32,
             max_shard_bytes=int(opts.max_shard_gb * 2**30),
-            tokenizer_path=opts.tokenizer_path,
+            tokenizer_path=opts.tokenizer_path or opts.hf_assets_path,
         )
         return 0
     if not (opts.hf_assets_path or opts.flavor):

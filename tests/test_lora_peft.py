@@ -1,0 +1,196 @@
+"""LoRA adapters out to PEFT's format and in from it, and the merged model, checked against peft and transformers:
+our debug models with random adapters (B nonzero) give the logits of peft.PeftModel on the exported base; the merged
+Hugging Face folder gives them in transformers; an adapter peft itself made gives PEFT's logits in our model; and
+scripts/convert_hf.py does the same on the step folder of a real (two-step) LoRA run, with its refusals.
+
+Weights are scaled for O(1) activations (tests/tiny_hf.py unit_scale_init_), and each check also asserts that the
+adapters move the logits by far more than the tolerance, so that an adapter dropped or scaled wrongly is seen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from config import Lora
+from inference import load_model
+from lora import adapters_off, apply_lora, is_adapter, load_peft_adapter, merge_adapters, scaling, write_peft_folder
+from models import family
+from models.hf import from_hf, to_hf
+from tests.launch import python
+from tests.tiny_hf import batch, unit_scale_init_
+
+TOL = 1e-4  # tests/test_hf.py's: fp32 on CPU, eager attention
+MOVED = 0.1  # the adapters' effect on the logits, at least: a thousand times the tolerance
+STEPS_ARGS = [
+    "--config", "configs/debug.toml", "--training.steps=2", "--checkpoint.interval=2", "--validation.enable=false",
+    "--eval.enable=false", "--training.seq_len=64", "--training.local_batch_size=2", "--lr_scheduler.warmup_steps=1",
+    "--optimizer.lr=0.05",
+]  # fmt: skip
+
+
+def ours_with_adapters(name: str, cfg: Lora, *, seed: int = 0) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(our debug model of family `name` with [lora] `cfg`'s adapters, every weight random at unit scale (B too),
+    its base alone as a plain model with the same weights)."""
+    fam = family(name)
+    args = dataclasses.replace(fam.flavors["debugmodel"], n_layers=2)  # 2 of its 6 blocks: float32 error as test_hf's
+    model = fam.model_cls(args)
+    apply_lora(model, cfg, fam)
+    unit_scale_init_(model, seed=seed)
+    base = fam.model_cls(args)
+    base.load_state_dict({n: t for n, t in model.state_dict().items() if not is_adapter(n)})
+    return model.eval(), base.eval()
+
+
+def adapter_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if is_adapter(n)}
+
+
+def hf_logits(folder: Path, tokens: torch.Tensor, adapter: Path | None = None) -> torch.Tensor:
+    hf = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    if adapter is not None:
+        hf = PeftModel.from_pretrained(hf, adapter).eval()
+    with torch.no_grad():
+        return hf(tokens).logits
+
+
+def diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+CASES = {
+    "llama3-all-linear": ("llama3", Lora(enable=True, r=4, lora_alpha=8.0)),
+    "qwen3-qv-rslora": ("qwen3", Lora(enable=True, r=8, lora_alpha=4.0, target_modules=["q_proj", "v_proj"],
+                                      use_rslora=True)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_exported_adapter_and_merged_model_give_our_logits_in_peft_and_transformers(case: str, tmp_path: Path) -> None:
+    name, cfg = CASES[case]
+    model, base = ours_with_adapters(name, cfg)
+    fam, args = family(name), model.args
+    tokens, _ = batch(args.vocab_size, seq=32)
+    with torch.no_grad():
+        ours = model(tokens)
+        with adapters_off(model):
+            assert diff(model(tokens), ours) > MOVED  # the adapters matter
+
+    to_hf(base, fam, args, tmp_path / "base")
+    write_peft_folder(
+        tmp_path / "peft", adapter_tensors(model), fam=fam, args=args, cfg=cfg, base=str(tmp_path / "base")
+    )
+    saved = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert saved["target_modules"] == sorted(saved["target_modules"]) and saved["base_model_name_or_path"]
+    peft_diff = diff(hf_logits(tmp_path / "base", tokens, adapter=tmp_path / "peft"), ours)
+
+    merge_adapters(base, adapter_tensors(model), scaling(cfg))
+    to_hf(base, fam, args, tmp_path / "merged")
+    merged_diff = diff(hf_logits(tmp_path / "merged", tokens), ours)
+    # PEFT's own merge of the exported adapter gives the weights ours wrote.
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    theirs = PeftModel.from_pretrained(hf, tmp_path / "peft").merge_and_unload().state_dict()
+    written = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").state_dict()
+    weight_diff = max(diff(theirs[k], written[k]) for k in written)
+    print(f"{case}: max |logit diff| PEFT {peft_diff:.2e}, merged {merged_diff:.2e}; merged weights {weight_diff:.2e}")
+    assert peft_diff <= TOL and merged_diff <= TOL and weight_diff <= 1e-5
+
+
+def test_an_adapter_peft_made_gives_peft_logits_as_lora_adapter_path_and_as_generate_adapter(tmp_path: Path) -> None:
+    """get_peft_model's adapter (all-linear: PEFT saves the full module names; init_lora_weights=False: B nonzero)
+    read by lora.load_peft_adapter into our model with adapters, and merged by inference.load_model's adapter=."""
+    _, base = ours_with_adapters("llama3", Lora(enable=True), seed=1)
+    fam, args = family("llama3"), base.args
+    to_hf(base, fam, args, tmp_path / "base")
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "base", attn_implementation="eager")
+    config = LoraConfig(r=4, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
+    peft_model = get_peft_model(hf, config).eval()
+    peft_model.save_pretrained(tmp_path / "made")
+    tokens, _ = batch(args.vocab_size, seq=32)
+    with torch.no_grad():
+        theirs = peft_model(tokens).logits
+        assert diff(theirs, base(tokens)) > MOVED
+
+    cfg = Lora(enable=True, r=4, lora_alpha=16.0, adapter_path=str(tmp_path / "made"))
+    ours, _ = from_hf(tmp_path / "base")
+    apply_lora(ours, cfg, fam)
+    load_peft_adapter(ours, tmp_path / "made", fam, cfg)
+    merged, _ = load_model(tmp_path / "base", config=None, device=torch.device("cpu"), dtype=torch.float32,
+                           adapter=tmp_path / "made")  # fmt: skip
+    with torch.no_grad():
+        adapter_diff, merged_diff = diff(ours.eval()(tokens), theirs), diff(merged(tokens), theirs)
+    print(f"PEFT-made adapter: max |logit diff| as adapter_path {adapter_diff:.2e}, merged {merged_diff:.2e}")
+    assert adapter_diff <= TOL and merged_diff <= TOL
+
+
+def test_convert_hf_to_peft_and_to_hf_on_a_lora_runs_step_and_its_refusals(tmp_path: Path) -> None:
+    """A two-step LoRA run from an HF base (a seed checkpoint exported by to-hf); its step-2 out as a PEFT folder
+    (PeftModel on the base) and as the merged model (transformers), both giving the logits of the step loaded by
+    inference.load_model (the base of its config.toml, the step's adapters merged); then the refusals."""
+    seed = tmp_path / "seed"
+    for argv in (
+        ["train.py", *STEPS_ARGS, f"--job.dump_folder={seed}", "--checkpoint.create_seed_checkpoint"],
+        ["scripts/convert_hf.py", "to-hf", str(seed / "checkpoint/step-0"), str(tmp_path / "base"), "--flavor",
+         "debugmodel", "--tokenizer-path", "assets/tokenizer", "--dtype", "float32"],
+        ["train.py", *STEPS_ARGS, f"--job.dump_folder={tmp_path / 'run'}", "--lora.enable", "--lora.r=4",
+         f"--checkpoint.initial_load_path={tmp_path / 'base'}", "--checkpoint.initial_load_in_hf"],
+    ):  # fmt: skip
+        proc = python(*argv)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    step = tmp_path / "run/checkpoint/step-2"
+    for command, *more in (("to-peft",), ("to-hf", "--dtype", "float32")):
+        proc = python("scripts/convert_hf.py", command, str(step), str(tmp_path / command), *more)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert not (tmp_path / f"{command}.partial").exists()
+    assert json.loads((tmp_path / "to-peft/adapter_config.json").read_text())["r"] == 4
+
+    model, _ = load_model(step, config=None, device=torch.device("cpu"), dtype=torch.float32)
+    tokens, _ = batch(model.args.vocab_size, seq=32)
+    with torch.no_grad():
+        ours = model(tokens)
+    peft_diff = diff(hf_logits(tmp_path / "base", tokens, adapter=tmp_path / "to-peft"), ours)
+    merged_diff = diff(hf_logits(tmp_path / "to-hf", tokens), ours)
+    moved = diff(hf_logits(tmp_path / "base", tokens), ours)
+    print(f"step-2: max |logit diff| PEFT {peft_diff:.2e}, merged {merged_diff:.2e}; the adapters move {moved:.2e}")
+    assert peft_diff <= TOL and merged_diff <= TOL and moved > MOVED
+
+    # eval.py's held-out loss of the step (base + adapters, merged into the sharded model) is the merged folder's.
+    losses = []
+    for checkpoint in (str(step), str(tmp_path / "to-hf")):
+        proc = python("eval.py", "--checkpoint", checkpoint, "--config", str(step.parent / "config.toml"),
+                      "--validation.steps=1", "--validation.local_batch_size=2", "--validation.seq_len=64")  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        losses.append(proc.stdout.split("| loss ")[1].split(" ")[0])
+    assert losses[0] == losses[1], losses
+
+    plain = tmp_path / "plain"
+    shutil.copytree(step, plain / "step-2")
+    (plain / "config.toml").write_text(
+        (step.parent / "config.toml").read_text().replace("[lora]\nenable = true", "[lora]\nenable = false")
+    )
+    gone = tmp_path / "gone"
+    shutil.copytree(step.parent, gone)
+    (gone / "config.toml").write_text(
+        (gone / "config.toml").read_text().replace(str(tmp_path / "base"), str(tmp_path / "nowhere"))
+    )
+    for argv, problem in [
+        (["to-peft", str(seed / "checkpoint/step-0"), str(tmp_path / "x")],
+         f"error: --config: {seed / 'checkpoint/config.toml'} has no [lora] enable = true"),
+        (["to-peft", str(seed / "checkpoint/step-0"), str(tmp_path / "x"), "--config", str(step.parent / "config.toml")],
+         f"error: CHECKPOINT: {seed / 'checkpoint/step-0'} holds no LoRA adapters"),
+        (["to-peft", str(plain / "step-2"), str(tmp_path / "x")], f"error: --config: {plain / 'config.toml'} has no [lora] enable = true"),
+        (["to-hf", str(plain / "step-2"), str(tmp_path / "x")], f"error: --config: {plain / 'config.toml'} has no [lora] enable = true"),
+        (["to-hf", str(gone / "step-2"), str(tmp_path / "x")], f"error: checkpoint.initial_load_path: {tmp_path / 'nowhere'} (the adapters' base"),
+        (["to-peft", str(step), str(tmp_path / "to-peft")], f"error: {tmp_path / 'to-peft'}: already exists"),
+    ]:  # fmt: skip
+        proc = python("scripts/convert_hf.py", *argv)
+        assert proc.returncode == 2 and proc.stderr.startswith(problem) and proc.stderr.count("\n") == 1, proc.stderr
+        assert not (tmp_path / "x").exists() and not (tmp_path / "x.partial").exists()
