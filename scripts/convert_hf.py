@@ -182,14 +182,16 @@ def main(argv: list[str]) -> int:
         default="keep",
         help="dtype to store (default keep: bf16 stays bf16; train.py upcasts into its fp32 parameters exactly)",
     )
-    to_hf = sub.add_parser("to-hf", help="DCP checkpoint -> HF folder")
+    to_hf = sub.add_parser("to-hf", help="DCP checkpoint -> HF folder (a LoRA run's step: the merged model)")
     to_hf.add_argument("checkpoint", type=Path, help="a step-<N> checkpoint folder (contains .metadata)")
     to_hf.add_argument("out", type=Path, help="HF folder to write (new or empty)")
     shape = to_hf.add_mutually_exclusive_group()
     shape.add_argument(
         "--hf-assets-path", type=Path, help="HF folder the model came from: its config.json gives the shape"
     )
-    shape.add_argument("--flavor", help="the model.flavor the checkpoint was trained with")
+    shape.add_argument(
+        "--flavor", help="the model.flavor the checkpoint was trained with (neither: a LoRA step, its config's shape)"
+    )
     to_hf.add_argument("--model", choices=NAMES, default="llama3", help="the model.name (family) of --flavor")
     to_hf.add_argument(
         "--tokenizer-path", type=Path, help="folder whose tokenizer files to copy (default: --hf-assets-path)"

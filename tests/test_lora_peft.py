@@ -1,7 +1,8 @@
 """LoRA adapters out to PEFT's format and in from it, and the merged model, checked against peft and transformers:
 our debug models with random adapters (B nonzero) give the logits of peft.PeftModel on the exported base; the merged
 Hugging Face folder gives them in transformers; an adapter peft itself made gives PEFT's logits in our model; and
-scripts/convert_hf.py does the same on the step folder of a real (two-step) LoRA run, with its refusals.
+scripts/convert_hf.py does the same on the step folder of a real (two-step) LoRA run, with its refusals, and eval.py
+scores that step as it scores the merged folder (in one process, and in one 2-rank TP launch).
 
 Weights are scaled for O(1) activations (tests/tiny_hf.py unit_scale_init_), and each check also asserts that the
 adapters move the logits by far more than the tolerance, so that an adapter dropped or scaled wrongly is seen.
@@ -11,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,12 +23,16 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from config import Lora
+from errors import ConfigError
 from inference import load_model
 from lora import adapters_off, apply_lora, is_adapter, load_peft_adapter, merge_adapters, scaling, write_peft_folder
 from models import family
 from models.hf import from_hf, to_hf
-from tests.launch import python
+from tests.launch import REPO, python, torchrun
 from tests.tiny_hf import batch, unit_scale_init_
+
+sys.path.insert(0, str(REPO / "scripts"))
+import convert_hf  # noqa: E402 (scripts/convert_hf.py, in this process)
 
 TOL = 1e-4  # tests/test_hf.py's: fp32 on CPU, eager attention
 MOVED = 0.1  # the adapters' effect on the logits, at least: a thousand times the tolerance
@@ -132,23 +139,20 @@ def test_an_adapter_peft_made_gives_peft_logits_as_lora_adapter_path_and_as_gene
 
 
 def test_convert_hf_to_peft_and_to_hf_on_a_lora_runs_step_and_its_refusals(tmp_path: Path) -> None:
-    """A two-step LoRA run from an HF base (a seed checkpoint exported by to-hf); its step-2 out as a PEFT folder
+    """A two-step LoRA run from an HF base (the debug model's initial weights); its step-2 out as a PEFT folder
     (PeftModel on the base) and as the merged model (transformers), both giving the logits of the step loaded by
     inference.load_model (the base of its config.toml, the step's adapters merged); then the refusals."""
-    seed = tmp_path / "seed"
-    for argv in (
-        ["train.py", *STEPS_ARGS, f"--job.dump_folder={seed}", "--checkpoint.create_seed_checkpoint"],
-        ["scripts/convert_hf.py", "to-hf", str(seed / "checkpoint/step-0"), str(tmp_path / "base"), "--flavor",
-         "debugmodel", "--tokenizer-path", "assets/tokenizer", "--dtype", "float32"],
-        ["train.py", *STEPS_ARGS, f"--job.dump_folder={tmp_path / 'run'}", "--lora.enable", "--lora.r=4",
-         f"--checkpoint.initial_load_path={tmp_path / 'base'}", "--checkpoint.initial_load_in_hf"],
-    ):  # fmt: skip
-        proc = python(*argv)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+    fam = family("llama3")
+    torch.manual_seed(0)
+    base = fam.model_cls(fam.flavors["debugmodel"])
+    base.init_weights()
+    to_hf(base, fam, base.args, tmp_path / "base")
+    proc = python("train.py", *STEPS_ARGS, f"--job.dump_folder={tmp_path / 'run'}", "--lora.enable", "--lora.r=4",
+                  f"--checkpoint.initial_load_path={tmp_path / 'base'}", "--checkpoint.initial_load_in_hf")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
     step = tmp_path / "run/checkpoint/step-2"
     for command, *more in (("to-peft",), ("to-hf", "--dtype", "float32")):
-        proc = python("scripts/convert_hf.py", command, str(step), str(tmp_path / command), *more)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert convert_hf.main([command, str(step), str(tmp_path / command), *more]) == 0
         assert not (tmp_path / f"{command}.partial").exists()
     assert json.loads((tmp_path / "to-peft/adapter_config.json").read_text())["r"] == 4
 
@@ -162,14 +166,17 @@ def test_convert_hf_to_peft_and_to_hf_on_a_lora_runs_step_and_its_refusals(tmp_p
     print(f"step-2: max |logit diff| PEFT {peft_diff:.2e}, merged {merged_diff:.2e}; the adapters move {moved:.2e}")
     assert peft_diff <= TOL and merged_diff <= TOL and moved > MOVED
 
-    # eval.py's held-out loss of the step (base + adapters, merged into the sharded model) is the merged folder's.
-    losses = []
-    for checkpoint in (str(step), str(tmp_path / "to-hf")):
-        proc = python("eval.py", "--checkpoint", checkpoint, "--config", str(step.parent / "config.toml"),
-                      "--validation.steps=1", "--validation.local_batch_size=2", "--validation.seq_len=64")  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        losses.append(proc.stdout.split("| loss ")[1].split(" ")[0])
-    assert losses[0] == losses[1], losses
+    # eval.py's held-out loss of the step (the base with the adapters merged into the model as it is built) is the
+    # merged folder's, and so on 2 ranks under TP (the adapters merged into each rank's shard of the weights).
+    scored = "--validation.steps=1", "--validation.local_batch_size=2", "--validation.seq_len=64"
+    config = "--config", str(step.parent / "config.toml")
+    procs = [python("eval.py", "--checkpoint", str(c), *config, *scored) for c in (step, tmp_path / "to-hf")]
+    tp = "--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1"
+    procs.append(torchrun("eval.py", "--checkpoint", str(step), *config, *scored, *tp, nproc=2))
+    assert all(proc.returncode == 0 for proc in procs), [proc.stderr[-2000:] for proc in procs]
+    losses = [float(re.search(r"^eval: .* \| loss ([0-9.]+) \|", proc.stdout, re.M)[1]) for proc in procs]
+    print(f"eval.py's loss of step-2: {losses[0]} (the merged folder: {losses[1]}, TP 2: {losses[2]})")
+    assert losses[0] == losses[1] and losses[2] == pytest.approx(losses[0], abs=2e-4), losses  # (to 4 decimals)
 
     plain = tmp_path / "plain"
     shutil.copytree(step, plain / "step-2")
@@ -181,16 +188,25 @@ def test_convert_hf_to_peft_and_to_hf_on_a_lora_runs_step_and_its_refusals(tmp_p
     (gone / "config.toml").write_text(
         (gone / "config.toml").read_text().replace(str(tmp_path / "base"), str(tmp_path / "nowhere"))
     )
+    seed = tmp_path / "seed"
+    convert_hf.hf_to_dcp(tmp_path / "base", seed, dtype=None)  # a step of no LoRA run
+    # The command's own way of refusing: one line on stderr, exit 2, nothing written.
+    proc = python("scripts/convert_hf.py", "to-peft", str(seed), str(tmp_path / "x"))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"error: --config: no config.toml beside {seed}"), proc.stderr
     for argv, problem in [
-        (["to-peft", str(seed / "checkpoint/step-0"), str(tmp_path / "x")],
-         f"error: --config: {seed / 'checkpoint/config.toml'} has no [lora] enable = true"),
-        (["to-peft", str(seed / "checkpoint/step-0"), str(tmp_path / "x"), "--config", str(step.parent / "config.toml")],
-         f"error: CHECKPOINT: {seed / 'checkpoint/step-0'} holds no LoRA adapters"),
-        (["to-peft", str(plain / "step-2"), str(tmp_path / "x")], f"error: --config: {plain / 'config.toml'} has no [lora] enable = true"),
-        (["to-hf", str(plain / "step-2"), str(tmp_path / "x")], f"error: --config: {plain / 'config.toml'} has no [lora] enable = true"),
-        (["to-hf", str(gone / "step-2"), str(tmp_path / "x")], f"error: checkpoint.initial_load_path: {tmp_path / 'nowhere'} (the adapters' base"),
-        (["to-peft", str(step), str(tmp_path / "to-peft")], f"error: {tmp_path / 'to-peft'}: already exists"),
+        (["to-peft", str(seed), str(tmp_path / "x"), "--config", str(step.parent / "config.toml")],
+         f"CHECKPOINT: {seed} holds no LoRA adapters"),
+        (["to-peft", str(plain / "step-2"), str(tmp_path / "x")], f"--config: {plain / 'config.toml'} has no [lora] enable = true"),
+        (["to-hf", str(plain / "step-2"), str(tmp_path / "x")], f"--config: {plain / 'config.toml'} has no [lora] enable = true"),
+        (["to-hf", str(gone / "step-2"), str(tmp_path / "x")], f"checkpoint.initial_load_path: {tmp_path / 'nowhere'} (the adapters' base"),
+        (["to-hf", str(seed), str(tmp_path / "x"), "--flavor", "debugmodel", "--base", str(tmp_path / "base")],
+         f"--base: {seed} holds no LoRA adapters"),
+        (["to-peft", str(step), str(tmp_path / "to-peft")], f"{tmp_path / 'to-peft'}: already exists"),
     ]:  # fmt: skip
-        proc = python("scripts/convert_hf.py", *argv)
-        assert proc.returncode == 2 and proc.stderr.startswith(problem) and proc.stderr.count("\n") == 1, proc.stderr
+        with pytest.raises(ConfigError) as refused:
+            convert_hf.main(argv)
+        assert len(refused.value.problems) == 1 and refused.value.problems[0].startswith(problem), (
+            refused.value.problems
+        )
         assert not (tmp_path / "x").exists() and not (tmp_path / "x.partial").exists()
