@@ -127,18 +127,19 @@ def step_adapters(step: Path, *, key: str) -> dict[str, torch.Tensor]:
 
 
 def lora_base(cfg: Any, *, config: Path) -> Path:
-    """The base a LoRA run trained its adapters on: checkpoint.initial_load_path (a DCP step, or a Hugging Face
-    folder), else model.hf_assets_path's weights; refused, naming the key, where the run had none or it is gone."""
+    """The base a LoRA run trained its adapters on, as the run read it: checkpoint.initial_load_path (a DCP step, or a
+    Hugging Face folder), else model.hf_assets_path's weights with initial_load_in_hf; refused, naming the key, where
+    the run had none (its base was a random init) or it is gone."""
     if cfg.checkpoint.initial_load_path is not None:
         key, base = "checkpoint.initial_load_path", Path(cfg.checkpoint.initial_load_path)
         found = (base / "config.json").is_file() or (base / ".metadata").is_file()
-    elif cfg.model.hf_assets_path is not None:
+    elif cfg.checkpoint.initial_load_in_hf and cfg.model.hf_assets_path is not None:
         key, base = "model.hf_assets_path", Path(cfg.model.hf_assets_path)
         found = (base / "config.json").is_file() and any(base.glob("*.safetensors"))
     else:
         raise ConfigError(
-            f"checkpoint.initial_load_path: {config} names no base for the adapters (nor model.hf_assets_path), and "
-            "a LoRA step holds the adapters only; pass the base with --base"
+            f"checkpoint.initial_load_path: {config} names no base for the adapters (nor model.hf_assets_path with "
+            "checkpoint.initial_load_in_hf), and a LoRA step holds the adapters only; pass the base with --base"
         )
     if not found:
         raise ConfigError(

@@ -188,6 +188,12 @@ def test_convert_hf_to_peft_and_to_hf_on_a_lora_runs_step_and_its_refusals(tmp_p
     (gone / "config.toml").write_text(
         (gone / "config.toml").read_text().replace(str(tmp_path / "base"), str(tmp_path / "nowhere"))
     )
+    baseless = tmp_path / "baseless"
+    shutil.copytree(step.parent, baseless)
+    text = (baseless / "config.toml").read_text()
+    (baseless / "config.toml").write_text(
+        text.replace(f'initial_load_path = "{tmp_path / "base"}"\n', "").replace("initial_load_in_hf = true", "")
+    )
     seed = tmp_path / "seed"
     convert_hf.hf_to_dcp(tmp_path / "base", seed, dtype=None)  # a step of no LoRA run
     # The command's own way of refusing: one line on stderr, exit 2, nothing written.
@@ -200,6 +206,7 @@ def test_convert_hf_to_peft_and_to_hf_on_a_lora_runs_step_and_its_refusals(tmp_p
         (["to-peft", str(plain / "step-2"), str(tmp_path / "x")], f"--config: {plain / 'config.toml'} has no [lora] enable = true"),
         (["to-hf", str(plain / "step-2"), str(tmp_path / "x")], f"--config: {plain / 'config.toml'} has no [lora] enable = true"),
         (["to-hf", str(gone / "step-2"), str(tmp_path / "x")], f"checkpoint.initial_load_path: {tmp_path / 'nowhere'} (the adapters' base"),
+        (["to-hf", str(baseless / "step-2"), str(tmp_path / "x")], f"checkpoint.initial_load_path: {baseless / 'config.toml'} names no base"),
         (["to-hf", str(seed), str(tmp_path / "x"), "--flavor", "debugmodel", "--base", str(tmp_path / "base")],
          f"--base: {seed} holds no LoRA adapters"),
         (["to-peft", str(step), str(tmp_path / "to-peft")], f"{tmp_path / 'to-peft'}: already exists"),
