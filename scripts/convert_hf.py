@@ -50,7 +50,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from checkpoint import HF_SIDE_FILES, MODEL_PREFIX, export_hf_folder, verify  # noqa: E402
 from checkpoint.checksums import ChecksumWriter  # noqa: E402
 from errors import ConfigError, report  # noqa: E402
-from lora import is_adapter, target_names, write_peft_folder  # noqa: E402
 from models import NAMES, family  # noqa: E402
 from models.hf import DEFAULT_MAX_SHARD_BYTES, family_of_hf_config, model_args_from_hf, read_hf_weights  # noqa: E402
 
@@ -94,6 +93,8 @@ def lora_run(checkpoint: Path, config: Path | None) -> tuple[Any, Path]:
 
 
 def holds_adapters(checkpoint: Path) -> bool:
+    from lora import is_adapter
+
     return any(k.startswith(MODEL_PREFIX) and is_adapter(k) for k in verify(checkpoint).state_dict_metadata)
 
 
@@ -110,6 +111,7 @@ def to_peft(checkpoint: Path, out: Path, *, config: Path | None, base: Path | No
     """A LoRA step's adapters as a PEFT adapter folder; base_model_name_or_path names the run's base (or --base)."""
     from config import model_args
     from inference import step_adapters
+    from lora import target_names, write_peft_folder
 
     cfg, _ = lora_run(checkpoint, config)
     adapters = step_adapters(checkpoint, key="CHECKPOINT")
