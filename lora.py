@@ -325,7 +325,7 @@ def write_peft_folder(
 
 
 def merged(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, s: float) -> torch.Tensor:
-    """W + s B A, computed in float32 and returned in W's dtype (PEFT's merge_and_unload)."""
+    """W + s B A, computed in float32 and returned in W's dtype (what PEFT's merge_and_unload writes)."""
     return (weight.float() + s * (b.float() @ a.float())).to(weight.dtype)
 
 
