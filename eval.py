@@ -14,6 +14,10 @@ on 64 GPUs with FSDP is evaluated on 2 with TP. The held-out loss is `[validatio
 Validator (evaluation/validation.py) that train.py logs, over `validation.dataset_path` (raw or prepared) for
 `validation.steps` global batches (-1: all of it once). Nothing is written; rank 0 prints one line.
 
+A LoRA run's step is its base (the config's checkpoint.initial_load_path or model.hf_assets_path, or --base) with
+the step's adapters merged into the weights once, in memory; --adapter PEFT_FOLDER merges a PEFT adapter into
+--checkpoint (an HF folder or DCP step) alike: the model evaluated is a plain one.
+
 --tasks runs EleutherAI's lm-evaluation-harness (`pip install -e ".[eval]"`) on the same checkpoint through
 `lm_eval.simple_evaluate` and this repo's model (evaluation/adapter.py RecipeLM; generate_until through generate.py's
 Generator), one process: a DCP checkpoint is scored without converting it.
@@ -40,6 +44,7 @@ import torch.distributed as dist
 from config import env_world_size
 from errors import ConfigError, RecipeError, is_rank0, report
 from evaluation.watch import add_watch_arguments, check_watch
+from inference import add_adapter_arguments
 
 if TYPE_CHECKING:
     from evaluation.adapter import Continuations
@@ -51,7 +56,8 @@ def main(argv: list[str]) -> int:
         return watch(opts, overrides)
     if opts.tasks:
         return run_tasks(opts)
-    loss, tokens, seconds, data = held_out_loss(opts.checkpoint, opts.config, overrides)
+    loss, tokens, seconds, data = held_out_loss(opts.checkpoint, opts.config, overrides, adapter=opts.adapter,
+                                                base=opts.base)  # fmt: skip
     if is_rank0():
         print(
             f"eval: {opts.checkpoint} | loss {loss:.4f} | perplexity {math.exp(loss):.3f} | {tokens:,} tokens of {data}"
@@ -66,6 +72,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--checkpoint", type=Path, help="a DCP step-<N> folder or a Hugging Face folder")
     parser.add_argument("--config", type=Path, help="the run's TOML (default: config.toml beside the step folders)")
+    add_adapter_arguments(parser)  # (inference.py)
     parser.add_argument("--tasks", help="lm-evaluation-harness tasks, comma-separated (instead of the held-out loss)")
     parser.add_argument("--include-path", help="a folder of lm-eval task YAMLs of your own")
     parser.add_argument("--limit", type=float, help="lm-eval: at most this many examples per task (or a fraction)")
@@ -123,7 +130,8 @@ def run_tasks(opts: argparse.Namespace) -> int:
         if offline and uncached_hub_datasets(tasks, opts.include_path):
             raise unreadable(names, why=f"not cached here, and {offline}")
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        model, tokenizer_path = load_model(opts.checkpoint, config=opts.config, device=device, dtype=torch.float32)
+        model, tokenizer_path = load_model(opts.checkpoint, config=opts.config, device=device, dtype=torch.float32,
+                                           adapter=opts.adapter, base=opts.base)  # fmt: skip
         tokenizer_path = opts.tokenizer or tokenizer_path
         if tokenizer_path is None:
             raise ConfigError(f"--tokenizer: {opts.checkpoint} holds no tokenizer.json; name a tokenizer folder")
@@ -180,19 +188,41 @@ def config_args(checkpoint: Path, config: Path | None) -> list[str]:
             "--model.shape_from_hf_config"]  # fmt: skip
 
 
-def held_out_loss(checkpoint: Path, config: Path | None, overrides: list[str]) -> tuple[float, int, float, str]:
-    """(loss, tokens, seconds, data path) of `[validation]` on the checkpoint's weights, with the config's layout."""
-    from config import validation_path
+def held_out_loss(
+    checkpoint: Path,
+    config: Path | None,
+    overrides: list[str],
+    *,
+    adapter: Path | None = None,
+    base: Path | None = None,
+) -> tuple[float, int, float, str]:
+    """(loss, tokens, seconds, data path) of `[validation]` on the checkpoint's weights, with the config's layout
+    (a LoRA step's base, or --checkpoint, with the adapters merged)."""
+    from config import load_config, validation_path
     from data.tokenizers import build_tokenizer
     from evaluation.validation import Validator
+    from inference import lora_base, step_adapters
+    from lora import read_peft_folder, scaling
+    from models import family
 
-    argv = [*config_args(checkpoint, config), *overrides, "--validation.enable=true", "--checkpoint.enable=false"]
+    argv = [*config_args(checkpoint, config), *overrides]
+    run = load_config(argv)
+    merges, weights = [], checkpoint
+    if run.lora.enable and not (checkpoint / "config.json").is_file():  # the step holds the adapters only
+        merges.append((step_adapters(checkpoint, key="--checkpoint"), scaling(run.lora)))
+        weights = base or lora_base(run, config=config or checkpoint.parent / "config.toml")
+    if adapter is not None:
+        merges.append(read_peft_folder(adapter, family(run.model.name), key="--adapter"))
+    # Built without adapters: they are merged into the weights below.
+    argv += ["--validation.enable=true", "--checkpoint.enable=false", "--lora.enable=false"]
     with scoring_run(argv) as (cfg, dims, mesh, forward, args):
         if validation_path(cfg.validation) is None:
             raise ConfigError(
                 "validation.dataset_path: name the held-out data to evaluate on (a file or prepared folder)"
             )
-        load_weights(checkpoint, forward.model, forward.pipeline, args=args, family_name=cfg.model.name)
+        load_weights(weights, forward.model, forward.pipeline, args=args, family_name=cfg.model.name)
+        for adapters, s in merges:
+            merge_into_parts(adapters, s, forward.model, forward.pipeline)
         tokenizer = build_tokenizer(cfg.model.tokenizer_path)
         validator = Validator(cfg, tokenizer=tokenizer, dp_rank=dims.dp_rank(mesh), dp_degree=dims.dp, forward=forward)
         loss, tokens, seconds = validator.validate()
@@ -297,6 +327,20 @@ def watch(opts: argparse.Namespace, overrides: list[str]) -> int:
         if is_rank0():
             print(f"end: the run's last step, {last}, is scored; scores in {out}", flush=True)
     return 0
+
+
+def merge_into_parts(adapters: dict[str, torch.Tensor], s: float, model: torch.nn.Module, pipeline: Any) -> None:
+    """Adapters merged into the built (sharded) model, each pipeline stage taking those of its own linears."""
+    from lora import merge_adapters
+
+    merged = 0
+    for part in pipeline.parts if pipeline else [model]:
+        own = {n for n, _ in part.named_parameters()}
+        merged += merge_adapters(part, {k: t for k, t in adapters.items() if f"{k.rsplit('.', 2)[0]}.weight" in own}, s)
+    if merged * 2 != len(adapters):
+        raise ConfigError(
+            f"the adapters hold {len(adapters)} tensors, of which the model took {merged * 2}; is it an adapter of this model?"
+        )
 
 
 def load_weights(checkpoint: Path, model: torch.nn.Module, pipeline: Any, *, args: Any, family_name: str) -> None:

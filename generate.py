@@ -4,9 +4,12 @@ ranks and any layout) or a Hugging Face folder (Llama or Qwen3, from config.json
 python generate.py --checkpoint outputs/debug/checkpoint/step-100 --prompt "Once upon a time"
 python generate.py --checkpoint HF_FOLDER --prompt "Hi" --prompt "Tell me a story" --chat --temperature 0.7
 python generate.py --checkpoint CKPT --prompts-file prompts.txt --compile --max-new-tokens 256
+python generate.py --checkpoint HF_OR_DCP_BASE --adapter PEFT_FOLDER --prompt "Once upon a time"
 
 The run's config is read from config.toml beside the step folders (train.py writes it there when it
-checkpoints), or given with --config. Each completion goes to stdout; prefill and decode tokens/s to stderr.
+checkpoints), or given with --config. A LoRA run's step is its base (the config's checkpoint.initial_load_path or
+model.hf_assets_path, or --base) with the step's adapters merged into the weights once, in memory; --adapter merges a
+PEFT adapter folder alike. Each completion goes to stdout; prefill and decode tokens/s to stderr.
 
 How it runs: the prompts, left-padded to one length, in one forward (the prefill); then the decode step, one token
 per row from a KV cache (models/kv_cache.py), the next token picked on the device, and no value read by the host but
@@ -35,7 +38,7 @@ from torch.distributed.tensor import DTensor
 from config import env_world_size
 from data.tokenizers import Tokenizer, build_tokenizer
 from errors import ConfigError, RecipeError, is_rank0, report
-from inference import hf_tokenizer, load_model
+from inference import add_adapter_arguments, hf_tokenizer, load_model
 from models.kv_cache import KVCache
 
 CACHE_LENGTH_MULTIPLE = 128
@@ -52,7 +55,13 @@ def main(argv: list[str]) -> int:
     device, tp_mesh = init_tensor_parallel(opts.device)
     try:
         model, tokenizer_path = load_model(
-            opts.checkpoint, config=opts.config, device=device, dtype=DTYPES[opts.dtype], tp_mesh=tp_mesh
+            opts.checkpoint,
+            config=opts.config,
+            device=device,
+            dtype=DTYPES[opts.dtype],
+            tp_mesh=tp_mesh,
+            adapter=opts.adapter,
+            base=opts.base,
         )
         return generate_and_print(opts, model, opts.tokenizer or tokenizer_path)
     finally:
@@ -111,6 +120,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", type=Path, required=True, help="a DCP step-<N> folder or a Hugging Face folder")
     parser.add_argument("--config", type=Path, help="the run's TOML (default: config.toml beside the step folders)")
+    add_adapter_arguments(parser)
     parser.add_argument(
         "--tokenizer", help="tokenizer folder (default: the run's model.tokenizer_path / the HF folder)"
     )

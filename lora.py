@@ -255,7 +255,8 @@ def load_peft_adapter(model: nn.Module, folder: Path, fam: ModelFamily, cfg: Lor
     saved = read_adapter_config(folder)
     ours = {"r": cfg.r, "lora_alpha": cfg.lora_alpha, "use_rslora": cfg.use_rslora}
     differ = [f"{k} {saved.get(k)} (the run: {v})" for k, v in ours.items() if saved.get(k) != v]
-    theirs = sorted(saved.get("target_modules") or [])
+    # PEFT saves "all-linear" as the full names it found (model.layers.0.self_attn.q_proj, ...): their last parts.
+    theirs = sorted({name.rsplit(".", 1)[-1] for name in saved.get("target_modules") or []})
     if theirs != target_names(fam, model.args, cfg):
         differ.append(f"target_modules {theirs} (the run: {target_names(fam, model.args, cfg)})")
     if differ:
@@ -283,3 +284,138 @@ def load_peft_adapter(model: nn.Module, folder: Path, fam: ModelFamily, cfg: Lor
             f"lora.adapter_path: {folder} lacks {len(missing)} of the run's adapters (e.g. {missing[0]}); is it an "
             "adapter of this model?"
         )
+
+
+# ---- PEFT folders out
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def peft_adapter_config(fam: ModelFamily, args: Any, cfg: Lora, *, base: str | None) -> dict[str, Any]:
+    """adapter_config.json of our adapters: the [lora] keys under PEFT's names, and PEFT 0.21's other LoraConfig
+    fields at the values that mean plain LoRA (no bias, no DoRA, no per-module rank or alpha), so that
+    PeftModel.from_pretrained computes what our model computes."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base,
+        "r": cfg.r,
+        "lora_alpha": cfg.lora_alpha,
+        "lora_dropout": cfg.lora_dropout,
+        "target_modules": target_names(fam, args, cfg),
+        "use_rslora": cfg.use_rslora,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "use_dora": False,
+        "lora_bias": False,
+        "revision": None,
+    }
+
+
+def write_peft_folder(
+    out: Path,
+    adapters: dict[str, torch.Tensor],
+    *,
+    fam: ModelFamily,
+    args: Any,
+    cfg: Lora,
+    base: str | None,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """A PEFT adapter folder in `out` (created): adapter_config.json and adapter_model.safetensors under PEFT's keys
+    (`peft_name`), from our adapter tensors (name -> whole tensor; dtype None keeps theirs). Every adapter the
+    [lora] targets of `args` name must be given, and nothing else."""
+    from safetensors.torch import save_file
+
+    with torch.device("meta"):
+        model = fam.model_cls(args)
+    apply_lora(model, cfg, fam)
+    expected = {name for name, _ in model.named_parameters() if is_adapter(name)}
+    if set(adapters) != expected:
+        odd = sorted(set(adapters) ^ expected)
+        raise ConfigError(
+            f"{out}: the adapters given are not those [lora] puts on this model ({len(odd)} differ, e.g. {odd[0]}); "
+            "is [lora] the run's?"
+        )
+    tensors = {peft_name(fam, n): (t if dtype is None else t.to(dtype)).contiguous() for n, t in adapters.items()}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / ADAPTER_CONFIG).write_text(json.dumps(peft_adapter_config(fam, args, cfg, base=base), indent=2) + "\n")
+    save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+
+
+def merged(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, s: float) -> torch.Tensor:
+    """W + s B A, computed in float32 and returned in W's dtype (what PEFT's merge_and_unload writes)."""
+    return (weight.float() + s * (b.float() @ a.float())).to(weight.dtype)
+
+
+@torch.no_grad()
+def merge_adapters(model: nn.Module, adapters: dict[str, torch.Tensor], s: float) -> int:
+    """Each adapter pair `<linear>.lora_A/B.weight` of `adapters` (whole tensors) merged into the plain model's
+    `<linear>.weight` in place (a TP- or FSDP-sharded weight takes its shard); returns how many were merged. A pair
+    whose linear the model lacks, or of the wrong shape, is refused."""
+    params = dict(model.named_parameters())
+    linears = sorted({n.rsplit(".", 2)[0] for n in adapters})
+    for linear in linears:
+        a, b = adapters.get(f"{linear}.lora_A.weight"), adapters.get(f"{linear}.lora_B.weight")
+        w = params.get(f"{linear}.weight")
+        if (
+            a is None
+            or b is None
+            or w is None
+            or tuple(w.shape) != (b.shape[0], a.shape[1])
+            or a.shape[0] != b.shape[1]
+        ):
+            raise ConfigError(
+                f"the adapter of {linear} does not fit this model (its A, B or weight is missing or of another "
+                "shape); is it an adapter of this model?"
+            )
+        if isinstance(w, DTensor):
+            delta = (s * (b.float() @ a.float())).to(w.device)
+            shard = distribute_tensor(delta, w.device_mesh, w.placements, src_data_rank=None).to_local()
+            local = w.to_local()
+            local.copy_((local.float() + shard).to(local.dtype))
+        else:
+            w.copy_(merged(w, a.to(w.device), b.to(w.device), s))
+    return len(linears)
+
+
+def read_peft_folder(folder: Path, fam: ModelFamily, *, key: str) -> tuple[dict[str, torch.Tensor], float]:
+    """A PEFT LoRA folder's adapters under our names, and their scale; what it holds that is no plain LoRA of the
+    family's linears (DoRA, biases, per-module ranks, other saved modules) is refused, naming `key`."""
+    from safetensors.torch import load_file
+
+    try:
+        saved = json.loads((folder / ADAPTER_CONFIG).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(
+            f"{key}: {folder / ADAPTER_CONFIG} could not be read ({e}); point it at a PEFT adapter folder"
+        ) from None
+    unlike = [
+        f"{k} {saved.get(k)!r}"
+        for k, plain in (("peft_type", "LORA"), ("bias", "none"), ("use_dora", False), ("fan_in_fan_out", False))
+        if saved.get(k, plain) != plain
+    ] + [f"{k} {saved[k]!r}" for k in ("rank_pattern", "alpha_pattern", "modules_to_save") if saved.get(k)]
+    if unlike:
+        raise ConfigError(f"{key}: {folder} is no plain LoRA adapter ({', '.join(unlike)}); only those are read here")
+    hf_to_ours = fam.hf.PER_LAYER  # (HF module name -> ours)
+    prefix = f"{PEFT_PREFIX}model.layers."
+    adapters = {}
+    for name, t in load_file(str(folder / ADAPTER_WEIGHTS)).items():
+        # base_model.model.model.layers.{i}.{hf module}.lora_{A,B}[.default].weight (PEFT drops the adapter name).
+        layer, _, rest = name.removeprefix(prefix).partition(".")
+        module, _, which = rest.removesuffix(".weight").rpartition(".")
+        if not name.startswith(prefix) or which not in ("lora_A", "lora_B") or module not in hf_to_ours:
+            raise ConfigError(f"{key}: {folder} holds {name}, no LoRA adapter of a {fam.name} linear")
+        adapters[f"layers.{layer}.{hf_to_ours[module]}.{which}.weight"] = t
+    r, alpha = saved.get("r"), saved.get("lora_alpha")
+    if not isinstance(r, int) or not isinstance(alpha, int | float) or r < 1:
+        raise ConfigError(f"{key}: {folder / ADAPTER_CONFIG} lacks a positive r or a lora_alpha")
+    return adapters, alpha / (math.sqrt(r) if saved.get("use_rslora") else r)
