@@ -337,7 +337,7 @@ def write_peft_folder(
 
     with torch.device("meta"):
         model = fam.model_cls(args)
-    apply_lora(model, cfg, fam)
+    apply_lora(model, cfg, fam, base_dtype=torch.float32)
     expected = {name for name, _ in model.named_parameters() if is_adapter(name)}
     if set(adapters) != expected:
         odd = sorted(set(adapters) ^ expected)

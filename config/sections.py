@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from config.distill import Distill
-from config.lora import Lora
 from config.dpo import Dpo
+from config.lora import Lora
 from config.parts import optional_part
 from config.torchtitan import (
     OTHER_CONVERTERS,

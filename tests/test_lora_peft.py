@@ -49,7 +49,7 @@ def ours_with_adapters(name: str, cfg: Lora, *, seed: int = 0) -> tuple[torch.nn
     fam = family(name)
     args = dataclasses.replace(fam.flavors["debugmodel"], n_layers=2)  # 2 of its 6 blocks: float32 error as test_hf's
     model = fam.model_cls(args)
-    apply_lora(model, cfg, fam)
+    apply_lora(model, cfg, fam, base_dtype=torch.float32)
     unit_scale_init_(model, seed=seed)
     base = fam.model_cls(args)
     base.load_state_dict({n: t for n, t in model.state_dict().items() if not is_adapter(n)})
@@ -128,7 +128,7 @@ def test_an_adapter_peft_made_gives_peft_logits_as_lora_adapter_path_and_as_gene
 
     cfg = Lora(enable=True, r=4, lora_alpha=16.0, adapter_path=str(tmp_path / "made"))
     ours, _ = from_hf(tmp_path / "base")
-    apply_lora(ours, cfg, fam)
+    apply_lora(ours, cfg, fam, base_dtype=torch.float32)
     load_peft_adapter(ours, tmp_path / "made", fam, cfg)
     merged, _ = load_model(tmp_path / "base", config=None, device=torch.device("cpu"), dtype=torch.float32,
                            adapter=tmp_path / "made")  # fmt: skip
