@@ -530,7 +530,11 @@ def validate(cfg: JobConfig) -> list[str]:
             z_loss_weight=t.z_loss_weight,
         ),
         *cfg.distill.problems(pp=cfg.parallelism.pipeline_parallel_degree, dpo=cfg.dpo.enable),
-        *cfg.lora.problems(optimizer=cfg.optimizer.name, seed_checkpoint=cfg.checkpoint.create_seed_checkpoint),
+        *cfg.lora.problems(
+            optimizer=cfg.optimizer.name,
+            seed_checkpoint=cfg.checkpoint.create_seed_checkpoint,
+            last_save_in_hf=cfg.checkpoint.last_save_in_hf,
+        ),
     ]
 
 

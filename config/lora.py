@@ -26,7 +26,7 @@ class Lora:
     adapter_path: str | None = field(default=None, metadata={"input_path": True})
     """A PEFT adapter folder (adapter_config.json, adapter_model.safetensors) the adapters start from; unset: A as PEFT initializes it, B zero. Its r, lora_alpha, use_rslora and target_modules are the run's."""
 
-    def problems(self, *, optimizer: str, seed_checkpoint: bool) -> list[str]:
+    def problems(self, *, optimizer: str, seed_checkpoint: bool, last_save_in_hf: bool = False) -> list[str]:
         """What LoRA needs of its own keys and of the rest of the config."""
         if not self.enable:
             return []
@@ -43,6 +43,12 @@ class Lora:
             p.append(
                 "checkpoint.create_seed_checkpoint: a seed holds a model's initial weights, and a LoRA run's base comes "
                 "from checkpoint.initial_load_path; create the seed with lora.enable = false"
+            )
+        if last_save_in_hf:
+            p.append(
+                "checkpoint.last_save_in_hf: a LoRA run's steps hold its adapters; set it to false and write them after "
+                "the run with `python scripts/convert_hf.py to-peft STEP OUT` (PEFT's folder) or `to-hf STEP OUT` "
+                "(merged into the base)"
             )
         if optimizer == "Muon":
             p.append('optimizer.name: Muon orthogonalizes whole weight matrices, not adapters; use "AdamW" with LoRA')

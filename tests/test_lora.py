@@ -145,6 +145,13 @@ def test_loras_settings_are_refused_in_one_line_each() -> None:
         "checkpoint.initial_load_path; create the seed with lora.enable = false",
         'optimizer.name: Muon orthogonalizes whole weight matrices, not adapters; use "AdamW" with LoRA',
     ]
+    assert (
+        Lora(enable=True)
+        .problems(optimizer="AdamW", seed_checkpoint=False, last_save_in_hf=True)[0]
+        .startswith(
+            "checkpoint.last_save_in_hf: a LoRA run's steps hold its adapters; set it to false and write them after the run"
+        )
+    )
     with pytest.raises(ConfigError, match=r"lora.adapter_path: /nonexistent has no adapter_config.json"):
         load_config(
             ["--config", "configs/debug.toml", "--lora.enable", "--lora.adapter_path=/nonexistent"],
