@@ -207,7 +207,8 @@ def held_out_loss(
 
     argv = [*config_args(checkpoint, config), *overrides]
     run = load_config(argv)
-    merges, weights = [], checkpoint
+    weights = checkpoint
+    merges = []  # (adapters, their scale) to merge into the weights
     if run.lora.enable and not (checkpoint / "config.json").is_file():  # the step holds the adapters only
         merges.append((step_adapters(checkpoint, key="--checkpoint"), scaling(run.lora)))
         weights = base or lora_base(run, config=config or checkpoint.parent / "config.toml")
