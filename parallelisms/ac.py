@@ -250,7 +250,9 @@ def refuse_nested_checkpointing(model: nn.Module) -> None:
 
 
 class _LinearScope:
-    """Which of a block's named linears is running: the selective-AC policy sees ops, not modules.
+    """Which of a block's named linears is running: the selective-AC policy sees ops, not modules. A module a named
+    linear holds (LoRA's adapters, lora.py) is not the linear: its matmuls are recomputed (an adapter's are r wide,
+    and keeping lora_B's full-width output would cost what keeping the linear's costs again).
 
     Eager: forward pre/post hooks on the linears (they also fire when the block is recomputed).
     Compiled: the hooks are skipped (torch.compiler.is_compiling(): no side effect in the graph), and the
@@ -264,10 +266,15 @@ class _LinearScope:
         if missing := [name for name in names if name not in modules]:
             raise ValueError(f"SAC_SAVED_LINEARS names {missing}, which {type(block).__name__} does not have")
         self.ids = {str(id(modules[name])) for name in names}
-        self.active = 0
+        held = [m for name in names for m in modules[name].modules() if m is not modules[name]]
+        self.held_ids = {str(id(m)) for m in held}
+        self.active = self.held = 0
         for name in names:
             modules[name].register_forward_pre_hook(self._enter)
             modules[name].register_forward_hook(self._exit)
+        for m in held:
+            m.register_forward_pre_hook(self._enter_held)
+            m.register_forward_hook(self._exit_held)
 
     def _enter(self, *_: Any) -> None:
         if not torch.compiler.is_compiling():
@@ -277,11 +284,19 @@ class _LinearScope:
         if not torch.compiler.is_compiling():
             self.active -= 1
 
+    def _enter_held(self, *_: Any) -> None:
+        if not torch.compiler.is_compiling():
+            self.held += 1
+
+    def _exit_held(self, *_: Any) -> None:
+        if not torch.compiler.is_compiling():
+            self.held -= 1
+
     def inside(self) -> bool:
         if self.active:
-            return True
-        meta = fx_traceback.get_current_meta() or {}
-        return bool(self.ids.intersection(meta.get("nn_module_stack") or ()))
+            return not self.held
+        stack = (fx_traceback.get_current_meta() or {}).get("nn_module_stack") or ()
+        return bool(self.ids.intersection(stack)) and not self.held_ids.intersection(stack)
 
 
 def _op_sac_context(

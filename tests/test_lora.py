@@ -198,3 +198,36 @@ def test_a_checkpoint_holds_the_adapters_and_resumes_exactly_on_the_base_read_ag
         "model.hf_assets_path) at that base"
     ], refused.stderr[-2000:]
     assert not (dump / "checkpoint" / "step-4").exists()
+
+
+def test_op_sac_keeps_the_named_linears_outputs_and_recomputes_the_adapters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Selective op AC keeps the matmul outputs of the family's named linears (SAC_SAVED_LINEARS) and not those of the
+    adapters they hold: lora_B's output is as wide as the linear's, and keeping it would cost what the linear's costs
+    again, where recomputing an adapter is r wide."""
+    from config import ActivationCheckpoint
+    from parallelisms import ac
+
+    decisions: list[object] = []
+    real = ac.create_selective_checkpoint_contexts
+
+    def recording(policy, *args, **kwargs):  # type: ignore[no-untyped-def]
+        def record(ctx, op, *a, **k):  # type: ignore[no-untyped-def]
+            decision = policy(ctx, op, *a, **k)
+            if op in ac._MATMUL_OPS and not ctx.is_recompute:
+                decisions.append(decision)
+            return decision
+
+        return real(record, *args, **kwargs)
+
+    monkeypatch.setattr(ac, "create_selective_checkpoint_contexts", recording)
+    op_sac = ActivationCheckpoint(mode="selective", selective_ac_option="op")
+    saved = {}
+    for adapted in (False, True):
+        decisions.clear()
+        model = with_adapters(ALL) if adapted else build_tiny()
+        ac.apply_ac(model, op_sac, saved_linears=LLAMA3.sac_saved_linears)
+        model(random_batch()[:, :-1]).sum().backward()
+        kept = sum(d == ac.CheckpointPolicy.MUST_SAVE for d in decisions)
+        saved[adapted] = (kept, len(decisions))
+    assert saved[True][0] == saved[False][0] > 0, saved  # the same outputs kept
+    assert saved[True][1] == saved[False][1] + 2 * 7 * 2, saved  # and each adapter's two matmuls recomputed
