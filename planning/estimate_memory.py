@@ -178,9 +178,7 @@ def _loss_note(job: Job) -> str:
     if job.chunk_tokens:
         tokens, per_logit = job.chunk_tokens, 8 + param_bytes + (8 if job.dims.tp == 1 else 12)
         output = "" if job.cfg.lora.enable else " and the output"  # LoRA: the output projection is frozen
-        kept = (
-            f"chunked: one chunk of {tokens:,} tokens at a time + the gradients of the final norm's output{output}"
-        )
+        kept = f"chunked: one chunk of {tokens:,} tokens at a time + the gradients of the final norm's output{output}"
     return f"{tokens:,} x {job.args.vocab_size // job.dims.tp:,} logits x {per_logit} B ({kept})"
 
 

@@ -61,7 +61,11 @@ def adapter_elements(job: Job) -> float:
     for linear in targets(block, job.fam, cfg):
         m, style = block.get_submodule(linear), plan.get(linear) if tp > 1 else None
         a, b = cfg.r * m.in_features, m.out_features * cfg.r
-        total += a + b / tp if isinstance(style, ColwiseParallel) else a / tp + b if isinstance(style, RowwiseParallel) else a + b
+        if isinstance(style, ColwiseParallel):  # W split by its output rows: B split like it, A whole
+            b /= tp
+        elif isinstance(style, RowwiseParallel):  # by its input columns: A split like it, B whole
+            a /= tp
+        total += a + b
     return total
 
 
@@ -609,8 +613,10 @@ class _Replay:
             remaining -= blocks[i]
         if stage == 0 and params.embedding:
             done = len(blocks) * done_each
-            # Its unsharded gradient and FSDP's reduce_dtype copy; without FSDP (one rank) its float32 .grad.
-            grads = (self.param_bytes + (self.reduce_bytes if first else 0) if self.fsdp else 4) * params.trainable_embedding
+            # Its unsharded gradient and FSDP's reduce_dtype copy; without FSDP (one rank) its float32 .grad; none when
+            # it is frozen (LoRA).
+            per_param = self.param_bytes + (self.reduce_bytes if first else 0) if self.fsdp else 4
+            grads = per_param * params.trainable_embedding
             value = self.gathered["embedding"] + base + done + root_grad + acts.token_ids + grads
             self._record("embedding", value, state.earlier_grads + (0.0 if self.accumulates else done), where)
 
@@ -682,7 +688,8 @@ def _peak(job: Job, replay: _Replay) -> dict[str, float | str]:
     peak_phase, peak_value, _, peak_where = replay.worst()
     static = state.static + teacher.params + teacher.root  # the teacher's root unit, once gathered, stays
     allocated = static + peak_value
-    rs_pool = state.grads if state.on_gpu else 4 * (params.largest_shard if not params.lora else params.trainable_sharded_block)
+    largest_grads = params.trainable_sharded_block if params.lora else params.largest_shard
+    rs_pool = state.grads if state.on_gpu else 4 * largest_grads
     param_bytes = DTYPE_BYTES[job.cfg.training.mixed_precision_param]
     ag_pool = max(param_bytes * params.largest_unit, 2 * param_bytes * params.block, 2 * teacher.block_unit)
     compute = max(value - shards for value, shards, _ in phases.values())
