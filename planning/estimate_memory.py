@@ -53,6 +53,7 @@ def _heading(job: Job, e: dict[str, Any], pp_rank: int | None) -> str:
         f"{t.local_batch_size} x {t.seq_len} tokens, grad accumulation {job.grad_accum} | params "
         f"{t.mixed_precision_param}, reduce {t.mixed_precision_reduce} | AC {ac_mode} | RMSNorm {job.machine.norm}"
         + (" | CPU offload" if job.cpu_offload else "")
+        + (f" | LoRA r {job.cfg.lora.r} on {', '.join(_lora_targets(job))}" if job.cfg.lora.enable else "")
     )
     if d.pp == 1:
         return heading
@@ -89,8 +90,18 @@ def _state_rows(job: Job, e: dict[str, Any]) -> list[str]:
         sharded = (
             f"4 B per parameter: the dense ones / (shard x tp), the experts / (ep {job.dims.ep} x efsdp {job.efsdp})"
         )
+    if job.cfg.lora.enable:
+        unsharded = _row("root unit's gradient", 0.0, "none: the output and the embedding are frozen")
+        dtype = job.cfg.training.mixed_precision_param
+        per_rank = f"{e['adapter_params']:,.0f} adapter parameters on the rank before FSDP (A r x in, B out x r)"
+        weights = [
+            _row(f"frozen base ({dtype} shards)", e["frozen_params"], "no gradients, no optimizer state"),
+            _row("adapters' fp32 params", e["params"] - e["frozen_params"], per_rank),
+        ]
+    else:
+        weights = [_row("sharded fp32 params", e["params"], sharded)]
     return [
-        _row("sharded fp32 params", e["params"], sharded),
+        *weights,
         _row("AdamW state (2 x fp32)", e["adam"])
         if not job.muon
         else _row("Muon + AdamW state", e["adam"], "fp32: Muon's momentum of the hidden matrices, AdamW's 2 moments"),
@@ -100,6 +111,13 @@ def _state_rows(job: Job, e: dict[str, Any]) -> list[str]:
         unsharded,
         *deferred,
     ]
+
+
+def _lora_targets(job: Job) -> list[str]:
+    """The Hugging Face names of the linears [lora] puts adapters on (lora.py target_names)."""
+    from lora import target_names  # a leaf of the recipe: loaded only for a job with adapters
+
+    return target_names(job.fam, job.args, job.cfg.lora)
 
 
 def _teacher_rows(job: Job, e: dict[str, Any]) -> list[str]:
@@ -159,10 +177,8 @@ def _loss_note(job: Job) -> str:
     kept = "logits held through backward" if job.logits_kept_in_backward else "logits freed before backward"
     if job.chunk_tokens:
         tokens, per_logit = job.chunk_tokens, 8 + param_bytes + (8 if job.dims.tp == 1 else 12)
-        kept = (
-            f"chunked: one chunk of {tokens:,} tokens at a time + the gradients of the final norm's output and the "
-            "output"
-        )
+        output = "" if job.cfg.lora.enable else " and the output"  # LoRA: the output projection is frozen
+        kept = f"chunked: one chunk of {tokens:,} tokens at a time + the gradients of the final norm's output{output}"
     return f"{tokens:,} x {job.args.vocab_size // job.dims.tp:,} logits x {per_logit} B ({kept})"
 
 

@@ -106,7 +106,7 @@ def _optimizer_with_state(
     """The model's optimizer with its state created by a step on zero gradients, which stay as an earlier
     micro-batch's gradients when `accumulated` and are freed (train.py's zero_grad(set_to_none=True)) otherwise."""
     optimizer = optimizer_factory(model)
-    for p in model.parameters():
+    for p in (p for group in optimizer.param_groups for p in group["params"]):  # what trains (LoRA: the adapters)
         p.grad = torch.zeros_like(p)
     optimizer.step()
     if not accumulated:
@@ -212,7 +212,9 @@ def fake_job_memory(job: Job, *, pp_rank: int = 0, device: str = "cpu") -> dict[
         model = parallelize_model(model, cfg, dims=dims, mesh=mesh, device=torch.device(device))
         return fake_step_memory(
             model,
-            optimizer_factory=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True),
+            optimizer_factory=lambda m: torch.optim.AdamW(
+                [p for p in m.parameters() if p.requires_grad], lr=1e-4, fused=True
+            ),
             batch=job.microbatch_tokens // t.seq_len,
             seq_len=t.seq_len,
             loss_fn=Loss(job.chunk_tokens),

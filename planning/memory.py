@@ -46,6 +46,29 @@ def tp_rank_elements(name: str, args: Any, linears: list[str], *, tp: int) -> fl
     return sum(block.get_submodule(linear).weight.numel() / (tp if split(linear) else 1) for linear in linears)
 
 
+def adapter_elements(job: Job) -> float:
+    """Elements of one block's LoRA adapters on one TP rank ([lora]; 0 without it): for each target linear (lora.py
+    `targets`) A (r x in) and B (out x r), split by PEFT's rule for parallel layers as lora.py places them: a
+    column-parallel linear's A whole and B split tp ways, a row-parallel one's A split and B whole."""
+    cfg = job.cfg.lora
+    if not cfg.enable:
+        return 0.0
+    from lora import targets  # a leaf of the recipe: loaded only for a job with adapters
+
+    name, tp = job.cfg.model.name, job.dims.tp
+    block, plan = one_block_model(name, job.args).layers["0"], family(name).tp_plan()
+    total = 0.0
+    for linear in targets(block, job.fam, cfg):
+        m, style = block.get_submodule(linear), plan.get(linear) if tp > 1 else None
+        a, b = cfg.r * m.in_features, m.out_features * cfg.r
+        if isinstance(style, ColwiseParallel):  # W split by its output rows: B split like it, A whole
+            b /= tp
+        elif isinstance(style, RowwiseParallel):  # by its input columns: A split like it, B whole
+            a /= tp
+        total += a + b
+    return total
+
+
 def hidden_matrices(name: str, args: Any) -> tuple[int, ...]:
     """The elements of one block's hidden matrices (ModelFamily.hidden_matrices), in the order of its parameters."""
     hidden = {f"{linear}.weight" for linear in family(name).hidden_matrices}
@@ -173,6 +196,10 @@ class _RankParams:
     """The ranks FSDP shards the dense parameters over (Job.shard)."""
     experts_shard: int
     """The ranks FSDP shards this rank's experts over (Job.efsdp)."""
+    adapters: float = 0.0
+    """Of `block`, its LoRA adapters on this rank (`adapter_elements`); 0 without [lora]."""
+    lora: bool = False
+    """[lora] enable: the adapters alone train (they have gradients and optimizer state), the rest is frozen."""
 
     @property
     def last_stage(self) -> int:
@@ -202,6 +229,33 @@ class _RankParams:
         """One block's parameters in this rank's FSDP shards."""
         return (self.block - self.experts) / self.shard + self.experts / self.experts_shard
 
+    # What trains: every parameter, or under LoRA the blocks' adapters alone (the embedding and the root unit are
+    # frozen: PEFT's all-linear leaves the output head out). Gradients, their shards and optimizer state are of these.
+
+    @property
+    def trainable_block(self) -> float:
+        return self.adapters if self.lora else self.block
+
+    def trainable_of_stage(self, stage: int) -> float:
+        return len(self.stages[stage]) * self.adapters if self.lora else self.of_stage(stage)
+
+    @property
+    def trainable_total(self) -> float:
+        return sum(self.trainable_of_stage(stage) for stage in self.local)
+
+    @property
+    def trainable_sharded(self) -> float:
+        """Of `sharded`, what trains (the adapters shard with their block over the dense part's ranks)."""
+        return self.trainable_total / self.shard if self.lora else self.sharded
+
+    @property
+    def trainable_sharded_block(self) -> float:
+        return self.adapters / self.shard if self.lora else self.sharded_block
+
+    @property
+    def trainable_embedding(self) -> int:
+        return 0 if self.lora else self.embedding
+
     @property
     def largest_unit(self) -> float:
         """The largest FSDP unit of the rank: a block, or the embedding or root unit where the rank has them."""
@@ -227,6 +281,8 @@ def _rank_params(job: Job, costs: BlockCosts, pp_rank: int) -> _RankParams:
         root=costs.root_params,
         shard=job.shard,
         experts_shard=job.efsdp,
+        adapters=adapter_elements(job),  # costs.block_params counts them: the trace adds them as the run does
+        lora=job.cfg.lora.enable,
     )
 
 
@@ -243,13 +299,17 @@ def _hidden(job: Job, params: _RankParams) -> float:
 @dataclass(frozen=True)
 class _ShardedState:
     """The fp32 master state of a rank, FSDP's shards of what TP left: 4 bytes per parameter for the parameters,
-    4 for the gradients, 8 for AdamW's two moments (4 for Muon's momentum of a hidden matrix). On the GPU unless CPU
-    offload moves it to the host."""
+    4 for the gradients, 8 for AdamW's two moments (4 for Muon's momentum of a hidden matrix). Under LoRA the frozen
+    base is stored in param_dtype with neither gradients nor optimizer state, and the fp32 state is the adapters'.
+    On the GPU unless CPU offload moves it to the host."""
 
     params: float
+    """Every parameter shard of the rank: the frozen base's (LoRA) and the fp32 master weights of what trains."""
     grads: float
     adam: float
     on_gpu: bool
+    frozen: float
+    """Of `params`, LoRA's frozen base: param_dtype bytes per parameter of the rank / shard; 0 without LoRA."""
     static: float
     """Allocated once and never freed, on the GPU: parameters and AdamW state."""
     block_grads: float
@@ -259,16 +319,20 @@ class _ShardedState:
 
 
 def _sharded_state(job: Job, params: _RankParams) -> _ShardedState:
-    master, grads, adam = (n * params.sharded for n in (4, 4, 8))
+    master, grads, adam = (n * params.trainable_sharded for n in (4, 4, 8))
     adam -= 4 * _hidden(job, params) / job.shard  # Muon keeps one momentum for a hidden matrix, AdamW two moments
+    frozen = 0.0
+    if params.lora:  # the base, stored in param_dtype (what FSDP gathers), sharded as it would be if it trained
+        frozen = DTYPE_BYTES[job.cfg.training.mixed_precision_param] * (params.sharded - params.trainable_sharded)
     on_gpu = not job.cpu_offload
     return _ShardedState(
-        params=master,
+        params=frozen + master,
         grads=grads,
         adam=adam,
         on_gpu=on_gpu,
-        static=master + adam if on_gpu else 0.0,
-        block_grads=4 * params.sharded_block if on_gpu else 0.0,
+        frozen=frozen,
+        static=frozen + master + adam if on_gpu else 0.0,
+        block_grads=4 * params.trainable_sharded_block if on_gpu else 0.0,
         # (deferred reduce-scatters make no shards before the step's last micro-batch)
         earlier_grads=grads if on_gpu and job.grad_accum > 1 and not job.defers_reduce_scatter else 0.0,
     )
@@ -286,10 +350,11 @@ def _gathered_params(job: Job, params: _RankParams) -> dict[str, float]:
         # One rank, nothing gathered: under autocast each weight's param_dtype copy lives while autograd needs it, the
         # output projection's through the loss backward (chunked: the chunk term's), a block's through its backward
         # (saved without AC, counted with the activations then; cast again by the recomputation under AC).
+        # LoRA's frozen base is stored in param_dtype: autocast casts only the adapters.
         if not job.autocast:
             return dict.fromkeys(("loss", "block", "embedding"), 0.0)
-        root = 0.0 if job.chunk_tokens else param_bytes * params.root
-        return {"loss": root, "block": param_bytes * params.block, "embedding": 0.0}
+        root = 0.0 if job.chunk_tokens or params.lora else param_bytes * params.root
+        return {"loss": root, "block": param_bytes * params.trainable_block, "embedding": 0.0}
     if job.dims.pp > 1:
         return dict.fromkeys(("loss", "block", "embedding"), param_bytes * params.total)
     root = param_bytes * params.root
@@ -393,7 +458,8 @@ def _transients(job: Job, costs: BlockCosts, params: _RankParams) -> _Transients
         # loss.py: forward keeps no logits; backward recomputes one chunk (bf16 logits, fp32 copy, log-softmax,
         # gradients) while the gradients of the final norm's output and of the output projection accumulate.
         per_logit = param_bytes + 4 + 4 + (8 if tp == 1 else 12)
-        loss = per_logit * job.chunk_tokens * vocab / tp + 4 * tokens * dim + param_bytes * costs.root_params
+        output_grad = 0 if job.cfg.lora.enable else param_bytes * costs.root_params  # LoRA: the output is frozen
+        loss = per_logit * job.chunk_tokens * vocab / tp + 4 * tokens * dim + output_grad
     return _Transients(
         logits_held=logits,
         loss=loss,
@@ -406,10 +472,10 @@ def _transients(job: Job, costs: BlockCosts, params: _RankParams) -> _Transients
         # Without FSDP (one rank) a gradient is float32 in .grad as soon as backward makes it: under autocast a
         # block's param_dtype gradients before their casts, and the output projection's from the loss backward on.
         reduce_scatter_inputs=(param_bytes + reduce_bytes if job.fsdp else param_bytes if job.autocast else 0)
-        * params.block,
+        * params.trainable_block,
         exchange=ep["exchange"],
         exchange_rows=ep["received_rows"],
-        root_grad=(param_bytes if job.fsdp else 4) * costs.root_params,
+        root_grad=0.0 if params.lora else (param_bytes if job.fsdp else 4) * costs.root_params,
         pp_buffers=2 * param_bytes * tokens * dim / tp if job.dims.pp > 1 else 0.0,
         weight_grad_inputs=costs.matmul_inputs,
     )
@@ -521,7 +587,7 @@ class _Replay:
         params, state, acts, transients = self.params, self.state, self.acts, self.transients
         others = sum(self.held.values()) - self.held[key]
         first = stage not in self.backward_done
-        accumulated = sum(params.of_stage(k) for k in self.backward_done)
+        accumulated = sum(params.trainable_of_stage(k) for k in self.backward_done)
         accumulators = self.reduce_bytes * accumulated if self.accumulates else 0.0
         base = state.earlier_grads + accumulators + others + transients.pp_buffers + self.teacher.hidden
         where = f"stage {stage}, micro-batch {key[1]}" if self.pipelined else ""
@@ -534,10 +600,9 @@ class _Replay:
         root_grad = transients.root_grad if last else 0.0
         # Per block processed: its gradient joins the shards (no PP) or, in a stage's first backward, the
         # accumulators (PP, deferred reduce-scatters); later backwards add into accumulators that exist.
-        done_each = (self.reduce_bytes * params.block if first else 0.0) if self.accumulates else state.block_grads
-        unsharded = (
-            transients.reduce_scatter_inputs if first or not self.accumulates else self.param_bytes * params.block
-        )
+        trains = params.trainable_block
+        done_each = (self.reduce_bytes * trains if first else 0.0) if self.accumulates else state.block_grads
+        unsharded = transients.reduce_scatter_inputs if first or not self.accumulates else self.param_bytes * trains
         for j, i in enumerate(reversed(range(len(blocks)))):
             # recompute + gradients (+ expert parallel's rows in flight)
             transient = acts.no_ac - blocks[i] + transients.activation_grads + transients.exchange + unsharded
@@ -548,8 +613,10 @@ class _Replay:
             remaining -= blocks[i]
         if stage == 0 and params.embedding:
             done = len(blocks) * done_each
-            # Its unsharded gradient and FSDP's reduce_dtype copy; without FSDP (one rank) its float32 .grad.
-            grads = (self.param_bytes + (self.reduce_bytes if first else 0) if self.fsdp else 4) * params.embedding
+            # Its unsharded gradient and FSDP's reduce_dtype copy; without FSDP (one rank) its float32 .grad; none when
+            # it is frozen (LoRA).
+            per_param = self.param_bytes + (self.reduce_bytes if first else 0) if self.fsdp else 4
+            grads = per_param * params.trainable_embedding
             value = self.gathered["embedding"] + base + done + root_grad + acts.token_ids + grads
             self._record("embedding", value, state.earlier_grads + (0.0 if self.accumulates else done), where)
 
@@ -621,7 +688,8 @@ def _peak(job: Job, replay: _Replay) -> dict[str, float | str]:
     peak_phase, peak_value, _, peak_where = replay.worst()
     static = state.static + teacher.params + teacher.root  # the teacher's root unit, once gathered, stays
     allocated = static + peak_value
-    rs_pool = state.grads if state.on_gpu else 4 * params.largest_shard
+    largest_grads = params.trainable_sharded_block if params.lora else params.largest_shard
+    rs_pool = state.grads if state.on_gpu else 4 * largest_grads
     param_bytes = DTYPE_BYTES[job.cfg.training.mixed_precision_param]
     ag_pool = max(param_bytes * params.largest_unit, 2 * param_bytes * params.block, 2 * teacher.block_unit)
     compute = max(value - shards for value, shards, _ in phases.values())
@@ -659,6 +727,8 @@ def _report(job: Job, pp_rank: int, replay: _Replay) -> dict[str, float | int | 
         "rank_blocks": sum(len(params.stages[g]) for g in params.local),
         "microbatches_held": replay.most_held,
         "params": state.params,
+        "frozen_params": state.frozen,
+        "adapter_params": params.adapters * sum(len(params.stages[g]) for g in params.local),
         "grads": state.grads,
         "adam": state.adam,
         "state_on_gpu": state.params + state.grads + state.adam if state.on_gpu else 0.0,
@@ -676,7 +746,7 @@ def _report(job: Job, pp_rank: int, replay: _Replay) -> dict[str, float | int | 
         "loss_buffers": acts.log_softmax + transients.loss,
         "logits_held": transients.logits_held,
         "root_grad": transients.root_grad,
-        "accumulators": reduce_bytes * params.total if job.accumulates_unsharded else 0.0,
+        "accumulators": reduce_bytes * params.trainable_total if job.accumulates_unsharded else 0.0,
         "pp_buffers": transients.pp_buffers,
         "block_backward": block_backward,
         "recompute": recompute,

@@ -120,7 +120,13 @@ def _shape(job: Job) -> tuple:
         job.chunk_tokens,
         t.z_loss_weight > 0,
         job.autocast,
+        _lora_key(job.cfg.lora),
     )
+
+
+def _lora_key(cfg: Any) -> tuple | None:
+    """What of [lora] a block's trace depends on (its adapters' rank, targets and dropout); None without it."""
+    return (cfg.r, tuple(cfg.target_modules), cfg.lora_dropout > 0) if cfg.enable else None
 
 
 @contextlib.contextmanager
@@ -214,6 +220,13 @@ def trace_costs(job: Job, mode: BlockMode, *, tp_mesh: DeviceMesh | None = None)
     model.init_buffers(torch.device("meta"))  # float32 again, as in training: FSDP's mixed precision casts parameters
     if tp_mesh is not None:
         apply_tp(model, tp_mesh, block_plan=family.tp_plan, loss_parallel=job.loss_parallel, seq_len=seq_len)
+    if job.cfg.lora.enable:  # the adapters as the run places them, the base frozen: autograd saves what they need
+        from lora import apply_lora
+
+        apply_lora(model, job.cfg.lora, family)
+        # The traced block stands for every block after the first, whose input has a gradient: the frozen embedding's
+        # output has none, so it is made to ask for one.
+        model.tok_embeddings.register_forward_hook(lambda module, args, out: out.requires_grad_())
     # The one block's mode, in the [activation_checkpoint] section apply_ac reads.
     apply_ac(model, ActivationCheckpoint(mode="per_block", per_block=[mode]), saved_linears=family.sac_saved_linears)
     block = model.layers["0"]

@@ -4,8 +4,9 @@ line, and the activation terms spelled out by hand.
 
 benchmarks/test_memory.py checks the same activation formulas against bytes measured per rank.
 
-    torchrun --nproc_per_node=2 tests/test_estimate_memory.py   (the expert-parallel test's ranks: one JSON line each
-                                                                 per layout)
+    torchrun --nproc_per_node=2 tests/test_estimate_memory.py        (the expert-parallel test's ranks: one JSON line
+                                                                      each per layout)
+    torchrun --nproc_per_node=2 tests/test_estimate_memory.py lora   (the LoRA test's)
 """
 
 from __future__ import annotations
@@ -192,19 +193,21 @@ def test_pipeline_rules_are_the_runs() -> None:
 
 def test_fake_step_against_the_formula() -> None:
     """torch's own count (FSDPMemTracker) of a fake-tensor step of the debug model on 2 fake ranks (FSDP, op
-    SAC, CPU eager) agrees with the formula's allocated peak, and it too finds no gradient shards at the loss
-    backward unless gradients accumulate. In a subprocess: it starts a (fake) process group."""
+    SAC, CPU eager) agrees with the formula's allocated peak, with [lora] too, and it too finds no gradient shards
+    at the loss backward unless gradients accumulate. In a subprocess: it starts a (fake) process group."""
     code = (
         "import json\nfrom planning import estimate_memory as em\n"
         "from planning import flags\nfrom planning.job import CPU\n"
         "kw = dict(flavor='debugmodel', ngpu=2, seq_len=256, local_batch_size=4, machine=CPU)\n"
         "jobs = [flags.job(grad_accum=g, **kw) for g in (1, 2)]\n"
+        "jobs.append(flags.job(param_dtype='float32', extra=['--lora.enable=true'], **kw))\n"
         "print(json.dumps([[em.fake_job_memory(j), em.estimate(j)] for j in jobs]))"
     )
     proc = python("-c", code, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (fake1, formula1), (fake2, formula2) = json.loads(proc.stdout.splitlines()[-1])
-    for fake, formula in ((fake1, formula1), (fake2, formula2)):
+    (fake1, formula1), (fake2, formula2), lora = json.loads(proc.stdout.splitlines()[-1])
+    # [lora] (float32: the frozen base in the dtype the model is built in): the adapters' state only
+    for fake, formula in ((fake1, formula1), (fake2, formula2), lora):
         assert abs(fake["total"] / formula["allocator_peak"] - 1) < 0.03, (fake, formula["allocator_peak"])
         assert fake["sharded_params"] == pytest.approx(formula["params"], rel=0.01)
         assert fake["optimizer_state"] == pytest.approx(formula["adam"], rel=0.01)
@@ -627,5 +630,161 @@ def _ep_worker() -> None:
     dist.destroy_process_group()
 
 
+# ------------------------------------------------------------------------------------- LoRA
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRALayout:
+    """A layout of 2 ranks for the Llama debug model with [lora] (float32 on CPU: the frozen base is stored in
+    param_dtype, which float32 makes the dtype the model is built in)."""
+
+    tp: int = 1
+    targets: str = "all-linear"
+
+    def keys(self) -> dict[str, object]:
+        """The job's keys by the estimator's flags (planning.flags.FLAGS): local batch 8 x 64 tokens, no AC, the loss in
+        chunks of 128 tokens (with the whole loss at once the loss phase would peak, where FSDP has already gathered
+        the last block, which the estimate counts in the block phase only, LoRA or not)."""
+        return dict(
+            flavor="debugmodel", seq_len=64, local_batch_size=8, param_dtype="float32", loss_chunk_tokens=128,
+            tp=self.tp, ac="none",
+        )  # fmt: skip
+
+    def lora(self) -> list[str]:
+        return ["--lora.enable=true", "--lora.r=16", f"--lora.target_modules={self.targets}"]
+
+
+LORA_LAYOUTS = {
+    "fsdp2": LoRALayout(),
+    "fsdp2_q_v": LoRALayout(targets="q_proj,v_proj"),  # a frozen linear without an adapter saves no input
+    "tp2": LoRALayout(tp=2),  # PEFT's rule: a column-parallel linear's B split, a row-parallel one's A
+}
+# The debug model with 12 blocks: the estimate counts every block as one after the first, whose input needs a
+# gradient, and the first one's first norm saves nothing under LoRA (docs/planning.md, "LoRA"): a twelfth of a
+# block's norm, where the debug model's 6 blocks would make it a sixth.
+LORA_ARGS = dataclasses.replace(with_seq_len(FLAVORS["debugmodel"], 64), n_layers=12)
+
+
+# Meta's published shapes (config.json of meta-llama/Llama-3.1-8B and -70B): hidden, intermediate, layers, heads, kv.
+LLAMA3_HF = {"llama3_8b": (4096, 14336, 32, 32, 8), "llama3_70b": (8192, 28672, 80, 64, 8)}
+
+
+def _peft_adapters(hidden: int, intermediate: int, layers: int, heads: int, kv: int) -> int:
+    """PEFT's count of a LoRA of r 8 on every linear of transformers' Llama of this shape (on the meta device)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = dict(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers)
+    c = LlamaConfig(**shape, num_attention_heads=heads, num_key_value_heads=kv, vocab_size=128256)
+    with torch.device("meta"):
+        model = get_peft_model(LlamaForCausalLM(c), LoraConfig(r=8, target_modules="all-linear"))
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def test_lora_adapters_by_hand_for_8b_and_70b() -> None:
+    """[lora] (lora.py) on Llama 3 8B (8 GPUs) and 70B (64 GPUs, TP 8), bf16 param_dtype, r 8 on every linear: the
+    adapters' parameters are the sum over the targets of r x (in + out) (and PEFT's count), their fp32 weights,
+    gradients and AdamW's two moments 4 + 4 + 8 B each / the ranks; the frozen base is 2 B per parameter / the ranks,
+    and has neither; nothing is left of the root unit's gradient and little of a block's."""
+    for flavor, ngpu, tp in (("llama3_8b", 8, 1), ("llama3_70b", 64, 8)):
+        hidden, intermediate, layers, heads, kv = LLAMA3_HF[flavor]
+        kv_width = kv * hidden // heads
+        # q, k, v, o, gate, up, down as (in, out)
+        shapes = [(hidden, hidden), (hidden, kv_width), (hidden, kv_width), (hidden, hidden)]
+        shapes += [(hidden, intermediate), (hidden, intermediate), (intermediate, hidden)]
+        adapters = layers * sum(8 * (i + o) for i, o in shapes)
+        assert adapters == _peft_adapters(*LLAMA3_HF[flavor])
+        plan = dict(flavor=flavor, tp=tp, seq_len=8192, local_batch_size=1, ac="full")
+        plain, lora = estimate(flags.job(ngpu, **plan)), estimate(flags.job(ngpu, **plan, extra=["--lora.enable=true"]))
+        # PEFT's rule under TP 8: column-parallel q, k, v, gate, up: A whole, B / 8; row-parallel o, down: A / 8, B whole.
+        column, row = shapes[:3] + shapes[4:6], shapes[3:4] + shapes[6:]
+        on_rank = sum(8 * (i + o / tp) for i, o in column) + sum(8 * (i / tp + o) for i, o in row)
+        assert lora["adapter_params"] == layers * on_rank
+        shard = ngpu // tp  # FSDP shards the rank's adapters over the rest
+        trained = layers * on_rank / shard
+        assert lora["params"] - lora["frozen_params"] == pytest.approx(4 * trained, rel=1e-12)
+        assert (lora["grads"], lora["adam"]) == pytest.approx((4 * trained, 8 * trained), rel=1e-12)
+        base = plain["params"] / 4  # the model's parameters on the rank: 4 B each without LoRA
+        assert lora["frozen_params"] == pytest.approx(2 * base, rel=1e-12)
+        assert lora["root_grad"] == 0 < plain["root_grad"] and lora["rs_buffers"] < plain["rs_buffers"] / 100
+        # FSDP gathers the adapters with their block, in param_dtype
+        assert lora["block_unit"] - plain["block_unit"] == pytest.approx(2 * on_rank)
+    assert "frozen base (bfloat16 shards)" in breakdown(flags.job(8, flavor="llama3_8b", extra=["--lora.enable=true"]))
+
+
+def test_lora_against_two_ranks() -> None:
+    """What a rank holds under [lora], measured on 2 gloo ranks (one launch, every layout of LORA_LAYOUTS): its
+    parameters (the frozen base and the adapters) and AdamW's moments (the adapters' only), bytes for bytes, and the
+    peak of the bytes a micro-batch's forward and backward hold beyond them (tests.instruments.LiveBytes), within 3%
+    of the estimate's allocated peak less that state, as the expert-parallel test has it."""
+    proc = torchrun(__file__, "lora", nproc=2, timeout=300)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert sorted((r["layout"], r["rank"]) for r in rows) == sorted((n, k) for n in LORA_LAYOUTS for k in (0, 1))
+    for r in rows:
+        layout = LORA_LAYOUTS[r["layout"]]
+        e = estimate(flags.job(2, machine=CPU, args=LORA_ARGS, extra=layout.lora(), **layout.keys()))
+        assert r["dtype"] == "torch.float32" and r["trained"] == r["adapters"] > 0
+        assert (r["params"], r["adam"]) == (e["params"], e["adam"]), (r, e["params"], e["adam"])
+        assert r["adapter_bytes"] == e["params"] - e["frozen_params"]
+        predicted = e["allocator_peak"] - e["params"] - e["adam"]
+        assert abs(r["peak"] / predicted - 1) < 0.03, (r, predicted)
+
+
+def _lora_worker() -> None:
+    """One rank of test_lora_against_two_ranks: per layout, the model built as train.py builds it, one step (AdamW's
+    state exists from then on), then one micro-batch's forward and backward measured."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from data.loader import Batch
+    from forward import ForwardBackward
+    from lora import is_adapter
+    from loss import build_loss_fn
+    from optimizer import build_optimizer
+    from parallelisms.parallel_dims import ParallelDims
+    from parallelisms.parallelize import build_model, init_model
+
+    dist.init_process_group("gloo")
+    cpu = torch.device("cpu")
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    for name, layout in LORA_LAYOUTS.items():
+        cfg = load_config([*flags.overrides(layout.keys()), *layout.lora()])
+        dims = ParallelDims.from_config(cfg.parallelism, world_size=dist.get_world_size())
+        mesh = dims.build_mesh("cpu")
+        loss_fn = build_loss_fn(cfg.compile, chunk_tokens=cfg.training.loss_chunk_tokens)
+        args = LORA_ARGS
+        model, _ = build_model(cfg, args, dims=dims, mesh=mesh, loss_fn=loss_fn, device=cpu)
+        init_model(model, None, device=cpu)
+        forward_backward = ForwardBackward.for_run(cfg, model, None, loss_fn, dims=dims, mesh=mesh, device=cpu)
+        optimizer = build_optimizer(cfg.optimizer, model)
+        generator = torch.Generator().manual_seed(dims.dp_rank(mesh))
+        tokens = torch.randint(0, args.vocab_size, (cfg.training.local_batch_size, 65), generator=generator)
+        batch = Batch(tokens[:, :-1], tokens[:, 1:], None, 1)
+        forward_backward(batch, last=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        named = [(n, local(p)) for n, p in model.named_parameters()]
+        params = [p for _, p in named]
+        moments = [local(state[k]) for state in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
+        trained = sum(1 for p in model.parameters() if p.requires_grad)
+        with LiveBytes([*params, *moments, *model.buffers()]).track() as live:
+            forward_backward(batch, last=True)
+        row = {
+            "layout": name,
+            "rank": dist.get_rank(),
+            "dtype": str(next(p for n, p in named if not is_adapter(n)).dtype),
+            "params": nbytes(params),
+            "adapter_bytes": nbytes([p for n, p in named if is_adapter(n)]),
+            "adam": nbytes(moments),
+            "trained": trained,
+            "adapters": sum(1 for n, _ in named if is_adapter(n)),
+        }
+        print(json.dumps({**row, "peak": live.peak}), flush=True)
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    _ep_worker()
+    import sys
+
+    _lora_worker() if sys.argv[1:] == ["lora"] else _ep_worker()
