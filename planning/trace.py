@@ -223,7 +223,7 @@ def trace_costs(job: Job, mode: BlockMode, *, tp_mesh: DeviceMesh | None = None)
     if job.cfg.lora.enable:  # the adapters as the run places them, the base frozen: autograd saves what they need
         from lora import apply_lora
 
-        apply_lora(model, job.cfg.lora, family)
+        apply_lora(model, job.cfg.lora, family, base_dtype=dtype)  # the run stores its base so
         # The traced block stands for every block after the first, whose input has a gradient: the frozen embedding's
         # output has none, so it is made to ask for one.
         model.tok_embeddings.register_forward_hook(lambda module, args, out: out.requires_grad_())
