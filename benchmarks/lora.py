@@ -12,11 +12,12 @@ steps each, validation and lm-eval off (neither is measured), three sides:
     lora_all   [lora] r 8, lora_alpha 16, target_modules ["all-linear"] (optimizer.lr --lora-lr)
     lora_qv    the same on q_proj and v_proj only (PEFT's default targets for Llama)
 
-LoRA's lr is 10x full fine-tuning's by default: the adapters start at B = 0 (the base exactly) and move the weights
-through a rank-8 product, so they need the larger step that PEFT users give them; at the full run's lr they barely
-leave the base in a run this short. Each side is its own launch (train.py's own `build` and `train`, the process's
-peak RSS its own); `--rounds` rounds, the order reversed every other round so that a machine's drift reaches every
-side alike.
+LoRA's lr (1e-2) is about 3x full fine-tuning's: the adapters start at B = 0 (the base exactly) and move the weights
+through a rank-8 product scaled by lora_alpha / r = 2, so they need a larger step than the weights themselves; at the
+full run's 3e-3 they learn, slower, and at 10x (3e-2, PEFT users' usual ratio for large models) this small model's
+answer loss climbs above where it started within 20 steps. Each side is its own launch (train.py's own `build` and
+`train`, the process's peak RSS its own); `--rounds` rounds, the order reversed every other round so that a machine's
+drift reaches every side alike.
 
 Per rank, read from the tensors themselves as benchmarks/memory.py and benchmarks/distill_memory.py read them:
     weights     the local shards of the parameters and buffers (the frozen base included) before the last step
@@ -208,6 +209,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     if not (args.base / ".metadata").is_file():
         raise SystemExit(f"error: --base {args.base}: no checkpoint step folder there; run `make train` first (it "
                          f"writes {BASE}) or pass --base")  # fmt: skip
+    if "full" not in args.sides:
+        raise SystemExit("error: --sides: full is the baseline every row compares with; keep it")
     if args.steps < 3:
         raise SystemExit(f"error: --steps {args.steps}: at least 3 (step 1 is not timed, nor the last)")
     work = args.out.parent / "lora"
@@ -276,7 +279,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=20, help="steps of each run")
     p.add_argument("--warmup", type=int, default=4, help="lr_scheduler.warmup_steps (the README's)")
     p.add_argument("--lr", type=float, default=3e-3, help="full fine-tuning's optimizer.lr (configs/debug.toml's)")
-    p.add_argument("--lora-lr", type=float, default=3e-2, help="LoRA's optimizer.lr")
+    p.add_argument("--lora-lr", type=float, default=1e-2, help="LoRA's optimizer.lr")
     p.add_argument("--nproc", type=int, default=2, help="ranks of each run")
     p.add_argument("--rounds", type=int, default=2, help="runs of each side, the order reversed every other round")
     p.add_argument("--sides", nargs="+", choices=list(SIDES), default=list(SIDES), help="the sides run (full first)")
