@@ -91,13 +91,13 @@ BENCHMARKS = {
 # progress lines' estimate of the rest, scaled by how the run is going. "train" is --train-rows' part on CPU.
 SECONDS = {
     "recompute": 20, "metadata": 12, "comm_volume": 28, "compile_cache": 66, "async_tp_fusion": 40, "memory": 30,
-    "distill_memory": 34, "muon": 18, "moe_balance": 8, "dpo_format": 300, "distill": 720, "lora": 420, "context_parallel": 40, "data_pipeline": 30, "float8": 11,
+    "distill_memory": 34, "muon": 18, "moe_balance": 8, "dpo_format": 300, "distill": 720, "lora": 380, "context_parallel": 40, "data_pipeline": 30, "float8": 11,
     "gpu_costs": 18, "generation": 45, "vs_torchtitan": 300, "checkpoint_checksums": 20, "train": 150,
 }  # fmt: skip
 # Parts that run only when named with --only: together with the rest they would not fit make bench's 12 minutes.
 # dpo_format makes its own chat model and trains it twice through train.py (about 5 minutes on 2 cores); distill
 # trains a teacher (or takes --teacher) and four students (about 12 minutes); lora fine-tunes make train's model 6
-# times (about 7 minutes).
+# times (about 6 minutes).
 OPT_IN = ("dpo_format", "distill", "lora")
 # make bench's settings where they are not the benchmark's own defaults, so that the whole run stays within 12
 # minutes on 2 cores (docs/benchmarks.md#make-bench): fewer tokens, rounds, steps or megabytes than a run of the
