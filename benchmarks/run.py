@@ -2,7 +2,7 @@
 
     python -m benchmarks.run                      # every benchmark (on 2 CPU cores: docs/benchmarks.md#make-bench)
     python -m benchmarks.run --only memory comm_volume
-    python -m benchmarks.run --only dpo_format    # a part make bench leaves out (OPT_IN; also distill)
+    python -m benchmarks.run --only dpo_format    # a part make bench leaves out (OPT_IN; also distill, lora)
     python -m benchmarks.run --train-rows         # also tokens/s of FSDP vs + compile vs + op SAC
     python -m benchmarks.run --plot-only          # the table and chart again from <out>/bench.json
 
@@ -50,6 +50,7 @@ from benchmarks import (
     generation,
     gpu_costs,
     harness,
+    lora,
     memory,
     metadata,
     moe_balance,
@@ -74,6 +75,7 @@ BENCHMARKS = {
         moe_balance,
         dpo_format,
         distill,
+        lora,
         context_parallel,
         data_pipeline,
         float8,
@@ -89,13 +91,14 @@ BENCHMARKS = {
 # progress lines' estimate of the rest, scaled by how the run is going. "train" is --train-rows' part on CPU.
 SECONDS = {
     "recompute": 20, "metadata": 12, "comm_volume": 28, "compile_cache": 66, "async_tp_fusion": 40, "memory": 30,
-    "distill_memory": 34, "muon": 18, "moe_balance": 8, "dpo_format": 300, "distill": 720, "context_parallel": 40, "data_pipeline": 30, "float8": 11,
+    "distill_memory": 34, "muon": 18, "moe_balance": 8, "dpo_format": 300, "distill": 720, "lora": 380, "context_parallel": 40, "data_pipeline": 30, "float8": 11,
     "gpu_costs": 18, "generation": 45, "vs_torchtitan": 300, "checkpoint_checksums": 20, "train": 150,
 }  # fmt: skip
 # Parts that run only when named with --only: together with the rest they would not fit make bench's 12 minutes.
 # dpo_format makes its own chat model and trains it twice through train.py (about 5 minutes on 2 cores); distill
-# trains a teacher (or takes --teacher) and four students (about 12 minutes).
-OPT_IN = ("dpo_format", "distill")
+# trains a teacher (or takes --teacher) and four students (about 12 minutes); lora fine-tunes make train's model 6
+# times (about 6 minutes).
+OPT_IN = ("dpo_format", "distill", "lora")
 # make bench's settings where they are not the benchmark's own defaults, so that the whole run stays within 12
 # minutes on 2 cores (docs/benchmarks.md#make-bench): fewer tokens, rounds, steps or megabytes than a run of the
 # benchmark alone. Every row stays, and each timed comparison still alternates its sides within the run.
