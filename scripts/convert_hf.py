@@ -210,12 +210,8 @@ def main(argv: list[str]) -> int:
         command.add_argument(
             "--config", type=Path, help="a LoRA run's TOML (default: config.toml beside the step folders)"
         )
-        command.add_argument(
-            "--base",
-            type=Path,
-            help="a LoRA step's base, a DCP step or HF folder (default: the config's checkpoint.initial_load_path, "
-            "else model.hf_assets_path)",
-        )
+        command.add_argument("--base", type=Path, help="a LoRA step's base, a DCP step or HF folder (default: the "
+                             "config's checkpoint.initial_load_path, else model.hf_assets_path)")  # fmt: skip
     opts = parser.parse_args(argv)
     # One process by design: DCP's "assuming the intent is to save/load in a single process" is right.
     warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")

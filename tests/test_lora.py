@@ -231,3 +231,39 @@ def test_op_sac_keeps_the_named_linears_outputs_and_recomputes_the_adapters(monk
         saved[adapted] = (kept, len(decisions))
     assert saved[True][0] == saved[False][0] > 0, saved  # the same outputs kept
     assert saved[True][1] == saved[False][1] + 2 * 7 * 2, saved  # and each adapter's two matmuls recomputed
+
+
+def test_the_readmes_lora_line_trains_adapters_on_the_chat_fine_tune_and_generate_reads_its_step(
+    tmp_path: Path, seed: Path
+) -> None:
+    """README's "Fine-tune on chat data" with the flags its LoRA paragraph adds, for 2 steps instead of 40, on the seed
+    checkpoint instead of `make train`'s step 100: the banner says what trains, the step folder holds adapters, and
+    the README's generate.py line reads it (the base per the run's config.toml, the adapters merged)."""
+    import re
+    import shlex
+    import subprocess
+    import sys
+
+    from tests.launch import REPO, torchrun
+
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## Fine-tune on chat data") :]
+    train, ask = re.search(r"```bash\n(.*?)```", section, flags=re.S)[1].strip().splitlines()
+    flags = re.search(r"\*\*LoRA\.\*\* Add `([^`]+)`", section)[1]
+    assert flags == "--lora.enable --optimizer.lr=1e-2", flags
+    dump = tmp_path / "debug_chat_lora"
+    train = (
+        train.replace("outputs/debug/checkpoint/step-100", str(seed))
+        .replace("--training.steps=40", "--training.steps=2")
+        .replace("outputs/debug_chat", str(dump))
+    )
+    nproc, script, *args = shlex.split(train.removeprefix(".venv/bin/torchrun "))
+    run = torchrun(script, *args, *shlex.split(flags), nproc=int(nproc.removeprefix("--nproc_per_node=")))
+    assert f"initialized the frozen base from {seed}" in run.stdout and "M train, the rest frozen)" in run.stdout
+    ask = (
+        ask.replace(".venv/bin/python", sys.executable)
+        .replace("outputs/debug_chat", str(dump))
+        .replace("step-40", "step-2")
+    )
+    proc = subprocess.run(["bash", "-c", ask], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.startswith("What does a cow say?"), proc.stderr[-3000:]
