@@ -53,7 +53,7 @@ def _heading(job: Job, e: dict[str, Any], pp_rank: int | None) -> str:
         f"{t.local_batch_size} x {t.seq_len} tokens, grad accumulation {job.grad_accum} | params "
         f"{t.mixed_precision_param}, reduce {t.mixed_precision_reduce} | AC {ac_mode} | RMSNorm {job.machine.norm}"
         + (" | CPU offload" if job.cpu_offload else "")
-        + (f" | LoRA r {job.cfg.lora.r} on {', '.join(_lora_targets(job))}" if job.cfg.lora.enable else "")
+        + (f" | LoRA r {job.lora.r} on {', '.join(_lora_targets(job))}" if job.lora is not None else "")
     )
     if d.pp == 1:
         return heading
@@ -90,7 +90,7 @@ def _state_rows(job: Job, e: dict[str, Any]) -> list[str]:
         sharded = (
             f"4 B per parameter: the dense ones / (shard x tp), the experts / (ep {job.dims.ep} x efsdp {job.efsdp})"
         )
-    if job.cfg.lora.enable:
+    if job.lora is not None:
         unsharded = _row("root unit's gradient", 0.0, "none: the output and the embedding are frozen")
         dtype = job.cfg.training.mixed_precision_param
         per_rank = f"{e['adapter_params']:,.0f} adapter parameters on the rank before FSDP (A r x in, B out x r)"
@@ -117,7 +117,7 @@ def _lora_targets(job: Job) -> list[str]:
     """The Hugging Face names of the linears [lora] puts adapters on (lora.py target_names)."""
     from lora import target_names  # a leaf of the recipe: loaded only for a job with adapters
 
-    return target_names(job.fam, job.args, job.cfg.lora)
+    return target_names(job.fam, job.args, job.lora)
 
 
 def _teacher_rows(job: Job, e: dict[str, Any]) -> list[str]:
@@ -177,7 +177,7 @@ def _loss_note(job: Job) -> str:
     kept = "logits held through backward" if job.logits_kept_in_backward else "logits freed before backward"
     if job.chunk_tokens:
         tokens, per_logit = job.chunk_tokens, 8 + param_bytes + (8 if job.dims.tp == 1 else 12)
-        output = "" if job.cfg.lora.enable else " and the output"  # LoRA: the output projection is frozen
+        output = "" if job.lora is not None else " and the output"  # LoRA: the output projection is frozen
         kept = f"chunked: one chunk of {tokens:,} tokens at a time + the gradients of the final norm's output{output}"
     return f"{tokens:,} x {job.args.vocab_size // job.dims.tp:,} logits x {per_logit} B ({kept})"
 

@@ -121,6 +121,13 @@ class Job:
         return cls(cfg, dims, machine, model_args(cfg.model) if args is None else args)
 
     @property
+    def lora(self) -> Any:
+        """The run's [lora] section where it trains adapters (lora.py), else None (also in a fork that removed LoRA:
+        docs/development.md "Removing a part"; planning names no key of it otherwise)."""
+        lora = getattr(self.cfg, "lora", None)
+        return lora if lora is not None and lora.enable else None
+
+    @property
     def fam(self) -> ModelFamily:
         return family(self.cfg.model.name)
 

@@ -50,8 +50,8 @@ def adapter_elements(job: Job) -> float:
     """Elements of one block's LoRA adapters on one TP rank ([lora]; 0 without it): for each target linear (lora.py
     `targets`) A (r x in) and B (out x r), split by PEFT's rule for parallel layers as lora.py places them: a
     column-parallel linear's A whole and B split tp ways, a row-parallel one's A split and B whole."""
-    cfg = job.cfg.lora
-    if not cfg.enable:
+    cfg = job.lora
+    if cfg is None:
         return 0.0
     from lora import targets  # a leaf of the recipe: loaded only for a job with adapters
 
@@ -282,7 +282,7 @@ def _rank_params(job: Job, costs: BlockCosts, pp_rank: int) -> _RankParams:
         shard=job.shard,
         experts_shard=job.efsdp,
         adapters=adapter_elements(job),  # costs.block_params counts them: the trace adds them as the run does
-        lora=job.cfg.lora.enable,
+        lora=job.lora is not None,
     )
 
 
@@ -458,7 +458,7 @@ def _transients(job: Job, costs: BlockCosts, params: _RankParams) -> _Transients
         # loss.py: forward keeps no logits; backward recomputes one chunk (bf16 logits, fp32 copy, log-softmax,
         # gradients) while the gradients of the final norm's output and of the output projection accumulate.
         per_logit = param_bytes + 4 + 4 + (8 if tp == 1 else 12)
-        output_grad = 0 if job.cfg.lora.enable else param_bytes * costs.root_params  # LoRA: the output is frozen
+        output_grad = 0 if job.lora is not None else param_bytes * costs.root_params  # LoRA: the output is frozen
         loss = per_logit * job.chunk_tokens * vocab / tp + 4 * tokens * dim + output_grad
     return _Transients(
         logits_held=logits,

@@ -120,13 +120,13 @@ def _shape(job: Job) -> tuple:
         job.chunk_tokens,
         t.z_loss_weight > 0,
         job.autocast,
-        _lora_key(job.cfg.lora),
+        _lora_key(job.lora),
     )
 
 
 def _lora_key(cfg: Any) -> tuple | None:
     """What of [lora] a block's trace depends on (its adapters' rank, targets and dropout); None without it."""
-    return (cfg.r, tuple(cfg.target_modules), cfg.lora_dropout > 0) if cfg.enable else None
+    return (cfg.r, tuple(cfg.target_modules), cfg.lora_dropout > 0) if cfg is not None else None
 
 
 @contextlib.contextmanager
@@ -220,10 +220,10 @@ def trace_costs(job: Job, mode: BlockMode, *, tp_mesh: DeviceMesh | None = None)
     model.init_buffers(torch.device("meta"))  # float32 again, as in training: FSDP's mixed precision casts parameters
     if tp_mesh is not None:
         apply_tp(model, tp_mesh, block_plan=family.tp_plan, loss_parallel=job.loss_parallel, seq_len=seq_len)
-    if job.cfg.lora.enable:  # the adapters as the run places them, the base frozen: autograd saves what they need
+    if job.lora is not None:  # the adapters as the run places them, the base frozen: autograd saves what they need
         from lora import apply_lora
 
-        apply_lora(model, job.cfg.lora, family, base_dtype=dtype)  # the run stores its base so
+        apply_lora(model, job.lora, family, base_dtype=dtype)  # the run stores its base so
         # The traced block stands for every block after the first, whose input has a gradient: the frozen embedding's
         # output has none, so it is made to ask for one.
         model.tok_embeddings.register_forward_hook(lambda module, args, out: out.requires_grad_())
