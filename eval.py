@@ -201,21 +201,19 @@ def held_out_loss(
     from config import load_config, validation_path
     from data.tokenizers import build_tokenizer
     from evaluation.validation import Validator
-    from inference import lora_base, step_adapters
-    from lora import read_peft_folder, scaling
+    from inference import weights_and_adapters
     from models import family
 
     argv = [*config_args(checkpoint, config), *overrides]
     run = load_config(argv)
     weights = checkpoint
-    merges = []  # (adapters, their scale) to merge into the weights
-    if run.lora.enable and not (checkpoint / "config.json").is_file():  # the step holds the adapters only
-        merges.append((step_adapters(checkpoint, key="--checkpoint"), scaling(run.lora)))
-        weights = base or lora_base(run, config=config or checkpoint.parent / "config.toml")
-    if adapter is not None:
-        merges.append(read_peft_folder(adapter, family(run.model.name), key="--adapter"))
-    # Built without adapters: they are merged into the weights below.
-    argv += ["--validation.enable=true", "--checkpoint.enable=false", "--lora.enable=false"]
+    weights, _, merges = weights_and_adapters(
+        checkpoint, run, config=config or checkpoint.parent / "config.toml", fam=family(run.model.name),
+        adapter=adapter, base=base,
+    )  # fmt: skip
+    argv += ["--validation.enable=true", "--checkpoint.enable=false"]
+    if run.lora.enable:  # built without adapters: they are merged into the weights below
+        argv.append("--lora.enable=false")
     with scoring_run(argv) as (cfg, dims, mesh, forward, args):
         if validation_path(cfg.validation) is None:
             raise ConfigError(

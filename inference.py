@@ -39,8 +39,7 @@ def load_model(
     import lora
     from models import family
 
-    merges: list[tuple[dict[str, torch.Tensor], float]] = []  # (adapters, their scale)
-    key = "--checkpoint"  # what named the weights' folder
+    cfg = None
     if (path / "config.json").is_file():  # a Hugging Face folder
         from models.hf import family_of_hf_config, model_args_from_hf
 
@@ -49,22 +48,13 @@ def load_model(
         tokenizer_path = str(path) if (path / "tokenizer.json").is_file() else None
     else:
         from checkpoint import refuse_folder_of_steps
-        from config import load_config, model_args
+        from config import model_args
 
         refuse_folder_of_steps(path, key="--checkpoint")  # a run folder or its checkpoint folder, not a step
-        config = config or path.parent / "config.toml"
-        if not config.is_file():
-            raise ConfigError(
-                f"--config: no config.toml beside {path} (train.py writes one when it checkpoints); pass the TOML it "
-                "was trained with, --config FILE"
-            )
-        cfg = load_config(["--config", str(config)])
+        cfg, config = step_config(path, config)
         fam, args, tokenizer_path = family(cfg.model.name), model_args(cfg.model), cfg.model.tokenizer_path
-        if cfg.lora.enable:  # the step holds the adapters; the weights are the run's base
-            merges.append((step_adapters(path, key="--checkpoint"), lora.scaling(cfg.lora)))
-            path, key = (base, "--base") if base else (lora_base(cfg, config=config), f"the base of {path}")
-    if adapter is not None:
-        merges.append(lora.read_peft_folder(adapter, fam, key="--adapter"))
+    key = "--checkpoint"  # what named the weights' folder (a LoRA step's: its base)
+    path, key, merges = weights_and_adapters(path, cfg, config=config, fam=fam, adapter=adapter, base=base)
     with torch.device("meta"):
         model = fam.model_cls(args)
     if tp_mesh is not None:
@@ -85,6 +75,36 @@ def load_model(
     model.to(dtype)
     model.init_buffers(device)  # the RoPE table stays float32 whatever the weights' dtype
     return model.eval(), tokenizer_path
+
+
+def step_config(step: Path, config: Path | None) -> tuple[Any, Path]:
+    """The JobConfig a DCP step was trained with (config.toml beside the step folders, or `config`), and its path."""
+    from config import load_config
+
+    config = config or step.parent / "config.toml"
+    if not config.is_file():
+        raise ConfigError(
+            f"--config: no config.toml beside {step} (train.py writes one when it checkpoints); pass the TOML it "
+            "was trained with, --config FILE"
+        )
+    return load_config(["--config", str(config)]), config
+
+
+def weights_and_adapters(
+    path: Path, cfg: Any, *, config: Path | None, fam: Any, adapter: Path | None, base: Path | None
+) -> tuple[Path, str, list[tuple[dict[str, torch.Tensor], float]]]:
+    """Where the weights of --checkpoint `path` come from, the option that named it, and the (adapters, scale) to merge
+    into them: a LoRA run's DCP step (`cfg` its config) is its base (`base`, else `lora_base`) and the step's
+    adapters; `adapter`, a PEFT folder, adds its own. load_model and eval.py's held-out loss read a checkpoint so."""
+    from lora import read_peft_folder, scaling
+
+    merges, key = [], "--checkpoint"
+    if cfg is not None and cfg.lora.enable and not (path / "config.json").is_file():  # the step holds the adapters
+        merges.append((step_adapters(path, key="--checkpoint"), scaling(cfg.lora)))
+        path, key = (base, "--base") if base else (lora_base(cfg, config=config), f"the base of {path}")
+    if adapter is not None:
+        merges.append(read_peft_folder(adapter, fam, key="--adapter"))
+    return path, key, merges
 
 
 def add_adapter_arguments(parser: Any) -> None:

@@ -23,7 +23,8 @@ A model with adapters carries `as_reference()`, a context under which it is DPO'
 without a second model: its initial self. Adapters that start at zero: the base, the adapters off (`adapters_off`);
 adapters read from lora.adapter_path: those, as they started, swapped in for the forward (`adapters_as_started`).
 
-Removing LoRA: docs/development.md's "Removing a part" (this file, config/lora.py, its call in parallelize_model).
+Removing LoRA: docs/development.md's "Removing a part" (its row names this file, config/lora.py, the call in
+parallelize_model and the loaders of its folders).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
 
 ALL_LINEAR = "all-linear"
 PEFT_PREFIX = "base_model.model."  # what PEFT puts before transformers' own names in adapter_model.safetensors
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"  # a PEFT folder's two files
 
 
 class LoRAMixin:
@@ -236,60 +238,34 @@ def peft_name(fam: ModelFamily, ours: str) -> str:
     return f"{PEFT_PREFIX}model.layers.{layer}.{hf}.{which}.weight"
 
 
-def read_adapter_config(folder: Path) -> dict[str, Any]:
-    path = folder / "adapter_config.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(
-            f"lora.adapter_path: {path} could not be read ({e}); point it at a PEFT adapter folder"
-        ) from None
-
-
 def load_peft_adapter(model: nn.Module, folder: Path, fam: ModelFamily, cfg: Lora) -> None:
-    """A PEFT adapter folder's weights into the model's adapters (any layout: each rank copies its shard); its
-    adapter_config.json must agree with [lora] (r, lora_alpha, use_rslora, target_modules), which it is refused
-    naming otherwise."""
-    from safetensors.torch import load_file
-
-    saved = read_adapter_config(folder)
-    ours = {"r": cfg.r, "lora_alpha": cfg.lora_alpha, "use_rslora": cfg.use_rslora}
-    differ = [f"{k} {saved.get(k)} (the run: {v})" for k, v in ours.items() if saved.get(k) != v]
-    # PEFT saves "all-linear" as the full names it found (model.layers.0.self_attn.q_proj, ...): their last parts.
-    theirs = sorted({name.rsplit(".", 1)[-1] for name in saved.get("target_modules") or []})
-    if theirs != target_names(fam, model.args, cfg):
-        differ.append(f"target_modules {theirs} (the run: {target_names(fam, model.args, cfg)})")
-    if differ:
+    """A PEFT adapter folder's weights (`read_peft_folder`) into the model's adapters (any layout: each rank copies its
+    shard); its scale, its adapters' names (the targets) and their shapes (the rank) must be [lora]'s, or it is
+    refused in one line saying which differs."""
+    key = "lora.adapter_path"
+    adapters, s = read_peft_folder(folder, fam, key=key)
+    if not math.isclose(s, scaling(cfg)):
         raise ConfigError(
-            f"lora.adapter_path: {folder}'s adapter_config.json has {'; '.join(differ)}; set [lora] to match it"
+            f"{key}: {folder}'s scale lora_alpha / r{' / sqrt' if cfg.use_rslora else ''} is {s:g}, the run's "
+            f"{scaling(cfg):g}; set lora.r, lora.lora_alpha and lora.use_rslora to its adapter_config.json's"
         )
-    tensors = load_file(str(folder / "adapter_model.safetensors"))
-    missing = []
+    params = {name: p for name, p in model.named_parameters() if is_adapter(name)}
+    if odd := sorted(set(params) ^ set(adapters)):
+        raise ConfigError(
+            f"{key}: {folder}'s adapters are not on the linears the run's lora.target_modules names ({len(odd)} "
+            f"differ, e.g. {odd[0]}); set lora.target_modules to its adapter_config.json's"
+        )
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not is_adapter(name):
-                continue
-            key = peft_name(fam, name)
-            if key not in tensors:
-                missing.append(key)
-                continue
-            t = tensors[key].to(p.dtype)
+        for name, p in params.items():
+            t = adapters[name].to(p.dtype)
             if tuple(t.shape) != tuple(p.shape):
-                raise ConfigError(f"lora.adapter_path: {key} has shape {tuple(t.shape)}, the run's {tuple(p.shape)}")
+                raise ConfigError(f"{key}: {folder}'s {name} has shape {tuple(t.shape)}, the run's {tuple(p.shape)}")
             if isinstance(p, DTensor):
                 t = distribute_tensor(t, p.device_mesh, p.placements, src_data_rank=None)
             p.copy_(t)
-    if missing:
-        raise ConfigError(
-            f"lora.adapter_path: {folder} lacks {len(missing)} of the run's adapters (e.g. {missing[0]}); is it an "
-            "adapter of this model?"
-        )
 
 
-# ---- PEFT folders out
-
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# ---- PEFT folders: out, and read whole (merged into a plain model: inference.py)
 
 
 def peft_adapter_config(fam: ModelFamily, args: Any, cfg: Lora, *, base: str | None) -> dict[str, Any]:
@@ -351,11 +327,6 @@ def write_peft_folder(
     save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
 
 
-def merged(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, s: float) -> torch.Tensor:
-    """W + s B A, computed in float32 and returned in W's dtype (what PEFT's merge_and_unload writes)."""
-    return (weight.float() + s * (b.float() @ a.float())).to(weight.dtype)
-
-
 @torch.no_grad()
 def merge_adapters(model: nn.Module, adapters: dict[str, torch.Tensor], s: float) -> int:
     """Each adapter pair `<linear>.lora_A/B.weight` of `adapters` (whole tensors) merged into the plain model's
@@ -377,13 +348,14 @@ def merge_adapters(model: nn.Module, adapters: dict[str, torch.Tensor], s: float
                 f"the adapter of {linear} does not fit this model (its A, B or weight is missing or of another "
                 "shape); is it an adapter of this model?"
             )
+        # W + s B A in float32, in W's dtype (what PEFT's merge_and_unload writes); a sharded W takes its shard.
+        delta = (s * (b.float() @ a.float())).to(w.device)
         if isinstance(w, DTensor):
-            delta = (s * (b.float() @ a.float())).to(w.device)
-            shard = distribute_tensor(delta, w.device_mesh, w.placements, src_data_rank=None).to_local()
-            local = w.to_local()
-            local.copy_((local.float() + shard).to(local.dtype))
-        else:
-            w.copy_(merged(w, a.to(w.device), b.to(w.device), s))
+            delta, w = (
+                distribute_tensor(delta, w.device_mesh, w.placements, src_data_rank=None).to_local(),
+                w.to_local(),
+            )
+        w.copy_((w.float() + delta).to(w.dtype))
     return len(linears)
 
 
@@ -393,7 +365,7 @@ def read_peft_folder(folder: Path, fam: ModelFamily, *, key: str) -> tuple[dict[
     from safetensors.torch import load_file
 
     try:
-        saved = json.loads((folder / ADAPTER_CONFIG).read_text())
+        saved = json.loads((folder / ADAPTER_CONFIG).read_text())  # (PEFT's other keys: plain LoRA's, or refused)
     except (OSError, json.JSONDecodeError) as e:
         raise ConfigError(
             f"{key}: {folder / ADAPTER_CONFIG} could not be read ({e}); point it at a PEFT adapter folder"

@@ -269,28 +269,13 @@ class _LinearScope:
         held = [m for name in names for m in modules[name].modules() if m is not modules[name]]
         self.held_ids = {str(id(m)) for m in held}
         self.active = self.held = 0
-        for name in names:
-            modules[name].register_forward_pre_hook(self._enter)
-            modules[name].register_forward_hook(self._exit)
-        for m in held:
-            m.register_forward_pre_hook(self._enter_held)
-            m.register_forward_hook(self._exit_held)
+        for m, counter in [*((modules[name], "active") for name in names), *((m, "held") for m in held)]:
+            m.register_forward_pre_hook(functools.partial(self._count, counter, 1))
+            m.register_forward_hook(functools.partial(self._count, counter, -1))
 
-    def _enter(self, *_: Any) -> None:
+    def _count(self, counter: str, step: int, *_: Any) -> None:
         if not torch.compiler.is_compiling():
-            self.active += 1
-
-    def _exit(self, *_: Any) -> None:
-        if not torch.compiler.is_compiling():
-            self.active -= 1
-
-    def _enter_held(self, *_: Any) -> None:
-        if not torch.compiler.is_compiling():
-            self.held += 1
-
-    def _exit_held(self, *_: Any) -> None:
-        if not torch.compiler.is_compiling():
-            self.held -= 1
+            setattr(self, counter, getattr(self, counter) + step)
 
     def inside(self) -> bool:
         if self.active:

@@ -75,15 +75,9 @@ def hf_to_dcp(hf_folder: Path, out: Path, *, dtype: torch.dtype | None) -> None:
 
 def lora_run(checkpoint: Path, config: Path | None) -> tuple[Any, Path]:
     """The [lora] run config of a LoRA step (config.toml beside the step folders, or `config`), and its path."""
-    from config import load_config
+    from inference import step_config
 
-    config = config or checkpoint.parent / "config.toml"
-    if not config.is_file():
-        raise ConfigError(
-            f"--config: no config.toml beside {checkpoint} (train.py writes one when it checkpoints); pass the TOML "
-            "the LoRA run was trained with, --config FILE"
-        )
-    cfg = load_config(["--config", str(config)])
+    cfg, config = step_config(checkpoint, config)
     if not cfg.lora.enable:
         raise ConfigError(
             f"--config: {config} has no [lora] enable = true, so {checkpoint} is no LoRA run's step; name the LoRA "
